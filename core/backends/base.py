@@ -1,0 +1,84 @@
+"""The backend interface: buffers (real arenas), op support, kernels over planned memory,
+and copies in, out and across backends.
+
+A backend reads and writes only its own buffers; data reaches another backend only
+through an explicit copy.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from core.errors import RuntimeFailure
+from core.tensor import Tensor
+
+
+@dataclass(frozen=True)
+class BufferType:
+    alignment: int
+    max_size: int
+
+
+class Buffer:
+    """One arena of a backend: `storage` is a flat uint8 array (numpy or cupy)."""
+
+    def __init__(self, backend: "Backend", storage: Any, usage: str) -> None:
+        self.backend = backend
+        self.storage = storage
+        self.usage = usage
+
+    @property
+    def size(self) -> int:
+        return int(self.storage.nbytes)
+
+    def __repr__(self) -> str:
+        return f"Buffer({self.backend.name}, {self.usage}, {self.size} bytes)"
+
+
+class Backend(ABC):
+    """A device that owns buffers and runs kernels on tensors placed in them."""
+
+    name: str = "?"
+    device: str = "?"
+    buffer_type = BufferType(alignment=64, max_size=1 << 40)
+
+    @abstractmethod
+    def alloc_buffer(self, size: int, usage: str) -> Buffer: ...
+
+    @abstractmethod
+    def supports_op(self, node: Tensor) -> bool: ...
+
+    @abstractmethod
+    def array(self, t: Tensor) -> Any:
+        """The native array over t's bytes in this backend's memory (fails for foreign memory)."""
+
+    @abstractmethod
+    def compute(self, nodes: list[Tensor]) -> None:
+        """Run the kernels of `nodes`, each writing into its planned memory."""
+
+    @abstractmethod
+    def set_tensor(self, t: Tensor, data: np.ndarray) -> None:
+        """Copy host data into t."""
+
+    @abstractmethod
+    def get_tensor(self, t: Tensor) -> np.ndarray:
+        """A host copy of t's elements."""
+
+    def copy_tensor(self, src: Tensor, dst: Tensor) -> None:
+        """Copy src (on any backend) into dst (on this backend), through the host."""
+        self.set_tensor(dst, src.root.buffer.backend.get_tensor(src))
+
+    def check_owned(self, t: Tensor) -> None:
+        root = t.root
+        if root.buffer is None:
+            raise RuntimeFailure(f"{self.name}: tensor {t.describe()} has no memory (graph not allocated)")
+        if root.buffer.backend is not self:
+            raise RuntimeFailure(
+                f"{self.name}: tensor {t.describe()} lives on {root.buffer.backend.name}; "
+                "it must be copied before this backend reads it")
+
+    def __repr__(self) -> str:
+        return f"<backend {self.name}: {self.device}>"

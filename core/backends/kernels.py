@@ -1,0 +1,245 @@
+"""Array kernels for every op, written against the numpy API so that cupy runs them too.
+
+Each kernel writes a node's result into `out`, the array over its planned memory; it may
+use temporaries of its own but never returns a new array as a node's result. Kernels of
+in-place-capable ops must be correct when `out` aliases their first source.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from core.dtypes import DType
+from core.ops import ROPE_NEOX
+from core.tensor import Tensor
+
+Kernel = Callable[[Any, Tensor, Any, list], None]
+KERNELS: dict[str, Kernel] = {}
+
+
+def kernel(op: str):
+    def register(fn: Kernel) -> Kernel:
+        KERNELS[op] = fn
+        return fn
+    return register
+
+
+def widen(xp, a, dtype: DType):
+    """Float view of stored values: bf16 (uint16 storage) becomes f32; others pass through."""
+    if dtype is DType.BF16:
+        return (a.astype(xp.uint32) << 16).view(xp.float32)
+    return a
+
+
+def narrow_into(xp, out, values, dtype: DType) -> None:
+    """Store float values into `out` of storage type dtype (bf16 rounds to nearest even)."""
+    if dtype is DType.BF16:
+        bits = xp.asarray(values, dtype=xp.float32).view(xp.uint32)
+        out[...] = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(xp.uint16)
+    else:
+        out[...] = values
+
+
+def _f(xp, node: Tensor, i: int, a):
+    return widen(xp, a, node.srcs[i].dtype)
+
+
+@kernel("cont")
+def _cont(xp, node, out, srcs):
+    out[...] = srcs[0]
+
+
+@kernel("copy")
+def _copy(xp, node, out, srcs):
+    out[...] = srcs[0]
+
+
+@kernel("cast")
+def _cast(xp, node, out, srcs):
+    narrow_into(xp, out, _f(xp, node, 0, srcs[0]), node.dtype)
+
+
+@kernel("cpy")
+def _cpy(xp, node, out, srcs):
+    src = _f(xp, node, 0, srcs[0])
+    narrow_into(xp, out, src.reshape(out.shape), node.dtype)
+
+
+@kernel("set_rows")
+def _set_rows(xp, node, out, srcs):
+    _, rows, idx = srcs
+    rows = _f(xp, node, 1, rows)
+    if node.dtype is DType.BF16:
+        tmp = xp.empty(rows.shape, dtype=xp.uint16)
+        narrow_into(xp, tmp, rows, node.dtype)
+        rows = tmp
+    out[idx] = rows
+
+
+@kernel("get_rows")
+def _get_rows(xp, node, out, srcs):
+    a, ids = srcs
+    if node.srcs[0].dtype is DType.F32:
+        xp.take(a, ids, axis=0, out=out)
+    else:
+        out[...] = widen(xp, a[ids], node.srcs[0].dtype)
+
+
+@kernel("concat")
+def _concat(xp, node, out, srcs):
+    xp.concatenate([_f(xp, node, 0, srcs[0]), _f(xp, node, 1, srcs[1])], axis=node.params["axis"], out=out)
+
+
+@kernel("add")
+def _add(xp, node, out, srcs):
+    xp.add(_f(xp, node, 0, srcs[0]), _f(xp, node, 1, srcs[1]), out=out)
+
+
+@kernel("mul")
+def _mul(xp, node, out, srcs):
+    xp.multiply(_f(xp, node, 0, srcs[0]), _f(xp, node, 1, srcs[1]), out=out)
+
+
+@kernel("scale")
+def _scale(xp, node, out, srcs):
+    xp.multiply(_f(xp, node, 0, srcs[0]), xp.float32(node.params["s"]), out=out)
+
+
+def _silu_into(xp, a, out) -> None:
+    t = xp.negative(a, dtype=xp.float32)
+    xp.exp(t, out=t)
+    t += 1
+    xp.divide(a, t, out=out)
+
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+def _gelu_into(xp, a, out) -> None:
+    t = xp.multiply(a, a, dtype=xp.float32)
+    t *= 0.044715
+    t += 1
+    t *= a
+    t *= _GELU_C
+    xp.tanh(t, out=t)
+    t += 1
+    t *= a
+    xp.multiply(t, 0.5, out=out)
+
+
+@kernel("silu")
+def _silu(xp, node, out, srcs):
+    _silu_into(xp, _f(xp, node, 0, srcs[0]), out)
+
+
+@kernel("gelu")
+def _gelu(xp, node, out, srcs):
+    _gelu_into(xp, _f(xp, node, 0, srcs[0]), out)
+
+
+@kernel("swiglu")
+def _swiglu(xp, node, out, srcs):
+    _silu_into(xp, _f(xp, node, 0, srcs[0]), out)
+    xp.multiply(out, _f(xp, node, 1, srcs[1]), out=out)
+
+
+@kernel("geglu")
+def _geglu(xp, node, out, srcs):
+    _gelu_into(xp, _f(xp, node, 0, srcs[0]), out)
+    xp.multiply(out, _f(xp, node, 1, srcs[1]), out=out)
+
+
+@kernel("rms_norm")
+def _rms_norm(xp, node, out, srcs):
+    a = _f(xp, node, 0, srcs[0])
+    ms = xp.mean(xp.square(a, dtype=xp.float32), axis=-1, keepdims=True)
+    ms += node.params["eps"]
+    xp.sqrt(ms, out=ms)
+    xp.divide(a, ms, out=out)
+
+
+@kernel("norm")
+def _norm(xp, node, out, srcs):
+    a = _f(xp, node, 0, srcs[0])
+    mean = xp.mean(a, axis=-1, keepdims=True, dtype=xp.float32)
+    xp.subtract(a, mean, out=out)
+    var = xp.mean(xp.square(out), axis=-1, keepdims=True)
+    var += node.params["eps"]
+    xp.sqrt(var, out=var)
+    out /= var
+
+
+def _batch_split(a_batch: tuple, b_batch: tuple) -> tuple[tuple, tuple, tuple]:
+    """Shapes that let a's batch broadcast over b's when a's sizes divide b's (GQA).
+
+    b's axis of size r*k (a's size k) splits into (k, r); a gets (k, 1) there.
+    """
+    a_batch = (1,) * (len(b_batch) - len(a_batch)) + tuple(a_batch)
+    a_shape, b_shape = [], []
+    for x, y in zip(a_batch, b_batch):
+        if x == y or x == 1:
+            a_shape.append(x)
+            b_shape.append(y)
+        else:
+            a_shape += [x, 1]
+            b_shape += [x, y // x]
+    return tuple(a_shape), tuple(b_shape), tuple(b_batch)
+
+
+@kernel("mul_mat")
+def _mul_mat(xp, node, out, srcs):
+    a = srcs[0]
+    if a.dtype != xp.float32:
+        a = widen(xp, a, node.srcs[0].dtype).astype(xp.float32)
+    b = _f(xp, node, 1, srcs[1])
+    if b.dtype != xp.float32:
+        b = b.astype(xp.float32)
+    a_batch, b_batch = a.shape[:-2], b.shape[:-2]
+    if all(x == y or x == 1 for x, y in zip(reversed(a_batch), reversed(b_batch))):
+        xp.matmul(b, xp.swapaxes(a, -1, -2), out=out)
+        return
+    a_shape, b_shape, _ = _batch_split(a_batch, b_batch)
+    a2 = a.reshape(a_shape + a.shape[-2:])
+    b2 = b.reshape(b_shape + b.shape[-2:])
+    o2 = out.reshape(b_shape + out.shape[-2:])
+    xp.matmul(b2, xp.swapaxes(a2, -1, -2), out=o2)
+
+
+def rope_angles(xp, pos, n_dims: int, freq_base: float, freq_scale: float):
+    """cos and sin [tokens, 1, n_dims/2] of each position's rotation angles."""
+    inv = freq_base ** (-xp.arange(0, n_dims, 2, dtype=xp.float64) / n_dims)
+    theta = pos.astype(xp.float64)[:, None] * (inv * freq_scale)[None, :]
+    return xp.cos(theta).astype(xp.float32)[:, None, :], xp.sin(theta).astype(xp.float32)[:, None, :]
+
+
+@kernel("rope")
+def _rope(xp, node, out, srcs):
+    a, pos = srcs
+    a = _f(xp, node, 0, a)
+    p = node.params
+    n = p["n_dims"]
+    cos, sin = rope_angles(xp, pos, n, p["freq_base"], p["freq_scale"])
+    if p["mode"] == ROPE_NEOX:
+        lo, hi = slice(0, n // 2), slice(n // 2, n)
+    else:
+        lo, hi = slice(0, n, 2), slice(1, n, 2)
+    x0 = a[..., lo].copy()
+    x1 = a[..., hi].copy()
+    out[..., lo] = x0 * cos - x1 * sin
+    out[..., hi] = x0 * sin + x1 * cos
+    if n < a.shape[-1]:
+        out[..., n:] = a[..., n:]
+
+
+@kernel("soft_max")
+def _soft_max(xp, node, out, srcs):
+    a = _f(xp, node, 0, srcs[0])
+    xp.multiply(a, xp.float32(node.params["scale"]), out=out)
+    if len(srcs) > 1:
+        rows = out.shape[-2]
+        out += srcs[1][:rows]
+    m = xp.max(out, axis=-1, keepdims=True)
+    out -= m
+    xp.exp(out, out=out)
+    s = xp.sum(out, axis=-1, keepdims=True)
+    out /= s

@@ -1,0 +1,50 @@
+"""Immediate contexts: tensors that get memory the moment they are created (weights, the KV
+cache), each placed in a buffer of one backend.
+
+Intermediate tensors never come from here; ops create them deferred and the graph
+allocator places them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from core.dtypes import DType, dtype_of_numpy
+from core.tensor import Tensor, new_tensor
+
+
+class ImmediateContext:
+    """Owns the buffers of the tensors it creates on one backend."""
+
+    def __init__(self, backend, usage: str = "weights") -> None:
+        self.backend = backend
+        self.usage = usage
+        self.tensors: dict[str, Tensor] = {}
+        self.buffers: list = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.size for b in self.buffers)
+
+    def new_tensor(self, name: str, dtype: DType, shape: tuple[int, ...], weight: bool = False) -> Tensor:
+        """A tensor with fresh (uninitialised) memory on this context's backend."""
+        t = new_tensor(name, dtype, shape, is_weight=weight)
+        buf = self.backend.alloc_buffer(max(t.nbytes, 1), usage=self.usage)
+        self._adopt(t, buf)
+        return t
+
+    def from_array(self, name: str, data: np.ndarray, weight: bool = True) -> Tensor:
+        """A tensor holding `data`; on the CPU a contiguous array is used in place, without a copy."""
+        dtype = dtype_of_numpy(data.dtype)
+        wrap = getattr(self.backend, "wrap", None)
+        if wrap is not None and data.flags.c_contiguous:
+            t = new_tensor(name, dtype, data.shape, is_weight=weight)
+            self._adopt(t, wrap(data, self.usage))
+            return t
+        t = self.new_tensor(name, dtype, data.shape, weight=weight)
+        self.backend.set_tensor(t, data)
+        return t
+
+    def _adopt(self, t: Tensor, buf) -> None:
+        t.place(buf, 0)
+        self.buffers.append(buf)
+        self.tensors[t.name] = t

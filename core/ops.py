@@ -1,0 +1,291 @@
+"""Graph construction: each function here checks its operands and returns a new deferred
+tensor recording the op. Nothing is computed and no memory is taken here.
+
+Ops that write into an existing tensor (`cpy`, `set_rows`) return a view of it, so that
+later readers depend on the write through a data edge rather than on Python line order.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from core.dtypes import DType
+from core.errors import GraphError
+from core.tensor import Tensor, contiguous_strides, new_tensor
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """What the allocator and scheduler need to know about an op."""
+
+    inplace: bool = False  # the result may reuse the memory of a same-sized source it last reads
+    view: bool = False  # the result shares its source's memory and needs no kernel
+    writes_into: bool = False  # the result is a view of a tensor the kernel writes into
+
+
+OPS: dict[str, OpInfo] = {
+    "view": OpInfo(view=True),
+    "reshape": OpInfo(view=True),
+    "permute": OpInfo(view=True),
+    "transpose": OpInfo(view=True),
+    "cpy": OpInfo(writes_into=True),
+    "set_rows": OpInfo(writes_into=True),
+    "cont": OpInfo(),
+    "cast": OpInfo(),
+    "get_rows": OpInfo(),
+    "concat": OpInfo(),
+    "mul_mat": OpInfo(),
+    "add": OpInfo(inplace=True),
+    "mul": OpInfo(inplace=True),
+    "scale": OpInfo(inplace=True),
+    "silu": OpInfo(inplace=True),
+    "gelu": OpInfo(inplace=True),
+    "swiglu": OpInfo(inplace=True),
+    "geglu": OpInfo(inplace=True),
+    "rms_norm": OpInfo(inplace=True),
+    "norm": OpInfo(inplace=True),
+    "rope": OpInfo(inplace=True),
+    "soft_max": OpInfo(inplace=True),
+    "copy": OpInfo(),  # a scheduler copy of a tensor into another backend's memory
+}
+
+ROPE_NORMAL = 0
+ROPE_NEOX = 2
+_FLOATS = (DType.F32, DType.F16, DType.BF16)
+_counter = itertools.count()
+
+
+def _node(op: str, dtype: DType, shape: tuple[int, ...], srcs: tuple[Tensor, ...], name: str | None, **params) -> Tensor:
+    return new_tensor(name or f"{op}-{next(_counter)}", dtype, shape, op=op, srcs=srcs, params=params)
+
+
+def _fail(op: str, msg: str, *tensors: Tensor) -> GraphError:
+    return GraphError(f"{op}: {msg} ({', '.join(t.describe() for t in tensors)})")
+
+
+def _need_float(op: str, *tensors: Tensor) -> None:
+    for t in tensors:
+        if t.dtype not in _FLOATS:
+            raise _fail(op, f"expects a float tensor, got {t.dtype}", t)
+
+
+def _view_of(op: str, a: Tensor, shape: tuple[int, ...], strides: tuple[int, ...], offset: int, name: str | None) -> Tensor:
+    """A tensor sharing a's memory; its view_src is always the memory-owning root."""
+    t = Tensor(
+        name=name or f"{a.name}.{op}",
+        dtype=a.dtype,
+        shape=tuple(int(d) for d in shape),
+        strides=tuple(int(s) for s in strides),
+        op=op,
+        srcs=(a,),
+        view_src=a.root,
+        view_offset=a.view_offset + offset,
+    )
+    if t.n_elements and t.view_offset + t.nbytes > a.root.nbytes:
+        raise _fail(op, "view reaches past the end of its source", t, a.root)
+    return t
+
+
+def view(a: Tensor, shape: tuple[int, ...], strides: tuple[int, ...] | None = None, offset: int = 0, name: str | None = None) -> Tensor:
+    """A view of a at byte `offset` (relative to a's first element) with the given shape and byte strides."""
+    strides = contiguous_strides(tuple(shape), a.dtype) if strides is None else strides
+    if len(strides) != len(shape):
+        raise _fail("view", "strides and shape differ in length", a)
+    return _view_of("view", a, tuple(shape), tuple(strides), offset, name)
+
+
+def reshape(a: Tensor, shape: tuple[int, ...], name: str | None = None) -> Tensor:
+    """Same elements, new shape; a must be contiguous. One dimension may be -1."""
+    shape = tuple(shape)
+    if -1 in shape:
+        known = math.prod(d for d in shape if d != -1)
+        shape = tuple(a.n_elements // known if d == -1 else d for d in shape)
+    if math.prod(shape) != a.n_elements:
+        raise _fail("reshape", f"cannot reshape to {list(shape)}", a)
+    if not a.is_contiguous:
+        raise _fail("reshape", "source is not contiguous; use cont first", a)
+    return _view_of("reshape", a, shape, contiguous_strides(shape, a.dtype), 0, name)
+
+
+def permute(a: Tensor, axes: tuple[int, ...], name: str | None = None) -> Tensor:
+    """Reorder axes as numpy's transpose does: result axis i is a's axis axes[i]."""
+    if sorted(axes) != list(range(len(a.shape))):
+        raise _fail("permute", f"axes {axes} are not a permutation", a)
+    return _view_of("permute", a, tuple(a.shape[i] for i in axes), tuple(a.strides[i] for i in axes), 0, name)
+
+
+def transpose(a: Tensor, name: str | None = None) -> Tensor:
+    """Swap the last two axes."""
+    axes = list(range(len(a.shape)))
+    axes[-1], axes[-2] = axes[-2], axes[-1]
+    return _view_of("transpose", a, tuple(a.shape[i] for i in axes), tuple(a.strides[i] for i in axes), 0, name)
+
+
+def cont(a: Tensor, name: str | None = None) -> Tensor:
+    """A contiguous copy of a (which may be any view)."""
+    return _node("cont", a.dtype, a.shape, (a,), name)
+
+
+def cast(a: Tensor, dtype: DType, name: str | None = None) -> Tensor:
+    """A contiguous copy of a converted to dtype."""
+    _need_float("cast", a)
+    return _node("cast", dtype, a.shape, (a,), name)
+
+
+def cpy(src: Tensor, dst: Tensor, name: str | None = None) -> Tensor:
+    """Write src's elements into dst (converting dtype); returns dst's view for later readers."""
+    if src.n_elements != dst.n_elements:
+        raise _fail("cpy", "element counts differ", src, dst)
+    t = _view_of("cpy", dst, dst.shape, dst.strides, 0, name)
+    t.srcs = (src, dst)
+    return t
+
+
+def set_rows(dst: Tensor, src: Tensor, idx: Tensor, name: str | None = None) -> Tensor:
+    """dst[idx[i]] = src[i] for each row i; returns dst's view for later readers (the KV cache write)."""
+    if idx.dtype is not DType.I32 or len(idx.shape) != 1:
+        raise _fail("set_rows", "row indices must be a 1-d i32 tensor", idx)
+    if len(dst.shape) != 2 or len(src.shape) != 2 or src.shape != (idx.shape[0], dst.shape[1]):
+        raise _fail("set_rows", "expects dst [rows, n], src [k, n] and k indices", dst, src, idx)
+    t = _view_of("set_rows", dst, dst.shape, dst.strides, 0, name)
+    t.srcs = (dst, src, idx)
+    return t
+
+
+def get_rows(a: Tensor, ids: Tensor, name: str | None = None) -> Tensor:
+    """Rows of a 2-d tensor picked by a 1-d i32 tensor of row numbers, as f32."""
+    if ids.dtype is not DType.I32 or len(ids.shape) != 1:
+        raise _fail("get_rows", "row ids must be a 1-d i32 tensor", ids)
+    if len(a.shape) != 2:
+        raise _fail("get_rows", "source must be 2-d", a)
+    return _node("get_rows", DType.F32, (ids.shape[0], a.shape[1]), (a, ids), name)
+
+
+def concat(a: Tensor, b: Tensor, axis: int, name: str | None = None) -> Tensor:
+    """a and b joined along axis."""
+    axis %= len(a.shape)
+    if len(a.shape) != len(b.shape) or any(x != y for i, (x, y) in enumerate(zip(a.shape, b.shape)) if i != axis):
+        raise _fail("concat", f"shapes differ outside axis {axis}", a, b)
+    if a.dtype != b.dtype:
+        raise _fail("concat", "dtypes differ", a, b)
+    shape = list(a.shape)
+    shape[axis] += b.shape[axis]
+    return _node("concat", a.dtype, tuple(shape), (a, b), name, axis=axis)
+
+
+def _broadcasts(b: tuple[int, ...], a: tuple[int, ...]) -> bool:
+    """True when shape b broadcasts to shape a without changing a."""
+    if len(b) > len(a):
+        return False
+    return all(x == 1 or x == y for x, y in zip(reversed(b), reversed(a)))
+
+
+def _binary(op: str, a: Tensor, b: Tensor, name: str | None) -> Tensor:
+    _need_float(op, a, b)
+    if not _broadcasts(b.shape, a.shape):
+        raise _fail(op, "second operand does not broadcast to the first", a, b)
+    return _node(op, DType.F32, a.shape, (a, b), name)
+
+
+def add(a: Tensor, b: Tensor, name: str | None = None) -> Tensor:
+    """a + b, with b broadcast to a's shape."""
+    return _binary("add", a, b, name)
+
+
+def mul(a: Tensor, b: Tensor, name: str | None = None) -> Tensor:
+    """a * b, with b broadcast to a's shape."""
+    return _binary("mul", a, b, name)
+
+
+def _unary(op: str, a: Tensor, name: str | None, **params) -> Tensor:
+    _need_float(op, a)
+    return _node(op, DType.F32, a.shape, (a,), name, **params)
+
+
+def scale(a: Tensor, s: float, name: str | None = None) -> Tensor:
+    return _unary("scale", a, name, s=float(s))
+
+
+def silu(a: Tensor, name: str | None = None) -> Tensor:
+    return _unary("silu", a, name)
+
+
+def gelu(a: Tensor, name: str | None = None) -> Tensor:
+    """GELU, tanh approximation (as ggml's gelu)."""
+    return _unary("gelu", a, name)
+
+
+def rms_norm(a: Tensor, eps: float, name: str | None = None) -> Tensor:
+    """a / sqrt(mean(a^2) + eps) over the last axis."""
+    return _unary("rms_norm", a, name, eps=float(eps))
+
+
+def norm(a: Tensor, eps: float, name: str | None = None) -> Tensor:
+    """(a - mean) / sqrt(var + eps) over the last axis."""
+    return _unary("norm", a, name, eps=float(eps))
+
+
+def _gated(op: str, gate: Tensor, up: Tensor, name: str | None) -> Tensor:
+    _need_float(op, gate, up)
+    if gate.shape != up.shape:
+        raise _fail(op, "gate and up shapes differ", gate, up)
+    return _node(op, DType.F32, gate.shape, (gate, up), name)
+
+
+def swiglu(gate: Tensor, up: Tensor, name: str | None = None) -> Tensor:
+    """silu(gate) * up, fused."""
+    return _gated("swiglu", gate, up, name)
+
+
+def geglu(gate: Tensor, up: Tensor, name: str | None = None) -> Tensor:
+    """gelu(gate) * up, fused."""
+    return _gated("geglu", gate, up, name)
+
+
+def mul_mat(a: Tensor, b: Tensor, name: str | None = None) -> Tensor:
+    """ggml's mul_mat: a [..., M, K], b [..., N, K] -> [..., N, M] = b @ a^T.
+
+    a's batch dimensions may divide b's (grouped-query attention: b's head h reads a's head
+    h // (b_heads / a_heads)).
+    """
+    _need_float("mul_mat", a, b)
+    if len(a.shape) < 2 or len(b.shape) < 2 or a.shape[-1] != b.shape[-1]:
+        raise _fail("mul_mat", "inner dimensions differ", a, b)
+    ab, bb = a.shape[:-2], b.shape[:-2]
+    if len(ab) > len(bb) or any(y % x for x, y in zip(reversed(ab), reversed(bb))):
+        raise _fail("mul_mat", "batch dimensions of the first do not divide the second's", a, b)
+    return _node("mul_mat", DType.F32, bb + (b.shape[-2], a.shape[-2]), (a, b), name)
+
+
+def rope(a: Tensor, pos: Tensor, n_dims: int, mode: int = ROPE_NORMAL, freq_base: float = 10000.0,
+         freq_scale: float = 1.0, name: str | None = None) -> Tensor:
+    """Rotary position embedding of a [tokens, heads, head_dim] at positions pos [tokens] (i32).
+
+    mode ROPE_NORMAL rotates adjacent pairs (llama); ROPE_NEOX rotates the two halves.
+    Only the first n_dims of each head rotate.
+    """
+    _need_float("rope", a)
+    if len(a.shape) != 3 or pos.dtype is not DType.I32 or pos.shape != (a.shape[0],):
+        raise _fail("rope", "expects a [tokens, heads, dim] and i32 positions [tokens]", a, pos)
+    if n_dims % 2 or n_dims > a.shape[2]:
+        raise _fail("rope", f"n_dims {n_dims} must be even and at most the head size", a)
+    return _node("rope", DType.F32, a.shape, (a, pos), name, n_dims=n_dims, mode=mode,
+                 freq_base=float(freq_base), freq_scale=float(freq_scale))
+
+
+def soft_max(a: Tensor, mask: Tensor | None = None, scale: float = 1.0, name: str | None = None) -> Tensor:
+    """softmax(a * scale + mask) over the last axis; mask [rows >= a's rows, cols] broadcasts over heads."""
+    _need_float("soft_max", a)
+    srcs: tuple[Tensor, ...] = (a,)
+    if mask is not None:
+        _need_float("soft_max", mask)
+        if len(mask.shape) != 2 or mask.shape[1] != a.shape[-1] or mask.shape[0] < a.shape[-2]:
+            raise _fail("soft_max", "mask must be [rows >= a's rows, a's last dim]", a, mask)
+        srcs = (a, mask)
+    return _node("soft_max", DType.F32, a.shape, srcs, name, scale=float(scale))
+
+
+def copy_to(src: Tensor, name: str | None = None) -> Tensor:
+    """A scheduler copy: src's elements, contiguous, to be placed on another backend."""
+    return _node("copy", src.dtype, src.shape, (src,), name or f"{src.name}#copy")
