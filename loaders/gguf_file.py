@@ -1,0 +1,314 @@
+"""Open and validate a GGUF file: header, metadata and tensor directory, with tensor data memory-mapped.
+
+Opening reads only the header; tensor bytes are never touched until a caller asks for one tensor.
+Everything wrong with a file becomes one `BadInput` line that names the file, never a traceback.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf.constants import GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
+
+from core.errors import BadInput
+from loaders.quants import SUPPORTED_TYPES, block_layout, dequantize, tensor_nbytes
+
+SUPPORTED_VERSIONS = (2, 3)
+MAX_DIMS = 4
+
+_SCALAR_FORMATS: dict[GGUFValueType, str] = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
+    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT32: "<f", GGUFValueType.FLOAT64: "<d",
+    GGUFValueType.BOOL: "<?",
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives in the file and how it is encoded. `shape` is in numpy order (outermost first)."""
+
+    name: str
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]
+    n_elements: int
+    n_bytes: int
+    offset: int  # absolute byte offset in the file
+
+
+class _HeaderError(Exception):
+    """A problem found while parsing; `open_gguf` prefixes the file name and raises BadInput."""
+
+
+class _Cursor:
+    """Reads little-endian GGUF fields from the mapped file, failing cleanly instead of reading past its end."""
+
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def _need(self, n: int, what: str) -> None:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise _HeaderError(f"truncated GGUF header: file ends at byte {len(self.buf)} while reading {what}")
+
+    def scalar(self, fmt: str, what: str) -> Any:
+        size = struct.calcsize(fmt)
+        self._need(size, what)
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return value
+
+    def u32(self, what: str) -> int:
+        return self.scalar("<I", what)
+
+    def u64(self, what: str) -> int:
+        return self.scalar("<Q", what)
+
+    def string(self, what: str) -> str:
+        length = self.u64(what)
+        self._need(length, what)
+        raw = self.buf[self.pos:self.pos + length]
+        self.pos += length
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise _HeaderError(f"{what} is not valid UTF-8 ({err.reason} at byte {err.start})") from None
+
+    def value(self, vtype: int, what: str) -> Any:
+        vtype = _value_type(vtype, what)
+        if vtype == GGUFValueType.STRING:
+            return self.string(what)
+        if vtype == GGUFValueType.ARRAY:
+            return self.array(what)
+        return self.scalar(_SCALAR_FORMATS[vtype], what)
+
+    def array(self, what: str) -> list[Any]:
+        etype = _value_type(self.u32(what), what)
+        count = self.u64(what)
+        if etype in _SCALAR_FORMATS:
+            dtype = np.dtype(_SCALAR_FORMATS[etype])
+            self._need(count * dtype.itemsize, what)
+            values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
+            self.pos += count * dtype.itemsize
+            return values.tolist()
+        # Every string or nested array takes at least 8 bytes: this bounds `count` before looping.
+        self._need(count * 8, what)
+        if etype == GGUFValueType.STRING:
+            return [self.string(what) for _ in range(count)]
+        return [self.array(what) for _ in range(count)]
+
+
+def _value_type(code: int, what: str) -> GGUFValueType:
+    try:
+        return GGUFValueType(code)
+    except ValueError:
+        raise _HeaderError(f"unknown metadata value type {code} in {what}") from None
+
+
+class GGUFFile:
+    """An open GGUF file: decoded metadata, the tensor directory, and on-demand access to tensor bytes."""
+
+    def __init__(self, path: Path, version: int, metadata: dict[str, Any], tensors: dict[str, TensorInfo],
+                 alignment: int, data_offset: int, mapping: mmap.mmap) -> None:
+        self.path = path
+        self.version = version
+        self.metadata = metadata
+        self.tensors = tensors
+        self.alignment = alignment
+        self.data_offset = data_offset
+        self._mapping = mapping
+        self._bytes = np.frombuffer(mapping, dtype=np.uint8)
+
+    def __enter__(self) -> GGUFFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"GGUFFile({str(self.path)!r}, {len(self.metadata)} keys, {len(self.tensors)} tensors)"
+
+    @property
+    def arch(self) -> str:
+        """The model architecture (`general.architecture`), e.g. 'llama'."""
+        return self.require("general.architecture")
+
+    @property
+    def file_bytes(self) -> int:
+        """Total bytes of tensor data (what the weights occupy in their stored formats)."""
+        return sum(info.n_bytes for info in self.tensors.values())
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    def require(self, key: str) -> Any:
+        if key not in self.metadata:
+            raise BadInput(f"{self.path}: missing metadata key {key}")
+        return self.metadata[key]
+
+    def require_tensor(self, name: str) -> TensorInfo:
+        if name not in self.tensors:
+            raise BadInput(f"{self.path}: missing tensor {name}")
+        return self.tensors[name]
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's stored bytes: a read-only uint8 view of the mapped file (no copy, no read yet)."""
+        info = self.require_tensor(name)
+        if self._bytes is None:
+            raise ValueError(f"{self.path} is closed")
+        return self._bytes[info.offset:info.offset + info.n_bytes]
+
+    def load_f32(self, name: str) -> np.ndarray:
+        """The tensor decoded to float32 in numpy order; F32 tensors come back as views of the file."""
+        info = self.require_tensor(name)
+        return dequantize(self.raw(name), info.qtype, info.shape)
+
+    def close(self) -> None:
+        """Release the mapping; arrays returned earlier keep the pages alive until they are dropped."""
+        self._bytes = None
+        try:
+            self._mapping.close()
+        except BufferError:
+            pass  # views handed out by raw()/load_f32() still use it; it closes when they are gone
+
+
+def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
+    """Open and validate a GGUF file, reading only its header. Raises BadInput naming the file."""
+    path = Path(path)
+    if not path.exists():
+        raise BadInput(f"{path}: no such file")
+    if not path.is_file():
+        raise BadInput(f"{path}: not a file")
+    mapping = _map(path)
+    try:
+        return _parse(path, mapping)
+    except _HeaderError as err:
+        mapping.close()
+        raise BadInput(f"{path}: {err}") from None
+    except BadInput:
+        mapping.close()
+        raise
+    except Exception as err:  # any other failure on malformed bytes is still bad input, not a crash
+        mapping.close()
+        raise BadInput(f"{path}: corrupt GGUF header ({type(err).__name__}: {err})") from None
+
+
+def _map(path: Path) -> mmap.mmap:
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 4:
+                raise BadInput(f"{path}: not a GGUF file (only {size} bytes)")
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as err:
+        raise BadInput(f"{path}: cannot read ({err.strerror})") from None
+
+
+def _parse(path: Path, mapping: mmap.mmap) -> GGUFFile:
+    cur = _Cursor(mapping)
+    version = _read_magic_and_version(cur)
+    n_tensors = cur.u64("tensor count")
+    n_kv = cur.u64("metadata count")
+    metadata = _read_metadata(cur, n_kv)
+    alignment = _alignment(metadata)
+    tensors = _read_tensor_infos(cur, n_tensors)
+    data_offset = _align(cur.pos, alignment)
+    placed = {name: _place(spec, data_offset, alignment, len(mapping)) for name, spec in tensors.items()}
+    return GGUFFile(path, version, metadata, placed, alignment, data_offset, mapping)
+
+
+def _read_magic_and_version(cur: _Cursor) -> int:
+    magic = cur.u32("magic")
+    if magic != GGUF_MAGIC:
+        raise _HeaderError(f"not a GGUF file (bad magic {struct.pack('<I', magic)!r})")
+    version = cur.u32("version")
+    if version & 0xFFFF == 0 and version >> 16:
+        raise _HeaderError("big-endian GGUF files are not supported")
+    if version not in SUPPORTED_VERSIONS:
+        raise _HeaderError(f"unsupported GGUF version {version} (supported: {', '.join(map(str, SUPPORTED_VERSIONS))})")
+    return version
+
+
+def _read_metadata(cur: _Cursor, n_kv: int) -> dict[str, Any]:
+    metadata: dict[str, Any] = {}
+    for i in range(n_kv):
+        key = cur.string(f"metadata key #{i}")
+        if key in metadata:
+            raise _HeaderError(f"duplicate metadata key {key}")
+        metadata[key] = cur.value(cur.u32(f"type of metadata key {key}"), f"metadata value of {key}")
+    return metadata
+
+
+def _alignment(metadata: dict[str, Any]) -> int:
+    alignment = metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise _HeaderError(f"general.alignment must be a power of two, got {alignment!r}")
+    return alignment
+
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    """A tensor directory entry as stored: dimensions innermost first, offset relative to the data section."""
+
+    name: str
+    type_code: int
+    dims: tuple[int, ...]
+    rel_offset: int
+
+
+def _read_tensor_infos(cur: _Cursor, n_tensors: int) -> dict[str, _TensorSpec]:
+    specs: dict[str, _TensorSpec] = {}
+    for i in range(n_tensors):
+        name = cur.string(f"name of tensor #{i}")
+        n_dims = cur.u32(f"dimension count of tensor {name}")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise _HeaderError(f"tensor {name} has {n_dims} dimensions (must be 1..{MAX_DIMS})")
+        dims = tuple(cur.u64(f"dimensions of tensor {name}") for _ in range(n_dims))
+        type_code = cur.u32(f"type of tensor {name}")
+        rel_offset = cur.u64(f"offset of tensor {name}")
+        if name in specs:
+            raise _HeaderError(f"duplicate tensor {name}")
+        specs[name] = _TensorSpec(name, type_code, dims, rel_offset)
+    return specs
+
+
+def _place(spec: _TensorSpec, data_offset: int, alignment: int, file_size: int) -> TensorInfo:
+    """Check one tensor's type, shape and byte range against the file, giving its TensorInfo."""
+    qtype = _tensor_type(spec)
+    block_size, _ = block_layout(qtype)
+    if spec.dims[0] % block_size:
+        raise _HeaderError(f"tensor {spec.name}: row length {spec.dims[0]} is not a multiple of the "
+                           f"{qtype.name} block size {block_size}")
+    n_elements = int(np.prod(spec.dims, dtype=object))
+    n_bytes = tensor_nbytes(qtype, n_elements)
+    if spec.rel_offset % alignment:
+        raise _HeaderError(f"tensor {spec.name}: data offset {spec.rel_offset} is not aligned to {alignment}")
+    start = data_offset + spec.rel_offset
+    if start + n_bytes > file_size:
+        raise _HeaderError(f"tensor {spec.name}: data [{start}, {start + n_bytes}) lies outside the file "
+                           f"({file_size} bytes; truncated?)")
+    shape = tuple(reversed(spec.dims))
+    return TensorInfo(spec.name, qtype, shape, n_elements, n_bytes, start)
+
+
+def _tensor_type(spec: _TensorSpec) -> GGMLQuantizationType:
+    try:
+        qtype = GGMLQuantizationType(spec.type_code)
+    except ValueError:
+        raise _HeaderError(f"tensor {spec.name} has unknown type id {spec.type_code}") from None
+    if qtype not in SUPPORTED_TYPES:
+        names = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+        raise _HeaderError(f"tensor {spec.name} has type {qtype.name}, which ggrun does not support "
+                           f"(supported: {names})")
+    return qtype
+
+
+def _align(offset: int, alignment: int) -> int:
+    return (offset + alignment - 1) // alignment * alignment

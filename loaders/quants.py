@@ -1,0 +1,193 @@
+"""Decode GGUF tensor bytes (float and block-quantized formats) into float32 numpy arrays.
+
+Pure vectorized numpy over whole tensors; it never loops over blocks in Python and never copies F32
+data that can be viewed in place.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+
+SUPPORTED_TYPES: frozenset[QT] = frozenset({
+    QT.F32, QT.F16, QT.BF16,
+    QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
+    QT.Q4_K, QT.Q5_K, QT.Q6_K,
+})
+
+# Blocks are decoded this many at a time so that the temporaries stay in cache.
+_CHUNK_BLOCKS = 1 << 14
+
+# One numpy record per quant block, following ggml's block_* structs (ggml-common.h).
+_BLOCK_DTYPES: dict[QT, np.dtype] = {
+    QT.Q8_0: np.dtype([("d", "<f2"), ("qs", "i1", 32)]),
+    QT.Q4_0: np.dtype([("d", "<f2"), ("qs", "u1", 16)]),
+    QT.Q4_1: np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", 16)]),
+    QT.Q5_0: np.dtype([("d", "<f2"), ("qh", "<u4"), ("qs", "u1", 16)]),
+    QT.Q5_1: np.dtype([("d", "<f2"), ("m", "<f2"), ("qh", "<u4"), ("qs", "u1", 16)]),
+    QT.Q4_K: np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qs", "u1", 128)]),
+    QT.Q5_K: np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qh", "u1", 32),
+                       ("qs", "u1", 128)]),
+    QT.Q6_K: np.dtype([("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16), ("d", "<f2")]),
+}
+
+# Bit k of a 32-bit word, for k = 0..31: spreads Q5_0/Q5_1's high bits over the block.
+_BIT_SHIFTS = np.arange(32, dtype=np.uint32)
+
+
+def block_layout(qtype: QT) -> tuple[int, int]:
+    """(elements per block, bytes per block) of a GGML type."""
+    return GGML_QUANT_SIZES[qtype]
+
+
+def tensor_nbytes(qtype: QT, n_elements: int) -> int:
+    """Bytes that `n_elements` values of `qtype` occupy; ValueError if they do not fill whole blocks."""
+    block_size, type_size = block_layout(qtype)
+    if n_elements % block_size:
+        raise ValueError(f"{n_elements} elements are not a whole number of {qtype.name} blocks of {block_size}")
+    return n_elements // block_size * type_size
+
+
+def dequantize(raw: np.ndarray, qtype: QT, shape: tuple[int, ...]) -> np.ndarray:
+    """Decode `raw` (uint8 bytes of one tensor) into a float32 array of `shape` (numpy order).
+
+    F32 data comes back as a view of `raw` when it is 4-byte aligned; everything else is a new array.
+    """
+    qtype = QT(qtype)
+    if qtype not in SUPPORTED_TYPES:
+        raise ValueError(f"unsupported tensor type {qtype.name}")
+    n_elements = int(np.prod(shape, dtype=np.int64))
+    expected = tensor_nbytes(qtype, n_elements)
+    raw = np.asarray(raw).reshape(-1)
+    if raw.dtype != np.uint8 or raw.size != expected:
+        raise ValueError(f"{qtype.name} tensor of shape {shape} needs {expected} uint8 bytes, got {raw.size} {raw.dtype}")
+    if qtype == QT.F32:
+        return _as_f32(raw).reshape(shape)
+    if qtype == QT.F16:
+        return raw.view("<f2").astype(np.float32).reshape(shape)
+    if qtype == QT.BF16:
+        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    out = np.empty(n_elements, dtype=np.float32)
+    _decode_blocks(raw, qtype, out)
+    return out.reshape(shape)
+
+
+def _as_f32(raw: np.ndarray) -> np.ndarray:
+    """View little-endian float32 bytes without copying when aligned; copy only when it must."""
+    if raw.ctypes.data % 4 == 0:
+        return raw.view("<f4")
+    return np.frombuffer(raw.tobytes(), dtype="<f4")
+
+
+def _decode_blocks(raw: np.ndarray, qtype: QT, out: np.ndarray) -> None:
+    """Decode block-quantized bytes chunk by chunk into `out` (flat float32)."""
+    blocks = raw.view(_BLOCK_DTYPES[qtype])
+    block_size, _ = block_layout(qtype)
+    decode = _DECODERS[qtype]
+    out_blocks = out.reshape(-1, block_size)
+    for start in range(0, len(blocks), _CHUNK_BLOCKS):
+        stop = start + _CHUNK_BLOCKS
+        decode(blocks[start:stop], out_blocks[start:stop])
+
+
+def _f32(field: np.ndarray) -> np.ndarray:
+    """A per-block scalar field (f16 scale) as a float32 column that broadcasts over the block."""
+    return field.astype(np.float32)[:, None]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """Split (n, 16) packed bytes into (n, 32) values: low nibbles give elements 0..15, high ones 16..31."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """Bit j of each block's 32-bit `qh` as the fifth bit (value 16) of element j."""
+    return (((qh[:, None] >> _BIT_SHIFTS) & 1) << 4).astype(np.uint8)
+
+
+def _decode_q8_0(b: np.ndarray, out: np.ndarray) -> None:
+    np.multiply(b["qs"], _f32(b["d"]), out=out)
+
+
+def _decode_q4_0(b: np.ndarray, out: np.ndarray) -> None:
+    q = _nibbles(b["qs"]).view(np.int8) - np.int8(8)
+    np.multiply(q, _f32(b["d"]), out=out)
+
+
+def _decode_q4_1(b: np.ndarray, out: np.ndarray) -> None:
+    np.multiply(_nibbles(b["qs"]), _f32(b["d"]), out=out)
+    out += _f32(b["m"])
+
+
+def _decode_q5_0(b: np.ndarray, out: np.ndarray) -> None:
+    q = (_nibbles(b["qs"]) | _high_bits(b["qh"])).view(np.int8) - np.int8(16)
+    np.multiply(q, _f32(b["d"]), out=out)
+
+
+def _decode_q5_1(b: np.ndarray, out: np.ndarray) -> None:
+    np.multiply(_nibbles(b["qs"]) | _high_bits(b["qh"]), _f32(b["d"]), out=out)
+    out += _f32(b["m"])
+
+
+def _k_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unpack Q4_K/Q5_K's 12 bytes into 8 six-bit scales and 8 six-bit mins (ggml's get_scale_min_k4)."""
+    lo, hi, mixed = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = np.concatenate([lo & 0x3F, (mixed & 0x0F) | ((lo >> 6) << 4)], axis=1)
+    mn = np.concatenate([hi & 0x3F, (mixed >> 4) | ((hi >> 6) << 4)], axis=1)
+    return sc, mn
+
+
+def _k_sub_blocks(b: np.ndarray, q: np.ndarray, out: np.ndarray) -> None:
+    """Apply Q4_K/Q5_K's per-32-element scale and min: out = d*sc*q - dmin*m over 8 sub-blocks."""
+    n = len(b)
+    sc, mn = _k_scales_mins(b["scales"])
+    scale = (_f32(b["d"]) * sc)[:, :, None]
+    offset = (_f32(b["dmin"]) * mn)[:, :, None]
+    out3 = out.reshape(n, 8, 32)
+    np.multiply(q.reshape(n, 8, 32), scale, out=out3)
+    out3 -= offset
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K's 128 packed bytes as 256 values: each 32-byte group gives one sub-block of low nibbles,
+    then one of high nibbles."""
+    n = len(qs)
+    groups = qs.reshape(n, 4, 1, 32)
+    return np.concatenate([groups & 0x0F, groups >> 4], axis=2).reshape(n, 256)
+
+
+def _decode_q4_k(b: np.ndarray, out: np.ndarray) -> None:
+    _k_sub_blocks(b, _k_nibbles(b["qs"]), out)
+
+
+def _decode_q5_k(b: np.ndarray, out: np.ndarray) -> None:
+    n = len(b)
+    sub_block = np.arange(8, dtype=np.uint8)[None, :, None]
+    high = ((b["qh"][:, None, :] >> sub_block) & 1) << 4
+    _k_sub_blocks(b, _k_nibbles(b["qs"]) | high.reshape(n, 256), out)
+
+
+def _decode_q6_k(b: np.ndarray, out: np.ndarray) -> None:
+    # Each half of 128 elements reads 64 ql bytes and 32 qh bytes: element 32*k + l takes the
+    # low (k < 2) or high (k >= 2) nibble of ql[l + 32*(k % 2)] and bits 2k..2k+1 of qh[l].
+    n = len(b)
+    ql = b["ql"].reshape(n, 2, 2, 32)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]
+    high = ((b["qh"].reshape(n, 2, 1, 32) >> shifts) & 3) << 4
+    q = (low | high).view(np.int8) - np.int8(32)
+    scale = (_f32(b["d"]) * b["scales"])[:, :, None]
+    np.multiply(q.reshape(n, 16, 16), scale, out=out.reshape(n, 16, 16))
+
+
+_DECODERS: dict[QT, Callable[[np.ndarray, np.ndarray], None]] = {
+    QT.Q8_0: _decode_q8_0,
+    QT.Q4_0: _decode_q4_0,
+    QT.Q4_1: _decode_q4_1,
+    QT.Q5_0: _decode_q5_0,
+    QT.Q5_1: _decode_q5_1,
+    QT.Q4_K: _decode_q4_k,
+    QT.Q5_K: _decode_q5_k,
+    QT.Q6_K: _decode_q6_k,
+}
