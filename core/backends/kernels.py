@@ -87,7 +87,8 @@ def _get_rows(xp, node, out, srcs):
 
 @kernel("concat")
 def _concat(xp, node, out, srcs):
-    xp.concatenate([_f(xp, node, 0, srcs[0]), _f(xp, node, 1, srcs[1])], axis=node.params["axis"], out=out)
+    # both sources and the result share one dtype: move the stored values (bf16 bits too) unwidened
+    xp.concatenate([srcs[0], srcs[1]], axis=node.params["axis"], out=out)
 
 
 @kernel("add")
@@ -237,7 +238,7 @@ def _soft_max(xp, node, out, srcs):
     xp.multiply(a, xp.float32(node.params["scale"]), out=out)
     if len(srcs) > 1:
         rows = out.shape[-2]
-        out += srcs[1][:rows]
+        out += _f(xp, node, 1, srcs[1][:rows])
     m = xp.max(out, axis=-1, keepdims=True)
     out -= m
     xp.exp(out, out=out)
