@@ -23,13 +23,13 @@ def contiguous_strides(shape: tuple[int, ...], dtype: DType) -> tuple[int, ...]:
     """
     if not shape:
         return ()
-    inner = 0 if dtype.is_quantized else dtype.itemsize
-    strides = [inner]
+    strides = [0] * len(shape)
+    strides[-1] = 0 if dtype.is_quantized else dtype.itemsize
     step = dtype.row_bytes(shape[-1])
-    for dim in reversed(shape[1:]):
-        strides.append(step)
-        step *= dim
-    return tuple(reversed(strides))
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = step
+        step *= shape[i]
+    return tuple(strides)
 
 
 @dataclass(eq=False)

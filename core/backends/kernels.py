@@ -187,14 +187,33 @@ def _batch_split(a_batch: tuple, b_batch: tuple) -> tuple[tuple, tuple, tuple]:
     return tuple(a_shape), tuple(b_shape), tuple(b_batch)
 
 
+def round_q8_blocks(xp, x):
+    """x rounded as llama.cpp's 8-bit activation blocks: 32 values share one f16 scale amax/127."""
+    blocks = xp.ascontiguousarray(x, dtype=xp.float32).reshape(-1, 32)
+    d = (xp.abs(blocks).max(axis=-1, keepdims=True) / 127).astype(xp.float16).astype(xp.float32)
+    inv = xp.divide(1.0, d, out=xp.zeros_like(d), where=d > 0)
+    q = xp.rint(blocks * inv)
+    q *= d
+    return q.reshape(x.shape)
+
+
+def _mul_mat_operand_b(xp, node, b):
+    """The activations as llama.cpp's CPU kernels see them: rounded to 8-bit blocks against a
+    block-quantized weight (`act_quant`), to f16 against an f16 tensor (the KV cache)."""
+    a_src = node.srcs[0]
+    if a_src.params.get("act_quant") == "q8" and b.shape[-1] % 32 == 0:
+        return round_q8_blocks(xp, b)
+    if a_src.dtype is DType.F16:
+        return b.astype(xp.float16).astype(xp.float32)
+    return b if b.dtype == xp.float32 else b.astype(xp.float32)
+
+
 @kernel("mul_mat")
 def _mul_mat(xp, node, out, srcs):
     a = srcs[0]
     if a.dtype != xp.float32:
         a = widen(xp, a, node.srcs[0].dtype).astype(xp.float32)
-    b = _f(xp, node, 1, srcs[1])
-    if b.dtype != xp.float32:
-        b = b.astype(xp.float32)
+    b = _mul_mat_operand_b(xp, node, _f(xp, node, 1, srcs[1]))
     a_batch, b_batch = a.shape[:-2], b.shape[:-2]
     if all(x == y or x == 1 for x, y in zip(reversed(a_batch), reversed(b_batch))):
         xp.matmul(b, xp.swapaxes(a, -1, -2), out=out)

@@ -1,0 +1,65 @@
+"""Batches of tokens and their split into micro-batches of at most n_ubatch tokens."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Batch:
+    """Tokens to evaluate: each with a position, a sequence id, and whether it needs logits."""
+
+    tokens: list[int] = field(default_factory=list)
+    pos: list[int] = field(default_factory=list)
+    seq: list[int] = field(default_factory=list)
+    logits: list[bool] = field(default_factory=list)
+
+    def add(self, token: int, pos: int, seq: int = 0, logits: bool = False) -> None:
+        self.tokens.append(int(token))
+        self.pos.append(int(pos))
+        self.seq.append(int(seq))
+        self.logits.append(bool(logits))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @staticmethod
+    def of_sequence(tokens: list[int], start_pos: int = 0, seq: int = 0, last_logits: bool = True) -> "Batch":
+        """One sequence's tokens at consecutive positions; logits for the last only (or none)."""
+        b = Batch()
+        for i, t in enumerate(tokens):
+            b.add(t, start_pos + i, seq, last_logits and i == len(tokens) - 1)
+        return b
+
+
+@dataclass
+class UBatch:
+    """A micro-batch as arrays, ready to fill graph inputs."""
+
+    tokens: np.ndarray  # i32 [n]
+    pos: np.ndarray  # i32 [n]
+    seq: np.ndarray  # i32 [n]
+    out_rows: np.ndarray  # i32 [n_outputs]: rows of this micro-batch that need logits
+    first: int  # index of its first token in the batch
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def n_outputs(self) -> int:
+        return len(self.out_rows)
+
+
+def split_batch(batch: Batch, n_ubatch: int) -> list[UBatch]:
+    """Consecutive slices of at most n_ubatch tokens."""
+    toks = np.asarray(batch.tokens, dtype=np.int32)
+    pos = np.asarray(batch.pos, dtype=np.int32)
+    seq = np.asarray(batch.seq, dtype=np.int32)
+    need = np.asarray(batch.logits, dtype=bool)
+    out = []
+    for i in range(0, len(batch), n_ubatch):
+        sl = slice(i, i + n_ubatch)
+        out.append(UBatch(toks[sl], pos[sl], seq[sl], np.flatnonzero(need[sl]).astype(np.int32), i))
+    return out

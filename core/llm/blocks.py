@@ -1,0 +1,102 @@
+"""Building blocks shared by architectures: norms, attention over the KV cache, feed-forward.
+
+Each block only composes engine ops; architectures call them with their own weights.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from core import ops
+from core.llm.hparams import HParams
+from core.llm.inputs import GraphInputs, GraphParams
+from core.llm.kv_cache import KVCache
+from core.tensor import Tensor
+
+
+@dataclass
+class Build:
+    """What a graph builder works with: hyperparameters, inputs, the cache and the shapes."""
+
+    hp: HParams
+    inp: GraphInputs
+    kv: KVCache
+    p: GraphParams
+
+
+def rms_norm(b: Build, x: Tensor, w: Tensor, name: str) -> Tensor:
+    return ops.mul(ops.rms_norm(x, b.hp.norm_eps), w, name=name)
+
+
+def project_heads(x: Tensor, w: Tensor, n_head: int, head_dim: int, name: str) -> Tensor:
+    """x [tokens, n_embd] through weight w, split into heads: [tokens, n_head, head_dim]."""
+    return ops.reshape(ops.mul_mat(w, x, name=name), (x.shape[0], n_head, head_dim))
+
+
+def rope(b: Build, x: Tensor, mode: int, freq_base: float | None = None) -> Tensor:
+    hp = b.hp
+    return ops.rope(x, b.inp.pos.tensor, hp.n_rot, mode,
+                    hp.rope_freq_base if freq_base is None else freq_base, hp.rope_freq_scale)
+
+
+def attention(b: Build, il: int, q: Tensor, k: Tensor, v: Tensor, wo: Tensor, kq_scale: float | None = None,
+              mask: Tensor | None = None) -> Tensor:
+    """Write k, v [tokens, heads_kv, head_dim] into layer il's cache, attend with q
+    [tokens, heads, head_dim] over the first n_kv cells, and project with wo."""
+    hp, n_kv = b.hp, b.p.n_kv
+    n_tokens = q.shape[0]
+    rows = b.kv.layers[il]
+    idx = b.inp.kv_idx.tensor
+    k_all = ops.set_rows(rows.k, ops.reshape(k, (n_tokens, hp.n_embd_kv)), idx, name=f"k_store-{il}")
+    v_all = ops.set_rows(rows.v, ops.reshape(v, (n_tokens, hp.n_embd_kv)), idx, name=f"v_store-{il}")
+    row = rows.k.strides[0]
+    elem = rows.k.dtype.itemsize
+    kv_view = ((n_kv, hp.n_head_kv, hp.head_dim), (row, hp.head_dim * elem, elem))
+    keys = ops.permute(ops.view(k_all, *kv_view), (1, 0, 2))  # [heads_kv, n_kv, head_dim]
+    vals = ops.permute(ops.view(v_all, *kv_view), (1, 2, 0))  # [heads_kv, head_dim, n_kv]
+    qh = ops.permute(q, (1, 0, 2))  # [heads, tokens, head_dim]
+    kq = ops.mul_mat(keys, qh, name=f"kq-{il}")  # [heads, tokens, n_kv]
+    scale = kq_scale if kq_scale is not None else 1.0 / math.sqrt(hp.head_dim)
+    kq = ops.soft_max(kq, b.inp.kq_mask.tensor if mask is None else mask, scale, name=f"kq_soft_max-{il}")
+    kqv = ops.mul_mat(vals, kq, name=f"kqv-{il}")  # [heads, tokens, head_dim]
+    merged = ops.cont(ops.permute(kqv, (1, 0, 2)), name=f"kqv_merged-{il}")
+    return ops.mul_mat(wo, ops.reshape(merged, (n_tokens, hp.n_head * hp.head_dim)), name=f"attn_out-{il}")
+
+
+def ffn_swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor, il: int) -> Tensor:
+    g = ops.mul_mat(gate, x, name=f"ffn_gate-{il}")
+    u = ops.mul_mat(up, x, name=f"ffn_up-{il}")
+    return ops.mul_mat(down, ops.swiglu(g, u, name=f"ffn_swiglu-{il}"), name=f"ffn_out-{il}")
+
+
+def ffn_geglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor, il: int) -> Tensor:
+    g = ops.mul_mat(gate, x, name=f"ffn_gate-{il}")
+    u = ops.mul_mat(up, x, name=f"ffn_up-{il}")
+    return ops.mul_mat(down, ops.geglu(g, u, name=f"ffn_geglu-{il}"), name=f"ffn_out-{il}")
+
+
+def select_outputs(b: Build, *xs: Tensor) -> tuple[Tensor, ...]:
+    """Keep only the rows that need logits (when fewer than all), before the last layer's tail."""
+    if b.inp.out_ids is None:
+        return xs
+    ids = b.inp.out_ids.tensor
+    return tuple(ops.get_rows(x, ids) for x in xs)
+
+
+def build_k_shift(hp: HParams, kv: KVCache, mode: int, freq_base_of=lambda il: None):
+    """A graph that re-rotates every cached key by its cell's position delta (after seq_add).
+
+    RoPE is a rotation, so rotating by the delta equals rotating from scratch at the new position.
+    """
+    from core.graph import build_graph
+    from core.llm.inputs import InpKShift
+
+    shift = InpKShift(kv.n_ctx)
+    outs = []
+    for il, rows in enumerate(kv.layers):
+        k = ops.view(rows.k, (kv.n_ctx, hp.n_head_kv, hp.head_dim))
+        base = freq_base_of(il)
+        r = ops.rope(k, shift.tensor, hp.n_rot, mode, hp.rope_freq_base if base is None else base,
+                     hp.rope_freq_scale, name=f"k_shift-{il}")
+        outs.append(ops.cpy(r, k, name=f"k_shifted-{il}"))
+    return build_graph(outs), shift

@@ -1,0 +1,35 @@
+"""A built and planned decode graph, kept so the next micro-batch can reuse it.
+
+It records the parameters that fixed its shapes and the states it was planned against
+(the KV cache layout version, the scheduler generation); any change means rebuild.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.llm.inputs import GraphInput, GraphParams
+from core.sched import ScheduledGraph
+from core.tensor import Tensor
+
+
+@dataclass
+class GraphResult:
+    params: GraphParams
+    inputs: list[GraphInput]
+    logits: Tensor
+    sg: ScheduledGraph
+    kv_version: int
+    sched_generation: int
+
+    def reuse_blocker(self, p: GraphParams, kv_version: int, sched_generation: int) -> str | None:
+        """Why this graph cannot serve a micro-batch with params p, or None when it can."""
+        diffs = p.differences(self.params)
+        if diffs:
+            return ", ".join(diffs)
+        if kv_version != self.kv_version:
+            return "KV cache layout changed"
+        if sched_generation != self.sched_generation:
+            return "scheduler was reset"
+        if not all(i.can_reuse(p) for i in self.inputs):
+            return "an input cannot be reused"
+        return None

@@ -1,0 +1,142 @@
+"""Graph inputs: small objects that own one input tensor each, fill it from a micro-batch
+(`set_input`) and say whether a kept graph's tensor can serve the next one (`can_reuse`).
+
+Inputs live on the CPU (as in llama.cpp); the scheduler copies them to other backends.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from core.dtypes import DType
+from core.llm.batch import UBatch
+from core.tensor import Tensor, new_tensor
+
+
+@dataclass(frozen=True)
+class GraphParams:
+    """What fixes a graph's shapes: tokens in the micro-batch, rows of logits, cells attended."""
+
+    n_tokens: int
+    n_outputs: int
+    n_kv: int
+
+    def differences(self, other: "GraphParams") -> list[str]:
+        return [f"{k} {getattr(other, k)} -> {getattr(self, k)}"
+                for k in ("n_tokens", "n_outputs", "n_kv") if getattr(self, k) != getattr(other, k)]
+
+
+@dataclass
+class UBatchState:
+    """What inputs read besides the micro-batch: the cache cells it was given and the cache."""
+
+    ub: UBatch
+    cells: np.ndarray
+    kv: object
+
+
+class GraphInput:
+    """One input tensor of a graph."""
+
+    tensor: Tensor
+
+    def set_input(self, st: UBatchState, arr: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def can_reuse(self, p: GraphParams) -> bool:
+        return True
+
+
+def _input(name: str, dtype: DType, shape: tuple[int, ...]) -> Tensor:
+    return new_tensor(name, dtype, shape, is_input=True)
+
+
+class InpTokens(GraphInput):
+    def __init__(self, p: GraphParams) -> None:
+        self.tensor = _input("inp_tokens", DType.I32, (p.n_tokens,))
+
+    def set_input(self, st, arr):
+        arr[...] = st.ub.tokens
+
+    def can_reuse(self, p):
+        return self.tensor.shape == (p.n_tokens,)
+
+
+class InpPos(GraphInput):
+    def __init__(self, p: GraphParams) -> None:
+        self.tensor = _input("inp_pos", DType.I32, (p.n_tokens,))
+
+    def set_input(self, st, arr):
+        arr[...] = st.ub.pos
+
+    def can_reuse(self, p):
+        return self.tensor.shape == (p.n_tokens,)
+
+
+class InpKVIdx(GraphInput):
+    """Cache rows the micro-batch's K and V are written to (set_rows indices)."""
+
+    def __init__(self, p: GraphParams) -> None:
+        self.tensor = _input("inp_kv_idx", DType.I32, (p.n_tokens,))
+
+    def set_input(self, st, arr):
+        arr[...] = st.cells
+
+    def can_reuse(self, p):
+        return self.tensor.shape == (p.n_tokens,)
+
+
+class InpKQMask(GraphInput):
+    """Which cells each token may attend to: 0 or -inf, f16 as in llama.cpp."""
+
+    def __init__(self, p: GraphParams) -> None:
+        self.tensor = _input("inp_kq_mask", DType.F16, (p.n_tokens, p.n_kv))
+
+    def set_input(self, st, arr):
+        st.kv.fill_mask(arr, st.ub.pos, st.ub.seq)
+
+    def can_reuse(self, p):
+        return self.tensor.shape == (p.n_tokens, p.n_kv)
+
+
+class InpOutIds(GraphInput):
+    """Rows of the micro-batch whose logits are computed."""
+
+    def __init__(self, p: GraphParams) -> None:
+        self.tensor = _input("inp_out_ids", DType.I32, (p.n_outputs,))
+
+    def set_input(self, st, arr):
+        arr[...] = st.ub.out_rows
+
+    def can_reuse(self, p):
+        return self.tensor.shape == (p.n_outputs,)
+
+
+class InpKShift(GraphInput):
+    """Per-cell position deltas for re-rotating cached keys after a position shift."""
+
+    def __init__(self, n_ctx: int) -> None:
+        self.tensor = _input("inp_k_shift", DType.I32, (n_ctx,))
+
+    def set_input(self, st, arr):
+        arr[...] = st.kv.shift
+
+
+@dataclass
+class GraphInputs:
+    """The inputs of a decode graph; out_ids is None when every token needs logits."""
+
+    tokens: InpTokens
+    pos: InpPos
+    kv_idx: InpKVIdx
+    kq_mask: InpKQMask
+    out_ids: InpOutIds | None
+
+    @staticmethod
+    def for_params(p: GraphParams) -> "GraphInputs":
+        return GraphInputs(InpTokens(p), InpPos(p), InpKVIdx(p), InpKQMask(p),
+                           InpOutIds(p) if p.n_outputs < p.n_tokens else None)
+
+    def all(self) -> list[GraphInput]:
+        return [i for i in (self.tokens, self.pos, self.kv_idx, self.kq_mask, self.out_ids) if i is not None]

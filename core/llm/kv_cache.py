@@ -1,0 +1,141 @@
+"""The KV cache: per-layer K and V tensors in immediate contexts on each layer's backend,
+and the cells that record which position and sequences each row holds.
+
+Writes happen inside the graph (set_rows at row indices given as input data), so where a
+token lands is data, not graph structure. Any change that moves or re-positions cells
+bumps `version`, which invalidates a kept graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from core.context import ImmediateContext
+from core.dtypes import DType
+from core.errors import BadInput
+from core.tensor import Tensor
+
+KV_PAD = 256
+
+
+@dataclass
+class CacheRows:
+    """The cache tensors of one layer."""
+
+    k: Tensor
+    v: Tensor
+
+
+class KVCache:
+    """n_ctx cells shared by up to n_seq_max sequences."""
+
+    def __init__(self, n_ctx: int, n_embd_kv: int, layer_backends: list, n_seq_max: int = 1,
+                 dtype: DType = DType.F16, pad: int = KV_PAD) -> None:
+        if dtype not in (DType.F16, DType.F32):
+            raise BadInput(f"KV cache type {dtype} is not supported (use f16 or f32)")
+        self.n_ctx = n_ctx
+        self.n_seq_max = n_seq_max
+        self.pad = pad
+        self.dtype = dtype
+        self.contexts: dict[str, ImmediateContext] = {}
+        self.layers: list[CacheRows] = []
+        for il, backend in enumerate(layer_backends):
+            ctx = self.contexts.setdefault(backend.name, ImmediateContext(backend, usage="kv"))
+            k = ctx.new_tensor(f"cache_k_l{il}", dtype, (n_ctx, n_embd_kv))
+            v = ctx.new_tensor(f"cache_v_l{il}", dtype, (n_ctx, n_embd_kv))
+            self.layers.append(CacheRows(k, v))
+        self.pos = np.full(n_ctx, -1, dtype=np.int32)
+        self.seqs = np.zeros((n_ctx, n_seq_max), dtype=bool)
+        self.shift = np.zeros(n_ctx, dtype=np.int32)
+        self.has_shift = False
+        self.version = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.contexts.values())
+
+    def bytes_by_backend(self) -> dict[str, int]:
+        return {name: c.nbytes for name, c in self.contexts.items()}
+
+    @property
+    def n_used(self) -> int:
+        return int(np.count_nonzero(self.pos >= 0))
+
+    def n_free(self) -> int:
+        return self.n_ctx - self.n_used
+
+    def n_kv(self) -> int:
+        """Cells the attention reads: up to the last used cell, padded so shapes stay stable."""
+        used = np.flatnonzero(self.pos >= 0)
+        top = int(used[-1]) + 1 if len(used) else 0
+        return min(self.n_ctx, max(self.pad, -(-top // self.pad) * self.pad))
+
+    def find_slot(self, n_tokens: int) -> np.ndarray | None:
+        """The lowest free cells for n_tokens tokens, or None when the cache cannot hold them."""
+        free = np.flatnonzero(self.pos < 0)
+        if len(free) < n_tokens:
+            return None
+        return free[:n_tokens].astype(np.int32)
+
+    def apply(self, cells: np.ndarray, pos: np.ndarray, seq: np.ndarray) -> None:
+        """Record that `cells` now hold tokens at `pos` of sequences `seq`."""
+        if seq.size and (seq.max() >= self.n_seq_max or seq.min() < 0):
+            raise BadInput(f"sequence id out of range 0..{self.n_seq_max - 1}")
+        self.pos[cells] = pos
+        self.seqs[cells] = False
+        self.seqs[cells, seq] = True
+
+    def fill_mask(self, out: np.ndarray, pos: np.ndarray, seq: np.ndarray) -> None:
+        """KQ mask [tokens, n_kv]: 0 where a token may see a cell (same sequence, not later), else -inf."""
+        n_kv = out.shape[1]
+        visible = self.seqs[:n_kv, seq].T & (self.pos[None, :n_kv] <= pos[:, None]) & (self.pos[None, :n_kv] >= 0)
+        out[...] = np.where(visible, 0.0, -np.inf)
+
+    def seq_pos_max(self, seq: int) -> int:
+        cells = self.seqs[:, seq]
+        return int(self.pos[cells].max()) if cells.any() else -1
+
+    def _cells(self, seq: int, p0: int, p1: int) -> np.ndarray:
+        p1 = np.iinfo(np.int32).max if p1 < 0 else p1
+        in_range = (self.pos >= max(p0, 0)) & (self.pos < p1)
+        sel = self.seqs[:, seq] if seq >= 0 else self.pos >= 0
+        return sel & in_range
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        """Remove sequence `seq` (all when seq < 0) from cells with p0 <= pos < p1; free emptied cells."""
+        sel = self._cells(seq, p0, p1)
+        if not sel.any():
+            return
+        if seq < 0:
+            self.seqs[sel] = False
+        else:
+            self.seqs[sel, seq] = False
+        emptied = sel & ~self.seqs.any(axis=1)
+        self.pos[emptied] = -1
+        self.shift[emptied] = 0
+        self.version += 1
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Let sequence dst share src's cells in [p0, p1): no data moves."""
+        self.seqs[self._cells(src, p0, p1), dst] = True
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        """Shift positions of seq's cells in [p0, p1) by delta; K is re-rotated before the next use."""
+        sel = self._cells(seq, p0, p1)
+        if not sel.any() or delta == 0:
+            return
+        self.pos[sel] += delta
+        self.shift[sel] += delta
+        gone = sel & (self.pos < 0)
+        self.pos[gone] = -1
+        self.seqs[gone] = False
+        self.has_shift = True
+        self.version += 1
+
+    def clear(self) -> None:
+        self.pos[:] = -1
+        self.seqs[:] = False
+        self.shift[:] = 0
+        self.has_shift = False
+        self.version += 1

@@ -1,0 +1,157 @@
+"""A loaded model: hyperparameters, tokenizer, and weights placed on backends per layer
+(`n_gpu_layers`: the last N repeating layers on the first device backend, the output
+head too when N exceeds the layer count; the token embedding stays on the CPU).
+
+Weights are decoded to f32 once at load, into immediate contexts.
+"""
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from core.backends.base import Backend
+from core.context import ImmediateContext
+from core.errors import BadInput
+from core.llm.hparams import HParams
+from core.llm.weights import Weights
+from loaders.gguf_file import GGUFFile, open_gguf
+from loaders.tokenizer import Tokenizer
+
+ARCHS = {"llama": "core.llm.archs.llama", "gemma3": "core.llm.archs.gemma3"}
+
+Progress = Callable[[int, int], None]
+
+
+def arch_module(arch: str, source: str):
+    """The graph builder module of an architecture, or BadInput naming the supported ones."""
+    if arch not in ARCHS:
+        raise BadInput(f"{source}: architecture '{arch}' is not supported (supported: {', '.join(ARCHS)})")
+    return importlib.import_module(ARCHS[arch])
+
+
+@dataclass
+class Placement:
+    """Which backend holds each part of the model."""
+
+    layers: list[Backend]
+    input: Backend
+    output: Backend
+
+    @staticmethod
+    def for_layers(n_layer: int, backends: list[Backend], n_gpu_layers: int) -> "Placement":
+        cpu = backends[-1]
+        device = backends[0] if len(backends) > 1 else cpu
+        ngl = max(0, n_gpu_layers)
+        layers = [device if il >= n_layer - ngl else cpu for il in range(n_layer)]
+        return Placement(layers=layers, input=cpu, output=device if ngl > n_layer else cpu)
+
+
+class Model:
+    """Everything read from one GGUF file, ready to build graphs."""
+
+    def __init__(self, gf: GGUFFile, hp: HParams, arch, tokenizer: Tokenizer, weights: Weights,
+                 placement: Placement, backends: list[Backend], contexts: dict[str, ImmediateContext],
+                 load_seconds: float) -> None:
+        self.gguf = gf
+        self.path = Path(gf.path)
+        self.hp = hp
+        self.arch = arch
+        self.tokenizer = tokenizer
+        self.weights = weights
+        self.placement = placement
+        self.backends = backends
+        self.contexts = contexts
+        self.load_seconds = load_seconds
+
+    @property
+    def n_params(self) -> int:
+        return sum(i.n_elements for i in self.gguf.tensors.values())
+
+    @property
+    def file_bytes(self) -> int:
+        return self.gguf.file_bytes
+
+    def resident_bytes(self) -> dict[str, int]:
+        return {name: c.nbytes for name, c in self.contexts.items()}
+
+    @property
+    def type_label(self) -> str:
+        """The dominant stored type, like llama-bench's model type (e.g. Q4_1)."""
+        ft = self.gguf.get("general.file_type")
+        counts: dict[str, int] = {}
+        for info in self.gguf.tensors.values():
+            counts[info.qtype.name] = counts.get(info.qtype.name, 0) + info.n_bytes
+        return max(counts, key=counts.get) if counts else str(ft)
+
+    @staticmethod
+    def read_hparams(gf: GGUFFile) -> tuple[HParams, object]:
+        arch = arch_module(gf.arch, str(gf.path))
+        n_vocab = len(gf.get("tokenizer.ggml.tokens") or []) or gf.require_tensor("token_embd.weight").shape[0]
+        hp = arch.hparams(gf) if hasattr(arch, "hparams") else HParams.from_metadata(gf.get, str(gf.path), n_vocab)
+        _check_tensors(gf, hp, arch)
+        return hp, arch
+
+    @staticmethod
+    def load(path: str | Path, backends: list[Backend], n_gpu_layers: int = 0,
+             progress: Progress | None = None) -> "Model":
+        """Open, validate and load a GGUF model onto `backends` (priority order, CPU last)."""
+        t0 = time.perf_counter()
+        gf = open_gguf(path)
+        hp, arch = Model.read_hparams(gf)
+        tokenizer = Tokenizer.from_metadata(gf.metadata)
+        placement = Placement.for_layers(hp.n_layer, backends, n_gpu_layers)
+        contexts: dict[str, ImmediateContext] = {}
+        tensors = {}
+        names = list(gf.tensors)
+        total = sum(gf.tensors[n].n_bytes for n in names)
+        done = 0
+        for name in names:
+            backend = _backend_for(name, placement)
+            ctx = contexts.setdefault(backend.name, ImmediateContext(backend, usage="weights"))
+            tensors[name] = _weight(ctx, gf, name, name)
+            done += gf.tensors[name].n_bytes
+            if progress:
+                progress(done, total)
+        if "output.weight" not in tensors:  # tied head: the embedding serves as output weight
+            emb = tensors["token_embd.weight"]
+            ctx = contexts.setdefault(placement.output.name, ImmediateContext(placement.output, usage="weights"))
+            tensors["output.weight"] = emb if placement.output is placement.input else \
+                _weight(ctx, gf, "output.weight", "token_embd.weight")
+        weights = Weights(tensors, str(gf.path))
+        return Model(gf, hp, arch, tokenizer, weights, placement, backends, contexts, time.perf_counter() - t0)
+
+
+def _weight(ctx: ImmediateContext, gf: GGUFFile, name: str, source: str):
+    """Decode tensor `source` to f32 into ctx as `name`. A weight stored block-quantized meets
+    8-bit-rounded activations in mul_mat, as in llama.cpp's CPU kernels (`act_quant`)."""
+    t = ctx.from_array(name, gf.load_f32(source))
+    if gf.tensors[source].qtype.name not in ("F32", "F16", "BF16"):
+        t.params["act_quant"] = "q8"
+    return t
+
+
+def _backend_for(name: str, placement: Placement) -> Backend:
+    if name.startswith("blk."):
+        return placement.layers[int(name.split(".")[1])]
+    if name.startswith("token_embd"):
+        return placement.input
+    return placement.output
+
+
+def _check_tensors(gf: GGUFFile, hp: HParams, arch) -> None:
+    """Fail before loading anything when a required tensor is missing or misshapen."""
+    gf.require_tensor("token_embd.weight")
+    gf.require_tensor("output_norm.weight")
+    for il in range(hp.n_layer):
+        for short in arch.LAYER_TENSORS:
+            gf.require_tensor(f"blk.{il}.{short}.weight")
+    emb = gf.tensors["token_embd.weight"].shape
+    if emb != (hp.n_vocab, hp.n_embd):
+        raise BadInput(f"{gf.path}: token_embd.weight has shape {list(emb)}, expected {[hp.n_vocab, hp.n_embd]}")
+    q = gf.tensors["blk.0.attn_q.weight"].shape
+    if q != (hp.n_head * hp.head_dim, hp.n_embd):
+        raise BadInput(f"{gf.path}: blk.0.attn_q.weight has shape {list(q)}, expected "
+                       f"{[hp.n_head * hp.head_dim, hp.n_embd]}")

@@ -1,0 +1,218 @@
+"""A session: one model, one KV cache, one scheduler; decodes batches micro-batch by
+micro-batch, reusing the previous graph whenever the next one would have the same shapes.
+
+At creation it reserves the worst-case graph (n_ubatch tokens over the full context), so
+compute buffers exist before the first token and do not grow while generating.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from core.dtypes import DType
+from core.errors import BadInput, RuntimeFailure
+from core.graph import build_graph
+from core.llm.batch import Batch, UBatch, split_batch
+from core.llm.blocks import Build, build_k_shift
+from core.llm.graph_result import GraphResult
+from core.llm.inputs import GraphInputs, GraphParams, UBatchState
+from core.llm.kv_cache import KVCache
+from core.llm.model import Model
+from core.sched import Scheduler
+
+
+class KVCacheFull(RuntimeFailure):
+    """No free cells for a micro-batch; a caller that schedules sequences waits and retries."""
+
+
+@dataclass(frozen=True)
+class SessionParams:
+    n_ctx: int = 2048
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    n_seq_max: int = 1
+    kv_type: DType = DType.F16
+    graph_reuse: bool = True
+
+    def check(self, hp_n_ctx_train: int) -> None:
+        if self.n_ctx < 1:
+            raise BadInput(f"context size -c {self.n_ctx} must be positive")
+        if self.n_batch < 1 or self.n_ubatch < 1:
+            raise BadInput(f"batch sizes must be positive (-b {self.n_batch}, -ub {self.n_ubatch})")
+        if self.n_seq_max < 1:
+            raise BadInput(f"number of sequences {self.n_seq_max} must be positive")
+
+
+@dataclass
+class SessionStats:
+    graphs_built: int = 0
+    graphs_reused: int = 0
+    build_s: float = 0.0
+    plan_s: float = 0.0
+    compute_s: float = 0.0
+    last_reason: str = ""
+    reuse_log: list[tuple[bool, str]] = field(default_factory=list)
+
+
+def graph_debug_level() -> int:
+    try:
+        return int(os.environ.get("GGRUN_GRAPH_DEBUG", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def reuse_enabled_by_env() -> bool:
+    return os.environ.get("GGRUN_GRAPH_REUSE", "1") not in ("0", "false", "no")
+
+
+class Session:
+    """Decode batches of tokens for a model; logits come back for the tokens that asked."""
+
+    def __init__(self, model: Model, params: SessionParams) -> None:
+        params.check(model.hp.n_ctx_train)
+        self.model = model
+        self.params = params
+        self.n_ubatch = min(params.n_ubatch, params.n_batch)
+        self.sched = Scheduler(model.backends)
+        self.kv = KVCache(params.n_ctx, model.hp.n_embd_kv, model.placement.layers, params.n_seq_max,
+                          params.kv_type)
+        self.graph_reuse = params.graph_reuse and reuse_enabled_by_env()
+        self.debug = graph_debug_level()
+        self.stats = SessionStats()
+        self.result: GraphResult | None = None
+        self.reserved = self.reserve()
+
+    @property
+    def n_ctx(self) -> int:
+        return self.params.n_ctx
+
+    def worst_case_params(self, all_logits: bool = True) -> GraphParams:
+        n = min(self.n_ubatch, self.n_ctx)
+        return GraphParams(n_tokens=n, n_outputs=n if all_logits else 1, n_kv=self.n_ctx)
+
+    def build(self, p: GraphParams) -> GraphResult:
+        """Build and schedule (not allocate) the decode graph for params p."""
+        inputs = GraphInputs.for_params(p)
+        logits = self.model.arch.build(Build(self.model.hp, inputs, self.kv, p), self.model.weights)
+        graph = build_graph([logits])
+        sg = self.sched.schedule(graph)
+        return GraphResult(p, inputs.all(), logits, sg, self.kv.version, self.sched.generation)
+
+    def reserve(self) -> dict:
+        """Reserve every backend's compute buffer for the worst-case graph."""
+        return self.sched.reserve(self.build(self.worst_case_params()).sg)
+
+    def reset_scheduler(self) -> None:
+        """Drop compute buffers and re-reserve; a kept graph is stale afterwards."""
+        self.sched.reset()
+        self.reserved = self.reserve()
+
+    # ---- decoding ---------------------------------------------------------------------
+
+    def decode(self, batch: Batch) -> np.ndarray:
+        """Evaluate `batch`; returns logits [tokens that asked for them, n_vocab] in batch order."""
+        self._check_batch(batch)
+        outs = []
+        for ub in split_batch(batch, self.n_ubatch):
+            logits = self._decode_ubatch(ub)
+            if logits is not None:
+                outs.append(logits)
+        if not outs:
+            return np.zeros((0, self.model.hp.n_vocab), dtype=np.float32)
+        return np.concatenate(outs) if len(outs) > 1 else outs[0]
+
+    def _check_batch(self, batch: Batch) -> None:
+        if not len(batch):
+            return
+        toks = np.asarray(batch.tokens)
+        n_vocab = self.model.hp.n_vocab
+        if toks.min() < 0 or toks.max() >= n_vocab:
+            raise BadInput(f"token id out of range 0..{n_vocab - 1}")
+
+    def _decode_ubatch(self, ub: UBatch) -> np.ndarray | None:
+        cells = self.kv.find_slot(ub.n_tokens)
+        if cells is None:
+            raise KVCacheFull(f"the KV cache ({self.n_ctx} cells, {self.kv.n_free()} free) cannot hold "
+                              f"{ub.n_tokens} more tokens")
+        self.kv.apply(cells, ub.pos, ub.seq)
+        if self.kv.has_shift:
+            self._apply_k_shift()
+        p = GraphParams(ub.n_tokens, ub.n_outputs, self.kv.n_kv())
+        res = self._graph_for(p)
+        t0 = time.perf_counter()
+        st = UBatchState(ub, cells, self.kv)
+        cpu = self.sched.cpu
+        for inp in res.inputs:
+            inp.set_input(st, cpu.array(inp.tensor))
+        self.sched.compute(res.sg)
+        out = self.sched.get_tensor(res.logits) if ub.n_outputs else None
+        self.stats.compute_s += time.perf_counter() - t0
+        if self.debug >= 2:
+            print(f"graph: compute {1e3 * (time.perf_counter() - t0):.2f} ms", file=sys.stderr)
+        return out
+
+    def _graph_for(self, p: GraphParams) -> GraphResult:
+        """The kept graph when it can serve p, else a newly built and planned one."""
+        if self.result is not None and self.graph_reuse:
+            why = self.result.reuse_blocker(p, self.kv.version, self.sched.generation)
+        else:
+            why = "first graph" if self.result is None else "graph reuse disabled"
+        if why is None:
+            self.stats.graphs_reused += 1
+            self._log(True, "reused", p)
+            return self.result
+        t0 = time.perf_counter()
+        res = self.build(p)
+        t1 = time.perf_counter()
+        self.sched.alloc(res.sg)
+        t2 = time.perf_counter()
+        self.stats.graphs_built += 1
+        self.stats.build_s += t1 - t0
+        self.stats.plan_s += t2 - t1
+        self.result = res
+        self._log(False, f"rebuilt: {why}", p, res, (t1 - t0, t2 - t1))
+        return res
+
+    def _log(self, reused: bool, what: str, p: GraphParams, res: GraphResult | None = None,
+             times: tuple[float, float] | None = None) -> None:
+        self.stats.last_reason = what
+        self.stats.reuse_log.append((reused, what))
+        if not self.debug:
+            return
+        line = f"graph: {what} (n_tokens {p.n_tokens}, n_outputs {p.n_outputs}, n_kv {p.n_kv})"
+        if self.debug >= 2 and res is not None:
+            sizes = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in self.sched.buffer_sizes().items())
+            line += (f" nodes {len(res.sg.graph.nodes)} splits {len(res.sg.splits)} buffers [{sizes}]"
+                     f" build {1e3 * times[0]:.2f} ms plan {1e3 * times[1]:.2f} ms")
+        print(line, file=sys.stderr)
+
+    def _apply_k_shift(self) -> None:
+        """Re-rotate cached keys whose positions moved (seq_add), then clear the shift."""
+        arch = self.model.arch
+        self.result = None
+        graph, inp = build_k_shift(self.model.hp, self.kv, arch.ROPE_MODE,
+                                   getattr(arch, "rope_freq_base_of", lambda il: None))
+        sg = self.sched.schedule(graph)
+        self.sched.alloc(sg)
+        self.sched.cpu.array(inp.tensor)[...] = self.kv.shift
+        self.sched.compute(sg)
+        self.kv.shift[:] = 0
+        self.kv.has_shift = False
+
+    # ---- sequences --------------------------------------------------------------------
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        self.kv.seq_rm(seq, p0, p1)
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        self.kv.seq_cp(src, dst, p0, p1)
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        self.kv.seq_add(seq, p0, p1, delta)
+
+    def clear(self) -> None:
+        self.kv.clear()
