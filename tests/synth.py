@@ -1,0 +1,279 @@
+"""Write synthetic GGUF files for tests and scripts: tiny llama models with random weights and a tiny
+byte-level BPE tokenizer, and huge sparse ones whose tensor data never reaches the disk.
+
+A test helper only: it writes files, and it never imports ggrun's own code so that it can check it.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+from gguf import GGUFValueType, GGUFWriter
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+from gguf.quants import quantize
+
+# llama.cpp's token types (llama_token_type).
+TOKEN_NORMAL = 1
+TOKEN_CONTROL = 3
+
+EOT = "<|endoftext|>"
+
+# Merges of the tiny BPE tokenizer, in priority order; each side is a byte symbol or an earlier result.
+TINY_MERGES: tuple[str, ...] = (
+    "Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s", "a t", "e n",
+    "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d", "Ġ i", "Ġi n",
+)
+
+# Types write_tiny_llama can store weight matrices in (those gguf.quants can quantize).
+WEIGHT_TYPES: frozenset[QT] = frozenset({QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
+
+# numpy scalar types map to the GGUF value type of the same width; plain Python values follow
+# llama.cpp's conventions (counts are uint32, floats float32, token types int32).
+_NUMPY_VALUE_TYPES: dict[np.dtype, GGUFValueType] = {
+    np.dtype(np.uint8): GGUFValueType.UINT8, np.dtype(np.int8): GGUFValueType.INT8,
+    np.dtype(np.uint16): GGUFValueType.UINT16, np.dtype(np.int16): GGUFValueType.INT16,
+    np.dtype(np.uint32): GGUFValueType.UINT32, np.dtype(np.int32): GGUFValueType.INT32,
+    np.dtype(np.uint64): GGUFValueType.UINT64, np.dtype(np.int64): GGUFValueType.INT64,
+    np.dtype(np.float32): GGUFValueType.FLOAT32, np.dtype(np.float64): GGUFValueType.FLOAT64,
+    np.dtype(np.bool_): GGUFValueType.BOOL,
+}
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Hyperparameters of a llama-architecture model, enough to write its metadata and tensor shapes."""
+
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    n_vocab: int
+    n_ctx_train: int
+    rope_base: float = 10000.0
+    rms_eps: float = 1e-5
+    tied_output: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "general.name": "synthetic llama",
+            "llama.context_length": self.n_ctx_train,
+            "llama.embedding_length": self.n_embd,
+            "llama.block_count": self.n_layer,
+            "llama.feed_forward_length": self.n_ff,
+            "llama.attention.head_count": self.n_head,
+            "llama.attention.head_count_kv": self.n_head_kv,
+            "llama.rope.freq_base": float(self.rope_base),
+            "llama.attention.layer_norm_rms_epsilon": float(self.rms_eps),
+            "llama.rope.dimension_count": self.head_dim,
+            "llama.vocab_size": self.n_vocab,
+        }
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """llama.cpp's tensor names with shapes in numpy order (a matrix is (out, in))."""
+        q_dim, kv_dim = self.n_head * self.head_dim, self.n_head_kv * self.head_dim
+        shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (self.n_vocab, self.n_embd)}
+        for i in range(self.n_layer):
+            shapes |= {
+                f"blk.{i}.attn_norm.weight": (self.n_embd,),
+                f"blk.{i}.attn_q.weight": (q_dim, self.n_embd),
+                f"blk.{i}.attn_k.weight": (kv_dim, self.n_embd),
+                f"blk.{i}.attn_v.weight": (kv_dim, self.n_embd),
+                f"blk.{i}.attn_output.weight": (self.n_embd, q_dim),
+                f"blk.{i}.ffn_norm.weight": (self.n_embd,),
+                f"blk.{i}.ffn_gate.weight": (self.n_ff, self.n_embd),
+                f"blk.{i}.ffn_up.weight": (self.n_ff, self.n_embd),
+                f"blk.{i}.ffn_down.weight": (self.n_embd, self.n_ff),
+            }
+        shapes["output_norm.weight"] = (self.n_embd,)
+        if not self.tied_output:
+            shapes["output.weight"] = (self.n_vocab, self.n_embd)
+        return shapes
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """Already-encoded tensor bytes: `raw` is uint8 of shape (*outer, row bytes), `qtype` its format."""
+
+    raw: np.ndarray
+    qtype: QT
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from the 256 byte values to printable unicode characters."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+def tiny_bpe_vocab(n_vocab: int | None = None) -> tuple[list[str], list[str], list[int]]:
+    """(tokens, merges, token types) of the tiny tokenizer: 256 byte symbols (id = byte value), one token
+    per merge, then "<|endoftext|>"; `n_vocab` above that pads with control tokens "<|reserved_N|>"."""
+    byte_map = bytes_to_unicode()
+    tokens = [byte_map[b] for b in range(256)] + [m.replace(" ", "") for m in TINY_MERGES] + [EOT]
+    types = [TOKEN_NORMAL] * (len(tokens) - 1) + [TOKEN_CONTROL]
+    n_vocab = len(tokens) if n_vocab is None else n_vocab
+    if n_vocab < len(tokens):
+        raise ValueError(f"n_vocab must be at least {len(tokens)} for the tiny tokenizer, got {n_vocab}")
+    n_pad = n_vocab - len(tokens)
+    tokens += [f"<|reserved_{i}|>" for i in range(n_pad)]
+    types += [TOKEN_CONTROL] * n_pad
+    return tokens, list(TINY_MERGES), types
+
+
+def tokenizer_metadata(n_vocab: int | None = None) -> dict[str, Any]:
+    """The tokenizer.ggml.* keys of a gpt2-style byte-level BPE tokenizer, as llama.cpp writes them."""
+    tokens, merges, types = tiny_bpe_vocab(n_vocab)
+    eot = tokens.index(EOT)
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": np.array(types, dtype=np.int32),
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": eot,
+        "tokenizer.ggml.eos_token_id": eot,
+        "tokenizer.ggml.add_bos_token": False,
+    }
+
+
+def write_gguf(path: str | os.PathLike[str], arch: str, metadata: Mapping[str, Any],
+               tensors: Mapping[str, np.ndarray | QuantizedTensor]) -> Path:
+    """Write a GGUF file. Float arrays are stored as F32/F16 by dtype; QuantizedTensor as its bytes.
+
+    Metadata value types: numpy scalars and arrays keep their width; bool -> BOOL, int -> UINT32
+    (INT32 if negative), float -> FLOAT32, str -> STRING, lists -> ARRAY of their first item's type.
+    """
+    path = Path(path)
+    writer = _writer_with_metadata(arch, metadata)
+    for name, tensor in tensors.items():
+        if isinstance(tensor, QuantizedTensor):
+            writer.add_tensor(name, tensor.raw, raw_dtype=tensor.qtype)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(tensor))
+    writer.write_header_to_file(path)
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_gguf_sparse(path: str | os.PathLike[str], arch: str, metadata: Mapping[str, Any],
+                      shapes: Mapping[str, tuple[tuple[int, ...], QT]]) -> Path:
+    """Write a GGUF file whose tensor data section is all zeros and sparse: the header is written,
+    then the file is extended with truncate, so a multi-GB model takes a few KB of disk."""
+    path = Path(path)
+    writer = _writer_with_metadata(arch, metadata)
+    data_bytes = 0
+    for name, (shape, qtype) in shapes.items():
+        nbytes = _nbytes(qtype, shape)
+        writer.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, raw_dtype=qtype)
+        data_bytes += GGUFWriter.ggml_pad(nbytes, writer.data_alignment)
+    writer.write_header_to_file(path)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    assert writer.fout is not None
+    header_bytes = GGUFWriter.ggml_pad(writer.fout[0].tell(), writer.data_alignment)
+    writer.close()
+    os.truncate(path, header_bytes + data_bytes)
+    return path
+
+
+def write_tiny_llama(path: str | os.PathLike[str], *, n_layer: int = 2, n_embd: int = 64, n_head: int = 4,
+                     n_head_kv: int = 2, n_ff: int = 128, n_vocab: int | None = None, n_ctx_train: int = 256,
+                     rope_base: float = 10000.0, tied_output: bool = False, weight_type: QT = QT.F32,
+                     seed: int = 0, extra_metadata: Mapping[str, Any] | None = None) -> Path:
+    """Write a small llama model with random weights and the tiny BPE tokenizer.
+
+    Matrices are drawn from N(0, 1/fan_in) (so activations and logits stay near unit scale) and
+    stored in `weight_type`; norm weights are near 1 and always F32, as llama.cpp stores them.
+    `n_vocab` defaults to the tokenizer's size. `extra_metadata` adds or overrides keys.
+    """
+    weight_type = QT(weight_type)
+    if weight_type not in WEIGHT_TYPES:
+        names = ", ".join(sorted(t.name for t in WEIGHT_TYPES))
+        raise ValueError(f"weight_type {weight_type.name} is not one gguf can quantize ({names})")
+    tok_meta = tokenizer_metadata(n_vocab)
+    config = LlamaConfig(n_layer, n_embd, n_head, n_head_kv, n_ff, len(tok_meta["tokenizer.ggml.tokens"]),
+                         n_ctx_train, rope_base, tied_output=tied_output)
+    rng = np.random.default_rng(seed)
+    tensors = {name: _random_weight(rng, shape, weight_type) for name, shape in config.tensor_shapes().items()}
+    metadata = config.metadata() | tok_meta | dict(extra_metadata or {})
+    return write_gguf(path, "llama", metadata, tensors)
+
+
+def write_sparse_big(path: str | os.PathLike[str], *, n_layer: int = 32, n_embd: int = 4096, n_head: int = 32,
+                     n_head_kv: int = 8, n_ff: int = 14336, n_vocab: int = 32000, n_ctx_train: int = 8192,
+                     weight_type: QT = QT.Q4_K, tied_output: bool = False) -> Path:
+    """Write a llama model of real size (default: Llama-3-8B's shape with a 32k vocabulary, ~4 GB of
+    Q4_K data) whose weights are sparse zeros: valid metadata and tensor directory, a few KB on disk."""
+    tok_meta = tokenizer_metadata(n_vocab)
+    config = LlamaConfig(n_layer, n_embd, n_head, n_head_kv, n_ff, n_vocab, n_ctx_train,
+                         rope_base=500000.0, tied_output=tied_output)
+    shapes = {name: (shape, QT.F32 if len(shape) == 1 else QT(weight_type))
+              for name, shape in config.tensor_shapes().items()}
+    return write_gguf_sparse(path, "llama", config.metadata() | tok_meta, shapes)
+
+
+def _random_weight(rng: np.random.Generator, shape: tuple[int, ...], qtype: QT) -> np.ndarray | QuantizedTensor:
+    if len(shape) == 1:
+        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    values = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+    if qtype == QT.F32:
+        return values
+    if qtype == QT.F16:
+        return values.astype(np.float16)
+    return QuantizedTensor(quantize(values, qtype), qtype)
+
+
+def _nbytes(qtype: QT, shape: tuple[int, ...]) -> int:
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    return int(np.prod(shape, dtype=np.int64)) // block_size * type_size
+
+
+def _writer_with_metadata(arch: str, metadata: Mapping[str, Any]) -> GGUFWriter:
+    writer = GGUFWriter(None, arch)
+    for key, value in metadata.items():
+        if key == "general.architecture":
+            continue
+        vtype, sub_type, value = _typed(value)
+        writer.add_key_value(key, value, vtype, sub_type)
+    return writer
+
+
+def _typed(value: Any) -> tuple[GGUFValueType, GGUFValueType | None, Any]:
+    """(value type, array item type, value as GGUFWriter packs it) for one metadata value."""
+    if isinstance(value, np.ndarray):
+        return GGUFValueType.ARRAY, _NUMPY_VALUE_TYPES[value.dtype], value.tolist()
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError("GGUF metadata arrays cannot be empty")
+        items = [_typed(v) for v in value]
+        item_types = {t for t, _, _ in items}
+        item_type = GGUFValueType.INT32 if item_types == {GGUFValueType.UINT32, GGUFValueType.INT32} else items[0][0]
+        return GGUFValueType.ARRAY, item_type, [v for _, _, v in items]
+    if isinstance(value, np.generic):
+        return _NUMPY_VALUE_TYPES[value.dtype], None, value.item()
+    if isinstance(value, bool):
+        return GGUFValueType.BOOL, None, value
+    if isinstance(value, int):
+        return (GGUFValueType.UINT32 if value >= 0 else GGUFValueType.INT32), None, value
+    if isinstance(value, float):
+        return GGUFValueType.FLOAT32, None, value
+    if isinstance(value, str):
+        return GGUFValueType.STRING, None, value
+    raise TypeError(f"cannot store {type(value).__name__} as GGUF metadata")
