@@ -24,16 +24,13 @@ _BLOCK_DTYPES: dict[QT, np.dtype] = {
     QT.Q8_0: np.dtype([("d", "<f2"), ("qs", "i1", 32)]),
     QT.Q4_0: np.dtype([("d", "<f2"), ("qs", "u1", 16)]),
     QT.Q4_1: np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", 16)]),
-    QT.Q5_0: np.dtype([("d", "<f2"), ("qh", "<u4"), ("qs", "u1", 16)]),
-    QT.Q5_1: np.dtype([("d", "<f2"), ("m", "<f2"), ("qh", "<u4"), ("qs", "u1", 16)]),
+    QT.Q5_0: np.dtype([("d", "<f2"), ("qh", "u1", 4), ("qs", "u1", 16)]),
+    QT.Q5_1: np.dtype([("d", "<f2"), ("m", "<f2"), ("qh", "u1", 4), ("qs", "u1", 16)]),
     QT.Q4_K: np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qs", "u1", 128)]),
     QT.Q5_K: np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qh", "u1", 32),
                        ("qs", "u1", 128)]),
     QT.Q6_K: np.dtype([("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16), ("d", "<f2")]),
 }
-
-# Bit k of a 32-bit word, for k = 0..31: spreads Q5_0/Q5_1's high bits over the block.
-_BIT_SHIFTS = np.arange(32, dtype=np.uint32)
 
 
 def block_layout(qtype: QT) -> tuple[int, int]:
@@ -102,8 +99,8 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def _high_bits(qh: np.ndarray) -> np.ndarray:
-    """Bit j of each block's 32-bit `qh` as the fifth bit (value 16) of element j."""
-    return (((qh[:, None] >> _BIT_SHIFTS) & 1) << 4).astype(np.uint8)
+    """Bit j of each block's little-endian 32-bit `qh` (given as 4 bytes) as the fifth bit of element j."""
+    return np.unpackbits(qh, axis=1, bitorder="little") << 4
 
 
 def _decode_q8_0(b: np.ndarray, out: np.ndarray) -> None:
