@@ -171,16 +171,19 @@ def plan_graph(nodes: list[Tensor], leafs: Iterable[Tensor], owns: Owns, alignme
 
 
 def _inplace_donor(n: Tensor, rec: dict[int, _Record], owns: Owns) -> Tensor | None:
-    """A source whose memory n may take: n is its last consumer, it has no live view, it is
-    not a weight, input or output, it is ours, and it has n's exact size."""
-    if not OPS[n.op].inplace:
+    """n's first source, if n may take its memory: n is its last consumer, it has no live view,
+    it is not a weight, input or output, it is ours, and it has n's exact size.
+
+    Only the first source: kernels are written to be correct when `out` aliases their first
+    source (swiglu writes silu(gate) into `out` before it reads `up`)."""
+    if not OPS[n.op].inplace or not n.srcs:
         return None
-    for s in n.srcs:
-        x = rec.get(id(s))
-        if (x is not None and x.owned and x.offset >= 0 and x.consumers == 1 and x.views == 0
-                and s.view_src is None and not (s.is_input or s.is_output or s.is_weight)
-                and s.nbytes == n.nbytes and s.dtype == n.dtype and owns(s)):
-            return s
+    s = n.srcs[0]
+    x = rec.get(id(s))
+    if (x is not None and x.owned and x.offset >= 0 and x.consumers == 1 and x.views == 0
+            and s.view_src is None and not (s.is_input or s.is_output or s.is_weight)
+            and s.nbytes == n.nbytes and s.dtype == n.dtype and owns(s)):
+        return s
     return None
 
 

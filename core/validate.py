@@ -34,7 +34,8 @@ def validate_plan(order: list[Tensor], offsets: dict[Tensor, int], sizes: dict[T
             r = s.root
             last[id(r)] = max(last.get(id(r), -1), i)
         if n.view_src is not None:
-            last[id(n.view_src)] = max(last.get(id(n.view_src), -1), i)
+            # an output view's bytes are its root's: the root must survive to the end
+            last[id(n.view_src)] = end if n.is_output else max(last.get(id(n.view_src), -1), i)
             _check_view(n)
     lives = []
     for t, off in offsets.items():

@@ -34,6 +34,10 @@ class Buffer:
     def size(self) -> int:
         return int(self.storage.nbytes)
 
+    def clear(self, value: int = 0) -> None:
+        """Fill every byte (the KV cache starts zeroed, so masked cells hold no NaN garbage)."""
+        self.storage.fill(value)
+
     def __repr__(self) -> str:
         return f"Buffer({self.backend.name}, {self.usage}, {self.size} bytes)"
 

@@ -45,6 +45,9 @@ class KVCache:
             k = ctx.new_tensor(f"cache_k_l{il}", dtype, (n_ctx, n_embd_kv))
             v = ctx.new_tensor(f"cache_v_l{il}", dtype, (n_ctx, n_embd_kv))
             self.layers.append(CacheRows(k, v))
+        for ctx in self.contexts.values():
+            for buf in ctx.buffers:
+                buf.clear()
         self.pos = np.full(n_ctx, -1, dtype=np.int32)
         self.seqs = np.zeros((n_ctx, n_seq_max), dtype=bool)
         self.shift = np.zeros(n_ctx, dtype=np.int32)

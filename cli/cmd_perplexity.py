@@ -1,0 +1,48 @@
+"""`ggrun perplexity`: score a text file like llama-perplexity; result on stdout."""
+from __future__ import annotations
+
+import json
+import time
+
+import typer
+
+from cli import options as o
+from cli.app import app
+from cli.cmd_run import read_prompt
+from cli.common import check_positive, err_console, load_model
+from core.errors import BadInput
+from core.llm.perplexity import score_tokens
+from core.llm.session import Session, SessionParams
+
+
+@app.command("perplexity")
+def perplexity_command(
+    model: o.Model = None, file: o.File = None, ctx_size: o.Ctx = 2048, batch_size: o.BatchSize = 2048,
+    ubatch_size: o.UBatchSize = 512, n_gpu_layers: o.GpuLayers = 0,
+    output: str = typer.Option("text", "-o", "--output", help="text or json"),
+) -> None:
+    """Perplexity of a text (like llama-perplexity)."""
+    if file is None:
+        raise BadInput("give the text to score with -f FILE")
+    if output not in ("text", "json"):
+        raise BadInput(f"-o {output}: choose text or json")
+    check_positive(**{"-c": ctx_size, "-b": batch_size, "-ub": ubatch_size})
+    if ctx_size < 2:
+        raise BadInput(f"-c {ctx_size}: a window needs at least 2 tokens")
+    text = read_prompt(None, file)
+    m = load_model(model, n_gpu_layers)
+    tokens = m.tokenizer.tokenize(text, add_special=True, parse_special=False)
+    if len(tokens) < 2:
+        raise BadInput(f"{file}: too short to score ({len(tokens)} tokens)")
+    session = Session(m, SessionParams(n_ctx=min(ctx_size, len(tokens)), n_batch=batch_size,
+                                       n_ubatch=ubatch_size))
+    t0 = time.perf_counter()
+    score = score_tokens(session, tokens, m.tokenizer.bos_id if m.tokenizer.add_bos else None)
+    secs = time.perf_counter() - t0
+    if output == "json":
+        typer.echo(json.dumps({"perplexity": score.perplexity, "n_tokens": score.n_tokens,
+                               "n_ctx": session.n_ctx, "seconds": secs}))
+    else:
+        typer.echo(f"perplexity: {score.perplexity:.4f} over {score.n_tokens} tokens")
+    err_console.print(f"scored {score.n_tokens} tokens in {secs:.2f} s "
+                      f"({score.n_tokens / secs:.1f} tokens per second)", markup=False)

@@ -1,0 +1,149 @@
+"""`ggrun run`: generate text from a prompt, like llama-cli, streaming tokens to stdout
+and printing llama.cpp-style timings to stderr."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import typer
+
+from cli import options as o
+from cli.app import app
+from cli.common import check_positive, err_console, list_devices, load_model, timing_line
+from core.errors import BadInput
+from core.llm.generate import generate
+from core.llm.sampling import Sampler, SamplingParams
+from core.llm.session import Session, SessionParams
+from loaders.chat import render_chat
+from loaders.tokenizer import StreamDecoder
+
+DEFAULT_PROMPT = "The three most useful things to know about the ocean are"
+
+
+def read_prompt(prompt: str | None, file: str | None) -> str:
+    if prompt is not None and file is not None:
+        raise BadInput("give either -p or -f, not both")
+    if file is not None:
+        path = Path(file)
+        if not path.is_file():
+            raise BadInput(f"{file}: no such file")
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise BadInput(f"{file}: not UTF-8 text") from None
+    return DEFAULT_PROMPT if prompt is None else prompt
+
+
+@app.command("run")
+def run_command(
+    model: o.Model = None, prompt: o.Prompt = None, file: o.File = None, n_predict: o.NPredict = 128,
+    ctx_size: o.Ctx = 2048, batch_size: o.BatchSize = 2048, ubatch_size: o.UBatchSize = 512,
+    n_gpu_layers: o.GpuLayers = 0, seed: o.Seed = -1, temp: o.Temp = 0.8, top_k: o.TopK = 40,
+    top_p: o.TopP = 0.95, min_p: o.MinP = 0.05, repeat_penalty: o.RepeatPenalty = 1.0,
+    repeat_last_n: o.RepeatLastN = 64,
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-generation tokens"),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template (interactive when stdin is a terminal)"),
+    verbose_prompt: bool = typer.Option(False, "--verbose-prompt", help="Print the prompt's tokens to stderr before generating"),
+    list_devices_: o.ListDevices = False, no_graph_reuse: o.NoGraphReuse = False, verbose: o.Verbose = False,
+) -> None:
+    """Generate text from a prompt (like llama-cli)."""
+    if list_devices_:
+        list_devices()
+        return
+    text = read_prompt(prompt, file)
+    check_positive(**{"-c": ctx_size, "-b": batch_size, "-ub": ubatch_size})
+    if n_predict < 0:
+        raise BadInput(f"-n {n_predict}: the number of tokens to predict must not be negative")
+    sampling = SamplingParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed)
+    sampling.check()
+    m = load_model(model, n_gpu_layers)
+    session = Session(m, SessionParams(n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size,
+                                       graph_reuse=not no_graph_reuse))
+    if chat and sys.stdin.isatty() and prompt is None and file is None:
+        _interactive_chat(session, sampling, n_predict, ignore_eos)
+        return
+    if chat:
+        text = _chat_prompt(m, [{"role": "user", "content": text}])
+    _run_once(session, text, sampling, n_predict, ignore_eos, verbose_prompt, parse_special=chat)
+
+
+def _chat_prompt(m, messages: list[dict]) -> str:
+    tmpl = m.gguf.get("tokenizer.chat_template")
+    if not tmpl:
+        raise BadInput(f"{m.path}: the model has no chat template (tokenizer.chat_template)")
+    tok = m.tokenizer
+    bos = tok.token_to_piece(tok.bos_id).decode("utf-8", "replace") if tok.bos_id is not None else ""
+    eos = tok.token_to_piece(tok.eos_id).decode("utf-8", "replace") if tok.eos_id is not None else ""
+    return render_chat(tmpl, messages, add_generation_prompt=True, bos_token=bos, eos_token=eos)
+
+
+def _run_once(session: Session, text: str, sampling: SamplingParams, n_predict: int, ignore_eos: bool,
+              verbose_prompt: bool, parse_special: bool) -> None:
+    m = session.model
+    tokens = m.tokenizer.tokenize(text, add_special=True, parse_special=parse_special)
+    if verbose_prompt:
+        _print_prompt_tokens(m.tokenizer, tokens)
+    dec = StreamDecoder(m.tokenizer)
+    t0 = time.perf_counter()
+
+    def emit(tid: int) -> None:
+        sys.stdout.write(dec.feed(tid))
+        sys.stdout.flush()
+
+    out, st = generate(session, tokens, n_predict, Sampler(sampling, session.n_ctx), emit, ignore_eos)
+    sys.stdout.write(dec.flush())
+    if n_predict:
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+    total_ms = 1e3 * (time.perf_counter() - t0)
+    _print_timings(session, st, total_ms, len(tokens) + len(out))
+
+
+def _print_prompt_tokens(tok, tokens: list[int]) -> None:
+    err_console.print(f"prompt: {len(tokens)} tokens", markup=False)
+    for t in tokens:
+        piece = tok.token_to_piece(t).decode("utf-8", "replace")
+        print(f"{t:6d} -> '{piece}'", file=sys.stderr)
+
+
+def _print_timings(session: Session, st, total_ms: float, n_total: int) -> None:
+    m = session.model
+    lines = [
+        f"{'load time':>17s} = {1e3 * m.load_seconds:10.2f} ms",
+        timing_line("prompt eval time", 1e3 * st.prompt_s, st.n_prompt, "tokens"),
+        timing_line("eval time", 1e3 * st.eval_s, st.n_eval, "runs"),
+        f"{'total time':>17s} = {total_ms:10.2f} ms / {n_total:5d} tokens",
+        f"{'graphs reused':>17s} = {session.stats.graphs_reused} (built {session.stats.graphs_built})",
+    ]
+    for line in lines:
+        print(f"ggrun: {line}", file=sys.stderr)
+
+
+def _interactive_chat(session: Session, sampling: SamplingParams, n_predict: int, ignore_eos: bool) -> None:
+    """A multi-turn chat on a terminal: the whole conversation is re-rendered each turn."""
+    messages: list[dict] = []
+    sampler = Sampler(sampling, session.n_ctx)
+    while True:
+        try:
+            user = input("> ")
+        except EOFError:
+            break
+        if not user.strip():
+            continue
+        messages.append({"role": "user", "content": user})
+        tokens = session.model.tokenizer.tokenize(_chat_prompt(session.model, messages), True, True)
+        session.clear()
+        dec = StreamDecoder(session.model.tokenizer)
+        reply: list[str] = []
+
+        def emit(tid: int) -> None:
+            piece = dec.feed(tid)
+            reply.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+        generate(session, tokens, n_predict, sampler, emit, ignore_eos)
+        reply.append(dec.flush())
+        sys.stdout.write(reply[-1] + "\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})

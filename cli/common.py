@@ -1,0 +1,84 @@
+"""Helpers the commands share: backend listing, model loading with a progress bar,
+option checks, and llama.cpp-style timing lines on stderr."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+from core.backends.registry import probe, usable_backends
+from core.errors import BadInput
+from core.llm.model import Model
+from loaders.download import resolve_model
+
+err_console = Console(stderr=True, highlight=False)
+
+
+def list_devices() -> None:
+    """Print every known backend, usable or not (with the reason), to stdout."""
+    for info in probe():
+        state = "available" if info.available else f"unavailable: {info.reason}"
+        typer.echo(f"{info.name:5s} {info.device} ({state})")
+
+
+def check_positive(**values: int) -> None:
+    for name, v in values.items():
+        if v < 1:
+            raise BadInput(f"{name} {v} must be positive")
+
+
+def resolve(model: str | None) -> Path:
+    return resolve_model(model)
+
+
+def load_model(model: str | None, n_gpu_layers: int = 0, quiet: bool = False) -> Model:
+    """Resolve and load a model on the usable backends; a progress bar appears when loading is slow."""
+    if n_gpu_layers < 0:
+        raise BadInput(f"-ngl {n_gpu_layers} must not be negative")
+    path = resolve(model)
+    backends = usable_backends()
+    if n_gpu_layers > 0 and len(backends) == 1:
+        err_console.print("warning: no device backend is available; -ngl is ignored (see --list-devices)")
+    bar = _LazyProgress(f"loading {path.name}", enabled=not quiet)
+    try:
+        return Model.load(path, backends, n_gpu_layers, progress=bar.update)
+    finally:
+        bar.close()
+
+
+class _LazyProgress:
+    """A rich progress bar on stderr that only appears once the work has taken over a second."""
+
+    def __init__(self, label: str, enabled: bool = True) -> None:
+        self.label = label
+        self.enabled = enabled and sys.stderr.isatty()
+        self.t0 = time.perf_counter()
+        self.progress: Progress | None = None
+        self.task = None
+
+    def update(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.progress is None:
+            if time.perf_counter() - self.t0 < 1.0:
+                return
+            self.progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                     TimeRemainingColumn(), console=err_console, transient=True)
+            self.progress.start()
+            self.task = self.progress.add_task(self.label, total=total)
+        self.progress.update(self.task, completed=done)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+def timing_line(label: str, ms: float, count: int, unit: str) -> str:
+    """llama.cpp's perf line: `label = X ms / N unit (Y ms per token, Z tokens per second)`."""
+    per = ms / count if count else 0.0
+    tps = 1e3 * count / ms if ms > 0 else 0.0
+    return f"{label:>17s} = {ms:10.2f} ms / {count:5d} {unit:6s} ({per:8.2f} ms per token, {tps:8.2f} tokens per second)"

@@ -1,0 +1,46 @@
+"""`sim`: a stand-in device backend for tests and demonstrations. It runs the numpy kernels
+but behaves like a separate device: its own arenas and alignment (256), no zero-copy
+wrapping of host memory, a configurable set of refused ops, and counters of the bytes
+copied in and out.
+
+It fails loudly when asked to read memory of another backend, so a missing copy in the
+scheduler cannot go unnoticed. Enabled with GGRUN_SIM_DEVICE=1.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from core.backends.base import BufferType
+from core.backends.cpu import CPUBackend
+from core.tensor import Tensor
+
+
+class SimBackend(CPUBackend):
+    name = "SIM"
+    buffer_type = BufferType(alignment=256, max_size=1 << 40)
+    wrap = None  # host arrays are always copied in, as to a real device
+
+    def __init__(self, refuse: frozenset[str] | None = None) -> None:
+        super().__init__()
+        self.device = "stand-in device (numpy kernels, own memory)"
+        if refuse is None:
+            refuse = frozenset(x for x in os.environ.get("GGRUN_SIM_REFUSE", "").split(",") if x)
+        self.refuse = frozenset(refuse)
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    def supports_op(self, node: Tensor) -> bool:
+        return node.op not in self.refuse and super().supports_op(node)
+
+    def set_tensor(self, t: Tensor, data: np.ndarray) -> None:
+        super().set_tensor(t, data)
+        self.bytes_in += t.nbytes
+
+    def get_tensor(self, t: Tensor) -> np.ndarray:
+        self.bytes_out += t.nbytes
+        return super().get_tensor(t)
+
+    def reset_counters(self) -> None:
+        self.bytes_in = self.bytes_out = 0

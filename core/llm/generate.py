@@ -1,0 +1,83 @@
+"""Text generation for one sequence: evaluate the prompt in batches, then sample and decode
+one token at a time, handing each token to a callback as soon as it exists."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from core.errors import BadInput
+from core.llm.batch import Batch
+from core.llm.sampling import Sampler
+from core.llm.session import Session
+
+
+@dataclass
+class GenerationStats:
+    n_prompt: int = 0
+    prompt_s: float = 0.0
+    n_eval: int = 0  # single-token decode runs after the prompt
+    eval_s: float = 0.0
+    sample_s: float = 0.0
+    stop_reason: str = ""
+
+
+def check_prompt(session: Session, prompt: list[int], n_predict: int) -> None:
+    if n_predict < 0:
+        raise BadInput(f"-n {n_predict}: the number of tokens to predict must not be negative")
+    if not prompt:
+        raise BadInput("the prompt is empty (give -p TEXT or -f FILE)")
+    if len(prompt) > session.n_ctx:
+        raise BadInput(f"the prompt is {len(prompt)} tokens, longer than the context (-c {session.n_ctx})")
+
+
+def eval_prompt(session: Session, prompt: list[int], n_batch: int, seq: int = 0, start_pos: int = 0) -> np.ndarray:
+    """Decode the prompt in batches of n_batch tokens; logits of its last token."""
+    logits = None
+    for i in range(0, len(prompt), n_batch):
+        chunk = prompt[i:i + n_batch]
+        last = i + n_batch >= len(prompt)
+        out = session.decode(Batch.of_sequence(chunk, start_pos + i, seq, last_logits=last))
+        if last:
+            logits = out[-1]
+    return logits
+
+
+def generate(session: Session, prompt: list[int], n_predict: int, sampler: Sampler,
+             on_token: Callable[[int], None], ignore_eos: bool = False) -> tuple[list[int], GenerationStats]:
+    """Generate up to n_predict tokens after `prompt`; stops at an end-of-generation token
+    (unless ignore_eos) or when the context is full."""
+    check_prompt(session, prompt, n_predict)
+    st = GenerationStats(n_prompt=len(prompt))
+    tok = session.model.tokenizer
+    t0 = time.perf_counter()
+    logits = eval_prompt(session, prompt, session.params.n_batch)
+    st.prompt_s = time.perf_counter() - t0
+    for t in prompt:
+        sampler.accept(t)
+    out: list[int] = []
+    pos = len(prompt)
+    while len(out) < n_predict:
+        t1 = time.perf_counter()
+        token = sampler.sample(logits)
+        sampler.accept(token)
+        st.sample_s += time.perf_counter() - t1
+        if not ignore_eos and tok.is_eog(token):
+            st.stop_reason = "end of generation token"
+            break
+        out.append(token)
+        on_token(token)
+        if len(out) == n_predict:
+            break
+        if pos >= session.n_ctx:
+            st.stop_reason = "context full"
+            break
+        t1 = time.perf_counter()
+        logits = session.decode(Batch.of_sequence([token], pos))[-1]
+        st.eval_s += time.perf_counter() - t1
+        st.n_eval += 1
+        pos += 1
+    st.stop_reason = st.stop_reason or "n_predict reached"
+    return out, st
