@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from core.backends.base import Buffer
 from core.dtypes import DType, dtype_of_numpy
 from core.tensor import Tensor, new_tensor
 
@@ -15,9 +16,10 @@ from core.tensor import Tensor, new_tensor
 class ImmediateContext:
     """Owns the buffers of the tensors it creates on one backend."""
 
-    def __init__(self, backend, usage: str = "weights") -> None:
+    def __init__(self, backend, usage: str = "weights", virtual: bool = False) -> None:
         self.backend = backend
         self.usage = usage
+        self.virtual = virtual  # tensors get a virtual buffer: a size and a backend, no memory
         self.tensors: dict[str, Tensor] = {}
         self.buffers: list = []
 
@@ -28,7 +30,10 @@ class ImmediateContext:
     def new_tensor(self, name: str, dtype: DType, shape: tuple[int, ...], weight: bool = False) -> Tensor:
         """A tensor with fresh (uninitialised) memory on this context's backend."""
         t = new_tensor(name, dtype, shape, is_weight=weight)
-        buf = self.backend.alloc_buffer(max(t.nbytes, 1), usage=self.usage)
+        if self.virtual:
+            buf = Buffer(self.backend, None, self.usage, size=t.nbytes)
+        else:
+            buf = self.backend.alloc_buffer(max(t.nbytes, 1), usage=self.usage)
         self._adopt(t, buf)
         return t
 

@@ -23,20 +23,30 @@ class BufferType:
 
 
 class Buffer:
-    """One arena of a backend: `storage` is a flat uint8 array (numpy or cupy)."""
+    """One arena of a backend: `storage` is a flat uint8 array (numpy or cupy).
 
-    def __init__(self, backend: "Backend", storage: Any, usage: str) -> None:
+    A virtual buffer has a size but no storage: it lets `ggrun measure` place weights and
+    the KV cache on backends and plan graphs over them without taking their memory.
+    """
+
+    def __init__(self, backend: "Backend", storage: Any, usage: str, size: int | None = None) -> None:
         self.backend = backend
         self.storage = storage
         self.usage = usage
+        self._size = int(storage.nbytes) if storage is not None else int(size or 0)
 
     @property
     def size(self) -> int:
-        return int(self.storage.nbytes)
+        return self._size
+
+    @property
+    def is_virtual(self) -> bool:
+        return self.storage is None
 
     def clear(self, value: int = 0) -> None:
         """Fill every byte (the KV cache starts zeroed, so masked cells hold no NaN garbage)."""
-        self.storage.fill(value)
+        if self.storage is not None:
+            self.storage.fill(value)
 
     def __repr__(self) -> str:
         return f"Buffer({self.backend.name}, {self.usage}, {self.size} bytes)"

@@ -31,7 +31,7 @@ class KVCache:
     """n_ctx cells shared by up to n_seq_max sequences."""
 
     def __init__(self, n_ctx: int, n_embd_kv: int, layer_backends: list, n_seq_max: int = 1,
-                 dtype: DType = DType.F16, pad: int = KV_PAD) -> None:
+                 dtype: DType = DType.F16, pad: int = KV_PAD, virtual: bool = False) -> None:
         if dtype not in (DType.F16, DType.F32):
             raise BadInput(f"KV cache type {dtype} is not supported (use f16 or f32)")
         self.n_ctx = n_ctx
@@ -41,7 +41,7 @@ class KVCache:
         self.contexts: dict[str, ImmediateContext] = {}
         self.layers: list[CacheRows] = []
         for il, backend in enumerate(layer_backends):
-            ctx = self.contexts.setdefault(backend.name, ImmediateContext(backend, usage="kv"))
+            ctx = self.contexts.setdefault(backend.name, ImmediateContext(backend, "kv", virtual=virtual))
             k = ctx.new_tensor(f"cache_k_l{il}", dtype, (n_ctx, n_embd_kv))
             v = ctx.new_tensor(f"cache_v_l{il}", dtype, (n_ctx, n_embd_kv))
             self.layers.append(CacheRows(k, v))

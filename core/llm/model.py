@@ -14,6 +14,7 @@ from typing import Callable
 
 from core.backends.base import Backend
 from core.context import ImmediateContext
+from core.dtypes import DType
 from core.errors import BadInput
 from core.llm.hparams import HParams
 from core.llm.weights import Weights
@@ -96,30 +97,33 @@ class Model:
 
     @staticmethod
     def load(path: str | Path, backends: list[Backend], n_gpu_layers: int = 0,
-             progress: Progress | None = None) -> "Model":
-        """Open, validate and load a GGUF model onto `backends` (priority order, CPU last)."""
+             progress: Progress | None = None, metadata_only: bool = False) -> "Model":
+        """Open, validate and load a GGUF model onto `backends` (priority order, CPU last).
+
+        With metadata_only, weights are placed in virtual buffers: shapes and backends are
+        real, no tensor data is read and no weight memory is taken (for `ggrun measure`).
+        """
         t0 = time.perf_counter()
         gf = open_gguf(path)
         hp, arch = Model.read_hparams(gf)
         tokenizer = Tokenizer.from_metadata(gf.metadata)
         placement = Placement.for_layers(hp.n_layer, backends, n_gpu_layers)
         contexts: dict[str, ImmediateContext] = {}
+
+        def ctx_for(backend: Backend) -> ImmediateContext:
+            return contexts.setdefault(backend.name, ImmediateContext(backend, "weights", virtual=metadata_only))
+
         tensors = {}
-        names = list(gf.tensors)
-        total = sum(gf.tensors[n].n_bytes for n in names)
+        total = gf.file_bytes
         done = 0
-        for name in names:
-            backend = _backend_for(name, placement)
-            ctx = contexts.setdefault(backend.name, ImmediateContext(backend, usage="weights"))
-            tensors[name] = _weight(ctx, gf, name, name)
-            done += gf.tensors[name].n_bytes
+        for name, info in gf.tensors.items():
+            tensors[name] = _weight(ctx_for(_backend_for(name, placement)), gf, name, name)
+            done += info.n_bytes
             if progress:
                 progress(done, total)
         if "output.weight" not in tensors:  # tied head: the embedding serves as output weight
-            emb = tensors["token_embd.weight"]
-            ctx = contexts.setdefault(placement.output.name, ImmediateContext(placement.output, usage="weights"))
-            tensors["output.weight"] = emb if placement.output is placement.input else \
-                _weight(ctx, gf, "output.weight", "token_embd.weight")
+            tensors["output.weight"] = tensors["token_embd.weight"] if placement.output is placement.input \
+                else _weight(ctx_for(placement.output), gf, "output.weight", "token_embd.weight")
         weights = Weights(tensors, str(gf.path))
         return Model(gf, hp, arch, tokenizer, weights, placement, backends, contexts, time.perf_counter() - t0)
 
@@ -127,7 +131,10 @@ class Model:
 def _weight(ctx: ImmediateContext, gf: GGUFFile, name: str, source: str):
     """Decode tensor `source` to f32 into ctx as `name`. A weight stored block-quantized meets
     8-bit-rounded activations in mul_mat, as in llama.cpp's CPU kernels (`act_quant`)."""
-    t = ctx.from_array(name, gf.load_f32(source))
+    if ctx.virtual:
+        t = ctx.new_tensor(name, DType.F32, gf.tensors[source].shape, weight=True)
+    else:
+        t = ctx.from_array(name, gf.load_f32(source))
     if gf.tensors[source].qtype.name not in ("F32", "F16", "BF16"):
         t.params["act_quant"] = "q8"
     return t

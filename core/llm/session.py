@@ -78,13 +78,14 @@ class Session:
         self.params = params
         self.n_ubatch = min(params.n_ubatch, params.n_batch)
         self.sched = Scheduler(model.backends)
+        self.virtual = any(c.virtual for c in model.contexts.values())  # metadata-only model: plan, never run
         self.kv = KVCache(params.n_ctx, model.hp.n_embd_kv, model.placement.layers, params.n_seq_max,
-                          params.kv_type)
+                          params.kv_type, virtual=self.virtual)
         self.graph_reuse = params.graph_reuse and reuse_enabled_by_env()
         self.debug = graph_debug_level()
         self.stats = SessionStats()
         self.result: GraphResult | None = None
-        self.reserved = self.reserve()
+        self.reserved = {} if self.virtual else self.reserve()
 
     @property
     def n_ctx(self) -> int:
@@ -101,6 +102,13 @@ class Session:
         graph = build_graph([logits])
         sg = self.sched.schedule(graph)
         return GraphResult(p, inputs.all(), logits, sg, self.kv.version, self.sched.generation)
+
+    def plan_worst_case(self, all_logits: bool = True) -> tuple[GraphResult, dict, float]:
+        """Build and measure the worst-case graph without allocating: (graph, plans, plan seconds)."""
+        res = self.build(self.worst_case_params(all_logits))
+        t0 = time.perf_counter()
+        plans = self.sched.measure(res.sg)
+        return res, plans, time.perf_counter() - t0
 
     def reserve(self) -> dict:
         """Reserve every backend's compute buffer for the worst-case graph."""
