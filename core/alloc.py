@@ -97,11 +97,13 @@ class Plan:
 Owns = Callable[[Tensor], bool]
 
 
-def plan_graph(nodes: list[Tensor], leafs: Iterable[Tensor], owns: Owns, alignment: int) -> Plan:
+def plan_graph(nodes: list[Tensor], leafs: Iterable[Tensor], owns: Owns, alignment: int,
+               reuse: bool = True) -> Plan:
     """Plan the memory of every tensor `owns` accepts, walking `nodes` in execution order.
 
     Inputs (leafs flagged `is_input`) are placed first; each node is placed before its
     sources are released, in place on a dying same-sized source when its op allows.
+    With reuse=False every tensor keeps its own bytes (the reference plan `--verify` uses).
     """
     rec: dict[int, _Record] = {}
 
@@ -154,7 +156,9 @@ def plan_graph(nodes: list[Tensor], leafs: Iterable[Tensor], owns: Owns, alignme
 
     for n in nodes:
         if n.view_src is None and owns(n):
-            place(n, _inplace_donor(n, rec, owns))
+            place(n, _inplace_donor(n, rec, owns) if reuse else None)
+        if not reuse:
+            continue
         for s in n.srcs:
             x = r(s)
             x.consumers -= 1
@@ -194,8 +198,9 @@ class GraphAllocator:
     `alloc` places a graph into the reserved buffer, re-reserving (logged) when it needs more.
     """
 
-    def __init__(self, backend) -> None:
+    def __init__(self, backend, reuse: bool = True) -> None:
         self.backend = backend
+        self.reuse = reuse
         self.buffer = None
         self.reserves = 0
 
@@ -208,7 +213,7 @@ class GraphAllocator:
         return self.buffer.size if self.buffer is not None else 0
 
     def measure(self, nodes: list[Tensor], leafs: Iterable[Tensor], owns: Owns) -> Plan:
-        return plan_graph(nodes, leafs, owns, self.alignment)
+        return plan_graph(nodes, leafs, owns, self.alignment, self.reuse)
 
     def reserve(self, nodes: list[Tensor], leafs: Iterable[Tensor], owns: Owns) -> Plan:
         plan = self.measure(nodes, leafs, owns)

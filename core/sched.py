@@ -67,11 +67,11 @@ class ScheduledGraph:
 class Scheduler:
     """Runs graphs over several backends; `backends` is in priority order, the CPU last."""
 
-    def __init__(self, backends: list[Backend]) -> None:
+    def __init__(self, backends: list[Backend], reuse_memory: bool = True) -> None:
         if not backends:
             raise RuntimeFailure("the scheduler needs at least one backend")
         self.backends = list(backends)
-        self.allocators = {b.name: GraphAllocator(b) for b in self.backends}
+        self.allocators = {b.name: GraphAllocator(b, reuse_memory) for b in self.backends}
         self.generation = 0  # bumped by reset(): plans made before it are stale
         self.debug = int(os.environ.get("GGRUN_SCHED_DEBUG", "0") or 0)
 

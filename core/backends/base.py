@@ -85,6 +85,10 @@ class Backend(ABC):
         """Copy src (on any backend) into dst (on this backend), through the host."""
         self.set_tensor(dst, src.root.buffer.backend.get_tensor(src))
 
+    def address(self, arr: Any) -> int:
+        """Device address of an array's first element (used to check placements)."""
+        return int(arr.__array_interface__["data"][0])
+
     def check_owned(self, t: Tensor) -> None:
         root = t.root
         if root.buffer is None:

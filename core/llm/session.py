@@ -37,6 +37,7 @@ class SessionParams:
     n_seq_max: int = 1
     kv_type: DType = DType.F16
     graph_reuse: bool = True
+    reuse_memory: bool = True  # False: every intermediate gets its own bytes (a reference run)
 
     def check(self, hp_n_ctx_train: int) -> None:
         if self.n_ctx < 1:
@@ -77,7 +78,7 @@ class Session:
         self.model = model
         self.params = params
         self.n_ubatch = min(params.n_ubatch, params.n_batch)
-        self.sched = Scheduler(model.backends)
+        self.sched = Scheduler(model.backends, params.reuse_memory)
         self.virtual = any(c.virtual for c in model.contexts.values())  # metadata-only model: plan, never run
         self.kv = KVCache(params.n_ctx, model.hp.n_embd_kv, model.placement.layers, params.n_seq_max,
                           params.kv_type, virtual=self.virtual)

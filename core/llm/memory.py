@@ -1,0 +1,161 @@
+"""Memory planning per backend for a model and a configuration, without running it
+(`measure`), and a check that a real run keeps every node result in its planned place
+(`verify`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+
+from core.errors import RuntimeFailure
+from core.llm.batch import UBatch
+from core.llm.inputs import UBatchState
+from core.llm.model import Model
+from core.llm.session import Session, SessionParams
+from core.ops import OPS
+from core.sched import Scheduler
+from core.validate import validate_plan
+
+
+@dataclass
+class MemoryRecord:
+    """One configuration on one backend; field names are `ggrun measure -o json`'s keys."""
+
+    ctx: int
+    ubatch: int
+    logits: str  # "all": every token of the micro-batch (what llama.cpp reserves); "last": one per sequence
+    backend: str
+    weights_file_bytes: int
+    weights_resident_bytes: int
+    kv_bytes: int
+    output_bytes: int
+    compute_planned_bytes: int
+    compute_no_reuse_bytes: int
+    compute_lower_bound_bytes: int
+    nodes: int
+    splits: int
+    plan_ms: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def weights_file_bytes_by_backend(model: Model) -> dict[str, int]:
+    """Bytes each backend's weights take in the file (stored, possibly quantized)."""
+    out: dict[str, int] = {}
+    for name, info in model.gguf.tensors.items():
+        b = model.weights[name].buffer.backend.name
+        out[b] = out.get(b, 0) + info.n_bytes
+    return out
+
+
+def measure(model: Model, ctx: int, ubatch: int, n_batch: int, n_seq: int) -> list[MemoryRecord]:
+    """Records for both reservation modes, every backend, for one (ctx, ubatch)."""
+    session = Session(model, SessionParams(n_ctx=ctx, n_batch=n_batch, n_ubatch=ubatch, n_seq_max=n_seq))
+    file_bytes = weights_file_bytes_by_backend(model)
+    resident = model.resident_bytes()
+    kv = session.kv.bytes_by_backend()
+    cpu = session.sched.cpu.name
+    records = []
+    for mode in ("all", "last"):
+        res, plans, secs = session.plan_worst_case(all_logits=mode == "all")
+        n_out = min(n_batch, ctx) if mode == "all" else n_seq
+        for b in session.sched.backends:
+            plan = plans.get(b.name)
+            sg = res.sg
+            nodes = sum(1 for n in sg.graph.nodes if sg.backend_of.get(id(n)) is b and not OPS[n.op].view)
+            records.append(MemoryRecord(
+                ctx=ctx, ubatch=session.n_ubatch, logits=mode, backend=b.name,
+                weights_file_bytes=file_bytes.get(b.name, 0), weights_resident_bytes=resident.get(b.name, 0),
+                kv_bytes=kv.get(b.name, 0),
+                output_bytes=n_out * model.hp.n_vocab * 4 if b.name == cpu else 0,
+                compute_planned_bytes=plan.size if plan else 0,
+                compute_no_reuse_bytes=plan.no_reuse if plan else 0,
+                compute_lower_bound_bytes=plan.lower_bound if plan else 0,
+                nodes=nodes, splits=sum(1 for s in sg.splits if s.backend is b),
+                plan_ms=1e3 * secs))
+    return records
+
+
+@dataclass
+class VerifyReport:
+    nodes_checked: int
+    max_logit_diff: float
+
+
+SENTINEL = 0xFF  # every byte of a node's planned region before its kernel runs: f32 NaN 0xFFFFFFFF
+
+
+def verify(model: Model, ctx: int, ubatch: int, seed: int = 0) -> VerifyReport:
+    """Run one worst-case micro-batch through the planned buffers and prove the plan held:
+    each plan validates, each kernel wrote its result into its planned region (filled with a
+    sentinel just before it ran), and the logits equal a run where no memory is reused."""
+    params = SessionParams(n_ctx=ctx, n_batch=ubatch, n_ubatch=ubatch)
+    session = Session(model, params)
+    res = session.build(session.worst_case_params(all_logits=True))
+    plans = session.sched.alloc(res.sg)
+    for name, plan in plans.items():
+        validate_plan(res.sg.order, plan.offsets, plan.sizes)
+    ub = _random_ubatch(model, res.params.n_tokens, seed)
+    _set_inputs(session, res, ub)
+    checked = _run_checked(session.sched, res.sg, plans)
+    logits = session.sched.get_tensor(res.logits)
+
+    ref_session = Session(model, replace(params, reuse_memory=False))
+    ref_res = ref_session.build(ref_session.worst_case_params(all_logits=True))
+    ref_session.sched.alloc(ref_res.sg)
+    _set_inputs(ref_session, ref_res, ub)
+    ref_session.sched.compute(ref_res.sg)
+    diff = float(np.max(np.abs(ref_session.sched.get_tensor(ref_res.logits) - logits)))
+    if not np.isfinite(diff) or diff > 1e-4:
+        raise RuntimeFailure(f"verify: logits differ from a run without memory reuse by {diff:g}")
+    return VerifyReport(checked, diff)
+
+
+def _random_ubatch(model: Model, n: int, seed: int) -> UBatch:
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, model.hp.n_vocab, n).astype(np.int32)
+    pos = np.arange(n, dtype=np.int32)
+    return UBatch(toks, pos, np.zeros(n, np.int32), np.arange(n, dtype=np.int32), 0)
+
+
+def _set_inputs(session: Session, res, ub: UBatch) -> None:
+    cells = np.arange(ub.n_tokens, dtype=np.int32)
+    session.kv.apply(cells, ub.pos, ub.seq)
+    st = UBatchState(ub, cells, session.kv)
+    for inp in res.inputs:
+        inp.set_input(st, session.sched.cpu.array(inp.tensor))
+
+
+def _run_checked(sched: Scheduler, sg, plans) -> int:
+    """Compute node by node; before each planned node, poison its region; after, demand it was written."""
+    inplace = {id(n) for plan in plans.values() for n, _ in plan.inplace}
+    checked = 0
+    for split in sg.splits:
+        b = split.backend
+        for c in split.copies:
+            b.copy_tensor(c.srcs[0], c)
+        plan = plans[b.name]
+        storage = sched.allocators[b.name].buffer.storage
+        for node in split.nodes:
+            own = node in plan.offsets and id(node) not in inplace and node.nbytes > 0
+            if own:
+                _check_placement(b, node, storage, plan.offsets[node])
+                storage[node.offset:node.offset + node.nbytes] = SENTINEL
+            b.compute([node])
+            if own:
+                region = storage[node.offset:node.offset + node.nbytes]
+                if np.all(region == SENTINEL):
+                    raise RuntimeFailure(f"verify: {node.describe()} left its planned memory untouched "
+                                         "(its result went somewhere else)")
+                checked += 1
+    return checked
+
+
+def _check_placement(backend, node, storage, offset: int) -> None:
+    """The array a kernel writes into starts exactly at the node's planned offset."""
+    at = backend.address(backend.array(node)) - backend.address(storage)
+    if at != offset:
+        raise RuntimeFailure(f"verify: {node.describe()} is at byte {at}, planned at {offset}")
