@@ -1,0 +1,232 @@
+"""Continuous batching of many sequences over one KV cache (llama-parallel's job).
+
+A shared system prompt is evaluated once as sequence 0; each client's sequence shares
+those cells (seq_cp, no re-evaluation). Every step decodes one batch holding one token of
+each generating client and the prompt tokens of newly started ones. A finished sequence
+frees its cells and the client starts the next one at once. A sequence that cannot get
+cells yet waits; one that could never fit is reported and skipped.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from core.llm.batch import Batch
+from core.llm.generate import eval_prompt
+from core.llm.sampling import Sampler, SamplingParams
+from core.llm.session import Session
+
+SYSTEM_SEQ = 0
+
+
+@dataclass
+class SequenceResult:
+    client: int
+    seq: int
+    input: str
+    prompt_tokens: list[int]
+    response_tokens: list[int]
+    response: str
+    seconds: float
+    skipped: str = ""  # why the sequence was not run, when it could never fit
+
+    @property
+    def n_prompt(self) -> int:
+        return len(self.prompt_tokens)
+
+    @property
+    def n_response(self) -> int:
+        return len(self.response_tokens)
+
+
+@dataclass
+class ParallelSummary:
+    n_prompt: int = 0
+    n_gen: int = 0  # response tokens of finished sequences
+    prompt_s: float = 0.0  # decode time of steps that carried prompt tokens, shared by token count
+    gen_s: float = 0.0
+    total_s: float = 0.0
+    cache_misses: int = 0  # times a ready sequence had to wait for free KV cells
+    graphs_reused: int = 0
+    n_system: int = 0
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.n_prompt / self.prompt_s if self.prompt_s else 0.0
+
+    @property
+    def gen_tps(self) -> float:
+        return self.n_gen / self.gen_s if self.gen_s else 0.0
+
+    @property
+    def total_tps(self) -> float:
+        return (self.n_prompt + self.n_gen) / self.total_s if self.total_s else 0.0
+
+
+@dataclass
+class _Client:
+    id: int
+    seq_id: int
+    sampler: Sampler
+    job: int = -1  # index of the sequence being served, -1 when idle
+    pending: list[int] = field(default_factory=list)  # prompt tokens not yet decoded
+    prompt: list[int] = field(default_factory=list)
+    response: list[int] = field(default_factory=list)
+    pos: int = 0
+    next_token: int = -1  # sampled, to be decoded in the next step
+    t0: float = 0.0
+
+    def cells_still_needed(self, n_predict: int) -> int:
+        """Cells this sequence may still take: its undecoded prompt and the rest of its response."""
+        return len(self.pending) + n_predict - len(self.response)
+
+
+class ParallelRunner:
+    """Serves `prompts` with n_clients concurrent sequences on one session."""
+
+    def __init__(self, session: Session, n_clients: int, n_predict: int, sampling: SamplingParams,
+                 n_batch: int, ignore_eos: bool = False) -> None:
+        self.s = session
+        self.n_predict = n_predict
+        self.n_batch = n_batch
+        self.ignore_eos = ignore_eos
+        self.clients = [_Client(i, i + 1, Sampler(_seeded(sampling, i), session.n_ctx)) for i in range(n_clients)]
+        self.n_system = 0
+        self.summary = ParallelSummary()
+
+    def run(self, system_prompt: list[int], prompts: list[tuple[str, list[int]]],
+            on_done: Callable[[SequenceResult], None]) -> ParallelSummary:
+        """Evaluate the system prompt once, then serve every prompt; returns the totals."""
+        t_start = time.perf_counter()
+        built0 = self.s.stats.graphs_reused
+        self._system(system_prompt)
+        queue = list(range(len(prompts)))
+        done = 0
+        while done < len(prompts):
+            for c in self.clients:
+                if c.job < 0 and queue:
+                    verdict = self._try_start(c, queue[0], prompts)
+                    if verdict == "skip":
+                        on_done(self._skipped(c, queue.pop(0), prompts))
+                        done += 1
+                    elif verdict == "started":
+                        queue.pop(0)
+            if not any(c.job >= 0 for c in self.clients):
+                if queue:
+                    continue  # every waiting sequence was skipped this round; try the rest
+                break
+            for r in self._step(prompts):
+                on_done(r)
+                done += 1
+        self.summary.total_s = time.perf_counter() - t_start
+        self.summary.graphs_reused = self.s.stats.graphs_reused - built0
+        return self.summary
+
+    def _system(self, tokens: list[int]) -> None:
+        self.s.clear()
+        self.n_system = len(tokens)
+        self.summary.n_system = len(tokens)
+        if tokens:
+            t0 = time.perf_counter()
+            eval_prompt(self.s, tokens, self.n_batch, seq=SYSTEM_SEQ)
+            self.summary.prompt_s += time.perf_counter() - t0
+            self.summary.n_prompt += len(tokens)
+
+    def _free_cells(self) -> int:
+        return self.s.kv.n_free() - sum(c.cells_still_needed(self.n_predict) for c in self.clients if c.job >= 0)
+
+    def _try_start(self, c: _Client, job: int, prompts) -> str:
+        """Start `job` on client c when the cache can hold its worst case; 'skip' if it never can."""
+        tokens = prompts[job][1]
+        need = len(tokens) + self.n_predict
+        if need > self.s.n_ctx - self.n_system or not tokens:
+            return "skip"
+        if need > self._free_cells():
+            self.summary.cache_misses += 1
+            return "wait"
+        self.s.seq_rm(c.seq_id)
+        if self.n_system:
+            self.s.seq_cp(SYSTEM_SEQ, c.seq_id)
+        c.job, c.prompt, c.pending = job, list(tokens), list(tokens)
+        c.response, c.pos, c.next_token = [], self.n_system, -1
+        c.t0 = time.perf_counter()
+        for t in tokens:
+            c.sampler.accept(t)
+        return "started"
+
+    def _step(self, prompts) -> list[SequenceResult]:
+        """One decode: a token of every generating client, then prompt tokens within n_batch."""
+        batch = Batch()
+        rows: list[_Client] = []
+        gen = [c for c in self.clients if c.job >= 0 and not c.pending]
+        for c in gen:
+            batch.add(c.next_token, c.pos, c.seq_id, True)
+            rows.append(c)
+            c.pos += 1
+        n_prompt = 0
+        for c in self.clients:
+            if c.job < 0 or not c.pending:
+                continue
+            room = self.n_batch - len(batch)
+            if room <= 0:
+                break
+            chunk, c.pending = c.pending[:room], c.pending[room:]
+            for i, t in enumerate(chunk):
+                last = not c.pending and i == len(chunk) - 1
+                batch.add(t, c.pos, c.seq_id, last)
+                c.pos += 1
+                if last:
+                    rows.append(c)
+            n_prompt += len(chunk)
+        t0 = time.perf_counter()
+        logits = self.s.decode(batch)
+        dt = time.perf_counter() - t0
+        share = n_prompt / len(batch) if len(batch) else 0.0
+        self.summary.prompt_s += dt * share
+        self.summary.gen_s += dt * (1 - share)
+        self.summary.n_prompt += n_prompt
+        order = {id(c): i for i, c in enumerate(rows)}
+        finished = []
+        for c in rows:
+            if c.pending:
+                continue
+            finished += self._advance(c, logits[order[id(c)]], prompts)
+        return finished
+
+    def _advance(self, c: _Client, logits: np.ndarray, prompts) -> list[SequenceResult]:
+        """Sample the client's next token; finish the sequence at EOG or n_predict."""
+        tok = c.sampler.sample(logits)
+        c.sampler.accept(tok)
+        if not self.ignore_eos and self.s.model.tokenizer.is_eog(tok):
+            return [self._finish(c, prompts)]
+        c.response.append(tok)
+        if len(c.response) >= self.n_predict:
+            return [self._finish(c, prompts)]
+        c.next_token = tok
+        return []
+
+    def _finish(self, c: _Client, prompts) -> SequenceResult:
+        tok = self.s.model.tokenizer
+        res = SequenceResult(c.id, c.job, prompts[c.job][0], c.prompt, list(c.response),
+                             tok.detokenize(c.response), time.perf_counter() - c.t0)
+        self.s.seq_rm(c.seq_id)
+        self.summary.n_gen += len(c.response)
+        c.job, c.pending = -1, []
+        return res
+
+    def _skipped(self, c: _Client, job: int, prompts) -> SequenceResult:
+        text, tokens = prompts[job]
+        need = len(tokens) + self.n_predict
+        why = (f"needs {need} cells (prompt {len(tokens)} + {self.n_predict} to generate), the cache has "
+               f"{self.s.n_ctx - self.n_system} beside the system prompt") if tokens else "empty prompt"
+        return SequenceResult(c.id, job, text, list(tokens), [], "", 0.0, skipped=why)
+
+
+def _seeded(p: SamplingParams, client: int) -> SamplingParams:
+    """Each client draws from its own stream, reproducible when a seed is given."""
+    from dataclasses import replace
+
+    return replace(p, seed=p.seed + client if p.seed >= 0 else -1)
