@@ -84,6 +84,7 @@ def bench_command(
     ctx_size: int = typer.Option(None, "-c", "--ctx-size", help="Context size (default: what each test needs)"),
     n_gpu_layers: str = typer.Option("0", "-ngl", "--n-gpu-layers", help="Layers offloaded (comma list)"),
     repetitions: int = typer.Option(5, "-r", "--repetitions", help="Timed repetitions per test"),
+    threads: int = typer.Option(None, "-t", "--threads", help="CPU threads for matrix products (default: all cores)"),
     graph_reuse: str = typer.Option("1", "--graph-reuse", help="Graph reuse off/on (comma list of 0,1)"),
     output: str = typer.Option("md", "-o", "--output", help="md, csv, json or jsonl"),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="Log each repetition on stderr"),
@@ -109,7 +110,9 @@ def bench_command(
     configs = plan_configs(models, prompts, gens, parse_pg(pg or []), parse_int_list(batch_size, "-b"),
                            parse_int_list(ubatch_size, "-ub"), ngls, reuse, ctx_size)
     paths = {m: resolve(m) for m in models}
-    results = _run_all(configs, paths, repetitions, verbose)
+    if threads is not None and threads < 1:
+        raise BadInput(f"-t {threads} must be positive")
+    results = _run_all(configs, paths, repetitions, verbose, threads)
     sys.stdout.write(render(results, output))
 
 
@@ -123,7 +126,7 @@ def _nonneg_list(text: str, flag: str) -> list[int]:
     return values
 
 
-def _run_all(configs: list[Config], paths: dict, repetitions: int, verbose: bool) -> list[dict]:
+def _run_all(configs: list[Config], paths: dict, repetitions: int, verbose: bool, threads: int | None) -> list[dict]:
     out = []
     loaded: tuple[tuple[str, int], Model] | None = None
     with Progress(console=err_console, transient=True) as progress:
@@ -131,7 +134,7 @@ def _run_all(configs: list[Config], paths: dict, repetitions: int, verbose: bool
         for cfg in configs:
             key = (cfg.model, cfg.n_gpu_layers)
             if loaded is None or loaded[0] != key:
-                loaded = (key, load_model(cfg.model, cfg.n_gpu_layers, quiet=True))
+                loaded = (key, load_model(cfg.model, cfg.n_gpu_layers, quiet=True, threads=threads))
             m = loaded[1]
             session = Session(m, SessionParams(n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch,
                                                graph_reuse=cfg.graph_reuse))

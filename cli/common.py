@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
+from core.backends.cpu import set_threads
 from core.backends.registry import probe, usable_backends
 from core.errors import BadInput
 from core.llm.model import Model
@@ -35,10 +36,13 @@ def resolve(model: str | None) -> Path:
     return resolve_model(model)
 
 
-def load_model(model: str | None, n_gpu_layers: int = 0, quiet: bool = False) -> Model:
+def load_model(model: str | None, n_gpu_layers: int = 0, quiet: bool = False, threads: int | None = None) -> Model:
     """Resolve and load a model on the usable backends; a progress bar appears when loading is slow."""
     if n_gpu_layers < 0:
         raise BadInput(f"-ngl {n_gpu_layers} must not be negative")
+    if threads is not None and threads < 1:
+        raise BadInput(f"-t {threads} must be positive")
+    set_threads(threads)
     path = resolve(model)
     backends = usable_backends()
     if n_gpu_layers > 0 and len(backends) == 1:

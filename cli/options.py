@@ -23,3 +23,4 @@ RepeatLastN = Annotated[int, typer.Option("--repeat-last-n", help="Tokens consid
 ListDevices = Annotated[bool, typer.Option("--list-devices", help="List the backends usable on this machine and exit")]
 NoGraphReuse = Annotated[bool, typer.Option("--no-graph-reuse", help="Rebuild and replan the graph for every micro-batch")]
 Verbose = Annotated[bool, typer.Option("-v", "--verbose", help="More logging on stderr")]
+Threads = Annotated[Optional[int], typer.Option("-t", "--threads", help="CPU threads for matrix products (default: all cores)")]

@@ -13,6 +13,22 @@ from core.dtypes import DType
 from core.tensor import Tensor
 
 
+_thread_limit = None
+
+
+def set_threads(n: int | None) -> None:
+    """Threads numpy's BLAS may use (llama.cpp's -t); None keeps the library's default.
+
+    An oversubscribed machine makes multi-threaded BLAS many times slower, so users need this.
+    """
+    global _thread_limit
+    if n is None:
+        return
+    from threadpoolctl import threadpool_limits
+
+    _thread_limit = threadpool_limits(limits=n, user_api="blas")
+
+
 class CPUBackend(Backend):
     """numpy on the host; runs every op."""
 
