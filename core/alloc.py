@@ -116,6 +116,8 @@ def plan_graph(nodes: list[Tensor], leafs: Iterable[Tensor], owns: Owns, alignme
     for n in nodes:
         if n.view_src is not None:
             r(n.view_src).views += 1
+            if n.is_output:
+                r(n.view_src).views += 1  # never released: an output view keeps its root alive to the end
         for s in n.srcs:
             r(s).consumers += 1
 
