@@ -64,6 +64,12 @@ class ScheduledGraph:
         return self.backend_of[id(root)].name
 
 
+def _written_home(n: Tensor) -> Backend | None:
+    """The backend whose placed memory node n writes into (cpy, set_rows into the KV cache), if any."""
+    r = n.view_src
+    return r.buffer.backend if r is not None and r.buffer is not None else None
+
+
 class Scheduler:
     """Runs graphs over several backends; `backends` is in priority order, the CPU last."""
 
@@ -111,15 +117,27 @@ class Scheduler:
         for leaf in graph.leafs:
             be[id(leaf)] = leaf.buffer.backend if leaf.buffer is not None else self.cpu
         compute = [n for n in graph.nodes if not OPS[n.op].view]
-        # pass 1: pinned nodes, and nodes that read a placed tensor (weight, cache) run where it lives
+        # pass 1: a node writing into placed memory (a KV cache write) runs where that memory is, as
+        # its result is that memory; pinned nodes run where pinned; a node that reads a placed
+        # tensor (weight, cache) runs where it lives
         for n in compute:
+            home = _written_home(n)
+            if home is not None:
+                if n.name in pins and pins[n.name] is not home:
+                    raise GraphError(f"{n.describe()} writes into memory of {home.name}; "
+                                     f"it cannot be pinned to {pins[n.name].name}")
+                be[id(n)] = home
+                continue
             if n.name in pins:
                 be[id(n)] = pins[n.name]
                 continue
             for s in n.srcs:
                 r = s.root
                 if r.buffer is not None and not r.is_input:
-                    be[id(n)] = r.buffer.backend
+                    b = r.buffer.backend
+                    # one that cannot run the op goes to the fallback now, so that pass 2
+                    # spreads where the node really runs
+                    be[id(n)] = b if b.supports_op(n) else self._fallback(b, n)
                     break
         # pass 2: spread assignments forward to unassigned nodes, then back to leading ones
         cur = None
@@ -133,10 +151,14 @@ class Scheduler:
         for n in compute:
             if be.get(id(n)) is None:
                 be[id(n)] = first
-        # pass 3: fall back to the next backend that runs the op (the CPU last)
+        # pass 3: fall back to the next backend that runs the op (the CPU last); a node writing
+        # into placed memory cannot move (another backend could only write into a copy)
         for n in compute:
             b = be[id(n)]
             if not b.supports_op(n):
+                if _written_home(n) is not None:
+                    raise GraphError(f"{b.name} cannot run {n.op} of {n.describe()}, which writes into "
+                                     f"{n.view_src.describe()} in {b.name}'s memory")
                 be[id(n)] = self._fallback(b, n)
         # pass 4: pure views live where their root lives
         for n in graph.nodes:
