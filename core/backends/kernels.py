@@ -191,7 +191,7 @@ def round_q8_blocks(xp, x):
     """x rounded as llama.cpp's 8-bit activation blocks: 32 values share one f16 scale amax/127."""
     blocks = xp.ascontiguousarray(x, dtype=xp.float32).reshape(-1, 32)
     d = (xp.abs(blocks).max(axis=-1, keepdims=True) / 127).astype(xp.float16).astype(xp.float32)
-    inv = xp.divide(1.0, d, out=xp.zeros_like(d), where=d > 0)
+    inv = (d > 0) / xp.where(d > 0, d, 1)
     q = xp.rint(blocks * inv)
     q *= d
     return q.reshape(x.shape)
