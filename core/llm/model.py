@@ -21,7 +21,7 @@ from core.llm.weights import Weights
 from loaders.gguf_file import GGUFFile, open_gguf
 from loaders.tokenizer import Tokenizer
 
-ARCHS = {"llama": "core.llm.archs.llama", "gemma3": "core.llm.archs.gemma3"}
+ARCHS = {"llama": "core.llm.archs.llama"}
 
 Progress = Callable[[int, int], None]
 
