@@ -24,6 +24,7 @@ from core.errors import BadInput
 from core.llm.bench import BenchResult, BenchTest, run_bench
 from core.llm.model import Model
 from core.llm.session import Session, SessionParams
+from loaders.gguf_file import open_gguf
 
 FORMATS = ("md", "csv", "json", "jsonl")
 
@@ -110,6 +111,9 @@ def bench_command(
     configs = plan_configs(models, prompts, gens, parse_pg(pg or []), parse_int_list(batch_size, "-b"),
                            parse_int_list(ubatch_size, "-ub"), ngls, reuse, ctx_size)
     paths = {m: resolve(m) for m in models}
+    for p in paths.values():  # a model that cannot be read fails now, before any other is loaded or timed
+        with open_gguf(p) as gf:
+            Model.read_hparams(gf)
     if threads is not None and threads < 1:
         raise BadInput(f"-t {threads} must be positive")
     results = _run_all(configs, paths, repetitions, verbose, threads)
@@ -220,4 +224,6 @@ def markdown(results: list[dict]) -> str:
     def line(vals):
         return "| " + " | ".join(v.rjust(w) if c in right else v.ljust(w) for v, w, c in zip(vals, widths, cols)) + " |"
     sep = "| " + " | ".join(("-" * (w - 1) + ":") if c in right else "-" * w for w, c in zip(widths, cols)) + " |"
-    return "\n".join([line(cols), sep, *(line(r) for r in rows)]) + "\n"
+    # llama-bench ends its table with the build that produced it
+    build = f"\nbuild: ggrun {results[0]['ggrun_version']}\n" if results else ""
+    return "\n".join([line(cols), sep, *(line(r) for r in rows)]) + "\n" + build
