@@ -7,6 +7,7 @@ It reads only the plain metadata dict it is given; it never opens files or touch
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from core.errors import BadInput
@@ -55,6 +56,18 @@ _EOG_TEXTS = frozenset((
 _ALWAYS_RENDERED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")  # gpt-oss
 
 
+@dataclass(frozen=True)
+class _Defaults:
+    """What llama.cpp assumes for a tokenizer model when the metadata does not say."""
+
+    bos: int | None
+    eos: int | None
+    unk: int | None
+    add_bos: bool
+    add_space_prefix: bool
+    clean_spaces: bool
+
+
 class Tokenizer:
     """Text <-> token ids for one GGUF vocabulary ("gpt2" byte-level BPE or "llama" SentencePiece)."""
 
@@ -72,10 +85,11 @@ class Tokenizer:
         self.n_vocab = len(self.tokens)
         self.token_to_id = _token_index(self.tokens)
         self.attrs = _token_attrs(md, self.n_vocab)
-        self._encoder = self._make_encoder(md)
-        self._read_special_ids(md)
+        self._encoder, defaults = self._make_encoder(md)
+        self._read_flags_and_ids(md, defaults)
         self._find_eog_ids(md)
         self._special_ids = self._special_tokens_longest_first()
+        self._special_groups = self._group_by_prefix(self._special_ids)
         _set_strip_attrs(md, self.tokens, self.token_to_id, self.attrs, self._special_ids)
         self._pieces: dict[int, bytes] = {}
 
@@ -85,32 +99,28 @@ class Tokenizer:
 
     # --- construction -------------------------------------------------------------------------
 
-    def _make_encoder(self, md: dict[str, Any]) -> BpeEncoder | SpmEncoder:
+    def _make_encoder(self, md: dict[str, Any]) -> tuple[BpeEncoder | SpmEncoder, _Defaults]:
         if self.kind == "llama":
-            self.add_space_prefix, self.clean_spaces, self.add_bos = True, False, True
-            self._default_ids = {"bos": 1, "eos": 2, "unk": 0}
             encoder: BpeEncoder | SpmEncoder = SpmEncoder(self.token_to_id, _scores(md, self.n_vocab))
-        elif self.kind == "gpt2":
+            return encoder, _Defaults(bos=1, eos=2, unk=0, add_bos=True, add_space_prefix=True, clean_spaces=False)
+        if self.kind == "gpt2":
             pre_name = md.get("tokenizer.ggml.pre") or "default"
             pre = PRE_TOKENIZERS.get(pre_name)
             if pre is None:
                 raise BadInput(f"unsupported pre-tokenizer tokenizer.ggml.pre = {pre_name!r}")
-            merges = _require(md, "tokenizer.ggml.merges")
-            self.add_space_prefix, self.clean_spaces, self.add_bos = False, pre.clean_spaces, pre.add_bos
-            self._default_ids = {"bos": 11, "eos": 11, "unk": None}
-            encoder = BpeEncoder(self.token_to_id, merges, pre)
-        else:
-            raise BadInput(f"unsupported tokenizer model tokenizer.ggml.model = {self.kind!r} (need 'gpt2' or 'llama')")
-        self.add_eos = False
-        self.add_space_prefix = bool(md.get("tokenizer.ggml.add_space_prefix", self.add_space_prefix))
-        return encoder
+            encoder = BpeEncoder(self.token_to_id, _require(md, "tokenizer.ggml.merges"), pre)
+            return encoder, _Defaults(bos=11, eos=11, unk=None, add_bos=pre.add_bos, add_space_prefix=False,
+                                      clean_spaces=pre.clean_spaces)
+        raise BadInput(f"unsupported tokenizer model tokenizer.ggml.model = {self.kind!r} (need 'gpt2' or 'llama')")
 
-    def _read_special_ids(self, md: dict[str, Any]) -> None:
-        self.bos_id = self._special_id(md, ("bos_token_id",), self._default_ids["bos"])
-        self.eos_id = self._special_id(md, ("eos_token_id",), self._default_ids["eos"])
-        self.unk_id = self._special_id(md, ("unknown_token_id",), self._default_ids["unk"])
-        self.add_bos = bool(md.get("tokenizer.ggml.add_bos_token", self.add_bos))
-        self.add_eos = bool(md.get("tokenizer.ggml.add_eos_token", self.add_eos))
+    def _read_flags_and_ids(self, md: dict[str, Any], defaults: _Defaults) -> None:
+        self.add_space_prefix = bool(md.get("tokenizer.ggml.add_space_prefix", defaults.add_space_prefix))
+        self.clean_spaces = defaults.clean_spaces
+        self.bos_id = self._special_id(md, ("bos_token_id",), defaults.bos)
+        self.eos_id = self._special_id(md, ("eos_token_id",), defaults.eos)
+        self.unk_id = self._special_id(md, ("unknown_token_id",), defaults.unk)
+        self.add_bos = bool(md.get("tokenizer.ggml.add_bos_token", defaults.add_bos))
+        self.add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
         if self.add_bos and self.bos_id is None:
             raise BadInput("tokenizer.ggml.add_bos_token is true, but tokenizer.ggml.bos_token_id is not set")
         if self.add_eos and self.eos_id is None:
@@ -164,8 +174,20 @@ class Tokenizer:
         return sorted(self.token_to_id[t] for t in texts if t in self.token_to_id)
 
     def _special_tokens_longest_first(self) -> list[int]:
+        """Control, user-defined and unknown tokens in the order llama.cpp's partition tries them."""
         special = [tid for tid, attr in enumerate(self.attrs) if attr & (CONTROL | USER_DEFINED | UNKNOWN)]
-        return sorted(special, key=lambda tid: -len(self.tokens[tid].encode("utf-8")))
+        return sorted(special, key=self._partition_order)
+
+    def _partition_order(self, tid: int) -> tuple[int, int]:
+        # llama.cpp sorts by byte length only (std::sort, so ties fall in no defined order); ties go by id here
+        return -len(self.tokens[tid].encode("utf-8")), tid
+
+    def _group_by_prefix(self, ids: list[int]) -> dict[str, list[int]]:
+        """Special tokens by their first two characters, so that a text only checks the groups it could hold."""
+        groups: dict[str, list[int]] = {}
+        for tid in ids:
+            groups.setdefault(self.tokens[tid][:2], []).append(tid)
+        return groups
 
     # --- tokenize -----------------------------------------------------------------------------
 
@@ -212,8 +234,12 @@ class Tokenizer:
         return fragments
 
     def _specials_in(self, text: str, parse_special: bool) -> list[int]:
+        """The special tokens found in text, in partition order (longest first)."""
         skipped = 0 if parse_special else CONTROL | UNKNOWN
-        return [tid for tid in self._special_ids if not self.attrs[tid] & skipped and self.tokens[tid] in text]
+        pairs = set(text) | {text[i:i + 2] for i in range(len(text) - 1)}
+        candidates = [tid for prefix, ids in self._special_groups.items() if prefix in pairs for tid in ids]
+        found = [tid for tid in candidates if not self.attrs[tid] & skipped and self.tokens[tid] in text]
+        return sorted(found, key=self._partition_order)
 
     def _split_on_special(self, fragment: str, tid: int) -> list[str | int]:
         piece, attr = self.tokens[tid], self.attrs[tid]

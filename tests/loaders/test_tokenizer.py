@@ -54,6 +54,24 @@ def test_ids_equal_llama_cpp(model: str, text: str, mode: str) -> None:
     assert tokenizer(model).tokenize(text, add_special=add_special, parse_special=parse_special) == expected
 
 
+@cache
+def smollm2_with_pre(pre: str) -> Tokenizer:
+    return Tokenizer.from_metadata({**metadata("smollm2"), "tokenizer.ggml.pre": pre})
+
+
+def pretype_cases() -> dict[str, list[dict[str, Any]]]:
+    return json.loads((DATA / "tokenize_pretypes.json").read_text(encoding="utf-8"))["cases"]
+
+
+@pytest.mark.parametrize("pre", ["gpt-2", "llama-bpe", "qwen2", "default"])
+def test_other_pre_tokenizers_equal_llama_cpp(pre: str) -> None:
+    """SmolLM2's vocabulary under other tokenizer.ggml.pre values, against llama.cpp (ids and cleaned-up text)."""
+    tok = smollm2_with_pre(pre)
+    for case in pretype_cases()[pre]:
+        assert tok.tokenize(case["text"], add_special=False, parse_special=False) == case["ids"], case["text"]
+        assert tok.detokenize(case["ids"]) == case["detokenized"], case["text"]
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_score_text_ids_equal_llama_cpp(model: str) -> None:
     ref = reference(model)["score_text"]
