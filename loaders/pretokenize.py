@@ -1,8 +1,6 @@
 """Pre-tokenizers of byte-level BPE vocabularies: split text into words exactly as llama.cpp's unicode_regex_split does.
 
-Python's `re` has no \\p{L}, so, like llama.cpp, the text is first *collapsed*: every non-ASCII
-character becomes one placeholder per Unicode category, and small ASCII patterns run on that.
-This module only splits text; it never looks up tokens.
+It only splits text; it never looks up or merges tokens.
 """
 
 from __future__ import annotations
@@ -15,7 +13,10 @@ from dataclasses import dataclass
 _WHITESPACE = frozenset([*range(0x09, 0x0E), 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B),
                          0x2028, 0x2029, 0x202F, 0x205F, 0x3000])
 
-# Placeholders for non-ASCII characters, one per category (private-use characters never survive collapsing).
+# Python's `re` has no \p{L}. So, like llama.cpp, the patterns run on a *collapsed* copy of the text in which
+# every non-ASCII character is replaced by one placeholder per Unicode category (non-ASCII whitespace by \v);
+# the words are then cut from the original text at the same offsets. Private-use characters are themselves
+# collapsed, so a placeholder never stands for itself.
 _NUMBER, _LETTER, _PUNCT, _MARK, _SYMBOL, _OTHER = "\ue001", "\ue002", "\ue003", "\ue004", "\ue005", "\ue000"
 _PLACEHOLDER = {"N": _NUMBER, "L": _LETTER, "P": _PUNCT, "M": _MARK, "S": _SYMBOL}
 

@@ -1,4 +1,5 @@
-"""Byte-level BPE (tokenizer.ggml.model "gpt2"): pre-tokenized words are byte-encoded and merged by rank, as llama.cpp's llm_tokenizer_bpe_session does.
+"""Byte-level BPE (tokenizer.ggml.model "gpt2"): pre-tokenized words are byte-encoded and merged by rank,
+as llama.cpp's llm_tokenizer_bpe_session does.
 
 It turns raw text fragments into ids; special tokens and BOS/EOS are the caller's business.
 """
@@ -36,7 +37,7 @@ def byte_encode(word: str) -> str:
 
 
 def parse_merges(merges: Sequence[str]) -> dict[tuple[str, str], int]:
-    """Rank of each merge pair; the first occurrence of a pair wins, and the split is at the first space after index 0."""
+    """Rank of each merge pair: the first occurrence wins; a line splits at its first space after index 0."""
     ranks: dict[tuple[str, str], int] = {}
     for rank, merge in enumerate(merges):
         cut = merge.find(" ", 1)

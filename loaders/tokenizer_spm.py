@@ -1,4 +1,5 @@
-"""SentencePiece BPE (tokenizer.ggml.model "llama"): merge characters by token score with <0xXX> byte fallback, as llama.cpp's llm_tokenizer_spm_session does.
+"""SentencePiece BPE (tokenizer.ggml.model "llama"): merge characters by token score with <0xXX> byte
+fallback, as llama.cpp's llm_tokenizer_spm_session does.
 
 It turns one raw text fragment (spaces already escaped as "▁") into ids; it never adds BOS/EOS.
 """
