@@ -38,6 +38,7 @@ class Config:
     graph_reuse: bool
     test: BenchTest
     n_ctx: int
+    flash_attn: bool = False
 
 
 def parse_pg(values: list[str]) -> list[BenchTest]:
@@ -54,19 +55,20 @@ def parse_pg(values: list[str]) -> list[BenchTest]:
 
 
 def plan_configs(models: list[str], prompts: list[int], gens: list[int], pgs: list[BenchTest], batches: list[int],
-                 ubatches: list[int], ngls: list[int], reuse: list[bool], ctx: int | None) -> list[Config]:
+                 ubatches: list[int], ngls: list[int], reuse: list[bool], ctx: int | None,
+                 flash_attn: tuple[bool, ...] = (False,)) -> list[Config]:
     """The cartesian product of every option list, checked before anything is loaded."""
     tests = [BenchTest(p, 0) for p in prompts if p > 0] + [BenchTest(0, n) for n in gens if n > 0] + pgs
     if not tests:
         raise BadInput("no test to run: give -p, -n or -pg with positive counts")
     configs = []
-    for m, ngl, b, ub, r, t in itertools.product(models, ngls, batches, ubatches, reuse, tests):
+    for m, ngl, b, ub, r, fa, t in itertools.product(models, ngls, batches, ubatches, reuse, flash_attn, tests):
         if ub > b:
             raise BadInput(f"-ub {ub} is larger than -b {b}")
         n_ctx = ctx if ctx is not None else t.n_tokens
         if t.n_tokens > n_ctx:
             raise BadInput(f"test {t.label} needs {t.n_tokens} tokens, more than the context (-c {n_ctx})")
-        configs.append(Config(m, ngl, b, ub, r, t, n_ctx))
+        configs.append(Config(m, ngl, b, ub, r, t, n_ctx, fa))
     return configs
 
 
@@ -87,6 +89,7 @@ def bench_command(
     repetitions: int = typer.Option(5, "-r", "--repetitions", help="Timed repetitions per test"),
     threads: int = typer.Option(None, "-t", "--threads", help="CPU threads for matrix products (default: all cores)"),
     graph_reuse: str = typer.Option("1", "--graph-reuse", help="Graph reuse off/on (comma list of 0,1)"),
+    flash_attn: str = typer.Option("0", "-fa", "--flash-attn", help="Fused attention off/on (comma list of 0,1)"),
     output: str = typer.Option("md", "-o", "--output", help="md, csv, json or jsonl"),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="Log each repetition on stderr"),
     list_devices_: bool = typer.Option(False, "--list-devices", help="List the usable backends and exit"),
@@ -104,12 +107,11 @@ def bench_command(
     prompts = _nonneg_list(n_prompt, "-p")
     gens = _nonneg_list(n_gen, "-n")
     ngls = _nonneg_list(n_gpu_layers, "-ngl")
-    reuse = [bool(x) for x in _nonneg_list(graph_reuse, "--graph-reuse")]
-    if any(x not in (0, 1) for x in _nonneg_list(graph_reuse, "--graph-reuse")):
-        raise BadInput(f"--graph-reuse {graph_reuse}: values must be 0 or 1")
+    reuse = _switch_list(graph_reuse, "--graph-reuse")
+    fa = tuple(_switch_list(flash_attn, "-fa"))
     models = _split_models(model or ["smollm2"])
     configs = plan_configs(models, prompts, gens, parse_pg(pg or []), parse_int_list(batch_size, "-b"),
-                           parse_int_list(ubatch_size, "-ub"), ngls, reuse, ctx_size)
+                           parse_int_list(ubatch_size, "-ub"), ngls, reuse, ctx_size, fa)
     paths = {m: resolve(m) for m in models}
     for p in paths.values():  # a model that cannot be read fails now, before any other is loaded or timed
         with open_gguf(p) as gf:
@@ -118,6 +120,14 @@ def bench_command(
         raise BadInput(f"-t {threads} must be positive")
     results = _run_all(configs, paths, repetitions, verbose, threads)
     sys.stdout.write(render(results, output))
+
+
+def _switch_list(text: str, flag: str) -> list[bool]:
+    """'0,1' -> [False, True]."""
+    values = _nonneg_list(text, flag)
+    if any(x not in (0, 1) for x in values):
+        raise BadInput(f"{flag} {text}: values must be 0 or 1")
+    return [bool(x) for x in values]
 
 
 def _nonneg_list(text: str, flag: str) -> list[int]:
@@ -141,7 +151,7 @@ def _run_all(configs: list[Config], paths: dict, repetitions: int, verbose: bool
                 loaded = (key, load_model(cfg.model, cfg.n_gpu_layers, quiet=True, threads=threads))
             m = loaded[1]
             session = Session(m, SessionParams(n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch,
-                                               graph_reuse=cfg.graph_reuse))
+                                               graph_reuse=cfg.graph_reuse, flash_attn=cfg.flash_attn))
             progress.update(task, description=f"{paths[cfg.model].name} {cfg.test.label}")
 
             def tick(i: int, cfg=cfg) -> None:
@@ -168,6 +178,7 @@ def record(cfg: Config, m: Model, path, res: BenchResult) -> dict:
         "n_ctx": cfg.n_ctx,
         "n_gpu_layers": cfg.n_gpu_layers,
         "graph_reuse": int(cfg.graph_reuse),
+        "flash_attn": int(cfg.flash_attn),
         "n_prompt": cfg.test.n_prompt,
         "n_gen": cfg.test.n_gen,
         "test": cfg.test.label,
@@ -208,9 +219,9 @@ def render(results: list[dict], fmt: str) -> str:
 
 def markdown(results: list[dict]) -> str:
     """llama-bench's table: fixed columns, then the options that vary across rows, test, t/s."""
-    varying = [k for k in ("n_batch", "n_ubatch", "graph_reuse") if len({r[k] for r in results}) > 1]
+    varying = [k for k in ("n_batch", "n_ubatch", "flash_attn", "graph_reuse") if len({r[k] for r in results}) > 1]
     cols = ["model", "size", "params", "backend", "ngl", *varying, "test", "t/s"]
-    right = {"size", "params", "ngl", "n_batch", "n_ubatch", "graph_reuse", "test", "t/s"}
+    right = {"size", "params", "ngl", "n_batch", "n_ubatch", "flash_attn", "graph_reuse", "test", "t/s"}
     rows = []
     for r in results:
         cells = {

@@ -43,6 +43,7 @@ def measure_command(
     n_gpu_layers: o.GpuLayers = 0,
     output: str = typer.Option("table", "-o", "--output", help="table or json"),
     verify_: bool = typer.Option(False, "--verify", help="Also run one worst-case micro-batch and check the plan held"),
+    flash_attn: o.FlashAttn = False,
     list_devices_: o.ListDevices = False,
 ) -> None:
     """Plan worst-case memory per backend without running the model."""
@@ -58,13 +59,14 @@ def measure_command(
         raise BadInput(f"-o {output}: choose table or json")
     path = resolve(model)
     m = Model.load(path, usable_backends(), n_gpu_layers, metadata_only=True)
-    records = [r for c in ctxs for ub in ubs for r in measure(m, c, min(ub, batch_size), batch_size, n_parallel)]
+    records = [r for c in ctxs for ub in ubs
+               for r in measure(m, c, min(ub, batch_size), batch_size, n_parallel, flash_attn)]
     if output == "json":
         typer.echo(json.dumps([r.to_json() for r in records], indent=1))
     else:
         _print_table(m, records)
     if verify_:
-        _verify(path, n_gpu_layers, ctxs, ubs, batch_size)
+        _verify(path, n_gpu_layers, ctxs, ubs, batch_size, flash_attn)
 
 
 def _print_table(m: Model, records) -> None:
@@ -82,11 +84,11 @@ def _print_table(m: Model, records) -> None:
     Console(width=200).print(t)
 
 
-def _verify(path, n_gpu_layers: int, ctxs: list[int], ubs: list[int], batch_size: int) -> None:
+def _verify(path, n_gpu_layers: int, ctxs: list[int], ubs: list[int], batch_size: int, flash_attn: bool) -> None:
     m = Model.load(path, usable_backends(), n_gpu_layers)
     for c in ctxs:
         for ub in ubs:
-            rep = verify(m, c, min(ub, batch_size, c))
+            rep = verify(m, c, min(ub, batch_size, c), flash_attn=flash_attn)
             err_console.print(f"verify ctx {c} ub {ub}: plan held ({rep.nodes_checked} node results checked "
                               f"in place; logits equal a run without reuse, max diff {rep.max_logit_diff:g})",
                               markup=False)

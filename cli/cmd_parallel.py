@@ -73,7 +73,7 @@ def parallel_command(
     no_system: bool = typer.Option(False, "--no-system-prompt", help="Serve the prompts without the shared system prompt"),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Generate n tokens even past end-of-generation"),
     as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout: one per sequence, then a summary"),
-    list_devices_: o.ListDevices = False, no_graph_reuse: o.NoGraphReuse = False,
+    list_devices_: o.ListDevices = False, no_graph_reuse: o.NoGraphReuse = False, flash_attn: o.FlashAttn = False,
 ) -> None:
     """Serve many sequences at once with continuous batching (like llama-parallel)."""
     if list_devices_:
@@ -94,7 +94,8 @@ def parallel_command(
         q = questions[i % len(questions)]
         jobs.append((q, tok.tokenize(format_prompt(q), add_special=not system, parse_special=False)))
     session = Session(m, SessionParams(n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size,
-                                       n_seq_max=n_parallel + 1, graph_reuse=not no_graph_reuse))
+                                       n_seq_max=n_parallel + 1, graph_reuse=not no_graph_reuse,
+                                       flash_attn=flash_attn))
     runner = ParallelRunner(session, n_parallel, n_predict, sampling, batch_size, ignore_eos)
     err_console.print(f"serving {n_sequences} sequences with {n_parallel} clients; system prompt "
                       f"{len(system)} tokens", markup=False)

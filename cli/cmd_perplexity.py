@@ -19,7 +19,7 @@ from core.llm.session import Session, SessionParams
 def perplexity_command(
     model: o.Model = None, file: o.File = None, ctx_size: o.Ctx = 2048, batch_size: o.BatchSize = 2048,
     ubatch_size: o.UBatchSize = 512, n_gpu_layers: o.GpuLayers = 0, threads: o.Threads = None,
-    output: str = typer.Option("text", "-o", "--output", help="text or json"),
+    output: str = typer.Option("text", "-o", "--output", help="text or json"), flash_attn: o.FlashAttn = False,
 ) -> None:
     """Perplexity of a text (like llama-perplexity)."""
     if file is None:
@@ -35,7 +35,7 @@ def perplexity_command(
     if len(tokens) < 2:
         raise BadInput(f"{file}: too short to score ({len(tokens)} tokens)")
     session = Session(m, SessionParams(n_ctx=min(ctx_size, len(tokens)), n_batch=batch_size,
-                                       n_ubatch=ubatch_size))
+                                       n_ubatch=ubatch_size, flash_attn=flash_attn))
     t0 = time.perf_counter()
     score = score_tokens(session, tokens, m.tokenizer.bos_id if m.tokenizer.add_bos else None)
     secs = time.perf_counter() - t0

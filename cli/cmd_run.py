@@ -45,7 +45,8 @@ def run_command(
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-generation tokens"),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template (interactive when stdin is a terminal)"),
     verbose_prompt: bool = typer.Option(False, "--verbose-prompt", help="Print the prompt's tokens to stderr before generating"),
-    list_devices_: o.ListDevices = False, no_graph_reuse: o.NoGraphReuse = False, verbose: o.Verbose = False,
+    list_devices_: o.ListDevices = False, no_graph_reuse: o.NoGraphReuse = False, flash_attn: o.FlashAttn = False,
+    verbose: o.Verbose = False,
 ) -> None:
     """Generate text from a prompt (like llama-cli)."""
     if list_devices_:
@@ -59,7 +60,7 @@ def run_command(
     sampling.check()
     m = load_model(model, n_gpu_layers, threads=threads)
     session = Session(m, SessionParams(n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size,
-                                       graph_reuse=not no_graph_reuse))
+                                       graph_reuse=not no_graph_reuse, flash_attn=flash_attn))
     if chat and sys.stdin.isatty() and prompt is None and file is None:
         _interactive_chat(session, sampling, n_predict, ignore_eos)
         return

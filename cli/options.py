@@ -24,3 +24,4 @@ ListDevices = Annotated[bool, typer.Option("--list-devices", help="List the back
 NoGraphReuse = Annotated[bool, typer.Option("--no-graph-reuse", help="Rebuild and replan the graph for every micro-batch")]
 Verbose = Annotated[bool, typer.Option("-v", "--verbose", help="More logging on stderr")]
 Threads = Annotated[Optional[int], typer.Option("-t", "--threads", help="CPU threads for matrix products (default: all cores)")]
+FlashAttn = Annotated[bool, typer.Option("-fa", "--flash-attn", help="Fused attention: no score matrix in the compute buffer")]

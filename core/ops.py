@@ -47,6 +47,7 @@ OPS: dict[str, OpInfo] = {
     "norm": OpInfo(inplace=True),
     "rope": OpInfo(inplace=True),
     "soft_max": OpInfo(inplace=True),
+    "flash_attn": OpInfo(),
     "copy": OpInfo(),  # a scheduler copy of a tensor into another backend's memory
 }
 
@@ -284,6 +285,22 @@ def soft_max(a: Tensor, mask: Tensor | None = None, scale: float = 1.0, name: st
             raise _fail("soft_max", "mask must be [rows >= a's rows, a's last dim]", a, mask)
         srcs = (a, mask)
     return _node("soft_max", DType.F32, a.shape, srcs, name, scale=float(scale))
+
+
+def flash_attn(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, name: str | None = None) -> Tensor:
+    """Fused attention: softmax(q k^T * scale + mask) v without materialising the scores.
+
+    q [heads, tokens, dim], k and v [heads_kv, n_kv, dim] (heads_kv divides heads), mask
+    [rows >= tokens, n_kv]; the result is [tokens, heads, dim], ready to merge heads.
+    """
+    _need_float("flash_attn", q, k, v, mask)
+    hq, t, d = q.shape
+    hk, n_kv, dk = k.shape
+    if len(q.shape) != 3 or k.shape != v.shape or d != dk or hq % hk:
+        raise _fail("flash_attn", "expects q [heads, tokens, dim] and k, v [heads_kv, n_kv, dim]", q, k, v)
+    if len(mask.shape) != 2 or mask.shape[1] != n_kv or mask.shape[0] < t:
+        raise _fail("flash_attn", "mask must be [rows >= tokens, n_kv]", q, mask)
+    return _node("flash_attn", DType.F32, (t, hq, d), (q, k, v, mask), name, scale=float(scale))
 
 
 def copy_to(src: Tensor, name: str | None = None) -> Tensor:

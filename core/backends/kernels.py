@@ -263,3 +263,36 @@ def _soft_max(xp, node, out, srcs):
     xp.exp(out, out=out)
     s = xp.sum(out, axis=-1, keepdims=True)
     out /= s
+
+
+FLASH_CHUNK_BYTES = 16 << 20  # bound on the score temporaries of one chunk of query rows
+
+
+@kernel("flash_attn")
+def _flash_attn(xp, node, out, srcs):
+    """Attention over chunks of query rows, so the scores of all rows never exist at once.
+
+    As llama.cpp's CPU path does, q meets an f16 cache as f16-rounded values.
+    """
+    q, k, v, mask = srcs
+    hq, t, d = q.shape
+    hk, n_kv, _ = k.shape
+    r = hq // hk
+    kf = widen(xp, k, node.srcs[1].dtype).astype(xp.float32)[:, None]  # [hk, 1, n_kv, d]
+    vf = widen(xp, v, node.srcs[2].dtype).astype(xp.float32)[:, None]
+    q_f16 = node.srcs[1].dtype is DType.F16
+    scale = xp.float32(node.params["scale"])
+    rows = max(1, FLASH_CHUNK_BYTES // (4 * hq * max(n_kv, 1)))
+    for i in range(0, t, rows):
+        qc = widen(xp, q[:, i:i + rows], node.srcs[0].dtype).astype(xp.float32)
+        if q_f16:
+            qc = qc.astype(xp.float16).astype(xp.float32)
+        n = qc.shape[1]
+        s = xp.matmul(qc.reshape(hk, r, n, d), xp.swapaxes(kf, -1, -2))  # [hk, r, n, n_kv]
+        s *= scale
+        s += mask[i:i + n]
+        s -= s.max(axis=-1, keepdims=True)
+        xp.exp(s, out=s)
+        s /= s.sum(axis=-1, keepdims=True)
+        o = xp.matmul(s, vf).reshape(hq, n, d)  # [hq, n, d]
+        out[i:i + n] = xp.swapaxes(o, 0, 1)

@@ -22,6 +22,7 @@ class Build:
     inp: GraphInputs
     kv: KVCache
     p: GraphParams
+    flash_attn: bool = False  # fused attention: no [heads, tokens, n_kv] score tensor in the plan
 
 
 def rms_norm(b: Build, x: Tensor, w: Tensor, name: str) -> Tensor:
@@ -53,13 +54,18 @@ def attention(b: Build, il: int, q: Tensor, k: Tensor, v: Tensor, wo: Tensor, kq
     elem = rows.k.dtype.itemsize
     kv_view = ((n_kv, hp.n_head_kv, hp.head_dim), (row, hp.head_dim * elem, elem))
     keys = ops.permute(ops.view(k_all, *kv_view), (1, 0, 2))  # [heads_kv, n_kv, head_dim]
-    vals = ops.permute(ops.view(v_all, *kv_view), (1, 2, 0))  # [heads_kv, head_dim, n_kv]
     qh = ops.permute(q, (1, 0, 2))  # [heads, tokens, head_dim]
-    kq = ops.mul_mat(keys, qh, name=f"kq-{il}")  # [heads, tokens, n_kv]
     scale = kq_scale if kq_scale is not None else 1.0 / math.sqrt(hp.head_dim)
-    kq = ops.soft_max(kq, b.inp.kq_mask.tensor if mask is None else mask, scale, name=f"kq_soft_max-{il}")
-    kqv = ops.mul_mat(vals, kq, name=f"kqv-{il}")  # [heads, tokens, head_dim]
-    merged = ops.cont(ops.permute(kqv, (1, 0, 2)), name=f"kqv_merged-{il}")
+    kq_mask = b.inp.kq_mask.tensor if mask is None else mask
+    if b.flash_attn:
+        vals = ops.permute(ops.view(v_all, *kv_view), (1, 0, 2))  # [heads_kv, n_kv, head_dim]
+        merged = ops.flash_attn(qh, keys, vals, kq_mask, scale, name=f"fattn-{il}")  # [tokens, heads, head_dim]
+    else:
+        vals = ops.permute(ops.view(v_all, *kv_view), (1, 2, 0))  # [heads_kv, head_dim, n_kv]
+        kq = ops.mul_mat(keys, qh, name=f"kq-{il}")  # [heads, tokens, n_kv]
+        kq = ops.soft_max(kq, kq_mask, scale, name=f"kq_soft_max-{il}")
+        kqv = ops.mul_mat(vals, kq, name=f"kqv-{il}")  # [heads, tokens, head_dim]
+        merged = ops.cont(ops.permute(kqv, (1, 0, 2)), name=f"kqv_merged-{il}")
     return ops.mul_mat(wo, ops.reshape(merged, (n_tokens, hp.n_head * hp.head_dim)), name=f"attn_out-{il}")
 
 

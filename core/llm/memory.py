@@ -37,6 +37,7 @@ class MemoryRecord:
     nodes: int
     splits: int
     plan_ms: float
+    flash_attn: bool = False
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -51,9 +52,10 @@ def weights_file_bytes_by_backend(model: Model) -> dict[str, int]:
     return out
 
 
-def measure(model: Model, ctx: int, ubatch: int, n_batch: int, n_seq: int) -> list[MemoryRecord]:
+def measure(model: Model, ctx: int, ubatch: int, n_batch: int, n_seq: int, flash_attn: bool = False) -> list[MemoryRecord]:
     """Records for both reservation modes, every backend, for one (ctx, ubatch)."""
-    session = Session(model, SessionParams(n_ctx=ctx, n_batch=n_batch, n_ubatch=ubatch, n_seq_max=n_seq))
+    session = Session(model, SessionParams(n_ctx=ctx, n_batch=n_batch, n_ubatch=ubatch, n_seq_max=n_seq,
+                                           flash_attn=flash_attn))
     file_bytes = weights_file_bytes_by_backend(model)
     resident = model.resident_bytes()
     kv = session.kv.bytes_by_backend()
@@ -75,7 +77,7 @@ def measure(model: Model, ctx: int, ubatch: int, n_batch: int, n_seq: int) -> li
                 compute_no_reuse_bytes=plan.no_reuse if plan else 0,
                 compute_lower_bound_bytes=plan.lower_bound if plan else 0,
                 nodes=nodes, splits=sum(1 for s in sg.splits if s.backend is b),
-                plan_ms=1e3 * secs))
+                plan_ms=1e3 * secs, flash_attn=flash_attn))
     return records
 
 
@@ -88,11 +90,11 @@ class VerifyReport:
 SENTINEL = 0xFF  # every byte of a node's planned region before its kernel runs: f32 NaN 0xFFFFFFFF
 
 
-def verify(model: Model, ctx: int, ubatch: int, seed: int = 0) -> VerifyReport:
+def verify(model: Model, ctx: int, ubatch: int, seed: int = 0, flash_attn: bool = False) -> VerifyReport:
     """Run one worst-case micro-batch through the planned buffers and prove the plan held:
     each plan validates, each kernel wrote its result into its planned region (filled with a
     sentinel just before it ran), and the logits equal a run where no memory is reused."""
-    params = SessionParams(n_ctx=ctx, n_batch=ubatch, n_ubatch=ubatch)
+    params = SessionParams(n_ctx=ctx, n_batch=ubatch, n_ubatch=ubatch, flash_attn=flash_attn)
     session = Session(model, params)
     res = session.build(session.worst_case_params(all_logits=True))
     plans = session.sched.alloc(res.sg)

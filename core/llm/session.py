@@ -38,6 +38,7 @@ class SessionParams:
     kv_type: DType = DType.F16
     graph_reuse: bool = True
     reuse_memory: bool = True  # False: every intermediate gets its own bytes (a reference run)
+    flash_attn: bool = False  # fused attention op (llama.cpp's -fa)
 
     def check(self, hp_n_ctx_train: int) -> None:
         if self.n_ctx < 1:
@@ -99,7 +100,8 @@ class Session:
     def build(self, p: GraphParams) -> GraphResult:
         """Build and schedule (not allocate) the decode graph for params p."""
         inputs = GraphInputs.for_params(p)
-        logits = self.model.arch.build(Build(self.model.hp, inputs, self.kv, p), self.model.weights)
+        logits = self.model.arch.build(Build(self.model.hp, inputs, self.kv, p, self.params.flash_attn),
+                                       self.model.weights)
         graph = build_graph([logits])
         sg = self.sched.schedule(graph)
         return GraphResult(p, inputs.all(), logits, sg, self.kv.version, self.sched.generation)
@@ -112,8 +114,15 @@ class Session:
         return res, plans, time.perf_counter() - t0
 
     def reserve(self) -> dict:
-        """Reserve every backend's compute buffer for the worst-case graph."""
-        return self.sched.reserve(self.build(self.worst_case_params()).sg)
+        """Reserve every backend's compute buffer for the worst-case graphs: n_ubatch tokens over the
+        full context with logits for every token, and with logits for the last one only. Neither
+        always contains the other (the second has one more input, the output rows, live throughout),
+        so reserving one alone lets an ordinary prompt re-reserve."""
+        plans = self.sched.reserve(self.build(self.worst_case_params(all_logits=True)).sg)
+        for name, plan in self.sched.reserve(self.build(self.worst_case_params(all_logits=False)).sg).items():
+            if plan.size > plans[name].size:
+                plans[name] = plan
+        return plans
 
     def reset_scheduler(self) -> None:
         """Drop compute buffers and re-reserve; a kept graph is stale afterwards."""
