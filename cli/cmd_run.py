@@ -10,7 +10,7 @@ import typer
 
 from cli import options as o
 from cli.app import app
-from cli.common import check_positive, err_console, list_devices, load_model, timing_line
+from cli.common import check_positive, err_console, list_devices, load_model, print_model_info, timing_line
 from core.errors import BadInput
 from core.llm.generate import generate
 from core.llm.sampling import Sampler, SamplingParams
@@ -61,6 +61,8 @@ def run_command(
     m = load_model(model, n_gpu_layers, threads=threads)
     session = Session(m, SessionParams(n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size,
                                        graph_reuse=not no_graph_reuse, flash_attn=flash_attn))
+    if verbose:
+        print_model_info(session)
     if chat and sys.stdin.isatty() and prompt is None and file is None:
         _interactive_chat(session, sampling, n_predict, ignore_eos)
         return

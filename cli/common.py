@@ -86,3 +86,19 @@ def timing_line(label: str, ms: float, count: int, unit: str) -> str:
     per = ms / count if count else 0.0
     tps = 1e3 * count / ms if ms > 0 else 0.0
     return f"{label:>17s} = {ms:10.2f} ms / {count:5d} {unit:6s} ({per:8.2f} ms per token, {tps:8.2f} tokens per second)"
+
+
+def print_model_info(session) -> None:
+    """-v: what was loaded and where the memory went, on stderr."""
+    m = session.model
+    hp = m.hp
+    lines = [
+        f"model: {m.path.name}: {hp.arch}, {m.n_params / 1e6:.2f} M params, {m.file_bytes / 2**20:.2f} MiB in the file",
+        f"hparams: n_layer {hp.n_layer}, n_embd {hp.n_embd}, n_head {hp.n_head}, n_head_kv {hp.n_head_kv}, "
+        f"head_dim {hp.head_dim}, n_ff {hp.n_ff}, n_vocab {hp.n_vocab}, rope base {hp.rope_freq_base:g}",
+        "weights: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in m.resident_bytes().items()),
+        "KV cache: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in session.kv.bytes_by_backend().items()),
+        "compute buffers: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in session.sched.buffer_sizes().items()),
+    ]
+    for line in lines:
+        err_console.print(line, markup=False)
