@@ -16,7 +16,7 @@ from core.errors import BadInput
 from core.llm.model import Model
 from loaders.download import resolve_model
 
-err_console = Console(stderr=True, highlight=False)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def list_devices() -> None:
