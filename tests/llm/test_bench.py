@@ -109,3 +109,14 @@ def test_prompt_is_split_by_n_batch(tiny_model):
     run_bench(session, BenchTest(12, 3), 1, warmup=False)
     assert len(session.stats.reuse_log) == 6 + 3
     assert session.kv.n_used == 15
+
+
+@pytest.mark.parametrize("test", [BenchTest(8, 0), BenchTest(0, 4), BenchTest(8, 4)], ids=lambda t: t.label)
+def test_runs_never_re_reserve(tiny_model, test, caplog):
+    """The session reserves for both worst cases (logits for all tokens, for the last only), so a
+    prompt asking for its last logits, or a decode step, never grows a compute buffer mid-run."""
+    session = _session(tiny_model, n_ctx=test.n_tokens, n_batch=8, n_ubatch=8)
+    before = session.sched.allocators["CPU"].reserves
+    run_bench(session, test, 1)
+    assert session.sched.allocators["CPU"].reserves == before
+    assert "re-reserving" not in caplog.text
