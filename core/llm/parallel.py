@@ -80,8 +80,9 @@ class _Client:
     t0: float = 0.0
 
     def cells_still_needed(self, n_predict: int) -> int:
-        """Cells this sequence may still take: its undecoded prompt and the rest of its response."""
-        return len(self.pending) + n_predict - len(self.response)
+        """Cells this sequence may still take: its undecoded prompt and the response tokens still to be
+        decoded (the last of n_predict tokens is sampled, never decoded; k sampled so far leave n_predict - k)."""
+        return len(self.pending) + n_predict - max(len(self.response), 1)
 
 
 class ParallelRunner:
@@ -95,6 +96,7 @@ class ParallelRunner:
         self.ignore_eos = ignore_eos
         self.clients = [_Client(i, i + 1, Sampler(_seeded(sampling, i), session.n_ctx)) for i in range(n_clients)]
         self.n_system = 0
+        self.system: list[int] = []
         self.summary = ParallelSummary()
 
     def run(self, system_prompt: list[int], prompts: list[tuple[str, list[int]]],
@@ -114,6 +116,8 @@ class ParallelRunner:
                         done += 1
                     elif verdict == "started":
                         queue.pop(0)
+                    else:
+                        break  # first come, first served: the head of the queue waits for cells
             if not any(c.job >= 0 for c in self.clients):
                 if queue:
                     continue  # every waiting sequence was skipped this round; try the rest
@@ -128,6 +132,7 @@ class ParallelRunner:
     def _system(self, tokens: list[int]) -> None:
         self.s.clear()
         self.n_system = len(tokens)
+        self.system = list(tokens)
         self.summary.n_system = len(tokens)
         if tokens:
             t0 = time.perf_counter()
@@ -141,7 +146,7 @@ class ParallelRunner:
     def _try_start(self, c: _Client, job: int, prompts) -> str:
         """Start `job` on client c when the cache can hold its worst case; 'skip' if it never can."""
         tokens = prompts[job][1]
-        need = len(tokens) + self.n_predict
+        need = self._cells_needed(tokens)
         if need > self.s.n_ctx - self.n_system or not tokens:
             return "skip"
         if need > self._free_cells():
@@ -153,9 +158,15 @@ class ParallelRunner:
         c.job, c.prompt, c.pending = job, list(tokens), list(tokens)
         c.response, c.pos, c.next_token = [], self.n_system, -1
         c.t0 = time.perf_counter()
-        for t in tokens:
+        # the repetition penalty sees this sequence's tokens only, as generating it alone would
+        c.sampler.reset()
+        for t in self.system + tokens:
             c.sampler.accept(t)
         return "started"
+
+    def _cells_needed(self, tokens: list[int]) -> int:
+        """Cells a sequence takes beside the system prompt: its prompt and n_predict - 1 decoded tokens."""
+        return len(tokens) + max(self.n_predict - 1, 0)
 
     def _step(self, prompts) -> list[SequenceResult]:
         """One decode: a token of every generating client, then prompt tokens within n_batch."""
@@ -219,8 +230,8 @@ class ParallelRunner:
 
     def _skipped(self, c: _Client, job: int, prompts) -> SequenceResult:
         text, tokens = prompts[job]
-        need = len(tokens) + self.n_predict
-        why = (f"needs {need} cells (prompt {len(tokens)} + {self.n_predict} to generate), the cache has "
+        need = self._cells_needed(tokens)
+        why = (f"needs {need} cells (prompt {len(tokens)} + {need - len(tokens)} generated), the cache has "
                f"{self.s.n_ctx - self.n_system} beside the system prompt") if tokens else "empty prompt"
         return SequenceResult(c.id, job, text, list(tokens), [], "", 0.0, skipped=why)
 

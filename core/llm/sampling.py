@@ -46,6 +46,10 @@ class Sampler:
         last_n = n_ctx if params.repeat_last_n == -1 else params.repeat_last_n
         self.recent: deque[int] = deque(maxlen=max(last_n, 0))
 
+    def reset(self) -> None:
+        """Forget the recent tokens: a new sequence starts (the random stream goes on)."""
+        self.recent.clear()
+
     def accept(self, token: int) -> None:
         if self.recent.maxlen:
             self.recent.append(int(token))
