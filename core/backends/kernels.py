@@ -117,6 +117,15 @@ _GELU_C = math.sqrt(2.0 / math.pi)
 
 
 def _gelu_into(xp, a, out) -> None:
+    """GELU (tanh form) as ggml's CPU computes it: looked up for the f16-rounded input, the
+    result rounded to f16 (its table), and x or 0 for |x| >= 10 where the table ends."""
+    x = a.astype(xp.float32)  # a copy: out may alias a
+    _gelu_exact_into(xp, x.astype(xp.float16).astype(xp.float32), out)
+    out[...] = out.astype(xp.float16)
+    out[...] = xp.where(xp.abs(x) >= 10, xp.where(x > 0, x, 0), out)
+
+
+def _gelu_exact_into(xp, a, out) -> None:
     t = xp.multiply(a, a, dtype=xp.float32)
     t *= 0.044715
     t += 1
@@ -187,22 +196,31 @@ def _batch_split(a_batch: tuple, b_batch: tuple) -> tuple[tuple, tuple, tuple]:
     return tuple(a_shape), tuple(b_shape), tuple(b_batch)
 
 
-def round_q8_blocks(xp, x):
-    """x rounded as llama.cpp's 8-bit activation blocks: 32 values share one f16 scale amax/127."""
-    blocks = xp.ascontiguousarray(x, dtype=xp.float32).reshape(-1, 32)
-    d = (xp.abs(blocks).max(axis=-1, keepdims=True) / 127).astype(xp.float16).astype(xp.float32)
-    inv = (d > 0) / xp.where(d > 0, d, 1)
+ACT_QUANT_BLOCKS = {"q8_0": (32, True), "q8_k": (256, False)}  # block size, scale stored as f16
+
+
+def round_q8_blocks(xp, x, block: int = 32, f16_scale: bool = True):
+    """x as llama.cpp's 8-bit activation blocks see it: each block of `block` values is scaled
+    by 127/amax and rounded; the scale is kept as f16 (Q8_0, Q8_1) or f32 (Q8_K)."""
+    blocks = xp.ascontiguousarray(x, dtype=xp.float32).reshape(-1, block)
+    amax = xp.abs(blocks).max(axis=-1, keepdims=True)
+    inv = xp.where(amax > 0, 127 / xp.where(amax > 0, amax, 1), 0).astype(xp.float32)
     q = xp.rint(blocks * inv)
+    d = amax / 127
+    if f16_scale:
+        d = d.astype(xp.float16).astype(xp.float32)
     q *= d
     return q.reshape(x.shape)
 
 
 def _mul_mat_operand_b(xp, node, b):
     """The activations as llama.cpp's CPU kernels see them: rounded to 8-bit blocks against a
-    block-quantized weight (`act_quant`), to f16 against an f16 tensor (the KV cache)."""
+    block-quantized weight (`act_quant`: q8_0 blocks for the legacy types, q8_k for k-quants),
+    to f16 against an f16 tensor (the KV cache)."""
     a_src = node.srcs[0]
-    if a_src.params.get("act_quant") == "q8" and b.shape[-1] % 32 == 0:
-        return round_q8_blocks(xp, b)
+    quant = ACT_QUANT_BLOCKS.get(a_src.params.get("act_quant"))
+    if quant is not None and b.shape[-1] % quant[0] == 0:
+        return round_q8_blocks(xp, b, *quant)
     if a_src.dtype is DType.F16:
         return b.astype(xp.float16).astype(xp.float32)
     return b if b.dtype == xp.float32 else b.astype(xp.float32)

@@ -88,13 +88,16 @@ class InpKVIdx(GraphInput):
 
 
 class InpKQMask(GraphInput):
-    """Which cells each token may attend to: 0 or -inf, f16 as in llama.cpp."""
+    """Which cells each token may attend to: 0 or -inf, f16 as in llama.cpp. With a window,
+    cells more than `window` positions back are hidden too (sliding-window attention)."""
 
-    def __init__(self, p: GraphParams) -> None:
-        self.tensor = _input("inp_kq_mask", DType.F16, (p.n_tokens, p.n_kv))
+    def __init__(self, p: GraphParams, window: int | None = None) -> None:
+        self.window = window
+        name = "inp_kq_mask" if window is None else "inp_kq_mask_swa"
+        self.tensor = _input(name, DType.F16, (p.n_tokens, p.n_kv))
 
     def set_input(self, st, arr):
-        st.kv.fill_mask(arr, st.ub.pos, st.ub.seq)
+        st.kv.fill_mask(arr, st.ub.pos, st.ub.seq, self.window)
 
     def can_reuse(self, p):
         return self.tensor.shape == (p.n_tokens, p.n_kv)
@@ -132,11 +135,14 @@ class GraphInputs:
     kv_idx: InpKVIdx
     kq_mask: InpKQMask
     out_ids: InpOutIds | None
+    kq_mask_swa: InpKQMask | None = None
 
     @staticmethod
-    def for_params(p: GraphParams) -> "GraphInputs":
+    def for_params(p: GraphParams, swa_window: int | None = None) -> "GraphInputs":
         return GraphInputs(InpTokens(p), InpPos(p), InpKVIdx(p), InpKQMask(p),
-                           InpOutIds(p) if p.n_outputs < p.n_tokens else None)
+                           InpOutIds(p) if p.n_outputs < p.n_tokens else None,
+                           InpKQMask(p, swa_window) if swa_window else None)
 
     def all(self) -> list[GraphInput]:
-        return [i for i in (self.tokens, self.pos, self.kv_idx, self.kq_mask, self.out_ids) if i is not None]
+        return [i for i in (self.tokens, self.pos, self.kv_idx, self.kq_mask, self.out_ids, self.kq_mask_swa)
+                if i is not None]

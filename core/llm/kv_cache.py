@@ -89,10 +89,14 @@ class KVCache:
         self.seqs[cells] = False
         self.seqs[cells, seq] = True
 
-    def fill_mask(self, out: np.ndarray, pos: np.ndarray, seq: np.ndarray) -> None:
-        """KQ mask [tokens, n_kv]: 0 where a token may see a cell (same sequence, not later), else -inf."""
+    def fill_mask(self, out: np.ndarray, pos: np.ndarray, seq: np.ndarray, window: int | None = None) -> None:
+        """KQ mask [tokens, n_kv]: 0 where a token may see a cell (same sequence, not later, and
+        with a window, fewer than `window` positions back), else -inf."""
         n_kv = out.shape[1]
-        visible = self.seqs[:n_kv, seq].T & (self.pos[None, :n_kv] <= pos[:, None]) & (self.pos[None, :n_kv] >= 0)
+        cell_pos = self.pos[None, :n_kv]
+        visible = self.seqs[:n_kv, seq].T & (cell_pos <= pos[:, None]) & (cell_pos >= 0)
+        if window is not None:
+            visible &= pos[:, None] - cell_pos < window
         out[...] = np.where(visible, 0.0, -np.inf)
 
     def seq_pos_max(self, seq: int) -> int:

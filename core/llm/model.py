@@ -21,7 +21,7 @@ from core.llm.weights import Weights
 from loaders.gguf_file import GGUFFile, open_gguf
 from loaders.tokenizer import Tokenizer
 
-ARCHS = {"llama": "core.llm.archs.llama"}
+ARCHS = {"llama": "core.llm.archs.llama", "gemma3": "core.llm.archs.gemma3"}
 
 Progress = Callable[[int, int], None]
 
@@ -135,8 +135,9 @@ def _weight(ctx: ImmediateContext, gf: GGUFFile, name: str, source: str):
         t = ctx.new_tensor(name, DType.F32, gf.tensors[source].shape, weight=True)
     else:
         t = ctx.from_array(name, gf.load_f32(source))
-    if gf.tensors[source].qtype.name not in ("F32", "F16", "BF16"):
-        t.params["act_quant"] = "q8"
+    qtype = gf.tensors[source].qtype.name
+    if qtype not in ("F32", "F16", "BF16"):
+        t.params["act_quant"] = "q8_k" if qtype.endswith("_K") else "q8_0"
     return t
 
 

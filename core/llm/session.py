@@ -99,7 +99,7 @@ class Session:
 
     def build(self, p: GraphParams) -> GraphResult:
         """Build and schedule (not allocate) the decode graph for params p."""
-        inputs = GraphInputs.for_params(p)
+        inputs = GraphInputs.for_params(p, self.model.hp.extra.get("swa_window"))
         logits = self.model.arch.build(Build(self.model.hp, inputs, self.kv, p, self.params.flash_attn),
                                        self.model.weights)
         graph = build_graph([logits])
@@ -212,8 +212,8 @@ class Session:
         """Re-rotate cached keys whose positions moved (seq_add), then clear the shift."""
         arch = self.model.arch
         self.result = None
-        graph, inp = build_k_shift(self.model.hp, self.kv, arch.ROPE_MODE,
-                                   getattr(arch, "rope_freq_base_of", lambda il: None))
+        base_of = arch.rope_freq_base_of(self.model.hp) if hasattr(arch, "rope_freq_base_of") else lambda il: None
+        graph, inp = build_k_shift(self.model.hp, self.kv, arch.ROPE_MODE, base_of)
         sg = self.sched.schedule(graph)
         self.sched.alloc(sg)
         self.sched.cpu.array(inp.tensor)[...] = self.kv.shift

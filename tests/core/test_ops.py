@@ -29,8 +29,15 @@ def ref_silu(x):
     return x / (1 + np.exp(-x))
 
 
-def ref_gelu(x):
+def ref_gelu_exact(x):
     return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def ref_gelu(x):
+    """ggml's CPU GELU: a table indexed by the f16-rounded input holding f16 results; x or 0 past |x| >= 10."""
+    x = np.asarray(x, dtype=np.float64)
+    table = ref_gelu_exact(x.astype(np.float16).astype(np.float64)).astype(np.float16).astype(np.float64)
+    return np.where(np.abs(x) >= 10, np.where(x > 0, x, 0), table)
 
 
 def ref_rms_norm(x, eps):
@@ -503,3 +510,9 @@ def test_cpy_with_different_element_counts_is_refused():
 def test_set_rows_with_f32_indices_is_refused():
     with _raises_naming("idx_f"):
         ops.set_rows(_leaf("cache", (8, 4)), _leaf("rows", (2, 4)), _leaf("idx_f", (2,)))
+
+
+def test_gelu_kernel_is_within_f16_precision_of_the_exact_function(rt: Runner):
+    x = np.linspace(-12, 12, 2001, dtype=np.float32).reshape(1, -1)
+    got = rt.run1(ops.gelu(rt.input("x", x)))
+    np.testing.assert_allclose(got, ref_gelu_exact(x.astype(np.float64)), rtol=2e-3, atol=2e-3)

@@ -1,0 +1,68 @@
+"""The gemma3 architecture: scaled embeddings, RMS norms before and after attention and
+feed-forward, per-head RMS norms on q and k, RoPE in neox mode with a local base on
+sliding-window layers (5 of every 6) and a global base on the rest, GeGLU feed-forward,
+tied output head."""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from core import ops
+from core.llm import blocks
+from core.llm.blocks import Build
+from core.llm.hparams import HParams
+from core.llm.weights import Weights
+from core.tensor import Tensor
+
+LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
+                 "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm")
+ROPE_MODE = ops.ROPE_NEOX
+SWA_PATTERN = 6  # layers il with il % 6 < 5 attend within the sliding window
+ROPE_BASE_SWA = 10000.0
+
+
+def hparams(gf) -> HParams:
+    n_vocab = len(gf.get("tokenizer.ggml.tokens") or []) or gf.require_tensor("token_embd.weight").shape[0]
+    hp = HParams.from_metadata(gf.get, str(gf.path), n_vocab)
+    extra = {"swa_window": int(gf.get("gemma3.attention.sliding_window", 0)) or None,
+             "attn_scale": 1.0 / math.sqrt(hp.head_dim)}
+    return replace(hp, extra=extra)
+
+
+def is_swa(hp: HParams, il: int) -> bool:
+    return hp.extra.get("swa_window") is not None and il % SWA_PATTERN < SWA_PATTERN - 1
+
+
+def rope_freq_base_of(hp: HParams):
+    """Per-layer RoPE base: the local base on sliding-window layers (used by the K-shift too)."""
+    return lambda il: ROPE_BASE_SWA if is_swa(hp, il) else hp.rope_freq_base
+
+
+def build(b: Build, w: Weights) -> Tensor:
+    """Logits [n_outputs, n_vocab] of the micro-batch in b.inp."""
+    hp = b.hp
+    x = ops.get_rows(w["token_embd.weight"], b.inp.tokens.tensor, name="inp_embd")
+    x = ops.scale(x, math.sqrt(hp.n_embd), name="inp_scaled")
+    base_of = rope_freq_base_of(hp)
+    for il in range(hp.n_layer):
+        L = w.layer(il)
+        h = blocks.rms_norm(b, x, L.attn_norm, f"attn_norm-{il}")
+        q = blocks.rms_norm(b, blocks.project_heads(h, L.attn_q, hp.n_head, hp.head_dim, f"q-{il}"),
+                            L.attn_q_norm, f"q_norm-{il}")
+        k = blocks.rms_norm(b, blocks.project_heads(h, L.attn_k, hp.n_head_kv, hp.head_dim, f"k-{il}"),
+                            L.attn_k_norm, f"k_norm-{il}")
+        v = blocks.project_heads(h, L.attn_v, hp.n_head_kv, hp.head_dim, f"v-{il}")
+        q = ops.scale(blocks.rope(b, q, ROPE_MODE, base_of(il)), hp.extra["attn_scale"], name=f"q_scaled-{il}")
+        k = blocks.rope(b, k, ROPE_MODE, base_of(il))
+        mask = b.inp.kq_mask_swa.tensor if is_swa(hp, il) else None
+        h = blocks.attention(b, il, q, k, v, L.attn_output, kq_scale=1.0, mask=mask)
+        if il == hp.n_layer - 1:
+            h, x = blocks.select_outputs(b, h, x)
+        h = blocks.rms_norm(b, h, L.post_attention_norm, f"attn_post_norm-{il}")
+        x = ops.add(h, x, name=f"sa_out-{il}")
+        h = blocks.rms_norm(b, x, L.ffn_norm, f"ffn_norm-{il}")
+        h = blocks.ffn_geglu(h, L.ffn_gate, L.ffn_up, L.ffn_down, il)
+        h = blocks.rms_norm(b, h, L.post_ffw_norm, f"ffn_post_norm-{il}")
+        x = ops.add(h, x, name=f"l_out-{il}")
+    x = blocks.rms_norm(b, x, w["output_norm.weight"], "result_norm")
+    return ops.mul_mat(w["output.weight"], x, name="result_output")
