@@ -87,6 +87,7 @@ class Session:
         self.debug = graph_debug_level()
         self.stats = SessionStats()
         self.result: GraphResult | None = None
+        self._debug_line = ""
         self.reserved = {} if self.virtual else self.reserve()
 
     @property
@@ -114,14 +115,24 @@ class Session:
         return res, plans, time.perf_counter() - t0
 
     def reserve(self) -> dict:
-        """Reserve every backend's compute buffer for the worst-case graphs: n_ubatch tokens over the
-        full context with logits for every token, and with logits for the last one only. Neither
-        always contains the other (the second has one more input, the output rows, live throughout),
-        so reserving one alone lets an ordinary prompt re-reserve."""
-        plans = self.sched.reserve(self.build(self.worst_case_params(all_logits=True)).sg)
-        for name, plan in self.sched.reserve(self.build(self.worst_case_params(all_logits=False)).sg).items():
-            if plan.size > plans[name].size:
-                plans[name] = plan
+        """Reserve every backend's compute buffer for the largest graph this session can run, so that
+        buffers exist before the first token and never grow while generating.
+
+        That is n_ubatch tokens over the full context, but the worst number of logit rows is not
+        obvious: fewer rows than tokens adds the output-row input and get_rows results that live
+        beside their sources, so logits for all tokens but one can need more than logits for all
+        (or for one). The K-shift graph (after seq_add) holds a rotated copy of one layer's keys
+        over all cells, the largest of all when n_ubatch is small. Each is measured, and the
+        largest reserved first, so that one allocation per backend is the usual case."""
+        n = min(self.n_ubatch, self.n_ctx)
+        graphs = [self.build(GraphParams(n, k, self.n_ctx)).sg for k in sorted({n, max(n - 1, 1), 1}, reverse=True)]
+        graphs.append(self.sched.schedule(self._k_shift_graph()[0]))
+        need = [sum(p.size for p in self.sched.measure(sg).values()) for sg in graphs]
+        plans: dict = {}
+        for i in sorted(range(len(graphs)), key=lambda i: -need[i]):
+            for name, plan in self.sched.reserve(graphs[i]).items():
+                if name not in plans or plan.size > plans[name].size:
+                    plans[name] = plan
         return plans
 
     def reset_scheduler(self) -> None:
@@ -168,9 +179,10 @@ class Session:
             inp.set_input(st, cpu.array(inp.tensor))
         self.sched.compute(res.sg)
         out = self.sched.get_tensor(res.logits) if ub.n_outputs else None
-        self.stats.compute_s += time.perf_counter() - t0
-        if self.debug >= 2:
-            print(f"graph: compute {1e3 * (time.perf_counter() - t0):.2f} ms", file=sys.stderr)
+        dt = time.perf_counter() - t0
+        self.stats.compute_s += dt
+        if self.debug:  # one line per micro-batch, printed once its compute time is known
+            print(self._debug_line + (f" compute {1e3 * dt:.2f} ms" if self.debug >= 2 else ""), file=sys.stderr)
         return out
 
     def _graph_for(self, p: GraphParams) -> GraphResult:
@@ -181,7 +193,7 @@ class Session:
             why = "first graph" if self.result is None else "graph reuse disabled"
         if why is None:
             self.stats.graphs_reused += 1
-            self._log(True, "reused", p)
+            self._log(True, "reused", p, self.result, (0.0, 0.0))
             return self.result
         t0 = time.perf_counter()
         res = self.build(p)
@@ -195,25 +207,30 @@ class Session:
         self._log(False, f"rebuilt: {why}", p, res, (t1 - t0, t2 - t1))
         return res
 
-    def _log(self, reused: bool, what: str, p: GraphParams, res: GraphResult | None = None,
-             times: tuple[float, float] | None = None) -> None:
+    def _log(self, reused: bool, what: str, p: GraphParams, res: GraphResult,
+             times: tuple[float, float]) -> None:
+        """Record the reuse decision; with GGRUN_GRAPH_DEBUG, keep its line for _decode_ubatch to print."""
         self.stats.last_reason = what
         self.stats.reuse_log.append((reused, what))
         if not self.debug:
             return
         line = f"graph: {what} (n_tokens {p.n_tokens}, n_outputs {p.n_outputs}, n_kv {p.n_kv})"
-        if self.debug >= 2 and res is not None:
+        if self.debug >= 2:
             sizes = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in self.sched.buffer_sizes().items())
             line += (f" nodes {len(res.sg.graph.nodes)} splits {len(res.sg.splits)} buffers [{sizes}]"
                      f" build {1e3 * times[0]:.2f} ms plan {1e3 * times[1]:.2f} ms")
-        print(line, file=sys.stderr)
+        self._debug_line = line
+
+    def _k_shift_graph(self):
+        """The graph that re-rotates cached keys by their cells' shifts, and its shift input."""
+        arch = self.model.arch
+        base_of = arch.rope_freq_base_of(self.model.hp) if hasattr(arch, "rope_freq_base_of") else lambda il: None
+        return build_k_shift(self.model.hp, self.kv, arch.ROPE_MODE, base_of)
 
     def _apply_k_shift(self) -> None:
-        """Re-rotate cached keys whose positions moved (seq_add), then clear the shift."""
-        arch = self.model.arch
-        self.result = None
-        base_of = arch.rope_freq_base_of(self.model.hp) if hasattr(arch, "rope_freq_base_of") else lambda il: None
-        graph, inp = build_k_shift(self.model.hp, self.kv, arch.ROPE_MODE, base_of)
+        """Re-rotate cached keys whose positions moved (seq_add), then clear the shift. The kept
+        decode graph stays: seq_add bumped the cache's version, so it is rebuilt (and says why)."""
+        graph, inp = self._k_shift_graph()
         sg = self.sched.schedule(graph)
         self.sched.alloc(sg)
         self.sched.cpu.array(inp.tensor)[...] = self.kv.shift
