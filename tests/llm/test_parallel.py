@@ -1,0 +1,320 @@
+"""ParallelRunner (continuous batching, `ggrun parallel`): every sequence served in a shared batch
+gets the same logits and tokens as the same tokens generated alone on a fresh session; the system
+prompt is evaluated once and shared; a full cache makes sequences wait; one that can never fit is
+reported and skipped. Synthetic tiny llama for the exact checks, SmolLM2 for batch invariance."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from core.backends.cpu import CPUBackend
+from core.dtypes import DType
+from core.llm.generate import eval_prompt, generate
+from core.llm.model import Model
+from core.llm.parallel import SYSTEM_SEQ, ParallelRunner, SequenceResult
+from core.llm.sampling import Sampler, SamplingParams
+from core.llm.session import Session, SessionParams
+
+GREEDY = SamplingParams(temp=0.0)
+rng = np.random.default_rng(7)
+# Token ids of the tiny vocabulary (256 bytes + merges; the control token 276 left out).
+SYSTEM = [int(t) for t in rng.integers(0, 276, 24)]
+PROMPTS = [(f"prompt {i}", [int(t) for t in rng.integers(0, 276, n)])
+           for i, n in enumerate([5, 13, 3, 21, 8, 1, 17])]
+
+
+class RecordingSampler(Sampler):
+    """A sampler that keeps every row of logits it is given, tagged with the job its client serves."""
+
+    def __init__(self, params: SamplingParams, n_ctx: int, client=None) -> None:
+        super().__init__(params, n_ctx)
+        self.client = client
+        self.rows: dict[int, list[np.ndarray]] = {}
+
+    def sample(self, logits: np.ndarray) -> int:
+        job = self.client.job if self.client is not None else 0
+        self.rows.setdefault(job, []).append(np.array(logits, dtype=np.float32))
+        return super().sample(logits)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_path) -> Model:
+    return Model.load(tiny_llama_path, [CPUBackend()])
+
+
+def run_parallel(model: Model, prompts, n_clients: int = 3, n_predict: int = 6, n_ctx: int = 512,
+                 system=SYSTEM, n_batch: int = 512, n_ubatch: int = 512, sampling: SamplingParams = GREEDY,
+                 record: bool = False, ignore_eos: bool = True, kv_type: DType = DType.F16):
+    """(runner, session, {job: result}, summary, {job: logits rows}) of one parallel run."""
+    s = Session(model, SessionParams(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_clients + 1,
+                                     kv_type=kv_type))
+    r = ParallelRunner(s, n_clients, n_predict, sampling, n_batch, ignore_eos=ignore_eos)
+    if record:
+        for c in r.clients:
+            c.sampler = RecordingSampler(c.sampler.p, n_ctx, client=c)
+    results: dict[int, SequenceResult] = {}
+
+    def done(res: SequenceResult) -> None:
+        assert res.seq not in results, f"sequence {res.seq} reported twice"
+        results[res.seq] = res
+
+    summary = r.run(list(system), prompts, done)
+    rows: dict[int, list[np.ndarray]] = {}
+    if record:
+        for c in r.clients:
+            rows.update(c.sampler.rows)
+    return r, s, results, summary, rows
+
+
+def run_alone(model: Model, tokens: list[int], n_predict: int, n_ctx: int = 512,
+              sampling: SamplingParams = GREEDY, ignore_eos: bool = True,
+              kv_type: DType = DType.F16) -> tuple[list[int], list[np.ndarray]]:
+    """Generation of one sequence on a fresh session: (tokens, logits of each step)."""
+    s = Session(model, SessionParams(n_ctx=n_ctx, n_batch=512, n_ubatch=512, kv_type=kv_type))
+    sampler = RecordingSampler(sampling, n_ctx)
+    out, _ = generate(s, tokens, n_predict, sampler, lambda t: None, ignore_eos=ignore_eos)
+    return out, sampler.rows.get(0, [])
+
+
+def assert_cache_holds_only_system(s: Session, n_system: int) -> None:
+    used = s.kv.pos >= 0
+    assert int(np.count_nonzero(used)) == n_system
+    assert sorted(s.kv.pos[used].tolist()) == list(range(n_system))
+    assert s.kv.seqs[used, SYSTEM_SEQ].all()
+    others = np.delete(s.kv.seqs, SYSTEM_SEQ, axis=1)
+    assert not others.any(), "a finished sequence still owns cells"
+    assert not s.kv.seqs[~used].any()
+
+
+@pytest.mark.parametrize("kv_type,atol", [(DType.F32, 1e-3), (DType.F16, 1e-2)], ids=["kv-f32", "kv-f16"])
+@pytest.mark.parametrize("n_batch,n_ubatch", [(512, 512), (16, 7)], ids=["one-ubatch", "chunked"])
+def test_batched_logits_equal_alone(tiny, n_batch, n_ubatch, kv_type, atol):
+    """Each sequence's logits at every step agree with the same tokens generated alone; with a small -b
+    the prompts arrive in chunks beside other clients' decode tokens, and -ub splits the batch.
+
+    With an f32 cache batched and alone logits differ by float summation order only (~3e-6). An f16
+    cache rounds each K/V element once; a last-bit difference in a batched matmul sometimes rounds one
+    element the other way (one f16 ulp, ~1e-3 relative), which moves a logit by up to ~1e-3: noise of
+    the cache type, not of batching, hence the looser bound there."""
+    n_predict = 6
+    _, s, results, summary, rows = run_parallel(tiny, PROMPTS, n_predict=n_predict, n_batch=n_batch,
+                                                n_ubatch=n_ubatch, record=True, kv_type=kv_type)
+    assert sorted(results) == list(range(len(PROMPTS)))
+    for job, (_, prompt) in enumerate(PROMPTS):
+        res = results[job]
+        assert not res.skipped and res.prompt_tokens == prompt
+        want, want_rows = run_alone(tiny, SYSTEM + prompt, n_predict, kv_type=kv_type)
+        assert res.response_tokens == want, f"sequence {job}"
+        assert len(rows[job]) == len(want_rows) == n_predict
+        for step, (got, exp) in enumerate(zip(rows[job], want_rows)):
+            np.testing.assert_allclose(got, exp, atol=atol, rtol=0, err_msg=f"sequence {job} step {step}")
+    assert summary.n_gen == n_predict * len(PROMPTS)
+    assert_cache_holds_only_system(s, len(SYSTEM))
+
+
+def test_system_prompt_is_evaluated_once_and_shared(tiny, monkeypatch):
+    """The system tokens are decoded once (sequence 0); clients decode only their own tokens, at
+    positions after the system prompt, and see the system cells through seq_cp."""
+    batches = []
+    real = Session.decode
+
+    def spy(self, batch):
+        batches.append((list(batch.pos), list(batch.seq)))
+        return real(self, batch)
+
+    monkeypatch.setattr(Session, "decode", spy)
+    _, s, results, summary, _ = run_parallel(tiny, PROMPTS, n_predict=4)
+    n_sys = len(SYSTEM)
+    system_rows = [(p, q) for pos, seq in batches for p, q in zip(pos, seq) if q == SYSTEM_SEQ]
+    assert sorted(p for p, _ in system_rows) == list(range(n_sys)), "system prompt evaluated more than once"
+    client_rows = [(p, q) for pos, seq in batches for p, q in zip(pos, seq) if q != SYSTEM_SEQ]
+    assert min(p for p, _ in client_rows) == n_sys
+    assert len(client_rows) == sum(len(t) for _, t in PROMPTS) + 3 * len(PROMPTS)  # prompt + n_predict - 1
+    assert summary.n_prompt == n_sys + sum(len(t) for _, t in PROMPTS)
+    assert summary.n_system == n_sys
+    assert_cache_holds_only_system(s, n_sys)
+
+
+def test_without_system_prompt(tiny):
+    _, s, results, summary, _ = run_parallel(tiny, PROMPTS[:4], n_predict=4, system=[])
+    for job, (_, prompt) in enumerate(PROMPTS[:4]):
+        assert results[job].response_tokens == run_alone(tiny, prompt, 4)[0]
+    assert s.kv.n_used == 0 and not s.kv.seqs.any()
+
+
+def test_small_cache_makes_sequences_wait(tiny):
+    """With room for about one and a half sequences, clients wait for cells instead of failing, and
+    every sequence ends with the tokens it gets with plenty of room."""
+    n_predict = 6
+    _, _, roomy, _, _ = run_parallel(tiny, PROMPTS, n_predict=n_predict)
+    longest = max(len(t) for _, t in PROMPTS) + n_predict
+    n_ctx = len(SYSTEM) + longest + longest // 2
+    r, s, tight, summary, _ = run_parallel(tiny, PROMPTS, n_predict=n_predict, n_ctx=n_ctx)
+    assert summary.cache_misses > 0
+    assert sorted(tight) == sorted(roomy)
+    for job in roomy:
+        assert not tight[job].skipped
+        assert tight[job].response_tokens == roomy[job].response_tokens, f"sequence {job}"
+    assert_cache_holds_only_system(s, len(SYSTEM))
+
+
+def test_sequence_that_fills_the_cache_exactly_runs(tiny):
+    """System + prompt + n_predict - 1 decoded tokens == n_ctx fits (the last sampled token is never
+    decoded), and matches the alone run in a context of the same size."""
+    n_predict = 5
+    prompt = PROMPTS[3][1]
+    n_ctx = len(SYSTEM) + len(prompt) + n_predict - 1
+    _, s, results, summary, _ = run_parallel(tiny, [("exact", prompt)], n_predict=n_predict, n_ctx=n_ctx)
+    assert not results[0].skipped, results[0].skipped
+    assert results[0].response_tokens == run_alone(tiny, SYSTEM + prompt, n_predict, n_ctx=n_ctx)[0]
+    assert_cache_holds_only_system(s, len(SYSTEM))
+
+
+def test_sequence_that_can_never_fit_is_skipped(tiny):
+    """A prompt longer than the cache beside the system prompt is reported and skipped; the others
+    complete undisturbed (same tokens as without it) and nothing crashes."""
+    n_predict = 4
+    n_ctx = len(SYSTEM) + 40
+    huge = ("huge", [int(t) for t in rng.integers(0, 276, 60)])
+    prompts = PROMPTS[:3] + [huge] + PROMPTS[3:5] + [("empty", [])]
+    _, _, plain, _, _ = run_parallel(tiny, PROMPTS[:5], n_predict=n_predict, n_ctx=n_ctx)
+    _, s, results, summary, _ = run_parallel(tiny, prompts, n_predict=n_predict, n_ctx=n_ctx)
+    assert sorted(results) == list(range(len(prompts)))
+    for job in (3, 6):
+        assert results[job].skipped and results[job].response_tokens == []
+    assert "60" in results[3].skipped and "empty" in results[6].skipped
+    for job, want in zip([0, 1, 2, 4, 5], [0, 1, 2, 3, 4]):
+        assert not results[job].skipped
+        assert results[job].response_tokens == plain[want].response_tokens
+    assert summary.n_gen == sum(len(plain[j].response_tokens) for j in plain)
+    assert_cache_holds_only_system(s, len(SYSTEM))
+
+
+def test_finished_client_starts_the_next_sequence_at_once(tiny, monkeypatch):
+    """When a sequence ends early at an end-of-generation token its client frees its cells and takes the
+    next prompt in the same step; every result still equals its alone run with the same stop token."""
+    n_predict = 6
+    _, _, free, _, _ = run_parallel(tiny, PROMPTS, n_predict=n_predict)
+    stop = free[1].response_tokens[2]  # some sequences now stop early, at different steps
+    monkeypatch.setattr(tiny.tokenizer, "is_eog", lambda t: t == stop)
+    r, s, results, _, _ = run_parallel(tiny, PROMPTS, n_predict=n_predict, ignore_eos=False)
+    lengths = set()
+    for job, (_, prompt) in enumerate(PROMPTS):
+        want = run_alone(tiny, SYSTEM + prompt, n_predict, ignore_eos=False)[0]
+        assert results[job].response_tokens == want, f"sequence {job}"
+        assert stop not in want
+        lengths.add(len(want))
+    assert len(lengths) > 1, "the stop token should end sequences at different steps"
+    assert_cache_holds_only_system(s, len(SYSTEM))
+
+
+def test_repeat_penalty_sees_only_the_sequence_itself(tiny):
+    """A client serving several sequences in turn penalizes only the current sequence's tokens (system
+    prompt, prompt, response), exactly as `generate` does for the same tokens alone."""
+    sampling = SamplingParams(temp=0.0, repeat_penalty=1.8, repeat_last_n=64)
+    n_predict = 8
+    _, _, results, _, _ = run_parallel(tiny, PROMPTS, n_clients=2, n_predict=n_predict, sampling=sampling)
+    for job, (_, prompt) in enumerate(PROMPTS):
+        want = run_alone(tiny, SYSTEM + prompt, n_predict, sampling=sampling)[0]
+        assert results[job].response_tokens == want, f"sequence {job}"
+
+
+def test_seeded_sampling_is_reproducible(tiny):
+    sampling = SamplingParams(temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=11)
+    runs = [run_parallel(tiny, PROMPTS, n_predict=6, sampling=sampling)[2] for _ in range(2)]
+    assert {j: r.response_tokens for j, r in runs[0].items()} == {j: r.response_tokens for j, r in runs[1].items()}
+
+
+def test_more_clients_than_prompts(tiny):
+    _, s, results, _, _ = run_parallel(tiny, PROMPTS[:2], n_clients=5, n_predict=3)
+    assert sorted(results) == [0, 1]
+    assert all(len(r.response_tokens) == 3 for r in results.values())
+    assert_cache_holds_only_system(s, len(SYSTEM))
+
+
+# ---- SmolLM2 ------------------------------------------------------------------------------------
+
+
+def smollm2_jobs(model: Model, n: int) -> tuple[list[int], list[tuple[str, list[int]]]]:
+    """The system prompt and the first n prompts exactly as `ggrun parallel` tokenizes them."""
+    from cli.cmd_parallel import QUESTIONS, SYSTEM_PROMPT, format_prompt
+
+    tok = model.tokenizer
+    system = tok.tokenize(SYSTEM_PROMPT, add_special=True, parse_special=False)
+    return system, [(q, tok.tokenize(format_prompt(q), add_special=False, parse_special=False)) for q in QUESTIONS[:n]]
+
+
+def compare_with_alone(model: Model, system, prompts, results, rows, n_predict: int):
+    """Per sequence: (first step where batched and alone tokens differ or None, max logit difference of
+    each step up to it, alone logits rows, alone tokens)."""
+    out = []
+    for job, (_, prompt) in enumerate(prompts):
+        got = results[job].response_tokens
+        want, want_rows = run_alone(model, system + prompt, n_predict, n_ctx=256, ignore_eos=False)
+        first = None if got == want else next(i for i, (a, b) in enumerate(zip(got + [-1], want + [-1])) if a != b)
+        last = len(want_rows) if first is None else first + 1
+        diffs = [float(np.abs(a - b).max()) for a, b in zip(rows[job][:last], want_rows[:last])]
+        out.append((first, diffs, want_rows, want))
+    return out
+
+
+@pytest.mark.slow
+def test_smollm2_batch_invariance_exact_arithmetic(smollm2, monkeypatch):
+    """With activations left in f32 (no llama.cpp-style 8-bit rounding before quantized weights; the
+    arithmetic is then smooth), -np 2 over 3 sequences (one client serves two in turn) gives every
+    sequence exactly the tokens of its alone run, and logits within the f16 cache's rounding noise:
+    mask, positions and the shared system cells are right on a real model."""
+    for t in smollm2.weights.tensors.values():
+        if "act_quant" in t.params:
+            monkeypatch.delitem(t.params, "act_quant")
+    system, prompts = smollm2_jobs(smollm2, 3)
+    n_predict = 8
+    _, s, results, _, rows = run_parallel(smollm2, prompts, n_clients=2, n_predict=n_predict, n_ctx=512,
+                                          system=system, record=True, ignore_eos=False)
+    assert_cache_holds_only_system(s, len(system))
+    for job, (first, diffs, _, want) in enumerate(compare_with_alone(smollm2, system, prompts, results, rows,
+                                                                     n_predict)):
+        assert first is None, f"sequence {job} diverges at step {first}"
+        assert max(diffs) < 0.1, f"sequence {job}: logit differences {diffs}"
+
+
+@pytest.mark.slow
+def test_smollm2_batch_invariance(smollm2):
+    """-np 4 over 8 sequences with --temp 0 as `ggrun parallel` runs them: every response equals a
+    single-sequence greedy run of the same tokens (system prompt + prompt) on a fresh session, up to
+    float near-ties.
+
+    The CPU kernels round activations to 8-bit blocks before a quantized weight (as llama.cpp does);
+    a last-bit difference from another matmul shape (a batch of 4 rows instead of 1, a prompt in two
+    decodes instead of one) flips a rounding now and then, and over 30 layers the logits of one
+    sequence alone already move by about as much when only its prompt is split differently (the
+    noise floor, measured here). So where tokens differ, the first divergence must be a near-tie:
+    alone's two candidates lie within that noise, and the logits up to there differ by noise only."""
+    system, prompts = smollm2_jobs(smollm2, 8)
+    n_predict = 16
+    _, s, results, _, rows = run_parallel(smollm2, prompts, n_clients=4, n_predict=n_predict, n_ctx=1024,
+                                          system=system, record=True, ignore_eos=False)
+    assert sorted(results) == list(range(8))
+    assert_cache_holds_only_system(s, len(system))
+    compared = compare_with_alone(smollm2, system, prompts, results, rows, n_predict)
+    # noise floor: sequence 0 alone, its system prompt and prompt decoded in two batches instead of one
+    split = Session(smollm2, SessionParams(n_ctx=256, n_batch=len(system), n_ubatch=512))
+    floor = float(np.abs(eval_prompt(split, system + prompts[0][1], len(system)) - compared[0][2][0]).max())
+    bound = 2.5 * max(floor, 0.05)
+    print(f"\nnoise floor (one sequence alone, prompt split in two): max logit difference {floor:.3g}")
+    for job, (first, diffs, want_rows, want) in enumerate(compared):
+        got = results[job].response_tokens
+        print(f"sequence {job}: {'same tokens' if first is None else f'first divergence at step {first}'}; "
+              f"max logit difference {max(diffs):.3g}")
+        assert max(diffs) < bound, f"sequence {job}: logit differences {diffs} beyond noise (floor {floor:.3g})"
+        if first is None:
+            continue
+        assert first < min(len(got), len(want)), f"sequence {job}: one run ended at an end-of-generation token"
+        alone = want_rows[first]
+        margin = float(alone[want[first]] - alone[got[first]])
+        top2 = np.sort(alone)[-2:]
+        msg = (f"sequence {job} ({prompts[job][0]!r}) step {first}: batched {got[first]} alone {want[first]}; "
+               f"alone logits {alone[want[first]]:.4f} vs {alone[got[first]]:.4f} (margin {margin:.4g}, alone top-2 "
+               f"margin {top2[1] - top2[0]:.4g}); batched-vs-alone max logit difference {diffs[first]:.4g}")
+        print(msg)
+        assert 0 <= margin < bound and diffs[first] < bound, msg
