@@ -1,0 +1,80 @@
+"""Continuous batching against one sequence at a time, measured in one run: the same sequences
+(`ggrun parallel`'s system prompt and questions) served by -np clients sharing each decode, then by a
+single client, with the same model, context and sampling; prints both speeds and their ratio.
+
+Usage: python scripts/bench_parallel.py [-m MODEL] [-np 4] [-ns 16] [-n 64] [-c 4096] [--temp 0] [-t THREADS]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cli.cmd_parallel import QUESTIONS, SYSTEM_PROMPT, format_prompt  # noqa: E402
+from core.backends.cpu import set_threads  # noqa: E402
+from core.backends.registry import usable_backends  # noqa: E402
+from core.llm.model import Model  # noqa: E402
+from core.llm.parallel import ParallelRunner, ParallelSummary, SequenceResult  # noqa: E402
+from core.llm.sampling import SamplingParams  # noqa: E402
+from core.llm.session import Session, SessionParams  # noqa: E402
+from loaders.download import resolve_model  # noqa: E402
+
+
+def serve(model: Model, n_clients: int, system: list[int], jobs: list[tuple[str, list[int]]], n_predict: int,
+          n_ctx: int, n_batch: int, sampling: SamplingParams) -> tuple[ParallelSummary, dict[int, SequenceResult]]:
+    session = Session(model, SessionParams(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_seq_max=n_clients + 1))
+    runner = ParallelRunner(session, n_clients, n_predict, sampling, n_batch)
+    results: dict[int, SequenceResult] = {}
+    summary = runner.run(system, jobs, lambda r: results.__setitem__(r.seq, r))
+    return summary, results
+
+
+def line(name: str, s: ParallelSummary) -> str:
+    return (f"{name:>14s}: {s.total_s:7.1f} s  prompt {s.n_prompt:5d} t {s.prompt_tps:8.2f} t/s  "
+            f"gen {s.n_gen:5d} t {s.gen_tps:7.2f} t/s  total {s.total_tps:7.2f} t/s  "
+            f"cache misses {s.cache_misses}  graphs reused {s.graphs_reused}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", default="smollm2", help="GGUF file or known model name (default smollm2)")
+    ap.add_argument("-np", "--parallel", type=int, default=4, help="clients of the batched run")
+    ap.add_argument("-ns", "--sequences", type=int, default=16)
+    ap.add_argument("-n", "--n-predict", type=int, default=64)
+    ap.add_argument("-c", "--ctx-size", type=int, default=4096)
+    ap.add_argument("-b", "--batch-size", type=int, default=512)
+    ap.add_argument("--temp", type=float, default=0.0)
+    ap.add_argument("-s", "--seed", type=int, default=1)
+    ap.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for matrix products")
+    a = ap.parse_args()
+
+    set_threads(a.threads)
+    model = Model.load(resolve_model(a.model), usable_backends())
+    tok = model.tokenizer
+    system = tok.tokenize(SYSTEM_PROMPT, add_special=True, parse_special=False)
+    jobs = [(q, tok.tokenize(format_prompt(q), add_special=False, parse_special=False))
+            for q in (QUESTIONS[i % len(QUESTIONS)] for i in range(a.sequences))]
+    sampling = SamplingParams(temp=a.temp, seed=a.seed)
+    print(f"{Path(model.weights.source).name}: {a.sequences} sequences, -n {a.n_predict}, -c {a.ctx_size}, "
+          f"--temp {a.temp}, system prompt {len(system)} tokens; backends "
+          f"{', '.join(b.name for b in model.backends)}", flush=True)
+
+    runs = {}
+    for n_clients in (a.parallel, 1):
+        t0 = time.perf_counter()
+        runs[n_clients] = serve(model, n_clients, system, jobs, a.n_predict, a.ctx_size, a.batch_size, sampling)
+        print(line(f"-np {n_clients}", runs[n_clients][0]) + f"  (wall {time.perf_counter() - t0:.1f} s)", flush=True)
+
+    (par, par_res), (one, one_res) = runs[a.parallel], runs[1]
+    same = sum(par_res[j].response_tokens == one_res[j].response_tokens for j in par_res)
+    print(f"total speed: -np {a.parallel} {par.total_tps:.2f} t/s, -np 1 {one.total_tps:.2f} t/s, "
+          f"ratio {par.total_tps / one.total_tps:.2f}x")
+    print(f"generation speed ratio {par.gen_tps / one.gen_tps:.2f}x; "
+          f"{same}/{len(par_res)} sequences with the same tokens in both runs")
+
+
+if __name__ == "__main__":
+    main()
