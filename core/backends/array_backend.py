@@ -33,9 +33,13 @@ class ArrayBackend(Backend):
 
     def array(self, t: Tensor) -> Any:
         self.check_owned(t)
-        arr = t._array
-        if arr is None:
-            arr = t._array = self.view_array(t, t.root.buffer.storage)
+        root = t.root
+        cached = t._array
+        # placing a root again drops its own cache but not its views': check where each was made
+        if cached is not None and cached[0] is root.buffer and cached[1] == root.offset:
+            return cached[2]
+        arr = self.view_array(t, root.buffer.storage)
+        t._array = (root.buffer, root.offset, arr)
         return arr
 
     def prepare(self, nodes: list[Tensor]) -> list[tuple]:
