@@ -16,7 +16,7 @@ from gguf.constants import GGMLQuantizationType as QT
 
 from cli.app import main
 from tests.llm.llama_reference import ReferenceLlama, perplexity
-from tests.synth import LlamaConfig, QuantizedTensor, tokenizer_metadata, write_gguf
+from tests.synth import EOT, LlamaConfig, QuantizedTensor, tiny_bpe_vocab, tokenizer_metadata, write_gguf
 
 REPO = Path(__file__).resolve().parents[2]
 TIMING_LABELS = ("load time", "prompt eval time", "eval time", "total time", "graphs reused")
@@ -168,12 +168,13 @@ def test_bad_input_in_a_real_process(bad_files):
 
 
 def test_run_generates_text_and_prints_timings(capsys, monkeypatch, tiny_llama_path):
-    code, out, err = ggrun(capsys, monkeypatch, "run", "-m", tiny_llama_path, "-p", "hi", "-n", "4", "--temp", "0",
-                           "--ignore-eos")
+    code, out, err = ggrun(capsys, monkeypatch, "run", "-m", tiny_llama_path, "-p", "hi", "-n", "4", "--temp", "0")
     assert code == 0, err
     assert "Traceback" not in err
-    # "hi" is two byte tokens; greedy continuation as the independent reference computes it.
+    # "hi" is two byte tokens; greedy continuation as the independent reference computes it (it does not
+    # reach the end-of-text token, so all 4 tokens come out).
     expected = ReferenceLlama.load(tiny_llama_path).greedy([ord("h"), ord("i")], 4)
+    assert tiny_bpe_vocab()[0].index(EOT) not in expected
     assert out == _text_of(expected) + "\n"
     t = timings(err)
     assert set(TIMING_LABELS) <= set(t), err
@@ -239,7 +240,7 @@ def test_run_in_a_real_process(tiny_llama_path):
 def _text_of(tokens: list[int]) -> str:
     """Text of tiny-vocabulary tokens, decoded independently of ggrun: each token is a run of GPT-2
     byte symbols; invalid UTF-8 becomes U+FFFD."""
-    from tests.synth import bytes_to_unicode, tiny_bpe_vocab
+    from tests.synth import bytes_to_unicode
 
     to_byte = {c: b for b, c in bytes_to_unicode().items()}
     vocab = tiny_bpe_vocab()[0]
