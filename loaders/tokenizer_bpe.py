@@ -7,7 +7,8 @@ It turns raw text fragments into ids; special tokens and BOS/EOS are the caller'
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from loaders.pretokenize import PreTokenizer
 
@@ -72,7 +73,8 @@ class BpeEncoder:
     def _merge(self, word: str) -> list[str]:
         if self.pre.ignore_merges and word in self.token_to_id:
             return [word]
-        return merge_symbols(list(word), self.ranks)
+        ranks = self.ranks
+        return merge_symbols(list(word), lambda a, b: ranks.get((a, b)))
 
     def _ids_of(self, symbols: list[str]) -> list[int]:
         ids: list[int] = []
@@ -90,19 +92,23 @@ class BpeEncoder:
         return [tid for tid in found if tid is not None]
 
 
-def merge_symbols(symbols: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
-    """Merge adjacent symbols, always the pair of lowest rank and, among equals, the leftmost one."""
+def merge_symbols(symbols: list[str], priority: Callable[[str, str], Any]) -> list[str]:
+    """Merge adjacent symbols, always the pair of lowest priority and, among equals, the leftmost.
+
+    priority(left, right) gives a sortable key, or None when the pair does not merge. Byte-level
+    BPE ranks pairs by their merge rank, SentencePiece by the merged token's score.
+    """
     n = len(symbols)
     if n < 2:
         return symbols
     next_ = [*range(1, n), -1]
     prev = [*range(-1, n - 1)]
-    queue: list[tuple[int, int, int, str]] = []
+    queue: list[tuple[Any, int, int, str]] = []
 
     def push(left: int, right: int) -> None:
-        rank = ranks.get((symbols[left], symbols[right]))
-        if rank is not None:
-            heapq.heappush(queue, (rank, left, right, symbols[left] + symbols[right]))
+        key = priority(symbols[left], symbols[right])
+        if key is not None:
+            heapq.heappush(queue, (key, left, right, symbols[left] + symbols[right]))
 
     for i in range(n - 1):
         push(i, i + 1)

@@ -6,10 +6,10 @@ It turns one raw text fragment (spaces already escaped as "▁") into ids; it ne
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 
 from core.errors import BadInput
+from loaders.tokenizer_bpe import merge_symbols
 
 
 class SpmEncoder:
@@ -32,34 +32,13 @@ class SpmEncoder:
 
     def _merge(self, symbols: list[str]) -> list[str]:
         """Merge adjacent symbols into vocabulary tokens, highest score first and leftmost among equals."""
-        n = len(symbols)
-        if n < 2:
-            return symbols
-        next_ = [*range(1, n), -1]
-        prev = [*range(-1, n - 1)]
-        queue: list[tuple[float, int, int, int]] = []
+        ids, scores = self.token_to_id, self.scores
 
-        def push(left: int, right: int) -> None:
-            merged = symbols[left] + symbols[right]
-            tid = self.token_to_id.get(merged)
-            if tid is not None:
-                heapq.heappush(queue, (-self.scores[tid], left, right, len(merged)))
+        def priority(left: str, right: str):
+            tid = ids.get(left + right)
+            return None if tid is None else -scores[tid]
 
-        for i in range(n - 1):
-            push(i, i + 1)
-        while queue:
-            _, left, right, size = heapq.heappop(queue)
-            if not symbols[left] or not symbols[right] or len(symbols[left]) + len(symbols[right]) != size:
-                continue  # outdated: one side has grown or vanished since this pair was queued
-            symbols[left], symbols[right] = symbols[left] + symbols[right], ""
-            next_[left] = next_[right]
-            if next_[right] >= 0:
-                prev[next_[right]] = left
-            if prev[left] >= 0:
-                push(prev[left], left)
-            if next_[left] >= 0:
-                push(left, next_[left])
-        return [s for s in symbols if s]
+        return merge_symbols(symbols, priority)
 
     def _byte_ids_of(self, symbol: str) -> list[int]:
         ids = []
