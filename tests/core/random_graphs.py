@@ -14,11 +14,16 @@ import numpy as np
 from hypothesis import strategies as st
 
 from core import ops
+from core.alloc import Plan, plan_graph
+from core.backends.cpu import CPUBackend
 from core.dtypes import DType
+from core.graph import build_graph
+from core.sched import ScheduledGraph, Scheduler
 from core.tensor import Tensor, new_tensor
 from tests.core.harness import Runner
 
 N_KINDS = 10
+ALIGN = CPUBackend.buffer_type.alignment
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,21 @@ def build(recipe: Recipe, rt: Runner) -> Built:
     outs = [pool[-1]] + [pool[k % len(pool)] for k in recipe.outputs]
     outs = list(dict.fromkeys(t for t in outs if not t.is_input))  # inputs as outputs are not of interest here
     return Built(outputs=outs or [ops.scale(x, 1.0)], inputs=inputs, pool=pool)
+
+
+def schedule(recipe: Recipe) -> tuple[Runner, ScheduledGraph, dict]:
+    """Build the recipe's graph and schedule it on one CPU backend (nothing allocated yet)."""
+    rt = Runner()
+    built = build(recipe, rt)
+    rt.feeds.update(built.inputs)
+    rt.sched = Scheduler([rt.backend])
+    rt.sg = rt.sched.schedule(build_graph(built.outputs))
+    return rt, rt.sg, built.inputs
+
+
+def plan_of(sg: ScheduledGraph) -> Plan:
+    owned = sg.owned["CPU"]
+    return plan_graph(sg.order, sg.graph.inputs(), lambda t: id(t) in owned, ALIGN)
 
 
 def _pick(pool: list[Tensor], k: int) -> Tensor:

@@ -5,8 +5,8 @@ serves smaller graphs and a bigger graph re-reserves with a warning. Reuse never
 from __future__ import annotations
 
 import logging
+
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 
 from core import ops
@@ -15,29 +15,13 @@ from core.backends.cpu import CPUBackend
 from core.dtypes import DType
 from core.graph import build_graph
 from core.ops import OPS
-from core.sched import ScheduledGraph, Scheduler
+from core.sched import ScheduledGraph
 from core.tensor import Tensor, new_tensor
 from core.validate import validate_plan
 from tests.core.harness import Runner
-from tests.core.random_graphs import Recipe, build, recipes
+from tests.core.random_graphs import ALIGN, Recipe, plan_of, recipes, schedule
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-ALIGN = CPUBackend.buffer_type.alignment
-
-
-def schedule(recipe: Recipe) -> tuple[Runner, ScheduledGraph, dict]:
-    """Build the recipe's graph and schedule it on one CPU backend (nothing allocated yet)."""
-    rt = Runner()
-    built = build(recipe, rt)
-    rt.feeds.update(built.inputs)
-    rt.sched = Scheduler([rt.backend])
-    rt.sg = rt.sched.schedule(build_graph(built.outputs))
-    return rt, rt.sg, built.inputs
-
-
-def plan_of(sg: ScheduledGraph) -> Plan:
-    owned = sg.owned["CPU"]
-    return plan_graph(sg.order, sg.graph.inputs(), lambda t: id(t) in owned, ALIGN)
 
 
 def inplace_allowed(order: list[Tensor], owned: set[int]) -> set[tuple[int, int]]:
@@ -129,6 +113,18 @@ def test_measure_equals_what_alloc_uses(recipe: Recipe):
     measured = rt.sched.measure(sg)["CPU"].size
     allocated = rt.sched.alloc(sg)["CPU"].size
     assert measured == allocated == rt.sched.buffer_sizes()["CPU"]
+
+
+@SETTINGS
+@given(recipes())
+def test_plan_without_reuse_gives_every_tensor_its_own_bytes(recipe: Recipe):
+    """reuse=False (the reference `ggrun measure --verify` runs against) shares nothing."""
+    _, sg, _ = schedule(recipe)
+    owned = sg.owned["CPU"]
+    plan = plan_graph(sg.order, sg.graph.inputs(), lambda t: id(t) in owned, ALIGN, reuse=False)
+    spans = sorted((off, off + plan.sizes[t]) for t, off in plan.offsets.items())
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert plan.inplace == [] and plan.size == plan.no_reuse
 
 
 def run_with_distinct_memory(recipe: Recipe) -> list[np.ndarray]:

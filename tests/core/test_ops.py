@@ -13,7 +13,7 @@ from core import ops
 from core.dtypes import DType
 from core.errors import GraphError
 from core.tensor import new_tensor
-from tests.core.harness import Runner, as_f64, bf16_to_f32, f32_to_bf16
+from tests.core.harness import Runner, as_f64, f32_to_bf16
 
 F32, F16, BF16, I32 = DType.F32, DType.F16, DType.BF16, DType.I32
 FLOATS = [F32, F16, BF16]

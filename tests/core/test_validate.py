@@ -13,8 +13,7 @@ from core.graph import build_graph
 from core.ops import OPS
 from core.tensor import Tensor, new_tensor
 from core.validate import validate_plan
-from tests.core.random_graphs import Recipe
-from tests.core.test_alloc import ALIGN, plan_of, recipes, schedule
+from tests.core.random_graphs import ALIGN, Recipe, plan_of, recipes, schedule
 
 ROW = 4 * 16 * 4  # bytes of one [4, 16] f32 tensor (a multiple of the alignment)
 
