@@ -16,10 +16,10 @@ from core.llm.sampling import Sampler, SamplingParams
 from core.llm.session import Session, SessionParams
 
 GREEDY = SamplingParams(temp=0.0)
-rng = np.random.default_rng(7)
+_rng = np.random.default_rng(7)
 # Token ids of the tiny vocabulary (256 bytes + merges; the control token 276 left out).
-SYSTEM = [int(t) for t in rng.integers(0, 276, 24)]
-PROMPTS = [(f"prompt {i}", [int(t) for t in rng.integers(0, 276, n)])
+SYSTEM = [int(t) for t in _rng.integers(0, 276, 24)]
+PROMPTS = [(f"prompt {i}", [int(t) for t in _rng.integers(0, 276, n)])
            for i, n in enumerate([5, 13, 3, 21, 8, 1, 17])]
 
 
@@ -175,7 +175,7 @@ def test_sequence_that_can_never_fit_is_skipped(tiny):
     complete undisturbed (same tokens as without it) and nothing crashes."""
     n_predict = 4
     n_ctx = len(SYSTEM) + 40
-    huge = ("huge", [int(t) for t in rng.integers(0, 276, 60)])
+    huge = ("huge", [int(t) for t in np.random.default_rng(3).integers(0, 276, 60)])
     prompts = PROMPTS[:3] + [huge] + PROMPTS[3:5] + [("empty", [])]
     _, _, plain, _, _ = run_parallel(tiny, PROMPTS[:5], n_predict=n_predict, n_ctx=n_ctx)
     _, s, results, summary, _ = run_parallel(tiny, prompts, n_predict=n_predict, n_ctx=n_ctx)
