@@ -9,7 +9,8 @@ from rich.console import Console
 from rich.table import Table
 
 from cli.app import app
-from loaders.download import DEFAULT_MODEL, KNOWN_MODELS, is_cached, pull
+from loaders import download
+from loaders.download import KNOWN_MODELS, is_cached, pull
 
 models_app = typer.Typer(help="List the models ggrun knows by name, or download one.", no_args_is_help=False)
 app.add_typer(models_app, name="models")
@@ -22,7 +23,7 @@ def models_list(ctx: typer.Context) -> None:
         return
     table = Table("name", "file", "size", "cached", "description")
     for model in KNOWN_MODELS.values():
-        name = f"{model.name} (default)" if model.name == DEFAULT_MODEL else model.name
+        name = f"{model.name} (default)" if model.name == download.DEFAULT_MODEL else model.name
         cached = "yes" if is_cached(model) else "no"
         table.add_row(name, model.file, f"{model.size / 1e6:.0f} MB", cached, model.description)
     Console().print(table)

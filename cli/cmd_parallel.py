@@ -67,7 +67,8 @@ def parallel_command(
     n_parallel: int = typer.Option(4, "-np", "--parallel", help="Concurrent clients"),
     n_sequences: int = typer.Option(16, "-ns", "--sequences", help="Sequences to serve in total"),
     n_predict: o.NPredict = 64, ctx_size: o.Ctx = 4096, batch_size: o.BatchSize = 512,
-    ubatch_size: o.UBatchSize = 512, n_gpu_layers: o.GpuLayers = 0, threads: o.Threads = None, file: o.File = None,
+    ubatch_size: o.UBatchSize = 512, n_gpu_layers: o.GpuLayers = 0, threads: o.Threads = None,
+    numerics: o.Numerics = "llama", file: o.File = None,
     seed: o.Seed = -1, temp: o.Temp = 0.8, top_k: o.TopK = 40, top_p: o.TopP = 0.95, min_p: o.MinP = 0.05,
     repeat_penalty: o.RepeatPenalty = 1.0, repeat_last_n: o.RepeatLastN = 64,
     no_system: bool = typer.Option(False, "--no-system-prompt", help="Serve the prompts without the shared system prompt"),
@@ -84,7 +85,7 @@ def parallel_command(
     sampling = SamplingParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed)
     sampling.check()
     questions = read_questions(file)
-    m = load_model(model, n_gpu_layers, threads=threads)
+    m = load_model(model, n_gpu_layers, threads=threads, numerics=numerics)
     tok = m.tokenizer
     system = [] if no_system else tok.tokenize(SYSTEM_PROMPT, add_special=True, parse_special=False)
     if len(system) >= ctx_size:

@@ -19,6 +19,7 @@ from core.llm.session import Session, SessionParams
 def perplexity_command(
     model: o.Model = None, file: o.File = None, ctx_size: o.Ctx = 2048, batch_size: o.BatchSize = 2048,
     ubatch_size: o.UBatchSize = 512, n_gpu_layers: o.GpuLayers = 0, threads: o.Threads = None,
+    numerics: o.Numerics = "llama",
     output: str = typer.Option("text", "-o", "--output", help="text or json"), flash_attn: o.FlashAttn = False,
 ) -> None:
     """Perplexity of a text (like llama-perplexity)."""
@@ -30,7 +31,7 @@ def perplexity_command(
     if ctx_size < 2:
         raise BadInput(f"-c {ctx_size}: a window needs at least 2 tokens")
     text = read_prompt(None, file)
-    m = load_model(model, n_gpu_layers, threads=threads)
+    m = load_model(model, n_gpu_layers, threads=threads, numerics=numerics)
     tokens = m.tokenizer.tokenize(text, add_special=True, parse_special=False)
     if len(tokens) < 2:
         raise BadInput(f"{file}: too short to score ({len(tokens)} tokens)")

@@ -39,7 +39,8 @@ def read_prompt(prompt: str | None, file: str | None) -> str:
 def run_command(
     model: o.Model = None, prompt: o.Prompt = None, file: o.File = None, n_predict: o.NPredict = 128,
     ctx_size: o.Ctx = 2048, batch_size: o.BatchSize = 2048, ubatch_size: o.UBatchSize = 512,
-    n_gpu_layers: o.GpuLayers = 0, threads: o.Threads = None, seed: o.Seed = -1, temp: o.Temp = 0.8, top_k: o.TopK = 40,
+    n_gpu_layers: o.GpuLayers = 0, threads: o.Threads = None, numerics: o.Numerics = "llama",
+    seed: o.Seed = -1, temp: o.Temp = 0.8, top_k: o.TopK = 40,
     top_p: o.TopP = 0.95, min_p: o.MinP = 0.05, repeat_penalty: o.RepeatPenalty = 1.0,
     repeat_last_n: o.RepeatLastN = 64,
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-generation tokens"),
@@ -58,7 +59,7 @@ def run_command(
         raise BadInput(f"-n {n_predict}: the number of tokens to predict must not be negative")
     sampling = SamplingParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed)
     sampling.check()
-    m = load_model(model, n_gpu_layers, threads=threads)
+    m = load_model(model, n_gpu_layers, threads=threads, numerics=numerics)
     session = Session(m, SessionParams(n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size,
                                        graph_reuse=not no_graph_reuse, flash_attn=flash_attn))
     if verbose:

@@ -13,7 +13,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from core.backends.cpu import set_threads
 from core.backends.registry import probe, usable_backends
 from core.errors import BadInput
-from core.llm.model import Model
+from core.llm.model import NUMERICS, Model
 from loaders.download import resolve_model
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -36,12 +36,15 @@ def resolve(model: str | None) -> Path:
     return resolve_model(model)
 
 
-def load_model(model: str | None, n_gpu_layers: int = 0, quiet: bool = False, threads: int | None = None) -> Model:
+def load_model(model: str | None, n_gpu_layers: int = 0, quiet: bool = False, threads: int | None = None,
+               numerics: str = "llama") -> Model:
     """Resolve and load a model on the usable backends; a progress bar appears when loading is slow."""
     if n_gpu_layers < 0:
         raise BadInput(f"-ngl {n_gpu_layers} must not be negative")
     if threads is not None and threads < 1:
         raise BadInput(f"-t {threads} must be positive")
+    if numerics not in NUMERICS:
+        raise BadInput(f"--numerics {numerics}: choose one of {', '.join(NUMERICS)}")
     set_threads(threads)
     path = resolve(model)
     backends = usable_backends()
@@ -49,7 +52,7 @@ def load_model(model: str | None, n_gpu_layers: int = 0, quiet: bool = False, th
         err_console.print("warning: no device backend is available; -ngl is ignored (see --list-devices)")
     bar = _LazyProgress(f"loading {path.name}", enabled=not quiet)
     try:
-        return Model.load(path, backends, n_gpu_layers, progress=bar.update)
+        return Model.load(path, backends, n_gpu_layers, progress=bar.update, numerics=numerics)
     finally:
         bar.close()
 

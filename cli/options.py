@@ -25,3 +25,4 @@ NoGraphReuse = Annotated[bool, typer.Option("--no-graph-reuse", help="Rebuild an
 Verbose = Annotated[bool, typer.Option("-v", "--verbose", help="More logging on stderr")]
 Threads = Annotated[Optional[int], typer.Option("-t", "--threads", help="CPU threads for matrix products (default: all cores)")]
 FlashAttn = Annotated[bool, typer.Option("-fa", "--flash-attn", help="Fused attention: no score matrix in the compute buffer")]
+Numerics = Annotated[str, typer.Option("--numerics", help="llama: round operands as llama.cpp's CPU kernels do (agrees with its numbers); f32: plain f32 (results independent of batching)")]

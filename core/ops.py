@@ -212,9 +212,9 @@ def silu(a: Tensor, name: str | None = None) -> Tensor:
     return _unary("silu", a, name)
 
 
-def gelu(a: Tensor, name: str | None = None) -> Tensor:
-    """GELU, tanh approximation (as ggml's gelu)."""
-    return _unary("gelu", a, name)
+def gelu(a: Tensor, name: str | None = None, f16_table: bool = False) -> Tensor:
+    """GELU, tanh approximation; f16_table: as ggml's CPU table of f16 inputs and results."""
+    return _unary("gelu", a, name, f16_table=f16_table)
 
 
 def rms_norm(a: Tensor, eps: float, name: str | None = None) -> Tensor:
@@ -239,9 +239,11 @@ def swiglu(gate: Tensor, up: Tensor, name: str | None = None) -> Tensor:
     return _gated("swiglu", gate, up, name)
 
 
-def geglu(gate: Tensor, up: Tensor, name: str | None = None) -> Tensor:
-    """gelu(gate) * up, fused."""
-    return _gated("geglu", gate, up, name)
+def geglu(gate: Tensor, up: Tensor, name: str | None = None, f16_table: bool = False) -> Tensor:
+    """gelu(gate) * up, fused (f16_table as in gelu)."""
+    t = _gated("geglu", gate, up, name)
+    t.params["f16_table"] = f16_table
+    return t
 
 
 def mul_mat(a: Tensor, b: Tensor, name: str | None = None) -> Tensor:
@@ -304,5 +306,9 @@ def flash_attn(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, name
 
 
 def copy_to(src: Tensor, name: str | None = None) -> Tensor:
-    """A scheduler copy: src's elements, contiguous, to be placed on another backend."""
-    return _node("copy", src.dtype, src.shape, (src,), name or f"{src.name}#copy")
+    """A scheduler copy: src's elements, contiguous, to be placed on another backend. It keeps
+    the source's `act_quant`, so a product computes the same on either side."""
+    t = _node("copy", src.dtype, src.shape, (src,), name or f"{src.name}#copy")
+    if "act_quant" in src.root.params:
+        t.params["act_quant"] = src.root.params["act_quant"]
+    return t

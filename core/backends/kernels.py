@@ -142,9 +142,13 @@ def _silu(xp, node, out, srcs):
     _silu_into(xp, _f(xp, node, 0, srcs[0]), out)
 
 
+def _gelu_for(node):
+    return _gelu_into if node.params.get("f16_table") else _gelu_exact_into
+
+
 @kernel("gelu")
 def _gelu(xp, node, out, srcs):
-    _gelu_into(xp, _f(xp, node, 0, srcs[0]), out)
+    _gelu_for(node)(xp, _f(xp, node, 0, srcs[0]), out)
 
 
 @kernel("swiglu")
@@ -155,7 +159,7 @@ def _swiglu(xp, node, out, srcs):
 
 @kernel("geglu")
 def _geglu(xp, node, out, srcs):
-    _gelu_into(xp, _f(xp, node, 0, srcs[0]), out)
+    _gelu_for(node)(xp, _f(xp, node, 0, srcs[0]), out)
     xp.multiply(out, _f(xp, node, 1, srcs[1]), out=out)
 
 
@@ -214,12 +218,12 @@ def round_q8_blocks(xp, x, block: int = 32, f16_scale: bool = True):
 def _mul_mat_operand_b(xp, node, b):
     """The activations as llama.cpp's CPU kernels see them: rounded to 8-bit blocks against a
     block-quantized weight (`act_quant`: q8_0 blocks for the legacy types, q8_k for k-quants),
-    to f16 against an f16 tensor (the KV cache)."""
-    a_src = node.srcs[0]
-    quant = ACT_QUANT_BLOCKS.get(a_src.params.get("act_quant"))
+    to f16 against the f16 KV cache (`act_quant` f16). Without `act_quant`, plain f32."""
+    act_quant = node.srcs[0].root.params.get("act_quant")
+    quant = ACT_QUANT_BLOCKS.get(act_quant)
     if quant is not None and b.shape[-1] % quant[0] == 0:
         return round_q8_blocks(xp, b, *quant)
-    if a_src.dtype is DType.F16:
+    if act_quant == "f16":
         return b.astype(xp.float16).astype(xp.float32)
     return b if b.dtype == xp.float32 else b.astype(xp.float32)
 
@@ -296,7 +300,7 @@ def _flash_attn(xp, node, out, srcs):
     r = hq // hk
     kf = widen(xp, k, node.srcs[1].dtype).astype(xp.float32)[:, None]  # [hk, 1, n_kv, d]
     vf = widen(xp, v, node.srcs[2].dtype).astype(xp.float32)[:, None]
-    q_f16 = node.srcs[1].dtype is DType.F16
+    q_f16 = node.srcs[1].root.params.get("act_quant") == "f16"
     scale = xp.float32(node.params["scale"])
     rows = max(1, FLASH_CHUNK_BYTES // (4 * hq * max(n_kv, 1)))
     for i in range(0, t, rows):

@@ -23,6 +23,7 @@ class Build:
     kv: KVCache
     p: GraphParams
     flash_attn: bool = False  # fused attention: no [heads, tokens, n_kv] score tensor in the plan
+    llama_numerics: bool = True  # round elementwise results as llama.cpp's CPU does (GELU table)
 
 
 def rms_norm(b: Build, x: Tensor, w: Tensor, name: str) -> Tensor:
@@ -75,10 +76,11 @@ def ffn_swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor, il: int) -> Te
     return ops.mul_mat(down, ops.swiglu(g, u, name=f"ffn_swiglu-{il}"), name=f"ffn_out-{il}")
 
 
-def ffn_geglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor, il: int) -> Tensor:
+def ffn_geglu(b: Build, x: Tensor, gate: Tensor, up: Tensor, down: Tensor, il: int) -> Tensor:
     g = ops.mul_mat(gate, x, name=f"ffn_gate-{il}")
     u = ops.mul_mat(up, x, name=f"ffn_up-{il}")
-    return ops.mul_mat(down, ops.geglu(g, u, name=f"ffn_geglu-{il}"), name=f"ffn_out-{il}")
+    h = ops.geglu(g, u, name=f"ffn_geglu-{il}", f16_table=b.llama_numerics)
+    return ops.mul_mat(down, h, name=f"ffn_out-{il}")
 
 
 def select_outputs(b: Build, *xs: Tensor) -> tuple[Tensor, ...]:

@@ -31,7 +31,8 @@ class KVCache:
     """n_ctx cells shared by up to n_seq_max sequences."""
 
     def __init__(self, n_ctx: int, n_embd_kv: int, layer_backends: list, n_seq_max: int = 1,
-                 dtype: DType = DType.F16, pad: int = KV_PAD, virtual: bool = False) -> None:
+                 dtype: DType = DType.F16, pad: int = KV_PAD, virtual: bool = False,
+                 act_quant: str | None = None) -> None:
         if dtype not in (DType.F16, DType.F32):
             raise BadInput(f"KV cache type {dtype} is not supported (use f16 or f32)")
         self.n_ctx = n_ctx
@@ -44,6 +45,8 @@ class KVCache:
             ctx = self.contexts.setdefault(backend.name, ImmediateContext(backend, "kv", virtual=virtual))
             k = ctx.new_tensor(f"cache_k_l{il}", dtype, (n_ctx, n_embd_kv))
             v = ctx.new_tensor(f"cache_v_l{il}", dtype, (n_ctx, n_embd_kv))
+            if act_quant:  # how a product rounds the operand that meets the cache (llama numerics: f16)
+                k.params["act_quant"] = v.params["act_quant"] = act_quant
             self.layers.append(CacheRows(k, v))
         for ctx in self.contexts.values():
             for buf in ctx.buffers:

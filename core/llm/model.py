@@ -25,6 +25,12 @@ ARCHS = {"llama": "core.llm.archs.llama", "gemma3": "core.llm.archs.gemma3"}
 
 Progress = Callable[[int, int], None]
 
+# "llama": round operands as llama.cpp's CPU kernels do (8-bit activation blocks against quantized
+# weights, f16 against the f16 KV cache, GELU through an f16 table), to agree with its numbers.
+# "f32": plain f32 arithmetic, where results do not depend on how tokens are batched beyond
+# float rounding (the 8-bit rounding magnifies such last-bit differences into visible ones).
+NUMERICS = ("llama", "f32")
+
 
 def arch_module(arch: str, source: str):
     """The graph builder module of an architecture, or BadInput naming the supported ones."""
@@ -55,7 +61,7 @@ class Model:
 
     def __init__(self, gf: GGUFFile, hp: HParams, arch, tokenizer: Tokenizer, weights: Weights,
                  placement: Placement, backends: list[Backend], contexts: dict[str, ImmediateContext],
-                 load_seconds: float) -> None:
+                 load_seconds: float, numerics: str = "llama") -> None:
         self.gguf = gf
         self.path = Path(gf.path)
         self.hp = hp
@@ -66,6 +72,7 @@ class Model:
         self.backends = backends
         self.contexts = contexts
         self.load_seconds = load_seconds
+        self.numerics = numerics
 
     @property
     def n_params(self) -> int:
@@ -97,12 +104,14 @@ class Model:
 
     @staticmethod
     def load(path: str | Path, backends: list[Backend], n_gpu_layers: int = 0,
-             progress: Progress | None = None, metadata_only: bool = False) -> "Model":
+             progress: Progress | None = None, metadata_only: bool = False, numerics: str = "llama") -> "Model":
         """Open, validate and load a GGUF model onto `backends` (priority order, CPU last).
 
         With metadata_only, weights are placed in virtual buffers: shapes and backends are
         real, no tensor data is read and no weight memory is taken (for `ggrun measure`).
         """
+        if numerics not in NUMERICS:
+            raise BadInput(f"numerics '{numerics}' is not one of {', '.join(NUMERICS)}")
         t0 = time.perf_counter()
         gf = open_gguf(path)
         hp, arch = Model.read_hparams(gf)
@@ -117,26 +126,28 @@ class Model:
         total = gf.file_bytes
         done = 0
         for name, info in gf.tensors.items():
-            tensors[name] = _weight(ctx_for(_backend_for(name, placement)), gf, name, name)
+            tensors[name] = _weight(ctx_for(_backend_for(name, placement)), gf, name, name, numerics)
             done += info.n_bytes
             if progress:
                 progress(done, total)
         if "output.weight" not in tensors:  # tied head: the embedding serves as output weight
             tensors["output.weight"] = tensors["token_embd.weight"] if placement.output is placement.input \
-                else _weight(ctx_for(placement.output), gf, "output.weight", "token_embd.weight")
+                else _weight(ctx_for(placement.output), gf, "output.weight", "token_embd.weight", numerics)
         weights = Weights(tensors, str(gf.path))
-        return Model(gf, hp, arch, tokenizer, weights, placement, backends, contexts, time.perf_counter() - t0)
+        return Model(gf, hp, arch, tokenizer, weights, placement, backends, contexts, time.perf_counter() - t0,
+                     numerics)
 
 
-def _weight(ctx: ImmediateContext, gf: GGUFFile, name: str, source: str):
-    """Decode tensor `source` to f32 into ctx as `name`. A weight stored block-quantized meets
-    8-bit-rounded activations in mul_mat, as in llama.cpp's CPU kernels (`act_quant`)."""
+def _weight(ctx: ImmediateContext, gf: GGUFFile, name: str, source: str, numerics: str):
+    """Decode tensor `source` to f32 into ctx as `name`. With llama numerics, a weight stored
+    block-quantized meets 8-bit-rounded activations in mul_mat, as in llama.cpp's CPU kernels
+    (`act_quant`: q8_0 blocks for the legacy types, q8_k for k-quants)."""
     if ctx.virtual:
         t = ctx.new_tensor(name, DType.F32, gf.tensors[source].shape, weight=True)
     else:
         t = ctx.from_array(name, gf.load_f32(source))
     qtype = gf.tensors[source].qtype.name
-    if qtype not in ("F32", "F16", "BF16"):
+    if numerics == "llama" and qtype not in ("F32", "F16", "BF16"):
         t.params["act_quant"] = "q8_k" if qtype.endswith("_K") else "q8_0"
     return t
 

@@ -81,8 +81,9 @@ class Session:
         self.n_ubatch = min(params.n_ubatch, params.n_batch)
         self.sched = Scheduler(model.backends, params.reuse_memory)
         self.virtual = any(c.virtual for c in model.contexts.values())  # metadata-only model: plan, never run
+        llama_f16 = model.numerics == "llama" and params.kv_type is DType.F16
         self.kv = KVCache(params.n_ctx, model.hp.n_embd_kv, model.placement.layers, params.n_seq_max,
-                          params.kv_type, virtual=self.virtual)
+                          params.kv_type, virtual=self.virtual, act_quant="f16" if llama_f16 else None)
         self.graph_reuse = params.graph_reuse and reuse_enabled_by_env()
         self.debug = graph_debug_level()
         self.stats = SessionStats()
@@ -101,8 +102,8 @@ class Session:
     def build(self, p: GraphParams) -> GraphResult:
         """Build and schedule (not allocate) the decode graph for params p."""
         inputs = GraphInputs.for_params(p, self.model.hp.extra.get("swa_window"))
-        logits = self.model.arch.build(Build(self.model.hp, inputs, self.kv, p, self.params.flash_attn),
-                                       self.model.weights)
+        build = Build(self.model.hp, inputs, self.kv, p, self.params.flash_attn, self.model.numerics == "llama")
+        logits = self.model.arch.build(build, self.model.weights)
         graph = build_graph([logits])
         sg = self.sched.schedule(graph)
         return GraphResult(p, inputs.all(), logits, sg, self.kv.version, self.sched.generation)

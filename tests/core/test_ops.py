@@ -250,7 +250,7 @@ def test_binary_on_a_transposed_operand(rt: Runner):
 UNARY = [
     ("scale", lambda a: ops.scale(a, -0.37), lambda x: x * -0.37),
     ("silu", ops.silu, ref_silu),
-    ("gelu", ops.gelu, ref_gelu),
+    ("gelu", ops.gelu, ref_gelu_exact),
     ("rms_norm", lambda a: ops.rms_norm(a, 1e-5), lambda x: ref_rms_norm(x, 1e-5)),
     ("norm", lambda a: ops.norm(a, 1e-6), lambda x: ref_norm(x, 1e-6)),
 ]
@@ -279,7 +279,7 @@ def test_rms_norm_eps_matters(rt: Runner):
     close(got, ref_rms_norm(xd.astype(np.float64), 1.0))
 
 
-@pytest.mark.parametrize("op,act", [(ops.swiglu, ref_silu), (ops.geglu, ref_gelu)])
+@pytest.mark.parametrize("op,act", [(ops.swiglu, ref_silu), (ops.geglu, ref_gelu_exact)])
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_gated(rt: Runner, op, act, dtype: DType):
     gd, ud = rt.random(5, 11, dtype=dtype, scale=2.0), rt.random(5, 11, dtype=dtype)
@@ -290,14 +290,34 @@ def test_gated(rt: Runner, op, act, dtype: DType):
 # ---- mul_mat ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("w_dtype", FLOATS)
-def test_mul_mat_weight_times_batch(rt: Runner, w_dtype: DType):
-    """A 2-d weight [M, K] times activations [N, K] gives [N, M]. Against an f16 weight the
-    activations are first rounded to f16, as llama.cpp's CPU kernels do."""
+@pytest.mark.parametrize("act_quant", [None, "f16"])
+def test_mul_mat_weight_times_batch(rt: Runner, w_dtype: DType, act_quant):
+    """A 2-d weight [M, K] times activations [N, K] gives [N, M]. A weight marked act_quant f16
+    (llama numerics, as the KV cache is) sees the activations rounded to f16 first."""
     wd, xd = rt.random(9, 13, dtype=w_dtype), rt.random(5, 13)
-    got = rt.run1(ops.mul_mat(rt.weight("w", wd), rt.input("x", xd)))
+    w = rt.weight("w", wd)
+    if act_quant:
+        w.params["act_quant"] = act_quant
+    got = rt.run1(ops.mul_mat(w, rt.input("x", xd)))
     assert got.shape == (5, 9)
-    x_seen = xd.astype(np.float16) if w_dtype is F16 else xd
+    x_seen = xd.astype(np.float16) if act_quant else xd
     close(got, ref_mul_mat(as_f64(wd, w_dtype), x_seen.astype(np.float64)), tol=1e-4)
+
+
+@pytest.mark.parametrize("act_quant,block", [("q8_0", 32), ("q8_k", 256)])
+def test_mul_mat_rounds_activations_to_8_bit_blocks(rt: Runner, act_quant, block):
+    """Against a weight marked q8_0 / q8_k, activations are rounded in blocks of 32 / 256 values to
+    multiples of amax/127 (an f16 scale for q8_0, f32 for q8_k), as llama.cpp's vec_dot types hold them."""
+    wd, xd = rt.random(7, 2 * block), rt.random(3, 2 * block)
+    w = rt.weight("w", wd)
+    w.params["act_quant"] = act_quant
+    got = rt.run1(ops.mul_mat(w, rt.input("x", xd)))
+    blocks = xd.astype(np.float64).reshape(3, 2, block)
+    d = np.abs(blocks).max(axis=-1, keepdims=True) / 127
+    if act_quant == "q8_0":
+        d = d.astype(np.float16).astype(np.float64)
+    x_seen = (np.round(blocks / d) * d).reshape(3, 2 * block)
+    close(got, ref_mul_mat(wd.astype(np.float64), x_seen), tol=1e-4)
 
 
 def test_mul_mat_2d_weight_broadcasts_over_a_3d_batch(rt: Runner):
@@ -512,7 +532,13 @@ def test_set_rows_with_f32_indices_is_refused():
         ops.set_rows(_leaf("cache", (8, 4)), _leaf("rows", (2, 4)), _leaf("idx_f", (2,)))
 
 
-def test_gelu_kernel_is_within_f16_precision_of_the_exact_function(rt: Runner):
+def test_gelu_f16_table_is_ggmls_lookup(rt: Runner):
+    """With f16_table (llama numerics) gelu and geglu give ggml's table values, within f16 precision
+    of the exact function."""
     x = np.linspace(-12, 12, 2001, dtype=np.float32).reshape(1, -1)
-    got = rt.run1(ops.gelu(rt.input("x", x)))
+    up = np.linspace(0.5, 1.5, 2001, dtype=np.float32).reshape(1, -1)
+    got = rt.run1(ops.gelu(rt.input("x", x), f16_table=True))
+    close(got, ref_gelu(x), tol=1e-3)  # within one f16 step of the table value
     np.testing.assert_allclose(got, ref_gelu_exact(x.astype(np.float64)), rtol=2e-3, atol=2e-3)
+    got = rt.run1(ops.geglu(rt.input("g", x), rt.input("u", up), f16_table=True))
+    close(got, ref_gelu(x) * up, tol=1e-5)

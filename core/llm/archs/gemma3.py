@@ -61,7 +61,7 @@ def build(b: Build, w: Weights) -> Tensor:
         h = blocks.rms_norm(b, h, L.post_attention_norm, f"attn_post_norm-{il}")
         x = ops.add(h, x, name=f"sa_out-{il}")
         h = blocks.rms_norm(b, x, L.ffn_norm, f"ffn_norm-{il}")
-        h = blocks.ffn_geglu(h, L.ffn_gate, L.ffn_up, L.ffn_down, il)
+        h = blocks.ffn_geglu(b, h, L.ffn_gate, L.ffn_up, L.ffn_down, il)
         h = blocks.rms_norm(b, h, L.post_ffw_norm, f"ffn_post_norm-{il}")
         x = ops.add(h, x, name=f"l_out-{il}")
     x = blocks.rms_norm(b, x, w["output_norm.weight"], "result_norm")
