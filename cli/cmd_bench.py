@@ -88,6 +88,7 @@ def bench_command(
     n_gpu_layers: str = typer.Option("0", "-ngl", "--n-gpu-layers", help="Layers offloaded (comma list)"),
     repetitions: int = typer.Option(5, "-r", "--repetitions", help="Timed repetitions per test"),
     threads: int = typer.Option(None, "-t", "--threads", help="CPU threads for matrix products (default: all cores)"),
+    numerics: str = typer.Option("llama", "--numerics", help="llama (llama.cpp's operand rounding) or f32"),
     graph_reuse: str = typer.Option("1", "--graph-reuse", help="Graph reuse off/on (comma list of 0,1)"),
     flash_attn: str = typer.Option("0", "-fa", "--flash-attn", help="Fused attention off/on (comma list of 0,1)"),
     output: str = typer.Option("md", "-o", "--output", help="md, csv, json or jsonl"),
@@ -118,7 +119,7 @@ def bench_command(
             Model.read_hparams(gf)
     if threads is not None and threads < 1:
         raise BadInput(f"-t {threads} must be positive")
-    results = _run_all(configs, paths, repetitions, verbose, threads)
+    results = _run_all(configs, paths, repetitions, verbose, threads, numerics)
     sys.stdout.write(render(results, output))
 
 
@@ -140,7 +141,8 @@ def _nonneg_list(text: str, flag: str) -> list[int]:
     return values
 
 
-def _run_all(configs: list[Config], paths: dict, repetitions: int, verbose: bool, threads: int | None) -> list[dict]:
+def _run_all(configs: list[Config], paths: dict, repetitions: int, verbose: bool, threads: int | None,
+             numerics: str) -> list[dict]:
     out = []
     loaded: tuple[tuple[str, int], Model] | None = None
     with Progress(console=err_console, transient=True) as progress:
@@ -148,7 +150,8 @@ def _run_all(configs: list[Config], paths: dict, repetitions: int, verbose: bool
         for cfg in configs:
             key = (cfg.model, cfg.n_gpu_layers)
             if loaded is None or loaded[0] != key:
-                loaded = (key, load_model(cfg.model, cfg.n_gpu_layers, quiet=True, threads=threads))
+                m = load_model(cfg.model, cfg.n_gpu_layers, quiet=True, threads=threads, numerics=numerics)
+                loaded = (key, m)
             m = loaded[1]
             session = Session(m, SessionParams(n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch,
                                                graph_reuse=cfg.graph_reuse, flash_attn=cfg.flash_attn))

@@ -140,6 +140,8 @@ def test_run_rejects_prompt_longer_than_context(capsys, monkeypatch, tiny_llama_
     (["--temp", "-1"], ["--temp"]),
     (["--top-p", "1.5"], ["--top-p"]),
     (["-f", "/nonexistent/prompt.txt"], ["/nonexistent/prompt.txt"]),
+    (["--numerics", "f64"], ["--numerics f64"]),
+    (["-t", "0"], ["-t 0"]),
 ])
 def test_run_rejects_bad_option(capsys, monkeypatch, tiny_llama_path, args, fragments):
     assert_bad_input(*ggrun(capsys, monkeypatch, "run", "-m", tiny_llama_path, *args), *fragments)
@@ -253,3 +255,11 @@ def _tokenize_tiny(path: Path, text: str) -> list[int]:
 
     with open_gguf(path) as f:
         return Tokenizer.from_metadata(f.metadata).tokenize(text, add_special=True, parse_special=False)
+
+
+@pytest.mark.parametrize("numerics", ["llama", "f32"])
+def test_run_accepts_both_numerics(capsys, monkeypatch, tiny_llama_path, numerics):
+    code, out, err = ggrun(capsys, monkeypatch, "run", "-m", tiny_llama_path, "-p", "hello", "-n", "3", "--temp", "0",
+                           "--numerics", numerics, "-fa")
+    assert code == 0, err
+    assert "graphs reused" in err
