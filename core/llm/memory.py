@@ -4,7 +4,6 @@
 """
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np

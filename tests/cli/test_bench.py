@@ -8,9 +8,7 @@ import csv
 import io
 import itertools
 import json
-import os
 import statistics
-import subprocess
 import sys
 from functools import partial
 from pathlib import Path
@@ -18,6 +16,8 @@ from pathlib import Path
 import pytest
 from gguf import GGUFReader
 from typer.testing import CliRunner
+
+from tests.cli.runner import ggrun_process
 
 import cli.app
 from cli.app import main
@@ -247,7 +247,5 @@ def test_unreadable_model_fails_before_any_model_is_loaded(app, tiny, unreadable
 
 def test_exit_code_and_message_of_the_real_process(tiny):
     args = ["-m", tiny["path"], *SMALL, "-ub", "16", "-b", "8"]
-    proc = subprocess.run([sys.executable, "-c", "from cli.app import main; main()", "bench", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+    proc = ggrun_process("bench", *args, timeout=60)
     assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", "error: -ub 16 is larger than -b 8\n")

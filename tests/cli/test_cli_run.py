@@ -6,38 +6,18 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType as QT
 
-from cli.app import main
+from tests.cli.runner import ggrun, ggrun_process
 from tests.llm.llama_reference import ReferenceLlama, perplexity
 from tests.synth import EOT, LlamaConfig, QuantizedTensor, tiny_bpe_vocab, tokenizer_metadata, write_gguf
 
 REPO = Path(__file__).resolve().parents[2]
 TIMING_LABELS = ("load time", "prompt eval time", "eval time", "total time", "graphs reused")
-
-
-def ggrun(capsys, monkeypatch, *args: str) -> tuple[int, str, str]:
-    """Run `ggrun ARGS` in this process; (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["ggrun", *map(str, args)])
-    code = 0
-    try:
-        main()
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def ggrun_process(*args: str) -> subprocess.CompletedProcess:
-    """Run `ggrun ARGS` as its own process, through the same entry point as the console script."""
-    return subprocess.run([sys.executable, "-c", "from cli.app import main; main()", *map(str, args)],
-                          capture_output=True, text=True, cwd=REPO, timeout=120)
 
 
 def assert_bad_input(code: int, out: str, err: str, *fragments: str) -> None:

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from tests.cli.runner import ggrun_process
+
 from cli.app import _register_commands, app
 from core.backends import registry
 from core.backends.cpu import CPUBackend
@@ -81,9 +83,9 @@ def test_list_devices_with_the_switch(no_cupy, monkeypatch):
 
 
 def _ggrun(args: list[str], **env: str) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("GGRUN_SIM")} | env
-    return subprocess.run([sys.executable, "-c", "from cli.app import main; main()", *args], cwd=ROOT,
-                          env=full_env, capture_output=True, text=True, timeout=120)
+    """A real process whose environment has only the GGRUN_SIM* variables given here."""
+    cleared = {k: "" for k in os.environ if k.startswith("GGRUN_SIM")}
+    return ggrun_process(*args, env={**cleared, **env})
 
 
 def test_list_devices_in_a_real_process():

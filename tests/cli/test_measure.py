@@ -14,6 +14,8 @@ import pytest
 from gguf import GGUFReader
 from typer.testing import CliRunner
 
+from tests.cli.runner import ENTRY
+
 import cli.app
 from cli.app import main
 from core.backends.cpu import CPUBackend
@@ -114,7 +116,7 @@ def test_sparse_big_model_is_measured_from_metadata(tmp_path):
     file_bytes = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
     assert file_bytes > 3 * 2**30
     out, err = tmp_path / "out.json", tmp_path / "err.txt"
-    cmd = [sys.executable, "-c", "from cli.app import main; main()", "measure", "-m", str(path),
+    cmd = [*ENTRY, "measure", "-m", str(path),
            "-c", "2048", "-ub", "512", "-o", "json"]
     t0 = time.perf_counter()
     with open(out, "w") as fo, open(err, "w") as fe:

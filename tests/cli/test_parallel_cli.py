@@ -4,31 +4,18 @@ file, a small cache that makes sequences wait, a prompt that can never fit, and 
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
-from cli.app import main
+from tests.cli.runner import ggrun
 from cli.cmd_parallel import QUESTIONS
 
 SEQUENCE_KEYS = {"client", "seq", "input", "response", "response_tokens", "n_prompt", "n_response", "seconds"}
 SUMMARY_KEYS = {"prompt_tps", "gen_tps", "total_tps", "cache_misses", "graphs_reused"}
 
 
-def ggrun(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """Run `ggrun ARGS` in this process: (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["ggrun", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def parallel_json(monkeypatch, capsys, model, *args: str) -> tuple[list[dict], dict]:
-    code, out, err = ggrun(monkeypatch, capsys, "parallel", "-m", str(model), "--temp", "0", "--json", *args)
+    code, out, err = ggrun(capsys, monkeypatch, "parallel", "-m", str(model), "--temp", "0", "--json", *args)
     assert code == 0, err
     lines = [json.loads(ln) for ln in out.splitlines()]  # stdout holds JSON lines only
     assert lines, err
@@ -65,7 +52,7 @@ def test_clients_do_not_change_greedy_responses(monkeypatch, capsys, tiny_llama_
 
 
 def test_text_output(monkeypatch, capsys, tiny_llama_path):
-    code, out, err = ggrun(monkeypatch, capsys, "parallel", "-m", str(tiny_llama_path), "-np", "2", "-ns", "3",
+    code, out, err = ggrun(capsys, monkeypatch, "parallel", "-m", str(tiny_llama_path), "-np", "2", "-ns", "3",
                            "-n", "4", "-c", "1024", "--temp", "0")
     assert code == 0, err
     for seq in range(3):
@@ -108,7 +95,7 @@ def test_prompt_that_never_fits_is_skipped(monkeypatch, capsys, tiny_llama_path,
     assert "cells" in by_seq[1]["skipped"] and by_seq[1]["response_tokens"] == []
     assert "skipped" not in by_seq[0] and "skipped" not in by_seq[2]
     assert summary["n_gen"] == by_seq[0]["n_response"] + by_seq[2]["n_response"]
-    code, out, err = ggrun(monkeypatch, capsys, "parallel", "-m", str(tiny_llama_path), "-f", str(f), "-np", "2",
+    code, out, err = ggrun(capsys, monkeypatch, "parallel", "-m", str(tiny_llama_path), "-f", str(f), "-np", "2",
                            "-ns", "3", "-n", "4", "-c", "640")
     assert code == 0, err
     assert "seq    1: skipped: needs" in out and "Total gen tokens:" in out
@@ -124,7 +111,7 @@ def test_prompt_that_never_fits_is_skipped(monkeypatch, capsys, tiny_llama_path,
     (("-c", "64"), "system prompt"),
 ], ids=["np0", "ns0", "n0", "c-neg", "missing-file", "temp", "system-too-long"])
 def test_bad_options_exit_2_with_one_line(monkeypatch, capsys, tiny_llama_path, args, words):
-    code, out, err = ggrun(monkeypatch, capsys, "parallel", "-m", str(tiny_llama_path), *args)
+    code, out, err = ggrun(capsys, monkeypatch, "parallel", "-m", str(tiny_llama_path), *args)
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], err
@@ -134,5 +121,5 @@ def test_bad_options_exit_2_with_one_line(monkeypatch, capsys, tiny_llama_path, 
 def test_empty_prompt_file(monkeypatch, capsys, tiny_llama_path, tmp_path):
     f = tmp_path / "empty.txt"
     f.write_text("\n  \n", encoding="utf-8")
-    code, _, err = ggrun(monkeypatch, capsys, "parallel", "-m", str(tiny_llama_path), "-f", str(f))
+    code, _, err = ggrun(capsys, monkeypatch, "parallel", "-m", str(tiny_llama_path), "-f", str(f))
     assert code == 2 and len(err.strip().splitlines()) == 1 and "no prompts" in err
