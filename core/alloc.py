@@ -13,6 +13,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+import numpy as np
+
 from core.ops import OPS
 from core.tensor import Tensor
 
@@ -80,6 +82,7 @@ class _Record:
     offset: int = -1
     size: int = 0
     owned: bool = False
+    slot: int = -1  # the block of memory this tensor lives in (shared along an in-place chain)
 
 
 @dataclass
@@ -124,8 +127,11 @@ def plan_graph(nodes: list[Tensor], leafs: Iterable[Tensor], owns: Owns, alignme
     free = FreeList()
     offsets: dict[Tensor, int] = {}
     sizes: dict[Tensor, int] = {}
+    slot_of: dict[Tensor, int] = {}
+    slots = _Slots()
     inplace: list[tuple[Tensor, Tensor]] = []
     live = peak = no_reuse = 0
+    step = -1  # inputs exist before the first node
 
     def place(t: Tensor, donor: Tensor | None) -> None:
         nonlocal live, peak, no_reuse
@@ -136,19 +142,23 @@ def plan_graph(nodes: list[Tensor], leafs: Iterable[Tensor], owns: Owns, alignme
         if donor is not None:
             d = r(donor)
             x.offset, d.offset = d.offset, -1  # the donor's bytes now belong to t
+            x.slot = d.slot
             inplace.append((t, donor))
         else:
             x.offset = free.alloc(x.size)
+            x.slot = slots.open(x.size, step)
             live += x.size
             peak = max(peak, live)
         offsets[t] = x.offset
         sizes[t] = x.size
+        slot_of[t] = x.slot
 
     def release(t: Tensor) -> None:
         nonlocal live
         x = r(t)
         if x.owned and x.offset >= 0 and not t.is_output:
             free.free(x.offset, x.size)
+            slots.close(x.slot, step)
             live -= x.size
             x.offset = -1
 
@@ -156,7 +166,7 @@ def plan_graph(nodes: list[Tensor], leafs: Iterable[Tensor], owns: Owns, alignme
         if leaf.is_input and owns(leaf):
             place(leaf, None)
 
-    for n in nodes:
+    for step, n in enumerate(nodes):
         if n.view_src is None and owns(n):
             place(n, _inplace_donor(n, rec, owns) if reuse else None)
         if not reuse:
@@ -173,7 +183,62 @@ def plan_graph(nodes: list[Tensor], leafs: Iterable[Tensor], owns: Owns, alignme
                     release(s.view_src)
             else:
                 release(s)
-    return Plan(offsets=offsets, size=free.size, lower_bound=peak, no_reuse=no_reuse, inplace=inplace, sizes=sizes)
+    size = free.size
+    if reuse and size > OFFLINE_TRIGGER * peak:
+        slot_offsets, offline_size = slots.place_offline()
+        if offline_size < size:
+            offsets = {t: slot_offsets[i] for t, i in slot_of.items()}
+            size = offline_size
+    return Plan(offsets=offsets, size=size, lower_bound=peak, no_reuse=no_reuse, inplace=inplace, sizes=sizes)
+
+
+# The walk's best-fit plan is kept unless it exceeds the lower bound by more than this; then an
+# offline placement over the same lifetimes is tried too, and the smaller plan wins.
+OFFLINE_TRIGGER = 1.02
+
+
+class _Slots:
+    """Blocks of memory the walk handed out (an in-place chain shares one): size and the steps
+    from which to which they are live, for an offline placement of the same lifetimes."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+        self.born: list[int] = []
+        self.died: list[int] = []
+
+    def open(self, size: int, step: int) -> int:
+        self.sizes.append(size)
+        self.born.append(step)
+        self.died.append(1 << 62)  # live to the end unless closed
+        return len(self.sizes) - 1
+
+    def close(self, slot: int, step: int) -> None:
+        self.died[slot] = step
+
+    def place_offline(self) -> tuple[list[int], int]:
+        """Greedy by size: largest blocks first, each at the lowest offset that overlaps no placed
+        block live at the same time. Blocks live at the same step conflict (a node is placed
+        before its sources are released)."""
+        sizes = np.asarray(self.sizes, dtype=np.int64)
+        born = np.asarray(self.born, dtype=np.int64)
+        died = np.asarray(self.died, dtype=np.int64)
+        order = np.lexsort((born, -sizes))
+        offsets = np.zeros(len(sizes), dtype=np.int64)
+        placed = np.zeros(len(sizes), dtype=bool)
+        top = 0
+        for i in order:
+            clash = placed & (born <= died[i]) & (born[i] <= died)
+            starts = offsets[clash]
+            by_start = np.argsort(starts, kind="stable")
+            at = 0
+            for lo, hi in zip(starts[by_start].tolist(), (starts + sizes[clash])[by_start].tolist()):
+                if lo - at >= sizes[i]:
+                    break
+                at = max(at, hi)
+            offsets[i] = at
+            placed[i] = True
+            top = max(top, at + int(sizes[i]))
+        return offsets.tolist(), top
 
 
 def _inplace_donor(n: Tensor, rec: dict[int, _Record], owns: Owns) -> Tensor | None:

@@ -68,7 +68,7 @@ def measure(model: Model, ctx: int, ubatch: int, n_batch: int, n_seq: int, flash
             sg = res.sg
             nodes = sum(1 for n in sg.graph.nodes if sg.backend_of.get(id(n)) is b and not OPS[n.op].view)
             records.append(MemoryRecord(
-                ctx=ctx, ubatch=session.n_ubatch, logits=mode, backend=b.name,
+                ctx=ctx, ubatch=res.params.n_tokens, logits=mode, backend=b.name,
                 weights_file_bytes=file_bytes.get(b.name, 0), weights_resident_bytes=resident.get(b.name, 0),
                 kv_bytes=kv.get(b.name, 0),
                 output_bytes=n_out * model.hp.n_vocab * 4 if b.name == cpu else 0,

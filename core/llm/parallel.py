@@ -103,7 +103,7 @@ class ParallelRunner:
             on_done: Callable[[SequenceResult], None]) -> ParallelSummary:
         """Evaluate the system prompt once, then serve every prompt; returns the totals."""
         t_start = time.perf_counter()
-        built0 = self.s.stats.graphs_reused
+        reused_before = self.s.stats.graphs_reused
         self._system(system_prompt)
         queue = list(range(len(prompts)))
         done = 0
@@ -126,7 +126,7 @@ class ParallelRunner:
                 on_done(r)
                 done += 1
         self.summary.total_s = time.perf_counter() - t_start
-        self.summary.graphs_reused = self.s.stats.graphs_reused - built0
+        self.summary.graphs_reused = self.s.stats.graphs_reused - reused_before
         return self.summary
 
     def _system(self, tokens: list[int]) -> None:

@@ -410,3 +410,24 @@ def test_free_list_blocks_never_overlap(recipe: Recipe):
     ends = [o + s for o, s in zip(fl.offsets, fl.sizes)]
     assert all(e < o for e, o in zip(ends, fl.offsets[1:]))
     assert all(e <= fl.size for e in ends)
+
+
+# ---- the offline placement (tried when the walk's plan exceeds the lower bound) -----------
+
+@SETTINGS
+@given(recipes())
+def test_offline_placement_passes_the_validator_and_never_grows_the_plan(recipe: Recipe):
+    """Forced on every graph, the offline placement still yields valid plans, no larger than the walk's."""
+    import core.alloc as alloc
+
+    _, sg, _ = schedule(recipe)
+    walk = plan_of(sg)
+    saved = alloc.OFFLINE_TRIGGER
+    alloc.OFFLINE_TRIGGER = 0.0
+    try:
+        plan = plan_of(sg)
+    finally:
+        alloc.OFFLINE_TRIGGER = saved
+    validate_plan(sg.order, plan.offsets, plan.sizes)
+    assert plan.lower_bound <= plan.size <= walk.size
+

@@ -154,6 +154,20 @@ def test_smollm2_compute_buffer_no_larger_than_llama_cpp(smollm2_meta, ctx):
     assert rec.kv_bytes == 2 * 30 * ctx * 3 * 64 * 2  # 30 layers, 3 KV heads of 64, f16
 
 
+LLAMA_CPP_FA_COMPUTE_MIB = {512: 98.25, 2048: 102.51, 8192: 98.25}  # the same, with flash attention
+
+
+@pytest.mark.parametrize("ctx", sorted(LLAMA_CPP_FA_COMPUTE_MIB))
+def test_smollm2_fused_attention_buffer_no_larger_than_llama_cpp(smollm2_meta, ctx):
+    """With -fa the buffer stays flat over the context, no larger than llama.cpp's with flash attention,
+    and every reservation mode plans within 1.05 x its lower bound."""
+    recs = measure(smollm2_meta, ctx, 512, 2048, 1, flash_attn=True)
+    all_logits = next(r for r in recs if r.logits == "all")
+    assert all_logits.compute_planned_bytes / MiB <= LLAMA_CPP_FA_COMPUTE_MIB[ctx]
+    for r in recs:
+        assert r.compute_planned_bytes <= 1.05 * r.compute_lower_bound_bytes, r
+
+
 # ---- verify: a wrong plan fails loudly ------------------------------------------------------------
 
 
