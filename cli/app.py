@@ -37,13 +37,28 @@ def _root() -> None:
 
 
 def main() -> None:
-    """Console entry point: one clear line and exit 2 for bad input, 1 for runtime failures.
-
-    Typer handles usage errors itself (exit 2); ggrun's own errors surface here.
-    """
+    """Console entry point: one clear line and exit 2 for bad input (ggrun's own checks and
+    malformed options alike), 1 for runtime failures; never a traceback for either."""
     _register_commands()
     try:
-        app()
+        code = app(standalone_mode=False)
     except GGRunError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
+    except Exception as err:
+        if not _is_usage_error(err):
+            raise
+        if type(err).__name__ == "NoArgsIsHelpError":
+            err.show()  # no arguments at all: the help, as Typer prints it
+        else:
+            print(f"error: {err.format_message()} (see --help)", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _is_usage_error(err: Exception) -> bool:
+    """Click's bad-option errors (Typer vendors click, so match by shape, not by class)."""
+    return hasattr(err, "format_message") and getattr(err, "exit_code", None) == 2

@@ -243,3 +243,14 @@ def test_run_accepts_both_numerics(capsys, monkeypatch, tiny_llama_path, numeric
                            "--numerics", numerics, "-fa")
     assert code == 0, err
     assert "graphs reused" in err
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["run", "-n", "abc"], "'-n'"),
+    (["run", "--no-such-option"], "--no-such-option"),
+    (["run", "-m"], "'-m'"),
+])
+def test_malformed_options_get_one_line_and_exit_2(capsys, monkeypatch, args, fragment):
+    code, out, err = ggrun(capsys, monkeypatch, *args)
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and fragment in err, err
