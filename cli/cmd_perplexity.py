@@ -9,7 +9,7 @@ import typer
 from cli import options as o
 from cli.app import app
 from cli.cmd_run import read_prompt
-from cli.common import check_positive, err_console, load_model
+from cli.common import check_positive, err_console, list_devices, load_model
 from core.errors import BadInput
 from core.llm.perplexity import score_tokens
 from core.llm.session import Session, SessionParams
@@ -21,8 +21,12 @@ def perplexity_command(
     ubatch_size: o.UBatchSize = 512, n_gpu_layers: o.GpuLayers = 0, threads: o.Threads = None,
     numerics: o.Numerics = "llama",
     output: str = typer.Option("text", "-o", "--output", help="text or json"), flash_attn: o.FlashAttn = False,
+    list_devices_: o.ListDevices = False,
 ) -> None:
     """Perplexity of a text (like llama-perplexity)."""
+    if list_devices_:
+        list_devices()
+        return
     if file is None:
         raise BadInput("give the text to score with -f FILE")
     if output not in ("text", "json"):
