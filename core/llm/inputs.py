@@ -6,6 +6,7 @@ Inputs live on the CPU (as in llama.cpp); the scheduler copies them to other bac
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -52,36 +53,16 @@ def _input(name: str, dtype: DType, shape: tuple[int, ...]) -> Tensor:
     return new_tensor(name, dtype, shape, is_input=True)
 
 
-class InpTokens(GraphInput):
-    def __init__(self, p: GraphParams) -> None:
-        self.tensor = _input("inp_tokens", DType.I32, (p.n_tokens,))
+class InpPerToken(GraphInput):
+    """An i32 vector with one value per token of the micro-batch: its token ids, positions, or
+    the cache rows its K and V are written to (set_rows indices)."""
+
+    def __init__(self, p: GraphParams, name: str, values: Callable[[UBatchState], np.ndarray]) -> None:
+        self.tensor = _input(name, DType.I32, (p.n_tokens,))
+        self.values = values
 
     def set_input(self, st, arr):
-        arr[...] = st.ub.tokens
-
-    def can_reuse(self, p):
-        return self.tensor.shape == (p.n_tokens,)
-
-
-class InpPos(GraphInput):
-    def __init__(self, p: GraphParams) -> None:
-        self.tensor = _input("inp_pos", DType.I32, (p.n_tokens,))
-
-    def set_input(self, st, arr):
-        arr[...] = st.ub.pos
-
-    def can_reuse(self, p):
-        return self.tensor.shape == (p.n_tokens,)
-
-
-class InpKVIdx(GraphInput):
-    """Cache rows the micro-batch's K and V are written to (set_rows indices)."""
-
-    def __init__(self, p: GraphParams) -> None:
-        self.tensor = _input("inp_kv_idx", DType.I32, (p.n_tokens,))
-
-    def set_input(self, st, arr):
-        arr[...] = st.cells
+        arr[...] = self.values(st)
 
     def can_reuse(self, p):
         return self.tensor.shape == (p.n_tokens,)
@@ -130,16 +111,19 @@ class InpKShift(GraphInput):
 class GraphInputs:
     """The inputs of a decode graph; out_ids is None when every token needs logits."""
 
-    tokens: InpTokens
-    pos: InpPos
-    kv_idx: InpKVIdx
+    tokens: InpPerToken
+    pos: InpPerToken
+    kv_idx: InpPerToken
     kq_mask: InpKQMask
     out_ids: InpOutIds | None
     kq_mask_swa: InpKQMask | None = None
 
     @staticmethod
     def for_params(p: GraphParams, swa_window: int | None = None) -> "GraphInputs":
-        return GraphInputs(InpTokens(p), InpPos(p), InpKVIdx(p), InpKQMask(p),
+        return GraphInputs(InpPerToken(p, "inp_tokens", lambda st: st.ub.tokens),
+                           InpPerToken(p, "inp_pos", lambda st: st.ub.pos),
+                           InpPerToken(p, "inp_kv_idx", lambda st: st.cells),
+                           InpKQMask(p),
                            InpOutIds(p) if p.n_outputs < p.n_tokens else None,
                            InpKQMask(p, swa_window) if swa_window else None)
 
