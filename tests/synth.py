@@ -1,5 +1,5 @@
-"""Write synthetic GGUF files for tests and scripts: tiny llama models with random weights and a tiny
-byte-level BPE tokenizer, and huge sparse ones whose tensor data never reaches the disk.
+"""Write synthetic GGUF files for tests and scripts: tiny llama and gemma3 models with random weights and
+a tiny byte-level BPE tokenizer, and huge sparse ones whose tensor data never reaches the disk.
 
 A test helper only: it writes files, and it never imports ggrun's own code so that it can check it.
 """
@@ -95,6 +95,63 @@ class LlamaConfig:
         shapes["output_norm.weight"] = (self.n_embd,)
         if not self.tied_output:
             shapes["output.weight"] = (self.n_vocab, self.n_embd)
+        return shapes
+
+
+@dataclass(frozen=True)
+class Gemma3Config:
+    """Hyperparameters of a gemma3-architecture model: head_dim is its own key (not n_embd / n_head), the
+    output head is always tied to the embedding, and 5 of every 6 layers attend within a sliding window."""
+
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_vocab: int
+    n_ctx_train: int
+    sliding_window: int
+    rope_base: float = 1_000_000.0
+    rms_eps: float = 1e-6
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "general.name": "synthetic gemma3",
+            "gemma3.context_length": self.n_ctx_train,
+            "gemma3.embedding_length": self.n_embd,
+            "gemma3.block_count": self.n_layer,
+            "gemma3.feed_forward_length": self.n_ff,
+            "gemma3.attention.head_count": self.n_head,
+            "gemma3.attention.head_count_kv": self.n_head_kv,
+            "gemma3.attention.key_length": self.head_dim,
+            "gemma3.attention.value_length": self.head_dim,
+            "gemma3.attention.layer_norm_rms_epsilon": float(self.rms_eps),
+            "gemma3.rope.freq_base": float(self.rope_base),
+            "gemma3.attention.sliding_window": self.sliding_window,
+        }
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """llama.cpp's gemma3 tensor names with shapes in numpy order (a matrix is (out, in))."""
+        q_dim, kv_dim = self.n_head * self.head_dim, self.n_head_kv * self.head_dim
+        shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (self.n_vocab, self.n_embd)}
+        for i in range(self.n_layer):
+            shapes |= {
+                f"blk.{i}.attn_norm.weight": (self.n_embd,),
+                f"blk.{i}.attn_q.weight": (q_dim, self.n_embd),
+                f"blk.{i}.attn_k.weight": (kv_dim, self.n_embd),
+                f"blk.{i}.attn_v.weight": (kv_dim, self.n_embd),
+                f"blk.{i}.attn_q_norm.weight": (self.head_dim,),
+                f"blk.{i}.attn_k_norm.weight": (self.head_dim,),
+                f"blk.{i}.attn_output.weight": (self.n_embd, q_dim),
+                f"blk.{i}.post_attention_norm.weight": (self.n_embd,),
+                f"blk.{i}.ffn_norm.weight": (self.n_embd,),
+                f"blk.{i}.ffn_gate.weight": (self.n_ff, self.n_embd),
+                f"blk.{i}.ffn_up.weight": (self.n_ff, self.n_embd),
+                f"blk.{i}.ffn_down.weight": (self.n_embd, self.n_ff),
+                f"blk.{i}.post_ffw_norm.weight": (self.n_embd,),
+            }
+        shapes["output_norm.weight"] = (self.n_embd,)
         return shapes
 
 
@@ -214,6 +271,31 @@ def write_tiny_llama(path: str | os.PathLike[str], *, n_layer: int = 2, n_embd: 
     tensors = {name: _random_weight(rng, shape, weight_type) for name, shape in config.tensor_shapes().items()}
     metadata = config.metadata() | tok_meta | dict(extra_metadata or {})
     return write_gguf(path, "llama", metadata, tensors)
+
+
+def write_tiny_gemma3(path: str | os.PathLike[str], *, n_layer: int = 7, n_embd: int = 64, n_head: int = 4,
+                      n_head_kv: int = 1, head_dim: int = 32, n_ff: int = 128, n_vocab: int | None = None,
+                      n_ctx_train: int = 256, sliding_window: int = 8, rope_base: float = 1_000_000.0,
+                      weight_type: QT = QT.F32, seed: int = 0,
+                      extra_metadata: Mapping[str, Any] | None = None) -> Path:
+    """Write a small gemma3 model with random weights and the tiny BPE tokenizer (any tokenizer serves
+    the architecture). The defaults give 7 layers, so both kinds appear: 0-4 and 6 sliding-window,
+    5 global; head_dim 32 differs from n_embd / n_head on purpose.
+
+    Weights are drawn as in write_tiny_llama: matrices N(0, 1/fan_in) in `weight_type`, norm weights
+    (stored as used, like llama.cpp's converter writes them: 1 already added) near 1 in F32.
+    """
+    weight_type = QT(weight_type)
+    if weight_type not in WEIGHT_TYPES:
+        names = ", ".join(sorted(t.name for t in WEIGHT_TYPES))
+        raise ValueError(f"weight_type {weight_type.name} is not one gguf can quantize ({names})")
+    tok_meta = tokenizer_metadata(n_vocab)
+    config = Gemma3Config(n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, len(tok_meta["tokenizer.ggml.tokens"]),
+                          n_ctx_train, sliding_window, rope_base)
+    rng = np.random.default_rng(seed)
+    tensors = {name: _random_weight(rng, shape, weight_type) for name, shape in config.tensor_shapes().items()}
+    metadata = config.metadata() | tok_meta | dict(extra_metadata or {})
+    return write_gguf(path, "gemma3", metadata, tensors)
 
 
 def write_sparse_big(path: str | os.PathLike[str], *, n_layer: int = 32, n_embd: int = 4096, n_head: int = 32,
