@@ -5,7 +5,7 @@ order in which tensors were created.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from core.ops import OPS
 from core.tensor import Tensor
@@ -18,7 +18,6 @@ class Graph:
     nodes: list[Tensor]
     leafs: list[Tensor]
     outputs: list[Tensor]
-    meta: dict = field(default_factory=dict)
 
     def compute_nodes(self) -> list[Tensor]:
         """Nodes that need a kernel (view ops only reinterpret memory)."""

@@ -67,7 +67,9 @@ class ScheduledGraph:
 def _written_home(n: Tensor) -> Backend | None:
     """The backend whose placed memory node n writes into (cpy, set_rows into the KV cache), if any."""
     r = n.view_src
-    return r.buffer.backend if r is not None and r.buffer is not None else None
+    if not OPS[n.op].writes_into or r is None or r.buffer is None:
+        return None
+    return r.buffer.backend
 
 
 class Scheduler:

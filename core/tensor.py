@@ -74,17 +74,9 @@ class Tensor:
         return self.strides == contiguous_strides(self.shape, self.dtype)
 
     @property
-    def is_view(self) -> bool:
-        return self.view_src is not None
-
-    @property
     def root(self) -> "Tensor":
         """The tensor that owns the memory this one lives in (itself unless a view)."""
         return self.view_src if self.view_src is not None else self
-
-    @property
-    def is_placed(self) -> bool:
-        return self.root.buffer is not None
 
     @property
     def data_offset(self) -> int:
@@ -96,11 +88,6 @@ class Tensor:
         assert self.view_src is None, f"view {self.name} cannot be placed; its root {self.root.name} is"
         self.buffer = buffer
         self.offset = offset
-        self._array = None
-
-    def unplace(self) -> None:
-        self.buffer = None
-        self.offset = 0
         self._array = None
 
     def describe(self) -> str:

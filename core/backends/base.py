@@ -39,10 +39,6 @@ class Buffer:
     def size(self) -> int:
         return self._size
 
-    @property
-    def is_virtual(self) -> bool:
-        return self.storage is None
-
     def clear(self, value: int = 0) -> None:
         """Fill every byte (the KV cache starts zeroed, so masked cells hold no NaN garbage)."""
         if self.storage is not None:

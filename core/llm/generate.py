@@ -20,7 +20,6 @@ class GenerationStats:
     prompt_s: float = 0.0
     n_eval: int = 0  # single-token decode runs after the prompt
     eval_s: float = 0.0
-    sample_s: float = 0.0
     stop_reason: str = ""
 
 
@@ -60,10 +59,8 @@ def generate(session: Session, prompt: list[int], n_predict: int, sampler: Sampl
     out: list[int] = []
     pos = len(prompt)
     while len(out) < n_predict:
-        t1 = time.perf_counter()
         token = sampler.sample(logits)
         sampler.accept(token)
-        st.sample_s += time.perf_counter() - t1
         if not ignore_eos and tok.is_eog(token):
             st.stop_reason = "end of generation token"
             break

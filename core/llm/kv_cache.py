@@ -102,10 +102,6 @@ class KVCache:
             visible &= pos[:, None] - cell_pos < window
         out[...] = np.where(visible, 0.0, -np.inf)
 
-    def seq_pos_max(self, seq: int) -> int:
-        cells = self.seqs[:, seq]
-        return int(self.pos[cells].max()) if cells.any() else -1
-
     def _cells(self, seq: int, p0: int, p1: int) -> np.ndarray:
         p1 = np.iinfo(np.int32).max if p1 < 0 else p1
         in_range = (self.pos >= max(p0, 0)) & (self.pos < p1)

@@ -40,7 +40,7 @@ class SessionParams:
     reuse_memory: bool = True  # False: every intermediate gets its own bytes (a reference run)
     flash_attn: bool = False  # fused attention op (llama.cpp's -fa)
 
-    def check(self, hp_n_ctx_train: int) -> None:
+    def check(self) -> None:
         if self.n_ctx < 1:
             raise BadInput(f"context size -c {self.n_ctx} must be positive")
         if self.n_batch < 1 or self.n_ubatch < 1:
@@ -56,7 +56,6 @@ class SessionStats:
     build_s: float = 0.0
     plan_s: float = 0.0
     compute_s: float = 0.0
-    last_reason: str = ""
     reuse_log: list[tuple[bool, str]] = field(default_factory=list)
 
 
@@ -75,7 +74,7 @@ class Session:
     """Decode batches of tokens for a model; logits come back for the tokens that asked."""
 
     def __init__(self, model: Model, params: SessionParams) -> None:
-        params.check(model.hp.n_ctx_train)
+        params.check()
         self.model = model
         self.params = params
         self.n_ubatch = min(params.n_ubatch, params.n_batch)
@@ -211,7 +210,6 @@ class Session:
     def _log(self, reused: bool, what: str, p: GraphParams, res: GraphResult,
              times: tuple[float, float]) -> None:
         """Record the reuse decision; with GGRUN_GRAPH_DEBUG, keep its line for _decode_ubatch to print."""
-        self.stats.last_reason = what
         self.stats.reuse_log.append((reused, what))
         if not self.debug:
             return

@@ -15,9 +15,6 @@ class LayerWeights:
     def __getattr__(self, short: str) -> Tensor:
         return self._w[f"blk.{self._il}.{short}.weight"]
 
-    def has(self, short: str) -> bool:
-        return f"blk.{self._il}.{short}.weight" in self._w.tensors
-
 
 class Weights:
     """All weight tensors of a model, placed on their backends."""
