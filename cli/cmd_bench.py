@@ -19,11 +19,12 @@ from rich.progress import Progress
 from cli.app import app
 from cli.cmd_measure import parse_int_list
 from cli.cmd_version import ggrun_version
-from cli.common import err_console, list_devices, load_model, resolve
+from cli.common import err_console, list_devices, load_model
 from core.errors import BadInput
 from core.llm.bench import BenchResult, BenchTest, run_bench
 from core.llm.model import Model
 from core.llm.session import Session, SessionParams
+from loaders.download import resolve_model
 from loaders.gguf_file import open_gguf
 
 FORMATS = ("md", "csv", "json", "jsonl")
@@ -113,7 +114,7 @@ def bench_command(
     models = _split_models(model or ["smollm2"])
     configs = plan_configs(models, prompts, gens, parse_pg(pg or []), parse_int_list(batch_size, "-b"),
                            parse_int_list(ubatch_size, "-ub"), ngls, reuse, ctx_size, fa)
-    paths = {m: resolve(m) for m in models}
+    paths = {m: resolve_model(m) for m in models}
     for p in paths.values():  # a model that cannot be read fails now, before any other is loaded or timed
         with open_gguf(p) as gf:
             Model.read_hparams(gf)

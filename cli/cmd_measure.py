@@ -12,9 +12,10 @@ from rich.table import Table
 
 from cli import options as o
 from cli.app import app
-from cli.common import check_positive, err_console, list_devices, resolve
+from cli.common import check_positive, err_console, list_devices
 from core.backends.registry import usable_backends
 from core.errors import BadInput
+from loaders.download import resolve_model
 from core.llm.memory import measure, verify
 from core.llm.model import Model
 
@@ -57,7 +58,7 @@ def measure_command(
         raise BadInput(f"-ngl {n_gpu_layers} must not be negative")
     if output not in ("table", "json"):
         raise BadInput(f"-o {output}: choose table or json")
-    path = resolve(model)
+    path = resolve_model(model)
     m = Model.load(path, usable_backends(), n_gpu_layers, metadata_only=True)
     records = [r for c in ctxs for ub in ubs
                for r in measure(m, c, min(ub, batch_size), batch_size, n_parallel, flash_attn)]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -32,10 +31,6 @@ def check_positive(**values: int) -> None:
             raise BadInput(f"{name} {v} must be positive")
 
 
-def resolve(model: str | None) -> Path:
-    return resolve_model(model)
-
-
 def load_model(model: str | None, n_gpu_layers: int = 0, quiet: bool = False, threads: int | None = None,
                numerics: str = "llama") -> Model:
     """Resolve and load a model on the usable backends; a progress bar appears when loading is slow."""
@@ -46,7 +41,7 @@ def load_model(model: str | None, n_gpu_layers: int = 0, quiet: bool = False, th
     if numerics not in NUMERICS:
         raise BadInput(f"--numerics {numerics}: choose one of {', '.join(NUMERICS)}")
     set_threads(threads)
-    path = resolve(model)
+    path = resolve_model(model)
     backends = usable_backends()
     if n_gpu_layers > 0 and len(backends) == 1:
         err_console.print("warning: no device backend is available; -ngl is ignored (see --list-devices)")
