@@ -254,3 +254,21 @@ def test_malformed_options_get_one_line_and_exit_2(capsys, monkeypatch, args, fr
     code, out, err = ggrun(capsys, monkeypatch, *args)
     assert code == 2 and out == ""
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and fragment in err, err
+
+
+def test_chat_needs_a_chat_template(capsys, monkeypatch, tiny_llama_path):
+    assert_bad_input(*ggrun(capsys, monkeypatch, "run", "-m", tiny_llama_path, "--chat", "-p", "hi", "-n", "2"),
+                     "chat template")
+
+
+@pytest.mark.slow
+def test_chat_wraps_the_prompt_in_the_models_template(capsys, monkeypatch, smollm2_path):
+    """--chat renders SmolLM2's template around -p (one turn, stdin is no terminal here): system, user
+    and assistant turns open with <|im_start|> parsed as one special id, and the model answers."""
+    code, out, err = ggrun(capsys, monkeypatch, "run", "-m", smollm2_path, "--chat", "-p", "What is 2+2?",
+                           "-n", "8", "--temp", "0", "--verbose-prompt", "-t", "1")
+    assert code == 0, err
+    pieces = re.findall(r"^\s*(\d+) -> '(.*)'$", err, flags=re.M)
+    assert pieces.count(("1", "<|im_start|>")) == 3 and pieces.count(("2", "<|im_end|>")) == 2
+    assert pieces[0] == ("1", "<|im_start|>")
+    assert out.strip()
