@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from gguf.constants import GGMLQuantizationType as QT
 
-from tests.synth import write_tiny_llama
+from tests.synth import write_tiny_llama, written_once
 
 DATA = Path(__file__).parent / "data"
 
@@ -48,16 +48,7 @@ def smollm2_reference() -> dict:
 def tiny_llama_factory(tmp_path_factory):
     """write(**options) -> path of a synthetic tiny llama (tests.synth.write_tiny_llama), written once per
     distinct set of options."""
-    written: dict[tuple, Path] = {}
-
-    def write(**options) -> Path:
-        key = tuple(sorted(options.items()))
-        if key not in written:
-            name = "tiny-" + "-".join(f"{k}={getattr(v, 'name', v)}" for k, v in key) + ".gguf"
-            written[key] = write_tiny_llama(tmp_path_factory.mktemp("tiny") / name, **options)
-        return written[key]
-
-    return write
+    return written_once(write_tiny_llama, tmp_path_factory.mktemp, "tiny")
 
 
 @pytest.fixture(scope="session")

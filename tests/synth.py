@@ -359,3 +359,18 @@ def _typed(value: Any) -> tuple[GGUFValueType, GGUFValueType | None, Any]:
     if isinstance(value, str):
         return GGUFValueType.STRING, None, value
     raise TypeError(f"cannot store {type(value).__name__} as GGUF metadata")
+
+
+def written_once(write, make_dir, prefix: str):
+    """write(**options) -> path, writing each distinct set of options once into a folder make_dir(prefix)
+    gives (a pytest fixture passes tmp_path_factory.mktemp)."""
+    written: dict[tuple, Path] = {}
+
+    def once(**options) -> Path:
+        key = tuple(sorted(options.items()))
+        if key not in written:
+            name = prefix + "-" + "-".join(f"{k}={getattr(v, 'name', v)}" for k, v in key) + ".gguf"
+            written[key] = write(make_dir(prefix) / name, **options)
+        return written[key]
+
+    return once

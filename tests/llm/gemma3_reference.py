@@ -14,6 +14,8 @@ from gguf import GGUFReader
 from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
+from tests.llm.llama_reference import greedy_by_reevaluation
+
 SWA_PATTERN = 6  # layer il attends within the window when il % 6 < 5 (llama.cpp's set_swa_pattern(6))
 ROPE_BASE_SWA = 10000.0  # gemma3's local RoPE base on sliding-window layers
 
@@ -91,11 +93,7 @@ class ReferenceGemma3:
         return self._mm("token_embd.weight", self._norm(x, "output_norm.weight"))
 
     def greedy(self, prompt: list[int], n: int) -> list[int]:
-        """n tokens chosen by argmax, each from a full re-evaluation of the sequence so far."""
-        seq = list(prompt)
-        for _ in range(n):
-            seq.append(int(np.argmax(self.logits(seq)[-1])))
-        return seq[len(prompt):]
+        return greedy_by_reevaluation(self.logits, prompt, n)
 
     def _mm(self, name: str, x: np.ndarray) -> np.ndarray:
         return x @ self.w[name].T

@@ -81,11 +81,7 @@ class ReferenceLlama:
         return self._mm("output.weight", self._norm(x, "output_norm.weight"))
 
     def greedy(self, prompt: list[int], n: int) -> list[int]:
-        """n tokens chosen by argmax, each from a full re-evaluation of the sequence so far."""
-        seq = list(prompt)
-        for _ in range(n):
-            seq.append(int(np.argmax(self.logits(seq)[-1])))
-        return seq[len(prompt):]
+        return greedy_by_reevaluation(self.logits, prompt, n)
 
     def _mm(self, name: str, x: np.ndarray) -> np.ndarray:
         if name in self.q8_acts:
@@ -123,3 +119,11 @@ def perplexity(logits: np.ndarray, tokens: list[int]) -> tuple[float, np.ndarray
     logp = x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
     nll = -logp[np.arange(len(tokens) - 1), np.asarray(tokens[1:])]
     return float(np.exp(nll.mean())), nll
+
+
+def greedy_by_reevaluation(logits, prompt: list[int], n: int) -> list[int]:
+    """n tokens chosen by argmax, each from a full re-evaluation (logits(seq)) of the sequence so far."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(np.argmax(logits(seq)[-1])))
+    return seq[len(prompt):]

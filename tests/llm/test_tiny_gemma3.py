@@ -24,7 +24,7 @@ from core.llm.sampling import Sampler, SamplingParams
 from core.llm.session import Session, SessionParams
 from tests.cli.runner import ggrun
 from tests.llm.gemma3_reference import ReferenceGemma3
-from tests.synth import bytes_to_unicode, tiny_bpe_vocab, write_tiny_gemma3
+from tests.synth import bytes_to_unicode, tiny_bpe_vocab, write_tiny_gemma3, written_once
 
 # 20 token ids spread over the tiny vocabulary (bytes, merges, the control token).
 PROMPT = [104, 101, 108, 108, 111, 256, 263, 32, 119, 275, 10, 66, 200, 7, 268, 258, 111, 33, 120, 99]
@@ -35,16 +35,7 @@ ATOL = 1e-3
 @pytest.fixture(scope="module")
 def gemma_factory(tmp_path_factory):
     """write(**options) -> path of a tiny gemma3 written once per distinct set of options."""
-    written = {}
-
-    def write(**options):
-        key = tuple(sorted(options.items()))
-        if key not in written:
-            name = "tiny_gemma3-" + "-".join(f"{k}={getattr(v, 'name', v)}" for k, v in key) + ".gguf"
-            written[key] = write_tiny_gemma3(tmp_path_factory.mktemp("gemma3") / name, **options)
-        return written[key]
-
-    return write
+    return written_once(write_tiny_gemma3, tmp_path_factory.mktemp, "tiny_gemma3")
 
 
 @pytest.fixture(scope="module")
