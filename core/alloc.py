@@ -15,8 +15,9 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from core.dtypes import DType
 from core.ops import OPS
-from core.tensor import Tensor
+from core.tensor import Tensor, new_tensor
 
 log = logging.getLogger("ggrun.alloc")
 
@@ -95,17 +96,21 @@ class Plan:
     no_reuse: int  # bytes if every tensor had its own memory
     inplace: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # (node, source whose memory it took)
     sizes: dict[Tensor, int] = field(default_factory=dict)
+    scratch: dict[Tensor, tuple[int, int]] = field(default_factory=dict)  # node -> (offset, bytes) of its work space
 
 
 Owns = Callable[[Tensor], bool]
+ScratchOf = Callable[[Tensor], int]
 
 
 def plan_graph(nodes: list[Tensor], leafs: Iterable[Tensor], owns: Owns, alignment: int,
-               reuse: bool = True) -> Plan:
+               reuse: bool = True, scratch_of: ScratchOf | None = None) -> Plan:
     """Plan the memory of every tensor `owns` accepts, walking `nodes` in execution order.
 
     Inputs (leafs flagged `is_input`) are placed first; each node is placed before its
     sources are released, in place on a dying same-sized source when its op allows.
+    A node for which `scratch_of` asks work space (a kernel's dequantized weight tiles, its
+    8-bit activations) gets it beside its result, live for that node's step only.
     With reuse=False every tensor keeps its own bytes (the reference plan `--verify` uses).
     """
     rec: dict[int, _Record] = {}
@@ -166,9 +171,20 @@ def plan_graph(nodes: list[Tensor], leafs: Iterable[Tensor], owns: Owns, alignme
         if leaf.is_input and owns(leaf):
             place(leaf, None)
 
+    scratch: dict[Tensor, tuple[int, int]] = {}
     for step, n in enumerate(nodes):
         if n.view_src is None and owns(n):
             place(n, _inplace_donor(n, rec, owns) if reuse else None)
+            need = scratch_of(n) if scratch_of is not None else 0
+            if need:
+                size = align_up(need, alignment)
+                scratch[n] = (free.alloc(size), size)
+                slot_of[_ScratchKey(n)] = slots.open(size, step)
+                no_reuse += size
+                peak = max(peak, live + size)
+                if reuse:
+                    free.free(scratch[n][0], size)
+                    slots.close(slot_of[_ScratchKey(n)], step)
         if not reuse:
             continue
         for s in n.srcs:
@@ -187,9 +203,19 @@ def plan_graph(nodes: list[Tensor], leafs: Iterable[Tensor], owns: Owns, alignme
     if reuse and size > OFFLINE_TRIGGER * peak:
         slot_offsets, offline_size = slots.place_offline()
         if offline_size < size:
-            offsets = {t: slot_offsets[i] for t, i in slot_of.items()}
+            offsets = {t: slot_offsets[i] for t, i in slot_of.items() if not isinstance(t, _ScratchKey)}
+            scratch = {k.node: (slot_offsets[i], scratch[k.node][1]) for k, i in slot_of.items()
+                       if isinstance(k, _ScratchKey)}
             size = offline_size
-    return Plan(offsets=offsets, size=size, lower_bound=peak, no_reuse=no_reuse, inplace=inplace, sizes=sizes)
+    return Plan(offsets=offsets, size=size, lower_bound=peak, no_reuse=no_reuse, inplace=inplace, sizes=sizes,
+                scratch=scratch)
+
+
+@dataclass(frozen=True, eq=False)
+class _ScratchKey:
+    """Stands for a node's work space among the tensors of the offline placement."""
+
+    node: Tensor
 
 
 # The walk's best-fit plan is kept unless it exceeds the lower bound by more than this; then an
@@ -280,7 +306,7 @@ class GraphAllocator:
         return self.buffer.size if self.buffer is not None else 0
 
     def measure(self, nodes: list[Tensor], leafs: Iterable[Tensor], owns: Owns) -> Plan:
-        return plan_graph(nodes, leafs, owns, self.alignment, self.reuse)
+        return plan_graph(nodes, leafs, owns, self.alignment, self.reuse, self.backend.scratch_bytes)
 
     def reserve(self, nodes: list[Tensor], leafs: Iterable[Tensor], owns: Owns) -> Plan:
         plan = self.measure(nodes, leafs, owns)
@@ -298,6 +324,9 @@ class GraphAllocator:
         buf = self.buffer
         for t, off in plan.offsets.items():
             t.place(buf, off)
+        for n, (off, size) in plan.scratch.items():
+            n.scratch = new_tensor(f"{n.name}#scratch", DType.F32, (size // 4,))
+            n.scratch.place(buf, off)
         return plan
 
     def _grow(self, size: int) -> None:

@@ -49,6 +49,21 @@ class ImmediateContext:
         self.backend.set_tensor(t, data)
         return t
 
+    def from_bytes(self, name: str, dtype: DType, shape: tuple[int, ...], raw: np.ndarray,
+                   weight: bool = True) -> Tensor:
+        """A tensor of `dtype` stored as `raw` (its bytes as a file holds them: GGUF blocks for a
+        quantized type). On the CPU the bytes are used in place (a memory-mapped file stays mapped)."""
+        t = new_tensor(name, dtype, shape, is_weight=weight)
+        if raw.nbytes != t.nbytes:
+            raise ValueError(f"{name}: {raw.nbytes} bytes given for {t.describe()} ({t.nbytes} bytes)")
+        wrap = getattr(self.backend, "wrap", None)
+        if wrap is not None:
+            self._adopt(t, wrap(raw, self.usage))
+            return t
+        t = self.new_tensor(name, dtype, shape, weight=weight)
+        self.backend.set_tensor(t, raw)
+        return t
+
     def _adopt(self, t: Tensor, buf) -> None:
         t.place(buf, 0)
         self.buffers.append(buf)

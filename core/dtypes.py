@@ -22,6 +22,8 @@ class DType(Enum):
     Q5_0 = ("q5_0", 32, 22, None)
     Q5_1 = ("q5_1", 32, 24, None)
     Q8_0 = ("q8_0", 32, 34, None)
+    Q2_K = ("q2_k", 256, 84, None)
+    Q3_K = ("q3_k", 256, 110, None)
     Q4_K = ("q4_k", 256, 144, None)
     Q5_K = ("q5_k", 256, 176, None)
     Q6_K = ("q6_k", 256, 210, None)
@@ -51,6 +53,11 @@ class DType(Enum):
 
     def __str__(self) -> str:
         return self.label
+
+    @staticmethod
+    def of_ggml(type_name: str) -> "DType":
+        """The DType of a GGML type, by its name in gguf's GGMLQuantizationType (e.g. 'Q4_K')."""
+        return DType[type_name]
 
 
 def dtype_of_numpy(dt: np.dtype) -> DType:

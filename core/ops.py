@@ -250,9 +250,12 @@ def mul_mat(a: Tensor, b: Tensor, name: str | None = None) -> Tensor:
     """ggml's mul_mat: a [..., M, K], b [..., N, K] -> [..., N, M] = b @ a^T.
 
     a's batch dimensions may divide b's (grouped-query attention: b's head h reads a's head
-    h // (b_heads / a_heads)).
+    h // (b_heads / a_heads)). A 2-d a may be block-quantized (a weight as its file stores it).
     """
-    _need_float("mul_mat", a, b)
+    if a.dtype.is_quantized and len(a.shape) == 2:
+        _need_float("mul_mat", b)
+    else:
+        _need_float("mul_mat", a, b)
     if len(a.shape) < 2 or len(b.shape) < 2 or a.shape[-1] != b.shape[-1]:
         raise _fail("mul_mat", "inner dimensions differ", a, b)
     ab, bb = a.shape[:-2], b.shape[:-2]

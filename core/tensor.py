@@ -50,6 +50,7 @@ class Tensor:
     view_offset: int = 0
     buffer: "Buffer | None" = None
     offset: int = 0
+    scratch: "Tensor | None" = field(default=None, repr=False)  # a node's planned work space, if its kernel asks one
     _array: Any = field(default=None, repr=False)
 
     __hash__ = object.__hash__

@@ -16,7 +16,7 @@ import numpy as np
 from gguf.constants import GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
 from core.errors import BadInput
-from loaders.quants import SUPPORTED_TYPES, block_layout, dequantize, tensor_nbytes
+from core.quants import SUPPORTED_TYPES, block_layout, dequantize, tensor_nbytes
 
 SUPPORTED_VERSIONS = (2, 3)
 MAX_DIMS = 4

@@ -54,12 +54,18 @@ class Backend(ABC):
     name: str = "?"
     device: str = "?"
     buffer_type = BufferType(alignment=64, max_size=1 << 40)
+    # weights stay in their GGUF block formats here; a backend without kernels for them gets f32
+    stores_blocks: bool = False
 
     @abstractmethod
     def alloc_buffer(self, size: int, usage: str) -> Buffer: ...
 
     @abstractmethod
     def supports_op(self, node: Tensor) -> bool: ...
+
+    def scratch_bytes(self, node: Tensor) -> int:
+        """Work space node's kernel needs beside its result (planned by the allocator); none by default."""
+        return 0
 
     @abstractmethod
     def array(self, t: Tensor) -> Any:

@@ -76,10 +76,23 @@ def _set_rows(xp, node, out, srcs):
     out[idx] = rows
 
 
+def dequantized(xp, a, dtype: DType):
+    """Rows of GGUF blocks [rows, row bytes] decoded to f32 [rows, elements] (numpy only: a backend
+    without block-format kernels is given its weights as f32)."""
+    from core.quants import dequantize
+
+    rows = a.reshape(-1, a.shape[-1])
+    return dequantize(xp.ascontiguousarray(rows).reshape(-1), dtype.name,
+                      (rows.shape[0], rows.shape[1] // dtype.type_size * dtype.block_size))
+
+
 @kernel("get_rows")
 def _get_rows(xp, node, out, srcs):
     a, ids = srcs
-    if node.srcs[0].dtype is DType.F32:
+    dtype = node.srcs[0].dtype
+    if dtype.is_quantized:
+        out[...] = dequantized(xp, a[ids], dtype)
+    elif dtype is DType.F32:
         xp.take(a, ids, axis=0, out=out)
     else:
         out[...] = widen(xp, a[ids], node.srcs[0].dtype)
@@ -231,7 +244,9 @@ def _mul_mat_operand_b(xp, node, b):
 @kernel("mul_mat")
 def _mul_mat(xp, node, out, srcs):
     a = srcs[0]
-    if a.dtype != xp.float32:
+    if node.srcs[0].dtype.is_quantized:
+        a = dequantized(xp, a, node.srcs[0].dtype)
+    elif a.dtype != xp.float32:
         a = widen(xp, a, node.srcs[0].dtype).astype(xp.float32)
     b = _mul_mat_operand_b(xp, node, _f(xp, node, 1, srcs[1]))
     a_batch, b_batch = a.shape[:-2], b.shape[:-2]

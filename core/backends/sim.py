@@ -13,17 +13,16 @@ import os
 import numpy as np
 
 from core.backends.base import BufferType
-from core.backends.cpu import CPUBackend
+from core.backends.host import HostArrayBackend
 from core.tensor import Tensor
 
 
-class SimBackend(CPUBackend):
+class SimBackend(HostArrayBackend):
     name = "SIM"
     buffer_type = BufferType(alignment=256, max_size=1 << 40)
     wrap = None  # host arrays are always copied in, as to a real device
 
     def __init__(self, refuse: frozenset[str] | None = None) -> None:
-        super().__init__()
         self.device = "stand-in device (numpy kernels, own memory)"
         if refuse is None:
             refuse = frozenset(x for x in os.environ.get("GGRUN_SIM_REFUSE", "").split(",") if x)

@@ -2,7 +2,8 @@
 (`n_gpu_layers`: the last N repeating layers on the first device backend, the output
 head too when N exceeds the layer count; the token embedding stays on the CPU).
 
-Weights are decoded to f32 once at load, into immediate contexts.
+Weights stay as the file holds them (GGUF blocks, memory-mapped on the CPU); only a backend
+without kernels for block formats gets them decoded to f32 at load.
 """
 from __future__ import annotations
 
@@ -139,14 +140,19 @@ class Model:
 
 
 def _weight(ctx: ImmediateContext, gf: GGUFFile, name: str, source: str, numerics: str):
-    """Decode tensor `source` to f32 into ctx as `name`. With llama numerics, a weight stored
-    block-quantized meets 8-bit-rounded activations in mul_mat, as in llama.cpp's CPU kernels
-    (`act_quant`: q8_0 blocks for the legacy types, q8_k for k-quants)."""
+    """Tensor `source` in ctx as `name`: its stored bytes where the backend keeps block formats,
+    else decoded to f32. With llama numerics, a weight stored block-quantized meets 8-bit-rounded
+    activations in mul_mat, as in llama.cpp's CPU kernels (`act_quant`: q8_0 blocks for the
+    legacy types, q8_k for k-quants)."""
+    info = gf.tensors[source]
+    dtype = DType.of_ggml(info.qtype.name) if ctx.backend.stores_blocks else DType.F32
     if ctx.virtual:
-        t = ctx.new_tensor(name, DType.F32, gf.tensors[source].shape, weight=True)
-    else:
+        t = ctx.new_tensor(name, dtype, info.shape, weight=True)
+    elif dtype is DType.F32 and info.qtype.name != "F32":
         t = ctx.from_array(name, gf.load_f32(source))
-    qtype = gf.tensors[source].qtype.name
+    else:
+        t = ctx.from_bytes(name, dtype, info.shape, gf.raw(source))
+    qtype = info.qtype.name
     if numerics == "llama" and qtype not in ("F32", "F16", "BF16"):
         t.params["act_quant"] = "q8_k" if qtype.endswith("_K") else "q8_0"
     return t

@@ -1,4 +1,5 @@
-"""The CPU backend: numpy arenas and the shared array kernels run with numpy.
+"""Host-memory array backends: numpy arenas, placed tensors as numpy views at their offsets,
+and the shared reference array kernels run with numpy.
 
 Kernels write into views of the arena at each tensor's planned offset; a placed tensor's
 array is a numpy view, cached on the tensor until it is placed again.
@@ -11,31 +12,13 @@ from core.backends.array_backend import ArrayBackend, storage_dtype
 from core.backends.base import Buffer, BufferType
 from core.tensor import Tensor
 
-_thread_limit = None
 
+class HostArrayBackend(ArrayBackend):
+    """numpy on the host, every op through the reference array kernels."""
 
-def set_threads(n: int | None) -> None:
-    """Threads numpy's BLAS may use (llama.cpp's -t); None keeps the library's default.
-
-    An oversubscribed machine makes multi-threaded BLAS many times slower, so users need this.
-    """
-    global _thread_limit
-    if n is None:
-        return
-    from threadpoolctl import threadpool_limits
-
-    _thread_limit = threadpool_limits(limits=n, user_api="blas")
-
-
-class CPUBackend(ArrayBackend):
-    """numpy on the host; runs every op."""
-
-    name = "CPU"
     buffer_type = BufferType(alignment=64, max_size=1 << 44)
     xp = np
-
-    def __init__(self) -> None:
-        self.device = "host memory, numpy"
+    stores_blocks = True
 
     def alloc_buffer(self, size: int, usage: str) -> Buffer:
         return Buffer(self, np.empty(size, dtype=np.uint8), usage)
@@ -46,7 +29,9 @@ class CPUBackend(ArrayBackend):
 
     def view_array(self, t: Tensor, storage: np.ndarray) -> np.ndarray:
         if t.dtype.is_quantized:
-            return storage[t.data_offset:t.data_offset + t.nbytes]
+            rows = t.shape[:-1]
+            flat = storage[t.data_offset:t.data_offset + t.nbytes]
+            return flat.reshape(rows + (t.dtype.row_bytes(t.shape[-1]),)) if t.is_contiguous else flat
         return np.ndarray(t.shape, dtype=storage_dtype(t), buffer=storage, offset=t.data_offset, strides=t.strides)
 
     def set_tensor(self, t: Tensor, data: np.ndarray) -> None:

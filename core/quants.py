@@ -1,4 +1,5 @@
-"""Decode GGUF tensor bytes (float and block-quantized formats) into float32 numpy arrays.
+"""The quant tables: GGUF block layouts and their numpy decoders to float32 (the reference that
+every backend's compiled kernels are tested against), shared by the loader and the engine.
 
 Pure vectorized numpy over whole tensors; it never loops over blocks in Python and never copies F32
 data that can be viewed in place.
@@ -51,7 +52,7 @@ def dequantize(raw: np.ndarray, qtype: QT, shape: tuple[int, ...]) -> np.ndarray
 
     F32 data comes back as a view of `raw` when it is 4-byte aligned; everything else is a new array.
     """
-    qtype = QT(qtype)
+    qtype = QT[qtype] if isinstance(qtype, str) else QT(qtype)
     if qtype not in SUPPORTED_TYPES:
         raise ValueError(f"unsupported tensor type {qtype.name}")
     n_elements = int(np.prod(shape, dtype=np.int64))

@@ -8,7 +8,7 @@ import pytest
 from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 
-from loaders.quants import SUPPORTED_TYPES, block_layout, dequantize, tensor_nbytes
+from core.quants import SUPPORTED_TYPES, block_layout, dequantize, tensor_nbytes
 
 SMOLLM2 = Path.home() / ".cache/ggrun/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 

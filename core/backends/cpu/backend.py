@@ -1,0 +1,45 @@
+"""The CPU backend: numpy arenas like every host backend, with compiled (numba) kernels for
+the ops and types that have one and the reference array kernels for the rest.
+
+Weights stay in their GGUF blocks (memory-mapped); the kernels read them as they are.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+
+from core.backends.cpu import ops as _ops  # noqa: F401  (registers the compiled kernels)
+from core.backends.cpu.dispatch import BINDERS, SCRATCH
+from core.backends.host import HostArrayBackend
+from core.backends.kernels import KERNELS
+from core.tensor import Tensor
+
+
+class CPUBackend(HostArrayBackend):
+    """The host's cores: compiled kernels where they exist, numpy otherwise; runs every op."""
+
+    name = "CPU"
+
+    def __init__(self) -> None:
+        self.device = "host memory, numba kernels"
+
+    def scratch_bytes(self, node: Tensor) -> int:
+        size = SCRATCH.get(node.op)
+        return size(node) if size is not None else 0
+
+    def prepare(self, nodes: list[Tensor]) -> list:
+        """One ready call per node, compiled where a binder accepts the node."""
+        arr = self.array
+        calls = []
+        for n in nodes:
+            out, srcs = arr(n), [arr(s) for s in n.srcs]
+            scratch = arr(n.scratch).view(np.uint8) if n.scratch is not None else None
+            bind = BINDERS.get(n.op)
+            call = bind(n, out, srcs, scratch) if bind is not None else None
+            calls.append(call if call is not None else partial(KERNELS[n.op], np, n, out, srcs))
+        return calls
+
+    def run_prepared(self, calls: list) -> None:
+        for call in calls:
+            call()

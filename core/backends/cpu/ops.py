@@ -1,0 +1,1 @@
+"""Imports every module of compiled CPU kernels, so that each registers its binders."""
