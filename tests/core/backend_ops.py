@@ -1,0 +1,81 @@
+"""The op-by-op harness (in the spirit of llama.cpp's test-backend-ops): build one small graph
+twice, run it on a backend under test and on the reference host backend (the numpy array
+kernels), and compare the results by normalized mean squared error, as ggml does.
+
+`build(ctx)` makes its leafs through the given `Leafs` (weights in an immediate context on the
+backend, inputs fed after planning) and returns the output tensor; it is called once per
+backend with the same random data.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from core.backends.base import Backend
+from core.backends.host import HostArrayBackend
+from core.context import ImmediateContext
+from core.dtypes import DType
+from core.graph import build_graph
+from core.sched import Scheduler
+from core.tensor import Tensor, new_tensor
+
+
+class ReferenceBackend(HostArrayBackend):
+    """The numpy array kernels alone, on host memory: the oracle."""
+
+    name = "REF"
+
+    def __init__(self) -> None:
+        self.device = "reference numpy kernels"
+
+
+class Leafs:
+    """Makes a graph's leafs on one backend: weights from raw stored bytes or values, inputs fed later."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.ctx = ImmediateContext(backend)
+        self.feeds: dict[Tensor, np.ndarray] = {}
+
+    def weight(self, name: str, dtype: DType, shape: tuple[int, ...], data: np.ndarray) -> Tensor:
+        """A weight of dtype stored as `data` (bytes for a block-quantized type, values otherwise)."""
+        if dtype.is_quantized:
+            return self.ctx.from_bytes(name, dtype, shape, np.ascontiguousarray(data, dtype=np.uint8).reshape(-1))
+        t = self.ctx.new_tensor(name, dtype, shape, weight=True)
+        self.ctx.backend.set_tensor(t, data)
+        return t
+
+    def input(self, name: str, dtype: DType, data: np.ndarray) -> Tensor:
+        t = new_tensor(name, dtype, data.shape, is_input=True)
+        self.feeds[t] = data
+        return t
+
+
+def run_on(backend: Backend, build: Callable[[Leafs], Tensor]) -> np.ndarray:
+    """Build, schedule, plan and compute the graph on one backend; a host copy of its output."""
+    leafs = Leafs(backend)
+    out = build(leafs)
+    sched = Scheduler([backend])
+    sg = sched.schedule(build_graph([out]))
+    sched.alloc(sg)
+    for t, data in leafs.feeds.items():
+        sched.set_tensor(t, data)
+    sched.compute(sg)
+    return sched.get_tensor(out).astype(np.float64)
+
+
+def nmse(got: np.ndarray, want: np.ndarray) -> float:
+    """ggml's normalized mean squared error: sum((got - want)^2) / sum(want^2)."""
+    want = np.asarray(want, dtype=np.float64)
+    err = np.sum((np.asarray(got, dtype=np.float64) - want) ** 2)
+    norm = np.sum(want ** 2)
+    return float(err / norm) if norm > 0 else float(err)
+
+
+def compare(backend: Backend, build: Callable[[Leafs], Tensor]) -> float:
+    """NMSE of `backend`'s result against the reference kernels' result for the same graph."""
+    got = run_on(backend, build)
+    want = run_on(ReferenceBackend(), build)
+    assert got.shape == want.shape
+    assert np.all(np.isfinite(got)), "non-finite values in the result"
+    return nmse(got, want)
