@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from core.backends.array_backend import storage_dtype
 from core.backends.base import Buffer
 from core.dtypes import DType, dtype_of_numpy
 from core.tensor import Tensor, new_tensor
@@ -61,7 +62,7 @@ class ImmediateContext:
             self._adopt(t, wrap(raw, self.usage))
             return t
         t = self.new_tensor(name, dtype, shape, weight=weight)
-        self.backend.set_tensor(t, raw)
+        self.backend.set_tensor(t, raw if dtype.is_quantized else raw.view(storage_dtype(t)))
         return t
 
     def _adopt(self, t: Tensor, buf) -> None:

@@ -26,7 +26,7 @@ HEAD_DIM = N_EMBD // N_HEAD
 
 @pytest.fixture(scope="module")
 def files(tiny_llama_factory) -> dict:
-    """Q8_0 weights, so the stored bytes differ from the f32 bytes held in memory."""
+    """Q8_0 weights: host backends hold them as stored (blocks), so resident bytes equal file bytes."""
     opts = dict(weight_type=QT.Q8_0, n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD, n_head_kv=N_HEAD_KV)
     return {"separate": tiny_llama_factory(**opts), "tied": tiny_llama_factory(**opts, tied_output=True)}
 
@@ -36,8 +36,9 @@ def backends(kind: str) -> list:
 
 
 def expected(path, ngl: int, kind: str, ctx: int) -> dict[str, dict[str, int]]:
-    """Per backend: file bytes, resident f32 bytes and f16 KV bytes, from gguf's reader and llama.cpp's
-    placement rule (the last ngl layers on the device, the head too when ngl exceeds the layers)."""
+    """Per backend: file bytes, resident bytes (stored blocks, on both host backends) and f16 KV bytes,
+    from gguf's reader and llama.cpp's placement rule (the last ngl layers on the device, the head too
+    when ngl exceeds the layers)."""
     dev = "CPU" if kind == "cpu" else "SIM"
     tensors = {t.name: t for t in GGUFReader(path).tensors}
 
@@ -51,9 +52,9 @@ def expected(path, ngl: int, kind: str, ctx: int) -> dict[str, dict[str, int]]:
     out = {b: {"file": 0, "resident": 0, "kv": 0} for b in {dev, "CPU"}}
     for name, t in tensors.items():
         out[home(name)]["file"] += int(t.n_bytes)
-        out[home(name)]["resident"] += int(t.n_elements) * 4
+        out[home(name)]["resident"] += int(t.n_bytes)
     if "output.weight" not in tensors and home("output.weight") != "CPU":  # tied head copied to the device
-        out[home("output.weight")]["resident"] += int(tensors["token_embd.weight"].n_elements) * 4
+        out[home("output.weight")]["resident"] += int(tensors["token_embd.weight"].n_bytes)
     for il in range(N_LAYER):
         out[home(f"blk.{il}.attn_q.weight")]["kv"] += 2 * ctx * N_HEAD_KV * HEAD_DIM * 2
     return out
