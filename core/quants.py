@@ -14,7 +14,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 SUPPORTED_TYPES: frozenset[QT] = frozenset({
     QT.F32, QT.F16, QT.BF16,
     QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
-    QT.Q4_K, QT.Q5_K, QT.Q6_K,
+    QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K,
 })
 
 # Blocks are decoded this many at a time so that the temporaries stay in cache.
@@ -27,6 +27,8 @@ _BLOCK_DTYPES: dict[QT, np.dtype] = {
     QT.Q4_1: np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", 16)]),
     QT.Q5_0: np.dtype([("d", "<f2"), ("qh", "u1", 4), ("qs", "u1", 16)]),
     QT.Q5_1: np.dtype([("d", "<f2"), ("m", "<f2"), ("qh", "u1", 4), ("qs", "u1", 16)]),
+    QT.Q2_K: np.dtype([("scales", "u1", 16), ("qs", "u1", 64), ("d", "<f2"), ("dmin", "<f2")]),
+    QT.Q3_K: np.dtype([("hmask", "u1", 32), ("qs", "u1", 64), ("scales", "u1", 12), ("d", "<f2")]),
     QT.Q4_K: np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qs", "u1", 128)]),
     QT.Q5_K: np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qh", "u1", 32),
                        ("qs", "u1", 128)]),
@@ -128,6 +130,40 @@ def _decode_q5_1(b: np.ndarray, out: np.ndarray) -> None:
     out += _f32(b["m"])
 
 
+def _k_crumbs(qs: np.ndarray) -> np.ndarray:
+    """Q2_K/Q3_K's 64 bytes of 2-bit values as (n, 16, 16) groups: element 128*h + 32*j + l is bits
+    2j..2j+1 of byte 32*h + l, so group g = 8*h + 2*j + l // 16 holds consecutive elements."""
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]
+    return ((qs.reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 16, 16)
+
+
+def _decode_q2_k(b: np.ndarray, out: np.ndarray) -> None:
+    # out = d * (scale & 15) * q - dmin * (scale >> 4), one 4+4-bit scale byte per group of 16
+    scale = (_f32(b["d"]) * (b["scales"] & 0x0F))[:, :, None]
+    offset = (_f32(b["dmin"]) * (b["scales"] >> 4))[:, :, None]
+    out3 = out.reshape(-1, 16, 16)
+    np.multiply(_k_crumbs(b["qs"]), scale, out=out3)
+    out3 -= offset
+
+
+def _q3_k_scales(scales: np.ndarray) -> np.ndarray:
+    """Q3_K's 12 bytes as 16 signed six-bit scales: the low 4 bits of scale j are nibble j // 8
+    of byte j % 8, the high 2 bits are bits 2*(j // 4).. of byte 8 + j % 4; stored +32."""
+    low = (scales[:, None, 0:8] >> np.array([0, 4], dtype=np.uint8)[None, :, None]) & 0x0F
+    high = (scales[:, None, 8:12] >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, :, None]) & 0x03
+    return (low.reshape(-1, 16) | (high.reshape(-1, 16) << 4)).astype(np.int8) - np.int8(32)
+
+
+def _decode_q3_k(b: np.ndarray, out: np.ndarray) -> None:
+    # element 128*h + 32*j + l: 2 low bits as Q2_K, minus 4 unless bit 4*h + j of hmask[l] is set
+    n = len(b)
+    bit = np.arange(8, dtype=np.uint8)[None, :, None]
+    high = ((b["hmask"][:, None, :] >> bit) & 1).reshape(n, 16, 16)
+    q = _k_crumbs(b["qs"]).view(np.int8) - ((high ^ 1) << 2).view(np.int8)
+    scale = (_f32(b["d"]) * _q3_k_scales(b["scales"]))[:, :, None]
+    np.multiply(q, scale, out=out.reshape(n, 16, 16))
+
+
 def _k_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Unpack Q4_K/Q5_K's 12 bytes into 8 six-bit scales and 8 six-bit mins (ggml's get_scale_min_k4)."""
     lo, hi, mixed = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
@@ -185,6 +221,8 @@ _DECODERS: dict[QT, Callable[[np.ndarray, np.ndarray], None]] = {
     QT.Q4_1: _decode_q4_1,
     QT.Q5_0: _decode_q5_0,
     QT.Q5_1: _decode_q5_1,
+    QT.Q2_K: _decode_q2_k,
+    QT.Q3_K: _decode_q3_k,
     QT.Q4_K: _decode_q4_k,
     QT.Q5_K: _decode_q5_k,
     QT.Q6_K: _decode_q6_k,
