@@ -10,7 +10,7 @@ from functools import partial
 import numpy as np
 
 from core.backends.cpu import ops as _ops  # noqa: F401  (registers the compiled kernels)
-from core.backends.cpu.dispatch import BINDERS, SCRATCH
+from core.backends.cpu import dispatch
 from core.backends.host import HostArrayBackend
 from core.backends.kernels import KERNELS
 from core.tensor import Tensor
@@ -25,8 +25,7 @@ class CPUBackend(HostArrayBackend):
         self.device = "host memory, numba kernels"
 
     def scratch_bytes(self, node: Tensor) -> int:
-        size = SCRATCH.get(node.op)
-        return size(node) if size is not None else 0
+        return dispatch.scratch_bytes(node)
 
     def prepare(self, nodes: list[Tensor]) -> list:
         """One ready call per node, compiled where a binder accepts the node."""
@@ -35,8 +34,7 @@ class CPUBackend(HostArrayBackend):
         for n in nodes:
             out, srcs = arr(n), [arr(s) for s in n.srcs]
             scratch = arr(n.scratch).view(np.uint8) if n.scratch is not None else None
-            bind = BINDERS.get(n.op)
-            call = bind(n, out, srcs, scratch) if bind is not None else None
+            call = dispatch.bind(n, out, srcs, scratch)
             calls.append(call if call is not None else partial(KERNELS[n.op], np, n, out, srcs))
         return calls
 
