@@ -72,13 +72,14 @@ def measure_command(
 
 def _print_table(m: Model, records) -> None:
     t = Table(title=f"{m.path.name}: worst-case memory per backend (MiB)")
-    for col in ("ctx", "ub", "logits", "backend", "weights file", "weights resident", "KV", "output",
+    for col in ("ctx", "ub", "logits", "backend", "weights file", "weights resident", "KV", "KV window", "output",
                 "compute planned", "no reuse", "lower bound", "planned/lb", "nodes", "splits", "plan ms"):
         t.add_column(col, justify="right")
     for r in records:
         ratio = r.compute_planned_bytes / r.compute_lower_bound_bytes if r.compute_lower_bound_bytes else 1.0
         t.add_row(str(r.ctx), str(r.ubatch), r.logits, r.backend, f"{r.weights_file_bytes / MiB:.2f}",
-                  f"{r.weights_resident_bytes / MiB:.2f}", f"{r.kv_bytes / MiB:.2f}", f"{r.output_bytes / MiB:.2f}",
+                  f"{r.weights_resident_bytes / MiB:.2f}", f"{r.kv_bytes / MiB:.2f}",
+                  f"{r.kv_swa_bytes / MiB:.2f}", f"{r.output_bytes / MiB:.2f}",
                   f"{r.compute_planned_bytes / MiB:.2f}", f"{r.compute_no_reuse_bytes / MiB:.2f}",
                   f"{r.compute_lower_bound_bytes / MiB:.2f}", f"{ratio:.4f}", str(r.nodes), str(r.splits),
                   f"{r.plan_ms:.1f}")

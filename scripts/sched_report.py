@@ -49,7 +49,7 @@ def run_setting(path: Path, ngl: int | None, n_ctx: int) -> dict:
                  [(c.srcs[0].name, c.nbytes) for c in sp.copies]) for sp in sg.splits],
         n_copies=sg.n_copies, sched_bytes=sg.copy_bytes,
         sim_in=sim.bytes_in if sim else 0, sim_out=sim.bytes_out if sim else 0,
-        buffers=s.sched.buffer_sizes(), weights=model.resident_bytes(), kv=s.kv.bytes_by_backend(),
+        buffers=s.sched.buffer_sizes(), weights=model.resident_bytes(), kv=s.kv_bytes_by_backend(),
     )
 
 

@@ -24,6 +24,13 @@ class Build:
     p: GraphParams
     flash_attn: bool = False  # fused attention: no [heads, tokens, n_kv] score tensor in the plan
     llama_numerics: bool = True  # round elementwise results as llama.cpp's CPU does (GELU table)
+    kv_swa: KVCache | None = None  # the sliding-window layers' own cache (iSWA), if the model has one
+
+    def cache_of(self, il: int) -> tuple[KVCache, Tensor, int]:
+        """Layer il's cache, the input with the rows this micro-batch writes there, and the cells read."""
+        if self.kv_swa is not None and il in self.kv_swa.layers:
+            return self.kv_swa, self.inp.kv_idx_swa.tensor, self.p.n_kv_swa
+        return self.kv, self.inp.kv_idx.tensor, self.p.n_kv
 
 
 def rms_norm(b: Build, x: Tensor, w: Tensor, name: str) -> Tensor:
@@ -45,10 +52,10 @@ def attention(b: Build, il: int, q: Tensor, k: Tensor, v: Tensor, wo: Tensor, kq
               mask: Tensor | None = None) -> Tensor:
     """Write k, v [tokens, heads_kv, head_dim] into layer il's cache, attend with q
     [tokens, heads, head_dim] over the first n_kv cells, and project with wo."""
-    hp, n_kv = b.hp, b.p.n_kv
+    hp = b.hp
     n_tokens = q.shape[0]
-    rows = b.kv.layers[il]
-    idx = b.inp.kv_idx.tensor
+    cache, idx, n_kv = b.cache_of(il)
+    rows = cache.layers[il]
     k_all = ops.set_rows(rows.k, ops.reshape(k, (n_tokens, hp.n_embd_kv)), idx, name=f"k_store-{il}")
     v_all = ops.set_rows(rows.v, ops.reshape(v, (n_tokens, hp.n_embd_kv)), idx, name=f"v_store-{il}")
     row = rows.k.strides[0]
@@ -101,7 +108,7 @@ def build_k_shift(hp: HParams, kv: KVCache, mode: int, freq_base_of=lambda il: N
 
     shift = InpKShift(kv.n_ctx)
     outs = []
-    for il, rows in enumerate(kv.layers):
+    for il, rows in kv.layers.items():
         k = ops.view(rows.k, (kv.n_ctx, hp.n_head_kv, hp.head_dim))
         base = freq_base_of(il)
         r = ops.rope(k, shift.tensor, hp.n_rot, mode, hp.rope_freq_base if base is None else base,

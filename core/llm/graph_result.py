@@ -18,10 +18,10 @@ class GraphResult:
     inputs: list[GraphInput]
     logits: Tensor
     sg: ScheduledGraph
-    kv_version: int
+    kv_version: tuple[int, ...]  # the version of each cache (two with a sliding-window cache)
     sched_generation: int
 
-    def reuse_blocker(self, p: GraphParams, kv_version: int, sched_generation: int) -> str | None:
+    def reuse_blocker(self, p: GraphParams, kv_version: tuple[int, ...], sched_generation: int) -> str | None:
         """Why this graph cannot serve a micro-batch with params p, or None when it can."""
         diffs = p.differences(self.params)
         if diffs:

@@ -22,19 +22,23 @@ class GraphParams:
     n_tokens: int
     n_outputs: int
     n_kv: int
+    n_kv_swa: int = 0  # cells attended in the sliding-window cache (iSWA), 0 without one
 
     def differences(self, other: "GraphParams") -> list[str]:
         return [f"{k} {getattr(other, k)} -> {getattr(self, k)}"
-                for k in ("n_tokens", "n_outputs", "n_kv") if getattr(self, k) != getattr(other, k)]
+                for k in ("n_tokens", "n_outputs", "n_kv", "n_kv_swa") if getattr(self, k) != getattr(other, k)]
 
 
 @dataclass
 class UBatchState:
-    """What inputs read besides the micro-batch: the cache cells it was given and the cache."""
+    """What inputs read besides the micro-batch: the cells it was given in the cache and in the
+    sliding-window cache (when the model has one), and the caches."""
 
     ub: UBatch
     cells: np.ndarray
     kv: object
+    cells_swa: np.ndarray | None = None
+    kv_swa: object = None
 
 
 class GraphInput:
@@ -70,18 +74,24 @@ class InpPerToken(GraphInput):
 
 class InpKQMask(GraphInput):
     """Which cells each token may attend to: 0 or -inf, f16 as in llama.cpp. With a window,
-    cells more than `window` positions back are hidden too (sliding-window attention)."""
+    cells more than `window` positions back are hidden too (sliding-window attention); with
+    `own_cache` the window's layers have a cache of their own (iSWA) and the mask covers it."""
 
-    def __init__(self, p: GraphParams, window: int | None = None) -> None:
+    def __init__(self, p: GraphParams, window: int | None = None, own_cache: bool = False) -> None:
         self.window = window
+        self.own_cache = own_cache
         name = "inp_kq_mask" if window is None else "inp_kq_mask_swa"
-        self.tensor = _input(name, DType.F16, (p.n_tokens, p.n_kv))
+        self.tensor = _input(name, DType.F16, self._shape(p))
+
+    def _shape(self, p: GraphParams) -> tuple[int, int]:
+        return (p.n_tokens, p.n_kv_swa if self.own_cache else p.n_kv)
 
     def set_input(self, st, arr):
-        st.kv.fill_mask(arr, st.ub.pos, st.ub.seq, self.window)
+        kv = st.kv_swa if self.own_cache else st.kv
+        kv.fill_mask(arr, st.ub.pos, st.ub.seq, self.window)
 
     def can_reuse(self, p):
-        return self.tensor.shape == (p.n_tokens, p.n_kv)
+        return self.tensor.shape == self._shape(p)
 
 
 class InpOutIds(GraphInput):
@@ -117,16 +127,19 @@ class GraphInputs:
     kq_mask: InpKQMask
     out_ids: InpOutIds | None
     kq_mask_swa: InpKQMask | None = None
+    kv_idx_swa: InpPerToken | None = None  # rows of the sliding-window cache (iSWA), when there is one
 
     @staticmethod
     def for_params(p: GraphParams, swa_window: int | None = None) -> "GraphInputs":
+        own = p.n_kv_swa > 0
         return GraphInputs(InpPerToken(p, "inp_tokens", lambda st: st.ub.tokens),
                            InpPerToken(p, "inp_pos", lambda st: st.ub.pos),
                            InpPerToken(p, "inp_kv_idx", lambda st: st.cells),
                            InpKQMask(p),
                            InpOutIds(p) if p.n_outputs < p.n_tokens else None,
-                           InpKQMask(p, swa_window) if swa_window else None)
+                           InpKQMask(p, swa_window, own) if swa_window else None,
+                           InpPerToken(p, "inp_kv_idx_swa", lambda st: st.cells_swa) if own else None)
 
     def all(self) -> list[GraphInput]:
-        return [i for i in (self.tokens, self.pos, self.kv_idx, self.kq_mask, self.out_ids, self.kq_mask_swa)
-                if i is not None]
+        return [i for i in (self.tokens, self.pos, self.kv_idx, self.kq_mask, self.out_ids, self.kq_mask_swa,
+                            self.kv_idx_swa) if i is not None]

@@ -28,26 +28,35 @@ class CacheRows:
 
 
 class KVCache:
-    """n_ctx cells shared by up to n_seq_max sequences."""
+    """n_ctx cells shared by up to n_seq_max sequences, holding K and V of the layers given a
+    backend (`layer_backends[il]`; None for a layer another cache holds).
+
+    With a `window` it is a sliding-window cache (llama.cpp's iSWA): its layers only attend to
+    the last `window` positions, so cells that no token can see again are reused, and it needs
+    only about window + n_ubatch cells whatever the context.
+    """
 
     def __init__(self, n_ctx: int, n_embd_kv: int, layer_backends: list, n_seq_max: int = 1,
                  dtype: DType = DType.F16, pad: int = KV_PAD, virtual: bool = False,
-                 act_quant: str | None = None) -> None:
+                 act_quant: str | None = None, window: int | None = None, name: str = "cache") -> None:
         if dtype not in (DType.F16, DType.F32):
             raise BadInput(f"KV cache type {dtype} is not supported (use f16 or f32)")
         self.n_ctx = n_ctx
+        self.window = window
         self.n_seq_max = n_seq_max
         self.pad = pad
         self.dtype = dtype
         self.contexts: dict[str, ImmediateContext] = {}
-        self.layers: list[CacheRows] = []
+        self.layers: dict[int, CacheRows] = {}
         for il, backend in enumerate(layer_backends):
+            if backend is None:
+                continue
             ctx = self.contexts.setdefault(backend.name, ImmediateContext(backend, "kv", virtual=virtual))
-            k = ctx.new_tensor(f"cache_k_l{il}", dtype, (n_ctx, n_embd_kv))
-            v = ctx.new_tensor(f"cache_v_l{il}", dtype, (n_ctx, n_embd_kv))
+            k = ctx.new_tensor(f"{name}_k_l{il}", dtype, (n_ctx, n_embd_kv))
+            v = ctx.new_tensor(f"{name}_v_l{il}", dtype, (n_ctx, n_embd_kv))
             if act_quant:  # how a product rounds the operand that meets the cache (llama numerics: f16)
                 k.params["act_quant"] = v.params["act_quant"] = act_quant
-            self.layers.append(CacheRows(k, v))
+            self.layers[il] = CacheRows(k, v)
         for ctx in self.contexts.values():
             for buf in ctx.buffers:
                 buf.clear()
@@ -76,6 +85,20 @@ class KVCache:
         used = np.flatnonzero(self.pos >= 0)
         top = int(used[-1]) + 1 if len(used) else 0
         return min(self.n_ctx, max(self.pad, -(-top // self.pad) * self.pad))
+
+    def evict_unseen(self, pos: np.ndarray, seq: np.ndarray) -> None:
+        """Sliding window: free what no token of this micro-batch, nor any later one, can see: a
+        sequence's cells at least `window` positions before its first token here."""
+        if self.window is None:
+            return
+        for s in np.unique(seq):
+            first = int(pos[seq == s].min())
+            gone = self.seqs[:, s] & (self.pos >= 0) & (self.pos <= first - self.window)
+            if gone.any():
+                self.seqs[gone, s] = False
+                emptied = gone & ~self.seqs.any(axis=1)
+                self.pos[emptied] = -1
+                self.shift[emptied] = 0
 
     def find_slot(self, n_tokens: int) -> np.ndarray | None:
         """The lowest free cells for n_tokens tokens, or None when the cache cannot hold them."""

@@ -37,6 +37,7 @@ class MemoryRecord:
     splits: int
     plan_ms: float
     flash_attn: bool = False
+    kv_swa_bytes: int = 0  # the part of kv_bytes in the sliding-window layers' own cache (iSWA)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -57,7 +58,8 @@ def measure(model: Model, ctx: int, ubatch: int, n_batch: int, n_seq: int, flash
                                            flash_attn=flash_attn))
     file_bytes = weights_file_bytes_by_backend(model)
     resident = model.resident_bytes()
-    kv = session.kv.bytes_by_backend()
+    kv = session.kv_bytes_by_backend()
+    kv_swa = session.kv_swa.bytes_by_backend() if session.kv_swa is not None else {}
     cpu = session.sched.cpu.name
     records = []
     for mode in ("all", "last"):
@@ -76,7 +78,7 @@ def measure(model: Model, ctx: int, ubatch: int, n_batch: int, n_seq: int, flash
                 compute_no_reuse_bytes=plan.no_reuse if plan else 0,
                 compute_lower_bound_bytes=plan.lower_bound if plan else 0,
                 nodes=nodes, splits=sum(1 for s in sg.splits if s.backend is b),
-                plan_ms=1e3 * secs, flash_attn=flash_attn))
+                plan_ms=1e3 * secs, flash_attn=flash_attn, kv_swa_bytes=kv_swa.get(b.name, 0)))
     return records
 
 
@@ -123,9 +125,7 @@ def _random_ubatch(model: Model, n: int, seed: int) -> UBatch:
 
 
 def _set_inputs(session: Session, res, ub: UBatch) -> None:
-    cells = np.arange(ub.n_tokens, dtype=np.int32)
-    session.kv.apply(cells, ub.pos, ub.seq)
-    st = UBatchState(ub, cells, session.kv)
+    st = session.place_ubatch(ub)
     for inp in res.inputs:
         inp.set_input(st, session.sched.cpu.array(inp.tensor))
 

@@ -20,7 +20,7 @@ from core.llm.batch import Batch, UBatch, split_batch
 from core.llm.blocks import Build, build_k_shift
 from core.llm.graph_result import GraphResult
 from core.llm.inputs import GraphInputs, GraphParams, UBatchState
-from core.llm.kv_cache import KVCache
+from core.llm.kv_cache import KV_PAD, KVCache
 from core.llm.model import Model
 from core.sched import Scheduler
 
@@ -80,9 +80,7 @@ class Session:
         self.n_ubatch = min(params.n_ubatch, params.n_batch)
         self.sched = Scheduler(model.backends, params.reuse_memory)
         self.virtual = any(c.virtual for c in model.contexts.values())  # metadata-only model: plan, never run
-        llama_f16 = model.numerics == "llama" and params.kv_type is DType.F16
-        self.kv = KVCache(params.n_ctx, model.hp.n_embd_kv, model.placement.layers, params.n_seq_max,
-                          params.kv_type, virtual=self.virtual, act_quant="f16" if llama_f16 else None)
+        self.kv, self.kv_swa = self._make_caches()
         self.graph_reuse = params.graph_reuse and reuse_enabled_by_env()
         self.debug = graph_debug_level()
         self.stats = SessionStats()
@@ -90,22 +88,58 @@ class Session:
         self._debug_line = ""
         self.reserved = {} if self.virtual else self.reserve()
 
+    def _make_caches(self) -> tuple[KVCache, KVCache | None]:
+        """The KV cache, and for an architecture with sliding-window layers (gemma3) a second one for
+        those layers sized to the window (llama.cpp's iSWA: n_swa * n_seq + n_ubatch cells, padded),
+        so their memory and attention work stop growing with the context."""
+        model, p = self.model, self.params
+        swa = model.arch.swa_layers(model.hp) if hasattr(model.arch, "swa_layers") else [False] * model.hp.n_layer
+        window = model.hp.extra.get("swa_window")
+        llama_f16 = model.numerics == "llama" and p.kv_type is DType.F16
+        kw = dict(n_seq_max=p.n_seq_max, dtype=p.kv_type, virtual=self.virtual,
+                  act_quant="f16" if llama_f16 else None)
+        layers = model.placement.layers
+        if not any(swa):
+            return KVCache(p.n_ctx, model.hp.n_embd_kv, layers, **kw), None
+        n_swa = min(p.n_ctx, -(-(window * p.n_seq_max + self.n_ubatch) // KV_PAD) * KV_PAD)
+        base = KVCache(p.n_ctx, model.hp.n_embd_kv, [None if w else b for w, b in zip(swa, layers)], **kw)
+        local = KVCache(n_swa, model.hp.n_embd_kv, [b if w else None for w, b in zip(swa, layers)], **kw,
+                        window=window, name="cache_swa")
+        return base, local
+
+    @property
+    def caches(self) -> list[KVCache]:
+        return [self.kv] if self.kv_swa is None else [self.kv, self.kv_swa]
+
+    def kv_bytes_by_backend(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for cache in self.caches:
+            for name, n in cache.bytes_by_backend().items():
+                out[name] = out.get(name, 0) + n
+        return out
+
+    @property
+    def kv_version(self) -> tuple[int, ...]:
+        return tuple(c.version for c in self.caches)
+
     @property
     def n_ctx(self) -> int:
         return self.params.n_ctx
 
     def worst_case_params(self, all_logits: bool = True) -> GraphParams:
         n = min(self.n_ubatch, self.n_ctx)
-        return GraphParams(n_tokens=n, n_outputs=n if all_logits else 1, n_kv=self.n_ctx)
+        return GraphParams(n_tokens=n, n_outputs=n if all_logits else 1, n_kv=self.n_ctx,
+                           n_kv_swa=self.kv_swa.n_ctx if self.kv_swa is not None else 0)
 
     def build(self, p: GraphParams) -> GraphResult:
         """Build and schedule (not allocate) the decode graph for params p."""
         inputs = GraphInputs.for_params(p, self.model.hp.extra.get("swa_window"))
-        build = Build(self.model.hp, inputs, self.kv, p, self.params.flash_attn, self.model.numerics == "llama")
+        build = Build(self.model.hp, inputs, self.kv, p, self.params.flash_attn, self.model.numerics == "llama",
+                      self.kv_swa)
         logits = self.model.arch.build(build, self.model.weights)
         graph = build_graph([logits])
         sg = self.sched.schedule(graph)
-        return GraphResult(p, inputs.all(), logits, sg, self.kv.version, self.sched.generation)
+        return GraphResult(p, inputs.all(), logits, sg, self.kv_version, self.sched.generation)
 
     def plan_worst_case(self, all_logits: bool = True) -> tuple[GraphResult, dict, float]:
         """Build and measure the worst-case graph without allocating: (graph, plans, plan seconds)."""
@@ -124,9 +158,11 @@ class Session:
         (or for one). The K-shift graph (after seq_add) holds a rotated copy of one layer's keys
         over all cells, the largest of all when n_ubatch is small. Each is measured, and the
         largest reserved first, so that one allocation per backend is the usual case."""
-        n = min(self.n_ubatch, self.n_ctx)
-        graphs = [self.build(GraphParams(n, k, self.n_ctx)).sg for k in sorted({n, max(n - 1, 1), 1}, reverse=True)]
-        graphs.append(self.sched.schedule(self._k_shift_graph()[0]))
+        worst = self.worst_case_params()
+        n = worst.n_tokens
+        graphs = [self.build(GraphParams(n, k, worst.n_kv, worst.n_kv_swa)).sg
+                  for k in sorted({n, max(n - 1, 1), 1}, reverse=True)]
+        graphs += [self.sched.schedule(self._k_shift_graph(c)[0]) for c in self.caches]
         need = [sum(p.size for p in self.sched.measure(sg).values()) for sg in graphs]
         plans: dict = {}
         for i in sorted(range(len(graphs)), key=lambda i: -need[i]):
@@ -162,18 +198,28 @@ class Session:
         if toks.min() < 0 or toks.max() >= n_vocab:
             raise BadInput(f"token id out of range 0..{n_vocab - 1}")
 
-    def _decode_ubatch(self, ub: UBatch) -> np.ndarray | None:
-        cells = self.kv.find_slot(ub.n_tokens)
-        if cells is None:
+    def place_ubatch(self, ub: UBatch) -> UBatchState:
+        """Find cells for the micro-batch in every cache and record them there (the window cache first
+        frees what no token can see any more); KVCacheFull when the cache cannot hold it."""
+        if self.kv_swa is not None:
+            self.kv_swa.evict_unseen(ub.pos, ub.seq)
+        cells = [c.find_slot(ub.n_tokens) for c in self.caches]
+        if any(x is None for x in cells):
             raise KVCacheFull(f"the KV cache ({self.n_ctx} cells, {self.kv.n_free()} free) cannot hold "
                               f"{ub.n_tokens} more tokens")
-        self.kv.apply(cells, ub.pos, ub.seq)
-        if self.kv.has_shift:
-            self._apply_k_shift()
-        p = GraphParams(ub.n_tokens, ub.n_outputs, self.kv.n_kv())
+        for cache, x in zip(self.caches, cells):
+            cache.apply(x, ub.pos, ub.seq)
+        return UBatchState(ub, cells[0], self.kv, *(cells[1:] + [self.kv_swa] if self.kv_swa is not None else []))
+
+    def _decode_ubatch(self, ub: UBatch) -> np.ndarray | None:
+        for cache in self.caches:  # keys move to their shifted positions before any cell is reused
+            if cache.has_shift:
+                self._apply_k_shift(cache)
+        st = self.place_ubatch(ub)
+        p = GraphParams(ub.n_tokens, ub.n_outputs, self.kv.n_kv(),
+                        self.kv_swa.n_kv() if self.kv_swa is not None else 0)
         res = self._graph_for(p)
         t0 = time.perf_counter()
-        st = UBatchState(ub, cells, self.kv)
         cpu = self.sched.cpu
         for inp in res.inputs:
             inp.set_input(st, cpu.array(inp.tensor))
@@ -188,7 +234,7 @@ class Session:
     def _graph_for(self, p: GraphParams) -> GraphResult:
         """The kept graph when it can serve p, else a newly built and planned one."""
         if self.result is not None and self.graph_reuse:
-            why = self.result.reuse_blocker(p, self.kv.version, self.sched.generation)
+            why = self.result.reuse_blocker(p, self.kv_version, self.sched.generation)
         else:
             why = "first graph" if self.result is None else "graph reuse disabled"
         if why is None:
@@ -213,40 +259,45 @@ class Session:
         self.stats.reuse_log.append((reused, what))
         if not self.debug:
             return
-        line = f"graph: {what} (n_tokens {p.n_tokens}, n_outputs {p.n_outputs}, n_kv {p.n_kv})"
+        swa = f", n_kv_swa {p.n_kv_swa}" if p.n_kv_swa else ""
+        line = f"graph: {what} (n_tokens {p.n_tokens}, n_outputs {p.n_outputs}, n_kv {p.n_kv}{swa})"
         if self.debug >= 2:
             sizes = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in self.sched.buffer_sizes().items())
             line += (f" nodes {len(res.sg.graph.nodes)} splits {len(res.sg.splits)} buffers [{sizes}]"
                      f" build {1e3 * times[0]:.2f} ms plan {1e3 * times[1]:.2f} ms")
         self._debug_line = line
 
-    def _k_shift_graph(self):
-        """The graph that re-rotates cached keys by their cells' shifts, and its shift input."""
+    def _k_shift_graph(self, cache: KVCache):
+        """The graph that re-rotates a cache's keys by their cells' shifts, and its shift input."""
         arch = self.model.arch
         base_of = arch.rope_freq_base_of(self.model.hp) if hasattr(arch, "rope_freq_base_of") else lambda il: None
-        return build_k_shift(self.model.hp, self.kv, arch.ROPE_MODE, base_of)
+        return build_k_shift(self.model.hp, cache, arch.ROPE_MODE, base_of)
 
-    def _apply_k_shift(self) -> None:
+    def _apply_k_shift(self, cache: KVCache) -> None:
         """Re-rotate cached keys whose positions moved (seq_add), then clear the shift. The kept
         decode graph stays: seq_add bumped the cache's version, so it is rebuilt (and says why)."""
-        graph, inp = self._k_shift_graph()
+        graph, inp = self._k_shift_graph(cache)
         sg = self.sched.schedule(graph)
         self.sched.alloc(sg)
-        self.sched.cpu.array(inp.tensor)[...] = self.kv.shift
+        self.sched.cpu.array(inp.tensor)[...] = cache.shift
         self.sched.compute(sg)
-        self.kv.shift[:] = 0
-        self.kv.has_shift = False
+        cache.shift[:] = 0
+        cache.has_shift = False
 
     # ---- sequences --------------------------------------------------------------------
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
-        self.kv.seq_rm(seq, p0, p1)
+        for cache in self.caches:
+            cache.seq_rm(seq, p0, p1)
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
-        self.kv.seq_cp(src, dst, p0, p1)
+        for cache in self.caches:
+            cache.seq_cp(src, dst, p0, p1)
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
-        self.kv.seq_add(seq, p0, p1, delta)
+        for cache in self.caches:
+            cache.seq_add(seq, p0, p1, delta)
 
     def clear(self) -> None:
-        self.kv.clear()
+        for cache in self.caches:
+            cache.clear()

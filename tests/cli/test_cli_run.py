@@ -64,9 +64,9 @@ def bad_files(tmp_path_factory, tiny_llama_path) -> dict[str, Path]:
     tensors = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in config.tensor_shapes().items()}
     files["mamba"] = write_gguf(d / "mamba.gguf", "mamba", {
         k.replace("llama.", "mamba."): v for k, v in config.metadata().items()} | tok, tensors)
-    # A tensor stored as Q2_K, a real GGUF type that ggrun does not decode: 84 bytes per 256 values.
-    q2k = QuantizedTensor(np.zeros((config.n_vocab, 84), dtype=np.uint8), QT.Q2_K)
-    files["q2_k"] = write_gguf(d / "q2_k.gguf", "llama", config.metadata() | tok, {"token_embd.weight": q2k})
+    # A tensor stored as IQ2_XXS, a real GGUF type that ggrun does not decode: 66 bytes per 256 values.
+    iq2 = QuantizedTensor(np.zeros((config.n_vocab, 66), dtype=np.uint8), QT.IQ2_XXS)
+    files["iq2_xxs"] = write_gguf(d / "iq2_xxs.gguf", "llama", config.metadata() | tok, {"token_embd.weight": iq2})
     return files
 
 
@@ -76,7 +76,7 @@ def bad_files(tmp_path_factory, tiny_llama_path) -> dict[str, Path]:
     ("data", ["truncated-data.gguf", "outside the file"]),
     ("empty", ["empty.gguf", "not a GGUF file"]),
     ("mamba", ["mamba.gguf", "architecture 'mamba' is not supported"]),
-    ("q2_k", ["q2_k.gguf", "Q2_K", "does not support"]),
+    ("iq2_xxs", ["iq2_xxs.gguf", "IQ2_XXS", "does not support"]),
 ])
 def test_run_rejects_bad_model_file(capsys, monkeypatch, bad_files, which, fragments):
     assert_bad_input(*ggrun(capsys, monkeypatch, "run", "-m", bad_files[which], "-p", "hi", "-n", "1"), *fragments)

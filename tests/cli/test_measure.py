@@ -26,7 +26,7 @@ from core.sched import Scheduler
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = ["ctx", "ubatch", "logits", "backend", "weights_file_bytes", "weights_resident_bytes", "kv_bytes",
         "output_bytes", "compute_planned_bytes", "compute_no_reuse_bytes", "compute_lower_bound_bytes", "nodes",
-        "splits", "plan_ms", "flash_attn"]
+        "splits", "plan_ms", "flash_attn", "kv_swa_bytes"]
 
 
 @pytest.fixture(scope="module")

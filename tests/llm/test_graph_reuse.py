@@ -323,13 +323,13 @@ def test_seq_add_shifts_keys_and_forces_a_rebuild(tiny):
     decode_history(s, [(TINY_PROMPT[:12], 0), ([65], 12)])
     cpu = s.sched.cpu
     shape = (64, hp.n_head_kv, hp.head_dim)
-    before = [cpu.array(L.k).reshape(shape)[:12].astype(np.float32) for L in s.kv.layers]
+    before = [cpu.array(L.k).reshape(shape)[:12].astype(np.float32) for L in s.kv.layers.values()]
     kept = s.result
     s.seq_rm(0, 0, 4)
     s.seq_add(0, 4, -1, -4)
     s.decode(Batch.of_sequence([66], 9))
     assert s.stats.reuse_log[-1] == (False, "rebuilt: KV cache layout changed") and s.result is not kept
-    after = [cpu.array(L.k).reshape(shape)[4:12].astype(np.float32) for L in s.kv.layers]
+    after = [cpu.array(L.k).reshape(shape)[4:12].astype(np.float32) for L in s.kv.layers.values()]
     for il in range(hp.n_layer):
         want = rotate_pairs(before[il][4:12], np.full(8, -4), hp.rope_freq_base)
         np.testing.assert_allclose(after[il], want, atol=4e-3, rtol=2e-3, err_msg=f"layer {il}")
@@ -367,7 +367,7 @@ def test_reset_scheduler_never_runs_the_stale_graph(tiny):
     assert new_buf is not old_buf and s.sched.buffer_sizes() == created
     placed = [t for t in stale.sg.order if id(t) in stale.sg.owned["CPU"]]
     assert placed and all(t.buffer is old_buf for t in placed)  # stale: planned into released memory
-    assert stale.reuse_blocker(stale.params, s.kv.version, s.sched.generation) == "scheduler was reset"
+    assert stale.reuse_blocker(stale.params, s.kv_version, s.sched.generation) == "scheduler was reset"
 
     computed = []
     compute = s.sched.compute

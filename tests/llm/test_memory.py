@@ -123,7 +123,7 @@ def test_metadata_model_holds_no_weight_or_cache_memory(files):
 def test_records_are_json_ready():
     keys = ["ctx", "ubatch", "logits", "backend", "weights_file_bytes", "weights_resident_bytes", "kv_bytes",
             "output_bytes", "compute_planned_bytes", "compute_no_reuse_bytes", "compute_lower_bound_bytes",
-            "nodes", "splits", "plan_ms", "flash_attn"]
+            "nodes", "splits", "plan_ms", "flash_attn", "kv_swa_bytes"]
     r = MemoryRecord(*range(len(keys)))
     assert list(r.to_json()) == keys
     assert r.to_json() == dict(zip(keys, range(len(keys))))

@@ -185,7 +185,7 @@ def test_tiny_offload_places_weights_and_cache_by_layer(tiny, ngl):
             expected[name] = "CPU" if name == "token_embd.weight" else head
     assert placement_of(model) == expected
     s = Session(model, SessionParams(n_ctx=N_CTX, n_batch=64, n_ubatch=64))
-    for il, rows in enumerate(s.kv.layers):
+    for il, rows in s.kv.layers.items():
         want = "SIM" if il in on_sim else "CPU"
         assert rows.k.buffer.backend.name == rows.v.buffer.backend.name == want
     row_bytes = N_CTX * model.hp.n_embd_kv * 2 * 2  # K and V, f16

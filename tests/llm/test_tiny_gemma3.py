@@ -180,12 +180,14 @@ def test_k_shift_rotates_with_each_layers_base(model):
     all_logits(s, PROMPT[:12])
     cpu = s.sched.cpu
     shape = (s.kv.n_ctx, hp.n_head_kv, hp.head_dim)
-    before = [cpu.array(L.k).reshape(shape)[4:12].copy() for L in s.kv.layers]
+    layers = [{**s.kv.layers, **s.kv_swa.layers}[il] for il in range(hp.n_layer)]  # both caches: iSWA
+    assert s.kv_swa.n_ctx == s.kv.n_ctx  # the window cache is padded to 256 cells, capped by the context
+    before = [cpu.array(L.k).reshape(shape)[4:12].copy() for L in layers]
     s.seq_rm(0, 0, 4)
     s.seq_add(0, 4, -1, -4)
     got = all_logits(s, PROMPT[12:14], pos0=8)
     assert np.isfinite(got).all()
-    after = [cpu.array(L.k).reshape(shape)[4:12].copy() for L in s.kv.layers]
+    after = [cpu.array(L.k).reshape(shape)[4:12].copy() for L in layers]
     assert s.kv.pos[4:12].tolist() == list(range(8))
     for il in range(hp.n_layer):
         base = 1e4 if il != 5 else 1e6
@@ -194,7 +196,7 @@ def test_k_shift_rotates_with_each_layers_base(model):
         assert np.abs(after[il] - rotate_neox(before[il], -4, 1e6 if il != 5 else 1e4)).max() > 1e-2
     fresh = session(model)
     all_logits(fresh, PROMPT[4:12])
-    fresh_k = fresh.sched.cpu.array(fresh.kv.layers[0].k).reshape(shape)[:8]
+    fresh_k = fresh.sched.cpu.array(fresh.kv_swa.layers[0].k).reshape(shape)[:8]  # layer 0 is a window layer
     np.testing.assert_allclose(after[0], fresh_k, atol=1e-5, rtol=0)
 
 
@@ -223,3 +225,17 @@ def test_cli_run(capsys, monkeypatch, tmp_path, gemma_path, ref):
     vocab = tiny_bpe_vocab()[0]
     expected = ref.greedy([ord("h"), ord("i")], 3)
     assert out == b"".join(bytes(to_byte[c] for c in vocab[t]) for t in expected).decode("utf-8", "replace") + "\n"
+
+
+def test_window_layers_get_a_cache_of_their_own(model, ref):
+    """iSWA: with -c 1024 and -ub 8 the window layers' cache has 256 cells (window 8 + 8 tokens, padded),
+    the others' 1024; 300 tokens decoded 8 at a time wrap around the small cache (cells no token can see
+    are reused), and every logit still equals the reference's full-attention-with-window forward pass."""
+    s = Session(model, SessionParams(n_ctx=1024, n_batch=8, n_ubatch=8, kv_type=DType.F32))
+    assert (s.kv.n_ctx, s.kv_swa.n_ctx) == (1024, 256)
+    assert sorted(s.kv.layers) == [5] and sorted(s.kv_swa.layers) == [0, 1, 2, 3, 4, 6]
+    assert s.kv_bytes_by_backend()["CPU"] == (1024 * 1 + 256 * 6) * 2 * 32 * 4
+    tokens = [PROMPT[i % len(PROMPT)] for i in range(300)]
+    got = all_logits(s, tokens)
+    assert s.kv_swa.n_used <= 256 and s.kv.n_used == 300
+    np.testing.assert_allclose(got, ref.logits(tokens), atol=ATOL, rtol=0)

@@ -33,6 +33,11 @@ def is_swa(hp: HParams, il: int) -> bool:
     return hp.extra.get("swa_window") is not None and il % SWA_PATTERN < SWA_PATTERN - 1
 
 
+def swa_layers(hp: HParams) -> list[bool]:
+    """Which layers attend within the sliding window (they get the window-sized cache)."""
+    return [is_swa(hp, il) for il in range(hp.n_layer)]
+
+
 def rope_freq_base_of(hp: HParams):
     """Per-layer RoPE base: the local base on sliding-window layers (used by the K-shift too)."""
     return lambda il: ROPE_BASE_SWA if is_swa(hp, il) else hp.rope_freq_base
