@@ -43,6 +43,7 @@ def load_model(model: str | None, n_gpu_layers: int = 0, quiet: bool = False, th
     set_threads(threads)
     path = resolve_model(model)
     backends = usable_backends()
+    compile_kernels(backends[-1], quiet)
     if n_gpu_layers > 0 and len(backends) == 1:
         err_console.print("warning: no device backend is available; -ngl is ignored (see --list-devices)")
     bar = _LazyProgress(f"loading {path.name}", enabled=not quiet)
@@ -50,6 +51,25 @@ def load_model(model: str | None, n_gpu_layers: int = 0, quiet: bool = False, th
         return Model.load(path, backends, n_gpu_layers, progress=bar.update, numerics=numerics)
     finally:
         bar.close()
+
+
+def compile_kernels(cpu, quiet: bool = False) -> None:
+    """Compile the CPU backend's kernels on the first run on this machine, saying so with a progress
+    bar; later runs find them in numba's cache and print nothing."""
+    from core.backends.cpu import warmup
+
+    if not warmup.needs_compile():
+        return
+    t0 = time.perf_counter()
+    if not quiet:
+        err_console.print("ggrun: compiling the CPU kernels for this machine (once; later runs load them from the cache)")
+    show = not quiet and sys.stderr.isatty()
+    with Progress(TextColumn("compiling kernels"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  console=err_console, transient=True, disable=not show) as bar:
+        task = bar.add_task("compile", total=None)
+        warmup.compile_all(cpu, lambda done, total: bar.update(task, completed=done, total=total))
+    if not quiet:
+        err_console.print(f"ggrun: kernels compiled in {time.perf_counter() - t0:.1f} s")
 
 
 class _LazyProgress:
@@ -95,7 +115,7 @@ def print_model_info(session) -> None:
         f"hparams: n_layer {hp.n_layer}, n_embd {hp.n_embd}, n_head {hp.n_head}, n_head_kv {hp.n_head_kv}, "
         f"head_dim {hp.head_dim}, n_ff {hp.n_ff}, n_vocab {hp.n_vocab}, rope base {hp.rope_freq_base:g}",
         "weights: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in m.resident_bytes().items()),
-        "KV cache: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in session.kv.bytes_by_backend().items()),
+        "KV cache: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in session.kv_bytes_by_backend().items()),
         "compute buffers: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in session.sched.buffer_sizes().items()),
     ]
     for line in lines:
