@@ -43,6 +43,9 @@ class TensorInfo:
     offset: int  # absolute byte offset in the file
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _HeaderError(Exception):
     """A problem found while parsing; `open_gguf` prefixes the file name and raises BadInput."""
 
@@ -101,8 +104,29 @@ class _Cursor:
         # Every string or nested array takes at least 8 bytes: this bounds `count` before looping.
         self._need(count * 8, what)
         if etype == GGUFValueType.STRING:
-            return [self.string(what) for _ in range(count)]
+            return self.strings(count, what)
         return [self.array(what) for _ in range(count)]
+
+    def strings(self, count: int, what: str) -> list[str]:
+        """`count` length-prefixed strings (a vocabulary: ~100k of them), read in one tight loop."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        length_at = _U64.unpack_from
+        out = []
+        append = out.append
+        try:
+            for _ in range(count):
+                (length,) = length_at(buf, pos)
+                pos += 8
+                if pos + length > end:
+                    raise struct.error
+                append(buf[pos:pos + length].decode("utf-8"))
+                pos += length
+        except struct.error:
+            raise _HeaderError(f"truncated GGUF header: file ends at byte {end} while reading {what}") from None
+        except UnicodeDecodeError as err:
+            raise _HeaderError(f"{what} is not valid UTF-8 ({err.reason} at byte {err.start})") from None
+        self.pos = pos
+        return out
 
 
 def _value_type(code: int, what: str) -> GGUFValueType:
