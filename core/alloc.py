@@ -179,12 +179,13 @@ def plan_graph(nodes: list[Tensor], leafs: Iterable[Tensor], owns: Owns, alignme
             if need:
                 size = align_up(need, alignment)
                 scratch[n] = (free.alloc(size), size)
-                slot_of[_ScratchKey(n)] = slots.open(size, step)
+                key = _ScratchKey(n)  # compared by identity: keep the one key
+                slot_of[key] = slots.open(size, step)
                 no_reuse += size
                 peak = max(peak, live + size)
                 if reuse:
                     free.free(scratch[n][0], size)
-                    slots.close(slot_of[_ScratchKey(n)], step)
+                    slots.close(slot_of[key], step)
         if not reuse:
             continue
         for s in n.srcs:
