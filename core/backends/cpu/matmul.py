@@ -1,0 +1,216 @@
+"""CPU binders for products with stored weights (mul_mat of a 2-d block-quantized, f16, bf16 or
+f32 weight with activation rows) and for get_rows from them; the compiled kernels are in quant.py.
+
+Three ways to compute out[N, M] = x[N, K] @ w[M, K]^T, chosen per node when it is bound:
+- "q8": with llama numerics (the weight's `act_quant`), x's rows are quantized once to the 8-bit
+  blocks of the weight type's ggml vec_dot, then every weight row is read once and dotted with
+  all N rows in integers (decode steps and short batches);
+- "f32": without act_quant, each weight row is decoded once and dotted with the f32 rows;
+- "blas": for long batches, the weight is decoded a tile of rows at a time into scratch and
+  multiplied with numpy's sgemm into a slice of out, against x rounded exactly as "q8" rounds it.
+Every work array is a view of the node's planned scratch; results are written into `out`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import numba
+import numpy as np
+
+from core.backends.cpu import jit
+from core.backends.cpu import quant as Q
+from core.backends.cpu.dispatch import binds
+from core.dtypes import DType
+from core.tensor import Tensor
+
+# Activation rounding that a weight's `act_quant` asks for (as the reference kernel reads it).
+_ROUNDING = {"q8_0": Q.ACT_Q8_0, "q8_k": Q.ACT_Q8_K}
+
+# Largest N for which the row kernels beat decoding tiles for sgemm. Measured on SmolLM2's shapes
+# (see the module's tests/benchmark notes in the final report): set below by `_crossover`.
+Q8_MAX_N = 8
+F32_MAX_N = 4
+
+TILE_BYTES = 1 << 20  # f32 bytes of one decoded weight tile (stays in L2 between sgemm passes)
+PARALLEL_MIN_BYTES = 1 << 20  # stored weight bytes x rows of x below which one thread does the work
+
+
+@dataclass(frozen=True)
+class _Plan:
+    path: str        # "q8" | "f32" | "blas"
+    dtype: DType     # the weight's stored type
+    act: int | None  # 8-bit activation format (q8 path) or rounding (blas path), None for plain f32
+    n: int
+    m: int
+    k: int
+
+    @property
+    def code(self) -> int:
+        return Q.CODES[self.dtype]
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.m * (self.dtype.row_bytes(self.k) if self.dtype.is_quantized else self.k * self.dtype.itemsize)
+
+    @property
+    def tile_rows(self) -> int:
+        return max(1, min(self.m, TILE_BYTES // (4 * self.k)))
+
+    def scratch_bytes(self) -> int:
+        if self.path == "q8":
+            return Q.act_arrays_bytes(self.n, self.k)
+        if self.path == "f32":
+            return _round64(numba.config.NUMBA_NUM_THREADS * self.k * 4)
+        size = 0
+        if self.act is not None:  # the quantized rows, then the f32 values they hold
+            size += Q.act_arrays_bytes(self.n, self.k) + _round64(self.n * self.k * 4)
+        if self.dtype is not DType.F32:
+            size += _round64(self.tile_rows * self.k * 4)
+        return size
+
+
+def _round64(n: int) -> int:
+    return (n + 63) // 64 * 64
+
+
+def _plan(node: Tensor) -> _Plan | None:
+    """How a mul_mat node runs here, or None where the reference kernel must (attention over
+    the KV cache, f16/bf16 activations, unknown rounding)."""
+    a, b = node.srcs
+    if a.dtype not in Q.CODES or len(a.shape) != 2 or b.dtype is not DType.F32 or node.dtype is not DType.F32:
+        return None
+    m, k = a.shape
+    n = math.prod(b.shape[:-1])
+    act_quant = a.root.params.get("act_quant")
+    act = None
+    if act_quant is not None:
+        act = _ROUNDING.get(act_quant)
+        if act is None:
+            return None
+        if k % Q.ACT_BLOCK[act]:  # the reference leaves such rows unrounded
+            act = None
+    if a.dtype is DType.F32:
+        return _Plan("blas", a.dtype, act, n, m, k)
+    own = Q.ACT_OF.get(a.dtype)
+    if act is not None and own is not None and (act == Q.ACT_Q8_K) == (own == Q.ACT_Q8_K):
+        if n <= Q8_MAX_N:
+            return _Plan("q8", a.dtype, own, n, m, k)
+        return _Plan("blas", a.dtype, act, n, m, k)
+    if act is None and n <= F32_MAX_N:
+        return _Plan("f32", a.dtype, None, n, m, k)
+    return _Plan("blas", a.dtype, act, n, m, k)
+
+
+def _scratch(node: Tensor) -> int:
+    plan = _plan(node)
+    return plan.scratch_bytes() if plan is not None else 0
+
+
+def _rows2d(arr: np.ndarray, rows: int, cols: int) -> np.ndarray | None:
+    """arr as a [rows, cols] view with unit inner stride, or None where that needs a copy."""
+    view = arr.view()
+    try:
+        view.shape = (rows, cols)
+    except AttributeError:
+        return None
+    return view if view.strides[1] == view.itemsize else None
+
+
+def _stored_rows(w: np.ndarray, dtype: DType, m: int, k: int) -> np.ndarray | None:
+    """A weight's stored rows as bytes [M, row bytes] (the kernels' view of every type but F32)."""
+    row_bytes = dtype.row_bytes(k) if dtype.is_quantized else k * dtype.itemsize
+    if w.ndim != 2 or w.shape[0] != m or w.strides[-1] != w.itemsize or w.shape[1] * w.itemsize != row_bytes:
+        return None
+    return w.view(np.uint8)
+
+
+def _chunks(plan: _Plan) -> int:
+    """Threads for a row kernel: all of them where the weight is large enough to pay for waking them."""
+    threads = jit.threads()
+    return threads if threads > 1 and plan.weight_bytes * plan.n >= PARALLEL_MIN_BYTES else 1
+
+
+@binds("mul_mat", scratch=_scratch)
+def bind_mul_mat(node: Tensor, out, srcs: list, scratch):
+    plan = _plan(node)
+    if plan is None:
+        return None
+    x = _rows2d(srcs[1], plan.n, plan.k)
+    out2 = _rows2d(out, plan.n, plan.m)
+    if x is None or out2 is None or not out2.flags.c_contiguous:
+        return None
+    if plan.path == "blas":
+        return _bind_blas(plan, srcs[0], x, out2, scratch)
+    w = _stored_rows(srcs[0], plan.dtype, plan.m, plan.k)
+    if w is None:
+        return None
+    chunks = _chunks(plan)
+    avx2 = Q.SIMD == "avx2"
+    if plan.path == "q8":
+        qs, d, s, sums = Q.act_arrays(scratch, plan.n, plan.k)
+        if chunks > 1:
+            fn = Q.mul_mat_q8_avx2_par if avx2 else Q.mul_mat_q8_portable_par
+            return partial(fn, plan.code, plan.act, w, x, qs, d, s, sums, out2, chunks)
+        fn = Q.mul_mat_q8_avx2 if avx2 else Q.mul_mat_q8_portable
+        return partial(fn, plan.code, plan.act, w, x, qs, d, s, sums, out2)
+    n_bufs = numba.config.NUMBA_NUM_THREADS
+    bufs = scratch[:n_bufs * plan.k * 4].view(np.float32).reshape(n_bufs, plan.k)
+    if chunks > 1:
+        fn = Q.mul_mat_f32_avx2_par if avx2 else Q.mul_mat_f32_portable_par
+        return partial(fn, plan.code, w, x, bufs, out2, min(chunks, n_bufs))
+    fn = Q.mul_mat_f32_avx2 if avx2 else Q.mul_mat_f32_portable
+    return partial(fn, plan.code, w, x, bufs, out2)
+
+
+def _bind_blas(plan: _Plan, w, x, out2, scratch):
+    """Decode the weight tile by tile into scratch; sgemm each tile into its columns of out."""
+    at = 0
+    rounded = None
+    if plan.act is not None:
+        q_bytes = Q.act_arrays_bytes(plan.n, plan.k)
+        act_arrays = Q.act_arrays(scratch[:q_bytes], plan.n, plan.k)
+        at = q_bytes
+        rounded = scratch[at:at + plan.n * plan.k * 4].view(np.float32).reshape(plan.n, plan.k)
+        at += _round64(plan.n * plan.k * 4)
+    lhs = rounded if rounded is not None else x
+    if plan.dtype is DType.F32:
+        if w.ndim != 2 or w.shape != (plan.m, plan.k):
+            return None
+        steps = [(None, None, w.T, out2)]
+    else:
+        w = _stored_rows(w, plan.dtype, plan.m, plan.k)
+        if w is None:
+            return None
+        rows = plan.tile_rows
+        tile = scratch[at:at + rows * plan.k * 4].view(np.float32).reshape(rows, plan.k)
+        steps = [(m0, min(plan.m, m0 + rows), tile[:min(plan.m, m0 + rows) - m0].T, out2[:, m0:m0 + rows])
+                 for m0 in range(0, plan.m, rows)]
+    threads = jit.threads()
+    decode = Q.dequantize_rows_par if threads > 1 else Q.dequantize_rows
+
+    def call() -> None:
+        if rounded is not None:
+            Q.round_rows(plan.act, x, *act_arrays, rounded)
+        for m0, m1, rhs, dst in steps:
+            if m0 is not None:
+                if threads > 1:
+                    decode(plan.code, w, m0, m1, rhs.T, threads)
+                else:
+                    decode(plan.code, w, m0, m1, rhs.T)
+            np.matmul(lhs, rhs, out=dst)
+    return call
+
+
+@binds("get_rows")
+def bind_get_rows(node: Tensor, out, srcs: list, scratch):
+    a = node.srcs[0]
+    code = Q.CODES.get(a.dtype)
+    if code is None or a.dtype is DType.F32 or len(a.shape) != 2 or out.ndim != 2 or out.dtype != np.float32:
+        return None
+    w = _stored_rows(srcs[0], a.dtype, a.shape[0], a.shape[1])
+    ids = srcs[1]
+    if w is None or ids.ndim != 1:
+        return None
+    return partial(Q.get_rows, code, w, ids, out)

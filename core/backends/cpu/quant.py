@@ -1,0 +1,981 @@
+"""Compiled kernels for GGUF block-quantized weights on the CPU: activation rows quantized to
+8-bit blocks (Q8_0, Q8_1, Q8_K), ggml's integer dot products of each weight type against them,
+f32 dot products for F16/BF16/F32 weights, and rows of every type decoded to f32.
+
+Everything compiled lives in this one file, because numba's disk cache only notices changes to
+the file of the function it compiled, not to the files of the functions that it inlined.
+Kernels never allocate: callers hand them views of planned memory (a node's result and scratch).
+
+The arithmetic follows ggml's CPU backend on x86 (ggml-cpu/arch/x86/quants.c): the same
+activation rounding (Q8_0/Q8_1: d = amax/127 stored as f16, q = round-half-even(x * 127/amax);
+Q8_K: d = max/-127 as f32) and exact integer block sums scaled once per block. Two
+implementations of every dot product: portable numba (any CPU), and AVX2 through a handful of
+LLVM intrinsics on a 256-bit vector type (`Vec`), chosen once from the host's features.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, models, register_model
+
+from core.backends.cpu.jit import kernel
+from core.dtypes import DType
+
+# ---------------------------------------------------------------------------------------------
+# Type codes (numba dispatches on a small int) and activation formats
+# ---------------------------------------------------------------------------------------------
+
+F32, F16, BF16 = 0, 1, 2
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 3, 4, 5, 6, 7
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 8, 9, 10, 11, 12
+
+CODES: dict[DType, int] = {
+    DType.F32: F32, DType.F16: F16, DType.BF16: BF16,
+    DType.Q4_0: Q4_0, DType.Q4_1: Q4_1, DType.Q5_0: Q5_0, DType.Q5_1: Q5_1, DType.Q8_0: Q8_0,
+    DType.Q2_K: Q2_K, DType.Q3_K: Q3_K, DType.Q4_K: Q4_K, DType.Q5_K: Q5_K, DType.Q6_K: Q6_K,
+}
+
+# Activation formats: the 8-bit blocks a weight type's integer dot product reads (ggml's vec_dot_type).
+ACT_Q8_0, ACT_Q8_1, ACT_Q8_K = 0, 1, 2
+ACT_OF: dict[DType, int] = {
+    DType.Q4_0: ACT_Q8_0, DType.Q5_0: ACT_Q8_0, DType.Q8_0: ACT_Q8_0,
+    DType.Q4_1: ACT_Q8_1, DType.Q5_1: ACT_Q8_1,
+    DType.Q2_K: ACT_Q8_K, DType.Q3_K: ACT_Q8_K, DType.Q4_K: ACT_Q8_K, DType.Q5_K: ACT_Q8_K, DType.Q6_K: ACT_Q8_K,
+}
+ACT_BLOCK = {ACT_Q8_0: 32, ACT_Q8_1: 32, ACT_Q8_K: 256}
+
+
+def act_arrays_bytes(n_rows: int, k: int) -> int:
+    """Bytes of one set of quantized activation rows (see `act_arrays`), 64-byte aligned parts."""
+    return sum(_round64(n_rows * size) for size in _act_sizes(k))
+
+
+def _act_sizes(k: int) -> tuple[int, int, int, int]:
+    # qs int8 [K], d f32 [K/32] (one per block: Q8_K uses the first K/256), s f32 [K/32], sums i32 [K/16]
+    return k, 4 * (k // 32), 4 * (k // 32), 4 * (k // 16)
+
+
+def act_arrays(scratch: np.ndarray, n_rows: int, k: int) -> tuple[np.ndarray, ...]:
+    """Views of scratch (uint8) as quantized activation rows: qs int8 [N, K], per-block scales
+    d f32 [N, K/32], Q8_1's s = f16(d * sum(qs)) f32 [N, K/32], sums of 16 quants i32 [N, K/16].
+
+    The f16 fields of ggml's blocks are kept as the f32 values they hold (exactly equal)."""
+    views, at = [], 0
+    for size, dt in zip(_act_sizes(k), (np.int8, np.float32, np.float32, np.int32)):
+        nbytes = n_rows * size
+        views.append(scratch[at:at + nbytes].view(dt).reshape(n_rows, size // np.dtype(dt).itemsize))
+        at += _round64(nbytes)
+    return tuple(views)
+
+
+def _round64(n: int) -> int:
+    return (n + 63) // 64 * 64
+
+
+# ---------------------------------------------------------------------------------------------
+# Host features: the AVX2 kernels compile only where LLVM targets a CPU that has them
+# ---------------------------------------------------------------------------------------------
+
+def host_features() -> frozenset[str]:
+    """CPU features numba compiles for (the host's, or NUMBA_CPU_NAME/NUMBA_CPU_FEATURES')."""
+    from numba.core import config
+
+    if config.CPU_NAME and config.CPU_NAME != "host":
+        feats = (config.CPU_FEATURES or "").split(",")
+        return frozenset(f[1:] for f in feats if f.startswith("+"))
+    import llvmlite.binding as llvm
+
+    return frozenset(k for k, on in llvm.get_host_cpu_features().items() if on)
+
+
+def _simd_level() -> str:
+    feats = host_features()
+    return "avx2" if {"avx2", "fma", "f16c"} <= feats else "portable"
+
+
+SIMD = _simd_level()  # "avx2" or "portable", fixed at import
+
+# ---------------------------------------------------------------------------------------------
+# Portable scalar helpers
+# ---------------------------------------------------------------------------------------------
+
+_RINT_MAGIC = 6755399441055744.0  # 2^52 + 2^51: adding and subtracting it rounds a float64 half-to-even
+
+
+@kernel(inline="always")
+def _rint(v):
+    """Round to the nearest integer, ties to even (as _mm256_round_ps and ggml's nearest_int)."""
+    return int((np.float64(v) + _RINT_MAGIC) - _RINT_MAGIC)
+
+
+@kernel(inline="always")
+def _f16(w, at):
+    """The IEEE half stored little-endian at w[at], w[at + 1], as float32."""
+    h = np.int64(w[at]) | (np.int64(w[at + 1]) << 8)
+    e = (h >> 10) & 31
+    f = h & 1023
+    if e == 0:
+        v = math.ldexp(np.float64(f), -24)
+    elif e == 31:
+        v = math.inf if f == 0 else math.nan
+    else:
+        v = math.ldexp(np.float64(f | 1024), e - 25)
+    return np.float32(-v if h & 0x8000 else v)
+
+
+@kernel(inline="always")
+def _bf16(w, at):
+    """The bfloat16 stored little-endian at w[at], w[at + 1], as float32."""
+    h = np.int64(w[at]) | (np.int64(w[at + 1]) << 8)
+    e = (h >> 7) & 255
+    f = h & 127
+    if e == 0:
+        v = math.ldexp(np.float64(f), -133)
+    elif e == 255:
+        v = math.inf if f == 0 else math.nan
+    else:
+        v = math.ldexp(np.float64(f | 128), e - 134)
+    return np.float32(-v if h & 0x8000 else v)
+
+
+@kernel(inline="always")
+def _to_f16(x):
+    """x rounded to the nearest f16 value (ties to even), as float32: what GGML_FP32_TO_FP16 stores."""
+    a = abs(np.float64(x))
+    if a != a or a == math.inf:
+        return np.float32(x)
+    if a >= 65520.0:
+        r = math.inf
+    elif a < 6.103515625e-05:  # below 2^-14 the f16 step is 2^-24
+        r = math.ldexp(np.float64(_rint(math.ldexp(a, 24))), -24)
+    else:
+        e = math.frexp(a)[1]
+        r = math.ldexp(np.float64(_rint(math.ldexp(a, 11 - e))), e - 11)
+    return np.float32(-r if x < 0 else r)
+
+
+@kernel(inline="always")
+def _s8(v):
+    """A stored byte as a signed int8 value."""
+    return (np.int64(v) ^ 128) - 128
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation rows to 8-bit blocks
+# ---------------------------------------------------------------------------------------------
+
+@kernel
+def quantize_rows(act, x, qs, d, s, sums):
+    """Rows of x (f32 [N, K]) to ggml's Q8_0/Q8_1/Q8_K blocks (views from `act_arrays`)."""
+    n_rows, k = x.shape
+    for n in range(n_rows):
+        if act == ACT_Q8_K:
+            _quantize_q8_k(x[n], qs[n], d[n], sums[n])
+        else:
+            _quantize_q8_0(x[n], qs[n], d[n], s[n], sums[n], act == ACT_Q8_1)
+
+
+@kernel(inline="always")
+def _quantize_q8_0(x, qs, d, s, sums, with_s):
+    for b in range(x.shape[0] // 32):
+        o = 32 * b
+        amax = np.float32(0.0)
+        for j in range(32):
+            amax = max(amax, abs(x[o + j]))
+        scale = amax / np.float32(127.0)
+        inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
+        lo = 0
+        hi = 0
+        for j in range(16):
+            q = _rint(x[o + j] * inv)
+            qs[o + j] = q
+            lo += q
+        for j in range(16, 32):
+            q = _rint(x[o + j] * inv)
+            qs[o + j] = q
+            hi += q
+        d[b] = _to_f16(scale)
+        sums[2 * b] = lo
+        sums[2 * b + 1] = hi
+        if with_s:
+            s[b] = _to_f16(scale * np.float32(lo + hi))
+
+
+@kernel(inline="always")
+def _quantize_q8_k(x, qs, d, sums):
+    for b in range(x.shape[0] // 256):
+        o = 256 * b
+        amax = np.float32(0.0)
+        vmax = np.float32(0.0)
+        for j in range(256):
+            a = abs(x[o + j])
+            if a > amax:
+                amax = a
+                vmax = x[o + j]
+        if amax == 0:
+            d[b] = 0.0
+            for j in range(256):
+                qs[o + j] = 0
+            for g in range(16):
+                sums[16 * b + g] = 0
+            continue
+        iscale = np.float32(-127.0) / vmax
+        for g in range(16):
+            t = 0
+            for j in range(16 * g, 16 * g + 16):
+                q = min(127, _rint(iscale * x[o + j]))
+                qs[o + j] = q
+                t += q
+            sums[16 * b + g] = t
+        d[b] = np.float32(1.0) / iscale
+
+
+@kernel
+def round_rows(act, x, qs, d, s, sums, out):
+    """x's rows as the q8 path sees them: quantized to `act` blocks, then the f32 values held."""
+    quantize_rows(act, x, qs, d, s, sums)
+    expand_rows(act, qs, d, out)
+
+
+@kernel
+def expand_rows(act, qs, d, out):
+    """Quantized activation rows back to the f32 values they hold (q * d), for the BLAS path."""
+    n_rows, k = qs.shape
+    block = 256 if act == ACT_Q8_K else 32
+    for n in range(n_rows):
+        for b in range(k // block):
+            scale = d[n, b]
+            for j in range(block * b, block * b + block):
+                out[n, j] = np.float32(qs[n, j]) * scale
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows decoded to f32 (get_rows, and the weight tiles of the BLAS path): the same values, bit
+# for bit, as core.quants' numpy decoders
+# ---------------------------------------------------------------------------------------------
+
+@kernel(inline="always")
+def _k4_scale_min(sc, j):
+    """Q4_K/Q5_K: six-bit scale and min of sub-block j from the 12 packed bytes at sc[0..11]."""
+    if j < 4:
+        return sc[j] & 63, sc[j + 4] & 63
+    return (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4), (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4)
+
+
+@kernel(inline="always")
+def _q3_scale(sc, g):
+    """Q3_K: signed six-bit scale of group g (0..15) from the 12 packed bytes at sc[0..11]."""
+    low = (sc[g % 8] >> (4 * (g // 8))) & 15
+    high = (sc[8 + g % 4] >> (2 * (g // 4))) & 3
+    return np.int64(low | (high << 4)) - 32
+
+
+@kernel
+def dequantize_row(code, w, out):
+    """Decode one stored row (its uint8 bytes; any type but F32) into out (f32 [K])."""
+    k = out.shape[0]
+    if code == F16:
+        for j in range(k):
+            out[j] = _f16(w, 2 * j)
+    elif code == BF16:
+        for j in range(k):
+            out[j] = _bf16(w, 2 * j)
+    elif code == Q4_0 or code == Q4_1:
+        ts = 18 if code == Q4_0 else 20
+        for b in range(k // 32):
+            o = ts * b
+            d = _f16(w, o)
+            if code == Q4_0:
+                for j in range(16):
+                    v = w[o + 2 + j]
+                    out[32 * b + j] = np.float32((v & 15) - 8) * d
+                    out[32 * b + 16 + j] = np.float32((v >> 4) - 8) * d
+            else:
+                m = _f16(w, o + 2)
+                for j in range(16):
+                    v = w[o + 4 + j]
+                    out[32 * b + j] = np.float32(v & 15) * d + m
+                    out[32 * b + 16 + j] = np.float32(v >> 4) * d + m
+    elif code == Q5_0 or code == Q5_1:
+        ts = 22 if code == Q5_0 else 24
+        for b in range(k // 32):
+            o = ts * b
+            d = _f16(w, o)
+            hq = 2 if code == Q5_0 else 4
+            qh = np.int64(w[o + hq]) | (np.int64(w[o + hq + 1]) << 8) | (np.int64(w[o + hq + 2]) << 16) \
+                | (np.int64(w[o + hq + 3]) << 24)
+            for j in range(16):
+                v = w[o + hq + 4 + j]
+                lo = (v & 15) | (((qh >> j) & 1) << 4)
+                hi = (v >> 4) | (((qh >> (j + 16)) & 1) << 4)
+                if code == Q5_0:
+                    out[32 * b + j] = np.float32(lo - 16) * d
+                    out[32 * b + 16 + j] = np.float32(hi - 16) * d
+                else:
+                    m = _f16(w, o + 2)
+                    out[32 * b + j] = np.float32(lo) * d + m
+                    out[32 * b + 16 + j] = np.float32(hi) * d + m
+    elif code == Q8_0:
+        for b in range(k // 32):
+            o = 34 * b
+            d = _f16(w, o)
+            for j in range(32):
+                out[32 * b + j] = np.float32(_s8(w[o + 2 + j])) * d
+    elif code == Q2_K:
+        for b in range(k // 256):
+            o = 84 * b
+            d = _f16(w, o + 80)
+            dmin = _f16(w, o + 82)
+            for g in range(16):  # element 128h + 32j + l: bits 2j of byte 32h + l; group 8h + 2j + l // 16
+                h, j, half = g // 8, (g // 2) % 4, g % 2
+                sc = w[o + g]
+                scale = d * np.float32(sc & 15)
+                offset = dmin * np.float32(sc >> 4)
+                for l in range(16 * half, 16 * half + 16):
+                    q = (w[o + 16 + 32 * h + l] >> (2 * j)) & 3
+                    out[256 * b + 16 * g + l - 16 * half] = np.float32(q) * scale - offset
+    elif code == Q3_K:
+        for b in range(k // 256):
+            o = 110 * b
+            d = _f16(w, o + 108)
+            for g in range(16):
+                h, j, half = g // 8, (g // 2) % 4, g % 2
+                scale = d * np.float32(_q3_scale(w[o + 96:o + 108], g))
+                for l in range(16 * half, 16 * half + 16):
+                    q = np.int64((w[o + 32 + 32 * h + l] >> (2 * j)) & 3)
+                    if not (w[o + l] >> (4 * h + j)) & 1:
+                        q -= 4
+                    out[256 * b + 16 * g + l - 16 * half] = np.float32(q) * scale
+    elif code == Q4_K or code == Q5_K:
+        ts = 144 if code == Q4_K else 176
+        qs_at = 16 if code == Q4_K else 48
+        for b in range(k // 256):
+            o = ts * b
+            d = _f16(w, o)
+            dmin = _f16(w, o + 2)
+            for sub in range(8):  # sub-block 2i: low nibbles of bytes 32i.., 2i + 1: their high nibbles
+                sc, mn = _k4_scale_min(w[o + 4:o + 16], sub)
+                scale = d * np.float32(sc)
+                offset = dmin * np.float32(mn)
+                shift = 4 * (sub % 2)
+                for l in range(32):
+                    q = (w[o + qs_at + 32 * (sub // 2) + l] >> shift) & 15
+                    if code == Q5_K:
+                        q |= ((w[o + 16 + l] >> sub) & 1) << 4
+                    out[256 * b + 32 * sub + l] = np.float32(q) * scale - offset
+    elif code == Q6_K:
+        for b in range(k // 256):
+            o = 210 * b
+            d = _f16(w, o + 208)
+            for e in range(256):  # element 128h + 32i + l
+                h, i, l = e // 128, (e // 32) % 4, e % 32
+                low = (w[o + 64 * h + 32 * (i % 2) + l] >> (4 * (i // 2))) & 15
+                high = (w[o + 128 + 32 * h + l] >> (2 * i)) & 3
+                scale = d * np.float32(_s8(w[o + 192 + e // 16]))
+                out[256 * b + e] = np.float32(np.int64(low | (high << 4)) - 32) * scale
+
+
+@kernel
+def dequantize_rows(code, w, m0, m1, out):
+    """Rows m0..m1 of a stored weight decoded into out[0 : m1 - m0]."""
+    for m in range(m0, m1):
+        dequantize_row(code, w[m], out[m - m0])
+
+
+@kernel(parallel=True)
+def dequantize_rows_par(code, w, m0, m1, out, n_chunks):
+    step = (m1 - m0 + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        lo = m0 + c * step
+        hi = min(m1, lo + step)
+        for m in range(lo, hi):
+            dequantize_row(code, w[m], out[m - m0])
+
+
+@kernel
+def get_rows(code, w, ids, out):
+    """out[i] = row ids[i] of a stored weight, decoded."""
+    for i in range(ids.shape[0]):
+        r = ids[i]
+        if r < 0 or r >= w.shape[0]:
+            raise IndexError("get_rows: row id out of range")
+        dequantize_row(code, w[r], out[i])
+
+
+# ---------------------------------------------------------------------------------------------
+# Portable integer dot products: one stored row against one quantized activation row
+# ---------------------------------------------------------------------------------------------
+
+@kernel
+def dot_portable(code, w, qs, d, s, sums):
+    """ggml's vec_dot of a stored row against activation blocks (its vec_dot_type), as f32."""
+    acc = np.float32(0.0)
+    if code == Q4_0 or code == Q4_1:
+        ts = 18 if code == Q4_0 else 20
+        at = 2 if code == Q4_0 else 4
+        for b in range(qs.shape[0] // 32):
+            o = ts * b
+            isum = 0
+            for j in range(16):
+                v = w[o + at + j]
+                isum += np.int64(v & 15) * qs[32 * b + j] + np.int64(v >> 4) * qs[32 * b + 16 + j]
+            if code == Q4_0:  # q - 8: subtract 8 * the block's activation sum
+                isum -= 8 * (sums[2 * b] + sums[2 * b + 1])
+                acc += np.float32(isum) * (_f16(w, o) * d[b])
+            else:
+                acc += np.float32(isum) * (_f16(w, o) * d[b]) + _f16(w, o + 2) * s[b]
+    elif code == Q5_0 or code == Q5_1:
+        ts = 22 if code == Q5_0 else 24
+        hq = 2 if code == Q5_0 else 4
+        for b in range(qs.shape[0] // 32):
+            o = ts * b
+            qh = np.int64(w[o + hq]) | (np.int64(w[o + hq + 1]) << 8) | (np.int64(w[o + hq + 2]) << 16) \
+                | (np.int64(w[o + hq + 3]) << 24)
+            isum = 0
+            for j in range(16):
+                v = w[o + hq + 4 + j]
+                lo = (v & 15) | (((qh >> j) & 1) << 4)
+                hi = (v >> 4) | (((qh >> (j + 16)) & 1) << 4)
+                isum += lo * qs[32 * b + j] + hi * qs[32 * b + 16 + j]
+            if code == Q5_0:
+                isum -= 16 * (sums[2 * b] + sums[2 * b + 1])
+                acc += np.float32(isum) * (_f16(w, o) * d[b])
+            else:
+                acc += np.float32(isum) * (_f16(w, o) * d[b]) + _f16(w, o + 2) * s[b]
+    elif code == Q8_0:
+        for b in range(qs.shape[0] // 32):
+            o = 34 * b
+            isum = 0
+            for j in range(32):
+                isum += _s8(w[o + 2 + j]) * qs[32 * b + j]
+            acc += np.float32(isum) * (_f16(w, o) * d[b])
+    elif code == Q2_K:
+        for b in range(qs.shape[0] // 256):
+            o = 84 * b
+            isum = 0
+            mins = 0
+            for g in range(16):
+                h, j, half = g // 8, (g // 2) % 4, g % 2
+                sc = w[o + g]
+                t = 0
+                for l in range(16 * half, 16 * half + 16):
+                    t += np.int64((w[o + 16 + 32 * h + l] >> (2 * j)) & 3) * qs[256 * b + 16 * g + l - 16 * half]
+                isum += np.int64(sc & 15) * t
+                mins += np.int64(sc >> 4) * sums[16 * b + g]
+            acc += (d[b] * _f16(w, o + 80)) * np.float32(isum) - (d[b] * _f16(w, o + 82)) * np.float32(mins)
+    elif code == Q3_K:
+        for b in range(qs.shape[0] // 256):
+            o = 110 * b
+            isum = 0
+            for g in range(16):
+                h, j, half = g // 8, (g // 2) % 4, g % 2
+                t = 0
+                for l in range(16 * half, 16 * half + 16):
+                    q = np.int64((w[o + 32 + 32 * h + l] >> (2 * j)) & 3) + 4 * ((w[o + l] >> (4 * h + j)) & 1)
+                    t += q * qs[256 * b + 16 * g + l - 16 * half]
+                isum += _q3_scale(w[o + 96:o + 108], g) * (t - 4 * sums[16 * b + g])
+            acc += (_f16(w, o + 108) * d[b]) * np.float32(isum)
+    elif code == Q4_K or code == Q5_K:
+        ts = 144 if code == Q4_K else 176
+        qs_at = 16 if code == Q4_K else 48
+        for b in range(qs.shape[0] // 256):
+            o = ts * b
+            isum = 0
+            mins = 0
+            for sub in range(8):
+                sc, mn = _k4_scale_min(w[o + 4:o + 16], sub)
+                shift = 4 * (sub % 2)
+                t = 0
+                for l in range(32):
+                    q = np.int64((w[o + qs_at + 32 * (sub // 2) + l] >> shift) & 15)
+                    if code == Q5_K:
+                        q |= ((w[o + 16 + l] >> sub) & 1) << 4
+                    t += q * qs[256 * b + 32 * sub + l]
+                isum += np.int64(sc) * t
+                mins += np.int64(mn) * (sums[16 * b + 2 * sub] + sums[16 * b + 2 * sub + 1])
+            acc += (_f16(w, o) * d[b]) * np.float32(isum) - (_f16(w, o + 2) * d[b]) * np.float32(mins)
+    elif code == Q6_K:
+        for b in range(qs.shape[0] // 256):
+            o = 210 * b
+            isum = 0
+            for g in range(16):
+                t = 0
+                for e in range(16 * g, 16 * g + 16):
+                    h, i, l = e // 128, (e // 32) % 4, e % 32
+                    low = (w[o + 64 * h + 32 * (i % 2) + l] >> (4 * (i // 2))) & 15
+                    high = (w[o + 128 + 32 * h + l] >> (2 * i)) & 3
+                    t += np.int64(low | (high << 4)) * qs[256 * b + e]
+                isum += _s8(w[o + 192 + g]) * (t - 32 * sums[16 * b + g])
+            acc += (_f16(w, o + 208) * d[b]) * np.float32(isum)
+    return acc
+
+
+@kernel(inline="always")
+def _dotf_portable(row, x):
+    """f32 row . f32 x with eight partial sums (no single long dependency chain)."""
+    k = x.shape[0]
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
+    k8 = k - k % 8
+    for j in range(0, k8, 8):
+        a0 += row[j] * x[j]
+        a1 += row[j + 1] * x[j + 1]
+        a2 += row[j + 2] * x[j + 2]
+        a3 += row[j + 3] * x[j + 3]
+        a4 += row[j + 4] * x[j + 4]
+        a5 += row[j + 5] * x[j + 5]
+        a6 += row[j + 6] * x[j + 6]
+        a7 += row[j + 7] * x[j + 7]
+    tail = np.float32(0.0)
+    for j in range(k8, k):
+        tail += row[j] * x[j]
+    return (((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7))) + tail
+
+
+# ---------------------------------------------------------------------------------------------
+# AVX2: a 256-bit vector type and the few intrinsics the dot products need. Compiled only where
+# SIMD == "avx2" (an x86 intrinsic on a CPU without it stops LLVM, so nothing else calls these).
+# ---------------------------------------------------------------------------------------------
+
+class _VecType(types.Type):
+    def __init__(self) -> None:
+        super().__init__(name="vec256")
+
+
+vec = _VecType()
+_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_V = ir.VectorType(_I64, 4)
+_B32 = ir.VectorType(_I8, 32)
+_W16 = ir.VectorType(_I16, 16)
+_D8 = ir.VectorType(_I32, 8)
+_F8 = ir.VectorType(ir.FloatType(), 8)
+
+
+@register_model(_VecType)
+class _VecModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type) -> None:
+        super().__init__(dmm, fe_type, _V)
+
+
+def _addr(context, builder, aryty, ary, off, ptr_type):
+    """ptr_type pointer to byte `off` of an array's data."""
+    data = context.make_array(aryty)(context, builder, ary).data
+    p = builder.gep(builder.bitcast(data, _I8.as_pointer()), [off])
+    return builder.bitcast(p, ptr_type.as_pointer())
+
+
+def _llvm_call(builder, name, ret, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _splat(builder, value, vtype):
+    v = builder.insert_element(ir.Constant(vtype, None), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vtype, None), ir.Constant(ir.VectorType(_I32, vtype.count), [0] * vtype.count))
+
+
+def _as(builder, v, vtype):
+    return builder.bitcast(v, vtype)
+
+
+def _vec_op(n_args, body, arg_types=None):
+    """An intrinsic (vec, ...) -> vec of n_args arguments whose LLVM body is body(builder, *args)."""
+    sig = vec(*(arg_types or (vec,) * n_args))
+
+    def codegen(context, builder, signature, llargs):
+        return body(builder, *llargs)
+    # numba reads an intrinsic's arity from its typing function, so each arity has its own
+    typing = {
+        0: lambda typingctx: (sig, codegen),
+        1: lambda typingctx, a: (sig, codegen),
+        2: lambda typingctx, a, b: (sig, codegen),
+        3: lambda typingctx, a, b, c: (sig, codegen),
+    }[n_args]
+    return intrinsic(typing)
+
+
+vand = _vec_op(2, lambda b, x, y: b.and_(x, y))
+vor = _vec_op(2, lambda b, x, y: b.or_(x, y))
+vadd32 = _vec_op(2, lambda b, x, y: _as(b, b.add(_as(b, x, _D8), _as(b, y, _D8)), _V))
+vsub32 = _vec_op(2, lambda b, x, y: _as(b, b.sub(_as(b, x, _D8), _as(b, y, _D8)), _V))
+vmaddubs = _vec_op(2, lambda b, u, s: _as(b, _llvm_call(b, "llvm.x86.avx2.pmadd.ub.sw", _W16,
+                                                         [_as(b, u, _B32), _as(b, s, _B32)]), _V))
+vmadd = _vec_op(2, lambda b, x, y: _as(b, _llvm_call(b, "llvm.x86.avx2.pmadd.wd", _D8,
+                                                      [_as(b, x, _W16), _as(b, y, _W16)]), _V))
+vsign8 = _vec_op(2, lambda b, x, y: _as(b, _llvm_call(b, "llvm.x86.avx2.psign.b", _B32,
+                                                       [_as(b, x, _B32), _as(b, y, _B32)]), _V))
+vabs8 = _vec_op(1, lambda b, x: _as(b, _llvm_call(b, "llvm.abs.v32i8", _B32,
+                                                  [_as(b, x, _B32), ir.Constant(ir.IntType(1), 0)]), _V))
+vcvt = _vec_op(1, lambda b, x: _as(b, b.sitofp(_as(b, x, _D8), _F8), _V))
+vfma = _vec_op(3, lambda b, x, y, z: _as(b, _llvm_call(b, "llvm.fma.v8f32", _F8,
+                                                       [_as(b, x, _F8), _as(b, y, _F8), _as(b, z, _F8)]), _V))
+vaddf = _vec_op(2, lambda b, x, y: _as(b, b.fadd(_as(b, x, _F8), _as(b, y, _F8)), _V))
+vsrl16 = _vec_op(2, lambda b, x, n: _as(b, b.lshr(_as(b, x, _W16), _splat(b, b.trunc(n, _I16), _W16)), _V),
+                 (vec, types.int64))
+vsll16 = _vec_op(2, lambda b, x, n: _as(b, b.shl(_as(b, x, _W16), _splat(b, b.trunc(n, _I16), _W16)), _V),
+                 (vec, types.int64))
+vset8 = _vec_op(1, lambda b, x: _as(b, _splat(b, b.trunc(x, _I8), _B32), _V), (types.int64,))
+vset32 = _vec_op(1, lambda b, x: _as(b, _splat(b, b.trunc(x, _I32), _D8), _V), (types.int64,))
+vsetf = _vec_op(1, lambda b, x: _as(b, _splat(b, x, _F8), _V), (types.float32,))
+vzero = _vec_op(0, lambda b: ir.Constant(_V, [0, 0, 0, 0]))
+
+
+def _lane0(b, x):
+    return _as(b, b.insert_element(ir.Constant(_D8, [0] * 8), b.trunc(x, _I32), ir.Constant(_I32, 0)), _V)
+
+
+vlane0 = _vec_op(1, _lane0, (types.int64,))  # x in 32-bit lane 0, zeros elsewhere
+
+
+def _set16x2(b, x, y):
+    lo = _splat(b, b.trunc(x, _I16), ir.VectorType(_I16, 8))
+    hi = _splat(b, b.trunc(y, _I16), ir.VectorType(_I16, 8))
+    return _as(b, b.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 16), list(range(16)))), _V)
+
+
+vset16x2 = _vec_op(2, _set16x2, (types.int64, types.int64))  # 16-bit lanes 0..7 = x, 8..15 = y
+
+
+def _load_op(body):
+    """An intrinsic (array, byte offset) -> value whose body reads from that address."""
+    @intrinsic
+    def load(typingctx, ary, off):
+        ret, fn = body
+
+        def codegen(context, builder, signature, args):
+            return fn(builder, context, signature.args[0], args[0], args[1])
+        return ret(ary, types.intp), codegen
+    return load
+
+
+def _vload(b, ctx, aryty, ary, off):
+    return b.load(_addr(ctx, b, aryty, ary, off, _V), align=1)
+
+
+def _vnib(b, ctx, aryty, ary, off):
+    # 16 bytes of nibble pairs -> 32 bytes: the low nibbles, then the high ones (ggml's order)
+    x = b.load(_addr(ctx, b, aryty, ary, off, ir.VectorType(_I8, 16)), align=1)
+    lo = b.and_(x, ir.Constant(ir.VectorType(_I8, 16), [15] * 16))
+    hi = b.lshr(x, ir.Constant(ir.VectorType(_I8, 16), [4] * 16))
+    return _as(b, b.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 32), list(range(32)))), _V)
+
+
+def _vbits(b, ctx, aryty, ary, off):
+    # 4 bytes, little-endian bit j -> byte j = 0xFF if set else 0 (Q5's fifth bits)
+    x = b.load(_addr(ctx, b, aryty, ary, off, _I32), align=1)
+    bytes4 = _as(b, _splat(b, x, _D8), _B32)
+    spread = b.shuffle_vector(bytes4, ir.Constant(_B32, None),
+                              ir.Constant(ir.VectorType(_I32, 32), [j // 8 for j in range(32)]))
+    bit = b.and_(spread, ir.Constant(_B32, [1 << (j % 8) for j in range(32)]))
+    return _as(b, b.sext(b.icmp_unsigned("!=", bit, ir.Constant(_B32, [0] * 32)), _B32), _V)
+
+
+def _vf16x8(b, ctx, aryty, ary, off):
+    h = b.load(_addr(ctx, b, aryty, ary, off, ir.VectorType(ir.HalfType(), 8)), align=1)
+    return _as(b, b.fpext(h, _F8), _V)
+
+
+def _vbf16x8(b, ctx, aryty, ary, off):
+    h = b.load(_addr(ctx, b, aryty, ary, off, ir.VectorType(_I16, 8)), align=1)
+    return _as(b, b.shl(b.zext(h, _D8), ir.Constant(_D8, [16] * 8)), _V)
+
+
+def _vf32x8(b, ctx, aryty, ary, off):
+    return _as(b, b.load(_addr(ctx, b, aryty, ary, off, _F8), align=1), _V)
+
+
+def _sf16(b, ctx, aryty, ary, off):
+    return b.fpext(b.load(_addr(ctx, b, aryty, ary, off, ir.HalfType()), align=1), ir.FloatType())
+
+
+vload = _load_op((vec, _vload))      # 32 bytes
+vnib = _load_op((vec, _vnib))        # 16 nibble-pair bytes as 32 values 0..15
+vbits = _load_op((vec, _vbits))      # 32 bits as 32 bytes of 0 / 0xFF
+vf16x8 = _load_op((vec, _vf16x8))    # 8 halves as 8 floats
+vbf16x8 = _load_op((vec, _vbf16x8))  # 8 bfloat16 as 8 floats
+vf32x8 = _load_op((vec, _vf32x8))    # 8 floats
+sf16 = _load_op((types.float32, _sf16))  # one half as a float (F16C)
+
+
+@intrinsic
+def vhsum(typingctx, x):
+    """The sum of a vector's 8 floats, pairwise."""
+    def codegen(context, builder, signature, args):
+        f = _as(builder, args[0], _F8)
+        e = [builder.extract_element(f, ir.Constant(_I32, i)) for i in range(8)]
+        return builder.fadd(builder.fadd(builder.fadd(e[0], e[4]), builder.fadd(e[1], e[5])),
+                            builder.fadd(builder.fadd(e[2], e[6]), builder.fadd(e[3], e[7])))
+    return types.float32(vec), codegen
+
+
+@kernel(inline="always")
+def vdot(u, s):
+    """8 int32 lanes, each the sum of 4 products of unsigned bytes u and signed bytes s."""
+    return vmadd(vmaddubs(u, s), vset16x2(1, 1))
+
+
+@kernel(inline="always")
+def _k4_sm(w, at, j):
+    """Q4_K/Q5_K: six-bit scale and min of sub-block j from the 12 bytes at w[at..]."""
+    if j < 4:
+        return np.int64(w[at + j] & 63), np.int64(w[at + j + 4] & 63)
+    return (np.int64(w[at + j + 4] & 15) | (np.int64(w[at + j - 4] >> 6) << 4),
+            np.int64(w[at + j + 4] >> 4) | (np.int64(w[at + j] >> 6) << 4))
+
+
+@kernel(inline="always")
+def _q3_sc(w, at, g):
+    low = (w[at + g % 8] >> (4 * (g // 8))) & 15
+    high = (w[at + 8 + g % 4] >> (2 * (g // 4))) & 3
+    return np.int64(low | (high << 4)) - 32
+
+
+@kernel
+def dot_avx2(code, w, qs, d, s, sums):
+    """`dot_portable` with AVX2: the same integer block sums, accumulated in 8 float lanes."""
+    acc = vzero()
+    extra = np.float32(0.0)  # the per-block float terms outside the lanes (mins)
+    m15 = vset8(15)
+    if code == Q4_0:
+        for b in range(qs.shape[0] // 32):
+            o = 18 * b
+            p = vsub32(vdot(vnib(w, o + 2), vload(qs, 32 * b)), vset32(sums[2 * b] + sums[2 * b + 1]))
+            acc = vfma(vsetf(sf16(w, o) * d[b]), vcvt(p), acc)
+    elif code == Q4_1:
+        for b in range(qs.shape[0] // 32):
+            o = 20 * b
+            p = vdot(vnib(w, o + 4), vload(qs, 32 * b))
+            acc = vfma(vsetf(sf16(w, o) * d[b]), vcvt(p), acc)
+            extra += sf16(w, o + 2) * s[b]
+    elif code == Q5_0:
+        m16 = vset8(16)
+        for b in range(qs.shape[0] // 32):
+            o = 22 * b
+            u = vor(vnib(w, o + 6), vand(vbits(w, o + 2), m16))
+            p = vsub32(vdot(u, vload(qs, 32 * b)), vset32(2 * (sums[2 * b] + sums[2 * b + 1])))
+            acc = vfma(vsetf(sf16(w, o) * d[b]), vcvt(p), acc)
+    elif code == Q5_1:
+        m16 = vset8(16)
+        for b in range(qs.shape[0] // 32):
+            o = 24 * b
+            u = vor(vnib(w, o + 8), vand(vbits(w, o + 4), m16))
+            acc = vfma(vsetf(sf16(w, o) * d[b]), vcvt(vdot(u, vload(qs, 32 * b))), acc)
+            extra += sf16(w, o + 2) * s[b]
+    elif code == Q8_0:
+        for b in range(qs.shape[0] // 32):
+            o = 34 * b
+            x = vload(w, o + 2)
+            p = vdot(vabs8(x), vsign8(vload(qs, 32 * b), x))
+            acc = vfma(vsetf(sf16(w, o) * d[b]), vcvt(p), acc)
+    elif code == Q2_K:
+        m3 = vset8(3)
+        for b in range(qs.shape[0] // 256):
+            o = 84 * b
+            isum = vzero()
+            mins = 0
+            for h in range(2):
+                q = vload(w, o + 16 + 32 * h)
+                for j in range(4):
+                    g = 8 * h + 2 * j
+                    u = vand(vsrl16(q, 2 * j), m3)
+                    sc = vset16x2(np.int64(w[o + g] & 15), np.int64(w[o + g + 1] & 15))
+                    isum = vadd32(isum, vmadd(vmaddubs(u, vload(qs, 256 * b + 128 * h + 32 * j)), sc))
+            for g in range(16):
+                mins += np.int64(w[o + g] >> 4) * sums[16 * b + g]
+            acc = vfma(vsetf(d[b] * sf16(w, o + 80)), vcvt(isum), acc)
+            extra -= (d[b] * sf16(w, o + 82)) * np.float32(mins)
+    elif code == Q3_K:
+        m3 = vset8(3)
+        m1 = vset8(1)
+        for b in range(qs.shape[0] // 256):
+            o = 110 * b
+            isum = vzero()
+            hm = vload(w, o)
+            for h in range(2):
+                q = vload(w, o + 32 + 32 * h)
+                for j in range(4):
+                    g = 8 * h + 2 * j
+                    u = vor(vand(vsrl16(q, 2 * j), m3), vsll16(vand(vsrl16(hm, 4 * h + j), m1), 2))
+                    sc = vset16x2(_q3_sc(w, o + 96, g), _q3_sc(w, o + 96, g + 1))
+                    isum = vadd32(isum, vmadd(vmaddubs(u, vload(qs, 256 * b + 128 * h + 32 * j)), sc))
+            corr = 0  # q - 4: 4 * sum over groups of scale * activation sum
+            for g in range(16):
+                corr += _q3_sc(w, o + 96, g) * sums[16 * b + g]
+            isum = vsub32(isum, vlane0(4 * corr))
+            acc = vfma(vsetf(sf16(w, o + 108) * d[b]), vcvt(isum), acc)
+    elif code == Q4_K or code == Q5_K:
+        ts = 144 if code == Q4_K else 176
+        qs_at = 16 if code == Q4_K else 48
+        m1 = vset8(1)
+        for b in range(qs.shape[0] // 256):
+            o = ts * b
+            isum = vzero()
+            mins = 0
+            hb = vload(w, o + 16)  # Q5_K's fifth bits (unused by Q4_K)
+            for i in range(4):
+                sc0, mn0 = _k4_sm(w, o + 4, 2 * i)
+                sc1, mn1 = _k4_sm(w, o + 4, 2 * i + 1)
+                x = vload(w, o + qs_at + 32 * i)
+                lo = vand(x, m15)
+                hi = vand(vsrl16(x, 4), m15)
+                if code == Q5_K:
+                    lo = vor(lo, vsll16(vand(vsrl16(hb, 2 * i), m1), 4))
+                    hi = vor(hi, vsll16(vand(vsrl16(hb, 2 * i + 1), m1), 4))
+                a = 256 * b + 64 * i
+                p0 = vmadd(vmaddubs(lo, vload(qs, a)), vset16x2(sc0, sc0))
+                p1 = vmadd(vmaddubs(hi, vload(qs, a + 32)), vset16x2(sc1, sc1))
+                isum = vadd32(isum, vadd32(p0, p1))
+                mins += mn0 * (sums[16 * b + 4 * i] + sums[16 * b + 4 * i + 1]) \
+                    + mn1 * (sums[16 * b + 4 * i + 2] + sums[16 * b + 4 * i + 3])
+            acc = vfma(vsetf(sf16(w, o) * d[b]), vcvt(isum), acc)
+            extra -= (sf16(w, o + 2) * d[b]) * np.float32(mins)
+    elif code == Q6_K:
+        m3 = vset8(3)
+        for b in range(qs.shape[0] // 256):
+            o = 210 * b
+            isum = vzero()
+            for h in range(2):
+                hi2 = vload(w, o + 128 + 32 * h)
+                la = vload(w, o + 64 * h)
+                lb = vload(w, o + 64 * h + 32)
+                for i in range(4):
+                    low = la if i % 2 == 0 else lb
+                    low = vand(low, m15) if i < 2 else vand(vsrl16(low, 4), m15)
+                    u = vor(low, vsll16(vand(vsrl16(hi2, 2 * i), m3), 4))
+                    g = 8 * h + 2 * i
+                    sc = vset16x2(_s8(w[o + 192 + g]), _s8(w[o + 193 + g]))
+                    isum = vadd32(isum, vmadd(vmaddubs(u, vload(qs, 256 * b + 128 * h + 32 * i)), sc))
+            corr = 0  # q - 32: 32 * sum over groups of scale * activation sum
+            for g in range(16):
+                corr += _s8(w[o + 192 + g]) * sums[16 * b + g]
+            isum = vsub32(isum, vlane0(32 * corr))
+            acc = vfma(vsetf(sf16(w, o + 208) * d[b]), vcvt(isum), acc)
+    return vhsum(acc) + extra
+
+
+@kernel(inline="always")
+def _dotf_avx2(code, w, x):
+    """A stored F16/BF16 row (bytes), or an f32 row (code F32), against f32 x, in 16 float lanes."""
+    k = x.shape[0]
+    k16 = k - k % 16
+    a0 = vzero()
+    a1 = vzero()
+    for j in range(0, k16, 16):
+        if code == F16:
+            a0 = vfma(vf16x8(w, 2 * j), vf32x8(x, 4 * j), a0)
+            a1 = vfma(vf16x8(w, 2 * j + 16), vf32x8(x, 4 * j + 32), a1)
+        elif code == BF16:
+            a0 = vfma(vbf16x8(w, 2 * j), vf32x8(x, 4 * j), a0)
+            a1 = vfma(vbf16x8(w, 2 * j + 16), vf32x8(x, 4 * j + 32), a1)
+        else:
+            a0 = vfma(vf32x8(w, 4 * j), vf32x8(x, 4 * j), a0)
+            a1 = vfma(vf32x8(w, 4 * j + 32), vf32x8(x, 4 * j + 32), a1)
+    tail = np.float32(0.0)
+    for j in range(k16, k):
+        if code == F16:
+            tail += _f16(w, 2 * j) * x[j]
+        elif code == BF16:
+            tail += _bf16(w, 2 * j) * x[j]
+        else:
+            tail += np.float32(w[j]) * x[j]
+    return vhsum(vaddf(a0, a1)) + tail
+
+
+# ---------------------------------------------------------------------------------------------
+# Matrix products of a stored weight w [M, row bytes] with activation rows x [N, K]:
+# out [N, M]. Every row of w is read once from memory and dotted with all N rows (N is small).
+# The *_par variants split w's rows into n_chunks ranges over numba's threads.
+# ---------------------------------------------------------------------------------------------
+
+@kernel
+def _rows_q8_portable(code, w, qs, d, s, sums, out, m0, m1):
+    for m in range(m0, m1):
+        row = w[m]
+        for n in range(qs.shape[0]):
+            out[n, m] = dot_portable(code, row, qs[n], d[n], s[n], sums[n])
+
+
+@kernel
+def _rows_q8_avx2(code, w, qs, d, s, sums, out, m0, m1):
+    for m in range(m0, m1):
+        row = w[m]
+        for n in range(qs.shape[0]):
+            out[n, m] = dot_avx2(code, row, qs[n], d[n], s[n], sums[n])
+
+
+@kernel
+def mul_mat_q8_portable(code, act, w, x, qs, d, s, sums, out):
+    """Quantize x's rows to `act` blocks, then ggml's integer dot products, row by row of w."""
+    quantize_rows(act, x, qs, d, s, sums)
+    _rows_q8_portable(code, w, qs, d, s, sums, out, 0, w.shape[0])
+
+
+@kernel(parallel=True)
+def mul_mat_q8_portable_par(code, act, w, x, qs, d, s, sums, out, n_chunks):
+    quantize_rows(act, x, qs, d, s, sums)
+    step = (w.shape[0] + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        _rows_q8_portable(code, w, qs, d, s, sums, out, c * step, min(w.shape[0], (c + 1) * step))
+
+
+@kernel
+def mul_mat_q8_avx2(code, act, w, x, qs, d, s, sums, out):
+    quantize_rows(act, x, qs, d, s, sums)
+    _rows_q8_avx2(code, w, qs, d, s, sums, out, 0, w.shape[0])
+
+
+@kernel(parallel=True)
+def mul_mat_q8_avx2_par(code, act, w, x, qs, d, s, sums, out, n_chunks):
+    quantize_rows(act, x, qs, d, s, sums)
+    step = (w.shape[0] + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        _rows_q8_avx2(code, w, qs, d, s, sums, out, c * step, min(w.shape[0], (c + 1) * step))
+
+
+@kernel
+def _rows_f32_portable(code, w, x, buf, out, m0, m1):
+    for m in range(m0, m1):
+        dequantize_row(code, w[m], buf)
+        for n in range(x.shape[0]):
+            out[n, m] = _dotf_portable(buf, x[n])
+
+
+@kernel
+def _rows_f32_avx2(code, w, x, buf, out, m0, m1):
+    for m in range(m0, m1):
+        row = w[m]
+        if code == F16 or code == BF16:
+            for n in range(x.shape[0]):
+                out[n, m] = _dotf_avx2(code, row, x[n])
+        else:
+            dequantize_row(code, row, buf)
+            for n in range(x.shape[0]):
+                out[n, m] = _dotf_avx2(F32, buf, x[n])
+
+
+@kernel
+def mul_mat_f32_portable(code, w, x, buf, out):
+    """Rows of w decoded one at a time into buf[0] (f32 [K]) and dotted with f32 rows x."""
+    _rows_f32_portable(code, w, x, buf[0], out, 0, w.shape[0])
+
+
+@kernel(parallel=True)
+def mul_mat_f32_portable_par(code, w, x, buf, out, n_chunks):
+    step = (w.shape[0] + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        _rows_f32_portable(code, w, x, buf[c], out, c * step, min(w.shape[0], (c + 1) * step))
+
+
+@kernel
+def mul_mat_f32_avx2(code, w, x, buf, out):
+    _rows_f32_avx2(code, w, x, buf[0], out, 0, w.shape[0])
+
+
+@kernel(parallel=True)
+def mul_mat_f32_avx2_par(code, w, x, buf, out, n_chunks):
+    step = (w.shape[0] + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        _rows_f32_avx2(code, w, x, buf[c], out, c * step, min(w.shape[0], (c + 1) * step))
