@@ -1,7 +1,41 @@
 """The one error hierarchy of ggrun: the CLI maps BadInput to exit 2 and RuntimeFailure to exit 1.
 
-Messages are single lines that name the thing at fault (a file, a tensor, an option).
+Messages are single lines that name the thing at fault (a file, a tensor, an option), quoting
+at most QUOTE_BYTES of a bad value (`quote`), so that a corrupt file cannot flood the terminal.
 """
+from __future__ import annotations
+
+from typing import Any
+
+QUOTE_BYTES = 80
+
+
+def quote(value: Any) -> str:
+    """A value as an error message shows it: strings in quotes (escaped when they hold control
+    characters), arrays by length and element type, anything longer than QUOTE_BYTES cut short."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        kind = type(value[0]).__name__ if value else "item"
+        return f"an array of {len(value)} {kind}s"
+    if isinstance(value, float):
+        text = f"{value:.7g}"
+    elif isinstance(value, str):
+        text = repr(value)
+    else:
+        text = str(value)
+    data = text.encode("utf-8", "replace")
+    if len(data) <= QUOTE_BYTES:
+        return text
+    return data[:QUOTE_BYTES].decode("utf-8", "ignore") + f"… ({len(data):,} bytes)"
+
+
+def quote_name(text: str) -> str:
+    """A name from a file (a key, a tensor) as a message shows it: as is when short and printable,
+    else quoted and cut like any bad value."""
+    if len(text) <= QUOTE_BYTES and text.isprintable():
+        return text
+    return quote(text)
 
 
 class GGRunError(Exception):

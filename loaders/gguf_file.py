@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
-from core.errors import BadInput
+from core.errors import BadInput, quote_name
 from core.quants import SUPPORTED_TYPES, block_layout, dequantize, tensor_nbytes
 
 SUPPORTED_VERSIONS = (2, 3)
@@ -57,8 +57,13 @@ class _Cursor:
         self.buf = buf
         self.pos = 0
 
-    def _need(self, n: int, what: str) -> None:
+    def _need(self, n: int, what: str, claim: str | None = None) -> None:
+        """Fail unless n more bytes follow. `claim` says what a length field asked for: one larger
+        than the whole file may be a corrupt field as well as a cut file, so the message says both."""
         if n < 0 or self.pos + n > len(self.buf):
+            if claim is not None and n > len(self.buf):
+                raise _HeaderError(f"corrupt or truncated GGUF header: {what} claims {claim}, more than the "
+                                   f"whole file ({len(self.buf):,} bytes)")
             raise _HeaderError(f"truncated GGUF header: file ends at byte {len(self.buf)} while reading {what}")
 
     def scalar(self, fmt: str, what: str) -> Any:
@@ -76,7 +81,7 @@ class _Cursor:
 
     def string(self, what: str) -> str:
         length = self.u64(what)
-        self._need(length, what)
+        self._need(length, what, f"a length of {length:,} bytes")
         raw = self.buf[self.pos:self.pos + length]
         self.pos += length
         try:
@@ -97,12 +102,12 @@ class _Cursor:
         count = self.u64(what)
         if etype in _SCALAR_FORMATS:
             dtype = np.dtype(_SCALAR_FORMATS[etype])
-            self._need(count * dtype.itemsize, what)
+            self._need(count * dtype.itemsize, what, f"{count:,} elements of {dtype.itemsize} bytes")
             values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
             self.pos += count * dtype.itemsize
             return values.tolist()
         # Every string or nested array takes at least 8 bytes: this bounds `count` before looping.
-        self._need(count * 8, what)
+        self._need(count * 8, what, f"{count:,} elements of at least 8 bytes")
         if etype == GGUFValueType.STRING:
             return self.strings(count, what)
         return [self.array(what) for _ in range(count)]
@@ -118,6 +123,9 @@ class _Cursor:
                 (length,) = length_at(buf, pos)
                 pos += 8
                 if pos + length > end:
+                    if length > end:
+                        raise _HeaderError(f"corrupt or truncated GGUF header: string #{len(out)} of {what} claims "
+                                           f"a length of {length:,} bytes, more than the whole file ({end:,} bytes)")
                     raise struct.error
                 append(buf[pos:pos + length].decode("utf-8"))
                 pos += length
@@ -221,7 +229,7 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
         raise
     except Exception as err:  # any other failure on malformed bytes is still bad input, not a crash
         mapping.close()
-        raise BadInput(f"{path}: corrupt GGUF header ({type(err).__name__}: {err})") from None
+        raise BadInput(f"{path}: corrupt GGUF header ({type(err).__name__}: {quote_name(str(err))})") from None
 
 
 def _map(path: Path) -> mmap.mmap:
@@ -264,9 +272,12 @@ def _read_metadata(cur: _Cursor, n_kv: int) -> dict[str, Any]:
     metadata: dict[str, Any] = {}
     for i in range(n_kv):
         key = cur.string(f"metadata key #{i}")
+        if not key.isprintable():  # key names are text; control bytes mean the reader lost its place
+            raise _HeaderError(f"corrupt GGUF header: metadata key #{i} is {quote_name(key)}, not a key name")
         if key in metadata:
-            raise _HeaderError(f"duplicate metadata key {key}")
-        metadata[key] = cur.value(cur.u32(f"type of metadata key {key}"), f"metadata value of {key}")
+            raise _HeaderError(f"duplicate metadata key {quote_name(key)}")
+        shown = quote_name(key)
+        metadata[key] = cur.value(cur.u32(f"type of metadata key {shown}"), f"metadata value of {shown}")
     return metadata
 
 
@@ -291,14 +302,17 @@ def _read_tensor_infos(cur: _Cursor, n_tensors: int) -> dict[str, _TensorSpec]:
     specs: dict[str, _TensorSpec] = {}
     for i in range(n_tensors):
         name = cur.string(f"name of tensor #{i}")
-        n_dims = cur.u32(f"dimension count of tensor {name}")
+        if not name.isprintable():
+            raise _HeaderError(f"corrupt GGUF header: the name of tensor #{i} is {quote_name(name)}")
+        shown = quote_name(name)
+        n_dims = cur.u32(f"dimension count of tensor {shown}")
         if not 1 <= n_dims <= MAX_DIMS:
-            raise _HeaderError(f"tensor {name} has {n_dims} dimensions (must be 1..{MAX_DIMS})")
-        dims = tuple(cur.u64(f"dimensions of tensor {name}") for _ in range(n_dims))
-        type_code = cur.u32(f"type of tensor {name}")
-        rel_offset = cur.u64(f"offset of tensor {name}")
+            raise _HeaderError(f"tensor {shown} has {n_dims} dimensions (must be 1..{MAX_DIMS})")
+        dims = tuple(cur.u64(f"dimensions of tensor {shown}") for _ in range(n_dims))
+        type_code = cur.u32(f"type of tensor {shown}")
+        rel_offset = cur.u64(f"offset of tensor {shown}")
         if name in specs:
-            raise _HeaderError(f"duplicate tensor {name}")
+            raise _HeaderError(f"duplicate tensor {shown}")
         specs[name] = _TensorSpec(name, type_code, dims, rel_offset)
     return specs
 
@@ -308,15 +322,15 @@ def _place(spec: _TensorSpec, data_offset: int, alignment: int, file_size: int) 
     qtype = _tensor_type(spec)
     block_size, _ = block_layout(qtype)
     if spec.dims[0] % block_size:
-        raise _HeaderError(f"tensor {spec.name}: row length {spec.dims[0]} is not a multiple of the "
+        raise _HeaderError(f"tensor {quote_name(spec.name)}: row length {spec.dims[0]} is not a multiple of the "
                            f"{qtype.name} block size {block_size}")
     n_elements = int(np.prod(spec.dims, dtype=object))
     n_bytes = tensor_nbytes(qtype, n_elements)
     if spec.rel_offset % alignment:
-        raise _HeaderError(f"tensor {spec.name}: data offset {spec.rel_offset} is not aligned to {alignment}")
+        raise _HeaderError(f"tensor {quote_name(spec.name)}: data offset {spec.rel_offset} is not aligned to {alignment}")
     start = data_offset + spec.rel_offset
     if start + n_bytes > file_size:
-        raise _HeaderError(f"tensor {spec.name}: data [{start}, {start + n_bytes}) lies outside the file "
+        raise _HeaderError(f"tensor {quote_name(spec.name)}: data [{start}, {start + n_bytes}) lies outside the file "
                            f"({file_size} bytes; truncated?)")
     shape = tuple(reversed(spec.dims))
     return TensorInfo(spec.name, qtype, shape, n_elements, n_bytes, start)
@@ -326,10 +340,10 @@ def _tensor_type(spec: _TensorSpec) -> GGMLQuantizationType:
     try:
         qtype = GGMLQuantizationType(spec.type_code)
     except ValueError:
-        raise _HeaderError(f"tensor {spec.name} has unknown type id {spec.type_code}") from None
+        raise _HeaderError(f"tensor {quote_name(spec.name)} has unknown type id {spec.type_code}") from None
     if qtype not in SUPPORTED_TYPES:
         names = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
-        raise _HeaderError(f"tensor {spec.name} has type {qtype.name}, which ggrun does not support "
+        raise _HeaderError(f"tensor {quote_name(spec.name)} has type {qtype.name}, which ggrun does not support "
                            f"(supported: {names})")
     return qtype
 

@@ -17,6 +17,7 @@ from core.backends.base import Backend
 from core.context import ImmediateContext
 from core.dtypes import DType
 from core.errors import BadInput
+from core.llm import checks
 from core.llm.hparams import HParams
 from core.llm.weights import Weights
 from loaders.gguf_file import GGUFFile, open_gguf
@@ -97,9 +98,12 @@ class Model:
 
     @staticmethod
     def read_hparams(gf: GGUFFile) -> tuple[HParams, object]:
-        arch = arch_module(gf.arch, str(gf.path))
+        """Hyperparameters and architecture module, validated (core.llm.checks) before anything uses them."""
+        arch = arch_module(checks.architecture(gf), str(gf.path))
+        checks.check_metadata(gf)
         n_vocab = len(gf.get("tokenizer.ggml.tokens") or []) or gf.require_tensor("token_embd.weight").shape[0]
         hp = arch.hparams(gf) if hasattr(arch, "hparams") else HParams.from_metadata(gf.get, str(gf.path), n_vocab)
+        checks.check_hparams(gf, hp)
         _check_tensors(gf, hp, arch)
         return hp, arch
 
@@ -167,16 +171,5 @@ def _backend_for(name: str, placement: Placement) -> Backend:
 
 
 def _check_tensors(gf: GGUFFile, hp: HParams, arch) -> None:
-    """Fail before loading anything when a required tensor is missing or misshapen."""
-    gf.require_tensor("token_embd.weight")
-    gf.require_tensor("output_norm.weight")
-    for il in range(hp.n_layer):
-        for short in arch.LAYER_TENSORS:
-            gf.require_tensor(f"blk.{il}.{short}.weight")
-    emb = gf.tensors["token_embd.weight"].shape
-    if emb != (hp.n_vocab, hp.n_embd):
-        raise BadInput(f"{gf.path}: token_embd.weight has shape {list(emb)}, expected {[hp.n_vocab, hp.n_embd]}")
-    q = gf.tensors["blk.0.attn_q.weight"].shape
-    if q != (hp.n_head * hp.head_dim, hp.n_embd):
-        raise BadInput(f"{gf.path}: blk.0.attn_q.weight has shape {list(q)}, expected "
-                       f"{[hp.n_head * hp.head_dim, hp.n_embd]}")
+    """Fail before loading anything when a required tensor is missing, misshapen or of the wrong type."""
+    checks.check_tensors(gf, hp, arch.LAYER_TENSORS)

@@ -1,0 +1,195 @@
+"""Model validation before anything is allocated: every hyperparameter the architectures read is
+checked for type and range, and every tensor they use for presence, shape and type, from GGUF
+metadata and tensor infos alone (so `ggrun measure`, which reads no tensor data, gets it too).
+
+Each failure is one BadInput line naming the file, the key or tensor, the value (quoted to at most
+errors.QUOTE_BYTES) and what was expected. Nothing here reads tensor data or does arithmetic on a value
+before its range is known.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from core.errors import BadInput, quote, quote_name
+from core.llm.hparams import HParams
+
+MAX_COUNT = 1 << 16  # layers, heads, head sizes: far above any real model, far below an overflow
+MAX_WIDTH = 1 << 24  # embedding and feed-forward widths
+MAX_CONTEXT = 1 << 26  # trained context lengths and sliding windows (real models: up to ~10M)
+
+# The norm weights of both architectures; llama.cpp's converters always store them as F32, and its
+# CPU kernels multiply F32 activations by F32 weights only, so any other type is a corrupt file.
+NORMS = ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm", "attn_q_norm", "attn_k_norm")
+
+
+@dataclass(frozen=True)
+class Key:
+    """One metadata key (without the `arch.` prefix) and the range its value must lie in."""
+
+    name: str
+    kind: type  # int or float
+    lo: float
+    hi: float
+    required: bool = False
+    lo_open: bool = False  # the value must be strictly above lo (a float like epsilon)
+
+
+# Every key HParams.from_metadata reads, for every llama-family architecture.
+COMMON_KEYS = (
+    Key("context_length", int, 1, MAX_CONTEXT, required=True),
+    Key("embedding_length", int, 1, MAX_WIDTH, required=True),
+    Key("block_count", int, 1, MAX_COUNT, required=True),
+    Key("feed_forward_length", int, 1, MAX_WIDTH, required=True),
+    Key("attention.head_count", int, 1, MAX_COUNT, required=True),
+    Key("attention.head_count_kv", int, 1, MAX_COUNT),
+    Key("attention.key_length", int, 1, MAX_COUNT),
+    Key("attention.value_length", int, 1, MAX_COUNT),
+    Key("rope.dimension_count", int, 1, MAX_COUNT),
+    Key("rope.freq_base", float, 0.0, math.inf, lo_open=True),
+    Key("rope.scaling.factor", float, 0.0, 1e6),  # 0 means no scaling, as in llama.cpp
+    Key("attention.layer_norm_rms_epsilon", float, 0.0, 1.0, lo_open=True),
+    Key("vocab_size", int, 1, 1 << 31),
+)
+ARCH_KEYS: dict[str, tuple[Key, ...]] = {
+    "gemma3": (Key("attention.sliding_window", int, 0, MAX_CONTEXT),),  # 0: no sliding window
+}
+
+# Special token ids a value of -1 (or its uint32 form) marks as absent, as some converters write them.
+NO_TOKEN = (-1, 0xFFFFFFFF)
+_SPECIAL_ID = re.compile(r"tokenizer\.ggml\.[a-z_]+_token_id")
+
+
+def _bad(gf, subject: str, value: Any, expected: str) -> BadInput:
+    return BadInput(f"{gf.path}: {subject} = {quote(value)}, expected {expected}")
+
+
+# ---- metadata ------------------------------------------------------------------------------------
+
+
+def architecture(gf) -> str:
+    """general.architecture, which must be a string to name a graph builder."""
+    arch = gf.arch
+    if not isinstance(arch, str):
+        raise _bad(gf, "general.architecture", arch, "a string")
+    return arch
+
+
+def check_metadata(gf) -> None:
+    """Types and ranges of every key the architecture and tokenizer read, before any is used."""
+    arch = architecture(gf)
+    for key in COMMON_KEYS + ARCH_KEYS.get(arch, ()):
+        _check_key(gf, f"{arch}.{key.name}", key)
+    _check_tokenizer_arrays(gf)
+
+
+def _check_key(gf, full: str, key: Key) -> None:
+    value = gf.get(full)
+    if value is None:
+        if key.required:
+            raise BadInput(f"{gf.path}: missing metadata key {full}")
+        return
+    if key.kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _bad(gf, full, value, "an integer")
+        if not key.lo <= value <= key.hi:
+            raise _bad(gf, full, value, f"an integer from {int(key.lo)} to {int(key.hi)}")
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(gf, full, value, "a number")
+    low_ok = value > key.lo if key.lo_open else value >= key.lo
+    if not (math.isfinite(value) and low_ok and value <= key.hi):
+        above = "above" if key.lo_open else "at least"
+        upper = "" if key.hi == math.inf else f" and at most {key.hi:g}"
+        raise _bad(gf, full, value, f"a finite number {above} {key.lo:g}{upper}")
+
+
+def _check_tokenizer_arrays(gf) -> None:
+    """The tokenizer's arrays hold what their names say (a corrupt element type changes them into
+    numbers); GGUF arrays have one element type, so the first element speaks for all."""
+    for key, kind, what in (("tokenizer.ggml.tokens", str, "strings"), ("tokenizer.ggml.merges", str, "strings"),
+                            ("tokenizer.ggml.token_type", int, "integers"),
+                            ("tokenizer.ggml.scores", (int, float), "numbers")):
+        value = gf.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, list) or not value or not isinstance(value[0], kind) \
+                or isinstance(value[0], bool):
+            raise _bad(gf, key, value, f"a non-empty array of {what}")
+    model = gf.get("tokenizer.ggml.model")
+    if model is not None and not isinstance(model, str):
+        raise _bad(gf, "tokenizer.ggml.model", model, "a string")
+
+
+def check_hparams(gf, hp: HParams) -> None:
+    """How the hyperparameters relate: heads that divide, head sizes that fit, one vocabulary size."""
+    a = hp.arch
+    if hp.n_head % hp.n_head_kv:
+        raise _bad(gf, f"{a}.attention.head_count_kv", hp.n_head_kv,
+                   f"a divisor of {a}.attention.head_count ({hp.n_head})")
+    if gf.get(f"{a}.attention.key_length") is None and hp.n_embd % hp.n_head:
+        raise _bad(gf, f"{a}.attention.head_count", hp.n_head,
+                   f"a divisor of {a}.embedding_length ({hp.n_embd}) when {a}.attention.key_length is not given")
+    v_len = gf.get(f"{a}.attention.value_length")
+    if v_len is not None and v_len != hp.head_dim:
+        raise _bad(gf, f"{a}.attention.value_length", v_len, f"the key length {hp.head_dim}")
+    if hp.n_rot > hp.head_dim or hp.n_rot % 2:
+        raise _bad(gf, f"{a}.rope.dimension_count", hp.n_rot, f"an even number up to the head size {hp.head_dim}")
+    vocab_size = gf.get(f"{a}.vocab_size")
+    if vocab_size is not None and vocab_size != hp.n_vocab:
+        raise _bad(gf, f"{a}.vocab_size", vocab_size, f"the vocabulary's {hp.n_vocab} tokens")
+    for key, value in gf.metadata.items():
+        if _SPECIAL_ID.fullmatch(key) and value not in NO_TOKEN:
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < hp.n_vocab:
+                raise _bad(gf, key, value, f"a token id from 0 to {hp.n_vocab - 1}")
+
+
+# ---- tensors -------------------------------------------------------------------------------------
+
+
+def expected_shapes(hp: HParams) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Per-layer tensor shapes (numpy order) by short name, each with the sizes it comes from."""
+    n, ff, hd = hp.n_embd, hp.n_ff, hp.head_dim
+    q, kv = hp.n_head * hd, hp.n_head_kv * hd
+    shapes = {norm: ((n,), "[n_embd]") for norm in NORMS}
+    shapes |= {
+        "attn_q_norm": ((hd,), "[head_dim]"), "attn_k_norm": ((hd,), "[head_dim]"),
+        "attn_q": ((q, n), "[n_head * head_dim, n_embd]"),
+        "attn_k": ((kv, n), "[n_head_kv * head_dim, n_embd]"),
+        "attn_v": ((kv, n), "[n_head_kv * head_dim, n_embd]"),
+        "attn_output": ((n, q), "[n_embd, n_head * head_dim]"),
+        "ffn_gate": ((ff, n), "[n_ff, n_embd]"), "ffn_up": ((ff, n), "[n_ff, n_embd]"),
+        "ffn_down": ((n, ff), "[n_embd, n_ff]"),
+    }
+    return shapes
+
+
+def check_tensors(gf, hp: HParams, layer_tensors: Sequence[str]) -> None:
+    """Every tensor the graph reads exists with the shape the hyperparameters give, norms are F32,
+    and no block lies beyond block_count (a block_count too small would leave its tensors unplaced)."""
+    emb = ((hp.n_vocab, hp.n_embd), "[n_vocab, n_embd]")
+    _check_tensor(gf, "token_embd.weight", emb)
+    if "output.weight" in gf.tensors:
+        _check_tensor(gf, "output.weight", emb)
+    _check_tensor(gf, "output_norm.weight", ((hp.n_embd,), "[n_embd]"), norm=True)
+    shapes = expected_shapes(hp)
+    for il in range(hp.n_layer):
+        for short in layer_tensors:
+            _check_tensor(gf, f"blk.{il}.{short}.weight", shapes.get(short), norm=short in NORMS)
+    for tname in gf.tensors:
+        if tname.startswith("blk."):
+            block = tname.split(".")[1]
+            if not block.isdigit() or int(block) >= hp.n_layer:
+                raise BadInput(f"{gf.path}: tensor {quote_name(tname)} lies outside blocks 0..{hp.n_layer - 1} "
+                               f"({hp.arch}.block_count = {hp.n_layer})")
+
+
+def _check_tensor(gf, name: str, shape: tuple[tuple[int, ...], str] | None, norm: bool = False) -> None:
+    info = gf.require_tensor(name)
+    if shape is not None and info.shape != shape[0]:
+        raise BadInput(f"{gf.path}: tensor {name} has shape {list(info.shape)}, expected {shape[1]} = "
+                       f"{list(shape[0])}")
+    if norm and info.qtype.name != "F32":
+        raise BadInput(f"{gf.path}: tensor {name} has type {info.qtype.name}, expected F32 (a norm weight)")
