@@ -67,15 +67,20 @@ def act_quant_of(dtype: DType) -> str | None:
     return "q8_k" if dtype in K_QUANTS else "q8_0"
 
 
-def product(dtype: DType, m: int, k: int, x_shape: tuple[int, ...], numerics: str, seed: int = 0):
-    """build(leafs) of out = mul_mat(w, x), with the same random data on every backend."""
+def product(dtype: DType, m: int, k: int, x_shape: tuple[int, ...], numerics: str, seed: int = 0,
+            repacked: bool = False):
+    """build(leafs) of out = mul_mat(w, x), with the same random data on every backend; with
+    `repacked`, the weight also carries the layout the engine makes at load (where there is one)."""
     data = weight_data(dtype, m, k, seed)
     x = np.random.default_rng(seed + 1).standard_normal(x_shape + (k,)).astype(np.float32)
+    packed = matmul.repack(dtype, data) if repacked and dtype.is_quantized else None
 
     def build(lf: Leafs):
         w = lf.weight("w", dtype, (m, k), data)
         if numerics == "llama" and act_quant_of(dtype):
             w.params["act_quant"] = act_quant_of(dtype)
+        if packed is not None and lf.ctx.backend.name == "CPU":
+            w.params[matmul.REPACKED] = packed
         return ops.mul_mat(w, lf.input("x", DType.F32, x))
     return build
 
@@ -84,22 +89,6 @@ def k_for(dtype: DType, small: bool = False) -> int:
     if dtype in K_QUANTS:
         return 256 if small else 512
     return 64 if small else 96 if dtype.is_quantized else 72  # 72: not a multiple of 16 (f32 tails)
-
-
-@pytest.fixture(autouse=True)
-def scratch_keys_by_node(monkeypatch):
-    """core/alloc.py's _ScratchKey (frozen, eq=False) hashes by identity, so the planner cannot
-    find the slot it opened for a node's scratch (KeyError): until it compares by node, use one
-    that does. Remove once alloc.py is fixed."""
-    import dataclasses
-
-    from core import alloc
-
-    if dataclasses.fields(alloc._ScratchKey) and alloc._ScratchKey.__eq__ is object.__eq__:
-        @dataclasses.dataclass(frozen=True)
-        class ScratchKey:
-            node: object
-        monkeypatch.setattr(alloc, "_ScratchKey", ScratchKey)
 
 
 @pytest.fixture(autouse=True)
@@ -139,6 +128,25 @@ def test_mul_mat(dtype, n_tokens, numerics):
     assert err <= MAX_NMSE[numerics], err
 
 
+@pytest.mark.parametrize("n_tokens", [1, 2, 7])
+@pytest.mark.parametrize("dtype", LEGACY, ids=str)
+def test_mul_mat_repacked(dtype, n_tokens, monkeypatch):
+    """The r8 layout (AVX2 hosts): rows in groups of 8, 37 rows leave a partial group."""
+    if Q.SIMD != "avx2":
+        pytest.skip("this CPU has no AVX2: no repacked layout")
+    packed = matmul.repack(dtype, weight_data(dtype, 37, k_for(dtype), 0))
+    assert packed is not None and packed.shape[0] == 5
+    used, real = [], Q.mul_mat_r8_avx2
+
+    def spy(*args):
+        used.append(1)
+        real(*args)
+    monkeypatch.setattr(Q, "mul_mat_r8_avx2", spy)
+    err = compare(CPUBackend(), product(dtype, 37, k_for(dtype), (n_tokens,), "llama", repacked=True))
+    assert err <= MAX_NMSE["llama"], err
+    assert used, "the repacked kernel did not run"
+
+
 @pytest.mark.parametrize("numerics", ["llama", "f32"])
 @pytest.mark.parametrize("dtype", TYPES, ids=str)
 def test_mul_mat_prompt_batch(dtype, numerics):
@@ -150,7 +158,8 @@ def test_mul_mat_prompt_batch(dtype, numerics):
 @pytest.mark.parametrize("dtype", TYPES, ids=str)
 def test_mul_mat_both_simd_levels_and_threads(dtype, numerics, simd, two_threads):
     for n_tokens in (1, 3):
-        err = compare(CPUBackend(), product(dtype, 29, k_for(dtype), (n_tokens,), numerics, seed=n_tokens))
+        build = product(dtype, 29, k_for(dtype), (n_tokens,), numerics, seed=n_tokens, repacked=simd == "avx2")
+        err = compare(CPUBackend(), build)
         assert err <= MAX_NMSE[numerics], (n_tokens, err)
     err = compare(CPUBackend(), product(dtype, 300, k_for(dtype, small=True), (40,), numerics))  # several tiles
     assert err <= MAX_NMSE[numerics], err

@@ -9,6 +9,10 @@ Three ways to compute out[N, M] = x[N, K] @ w[M, K]^T, chosen per node when it i
 - "blas": for long batches, the weight is decoded a tile of rows at a time into scratch and
   multiplied with numpy's sgemm into a slice of out, against x rounded exactly as "q8" rounds it.
 Every work array is a view of the node's planned scratch; results are written into `out`.
+
+Decode-step products read a weight fastest in a repacked layout made once at load: the engine
+calls `repack(dtype, raw)` for each 2-d weight kept in its GGUF blocks and, where it returns an
+array, keeps it in the weight tensor's params under REPACKED; the "q8" path then reads it.
 """
 from __future__ import annotations
 
@@ -32,6 +36,8 @@ _ROUNDING = {"q8_0": Q.ACT_Q8_0, "q8_k": Q.ACT_Q8_K}
 # (see the module's tests/benchmark notes in the final report): set below by `_crossover`.
 Q8_MAX_N = 8
 F32_MAX_N = 4
+
+REPACKED = "cpu_repacked"  # params key of a weight's repacked rows (see `repack`)
 
 TILE_BYTES = 1 << 20  # f32 bytes of one decoded weight tile (stays in L2 between sgemm passes)
 PARALLEL_MIN_BYTES = 1 << 20  # stored weight bytes x rows of x below which one thread does the work
@@ -103,6 +109,32 @@ def _plan(node: Tensor) -> _Plan | None:
     return _Plan("blas", a.dtype, act, n, m, k)
 
 
+def repack(dtype: DType, raw: np.ndarray) -> np.ndarray | None:
+    """A 2-d weight's stored rows (uint8 [M, row bytes], GGUF blocks) in the layout the decode
+    kernels of this host read fastest, or None where they read the stored blocks directly.
+
+    Made once per weight at load (about 0.1 s for 30 MB); the caller keeps it in the weight's
+    params under REPACKED. The stored bytes stay in use too (get_rows, long batches).
+    """
+    if Q.SIMD != "avx2" or dtype not in Q.CODES or Q.CODES[dtype] not in Q.R8_TYPES:
+        return None
+    raw = np.asarray(raw)
+    if raw.ndim != 2 or raw.dtype != np.uint8 or raw.shape[1] % dtype.type_size:
+        raise ValueError(f"repack: {dtype} rows must be uint8 [rows, row bytes], got {raw.dtype} {raw.shape}")
+    return Q.repack_r8(Q.CODES[dtype], raw)
+
+
+def _repacked(node: Tensor, plan: _Plan) -> np.ndarray | None:
+    """The weight's r8 rows when the engine made them (and they fit this node's weight)."""
+    a = node.srcs[0]
+    packed = a.params.get(REPACKED) if a.view_src is None else None
+    if packed is None or Q.SIMD != "avx2" or plan.code not in Q.R8_TYPES:
+        return None
+    groups = (plan.m + Q.R8 - 1) // Q.R8
+    expect = plan.k // 32 * Q.r8_block_bytes(plan.code)
+    return packed if packed.shape == (groups, expect) and packed.dtype == np.uint8 else None
+
+
 def _scratch(node: Tensor) -> int:
     plan = _plan(node)
     return plan.scratch_bytes() if plan is not None else 0
@@ -150,6 +182,13 @@ def bind_mul_mat(node: Tensor, out, srcs: list, scratch):
     avx2 = Q.SIMD == "avx2"
     if plan.path == "q8":
         qs, d, s, sums = Q.act_arrays(scratch, plan.n, plan.k)
+        packed = _repacked(node, plan)
+        if packed is not None:
+            groups = packed.shape[0]
+            chunks = min(chunks, groups)
+            if chunks > 1:
+                return partial(Q.mul_mat_r8_avx2_par, plan.code, plan.act, packed, x, qs, d, s, sums, out2, chunks)
+            return partial(Q.mul_mat_r8_avx2, plan.code, plan.act, packed, x, qs, d, s, sums, out2)
         if chunks > 1:
             fn = Q.mul_mat_q8_avx2_par if avx2 else Q.mul_mat_q8_portable_par
             return partial(fn, plan.code, plan.act, w, x, qs, d, s, sums, out2, chunks)

@@ -410,7 +410,7 @@ def get_rows(code, w, ids, out):
 # Portable integer dot products: one stored row against one quantized activation row
 # ---------------------------------------------------------------------------------------------
 
-@kernel
+@kernel(_nrt=False)
 def dot_portable(code, w, qs, d, s, sums):
     """ggml's vec_dot of a stored row against activation blocks (its vec_dot_type), as f32."""
     acc = np.float32(0.0)
@@ -621,6 +621,8 @@ vset8 = _vec_op(1, lambda b, x: _as(b, _splat(b, b.trunc(x, _I8), _B32), _V), (t
 vset32 = _vec_op(1, lambda b, x: _as(b, _splat(b, b.trunc(x, _I32), _D8), _V), (types.int64,))
 vsetf = _vec_op(1, lambda b, x: _as(b, _splat(b, x, _F8), _V), (types.float32,))
 vzero = _vec_op(0, lambda b: ir.Constant(_V, [0, 0, 0, 0]))
+vadd16 = _vec_op(2, lambda b, x, y: _as(b, b.add(_as(b, x, _W16), _as(b, y, _W16)), _V))
+vmulf = _vec_op(2, lambda b, x, y: _as(b, b.fmul(_as(b, x, _F8), _as(b, y, _F8)), _V))
 
 
 def _lane0(b, x):
@@ -691,13 +693,47 @@ def _sf16(b, ctx, aryty, ary, off):
     return b.fpext(b.load(_addr(ctx, b, aryty, ary, off, ir.HalfType()), align=1), ir.FloatType())
 
 
+def _vbcast32(b, ctx, aryty, ary, off):
+    return _as(b, _splat(b, b.load(_addr(ctx, b, aryty, ary, off, _I32), align=1), _D8), _V)
+
+
 vload = _load_op((vec, _vload))      # 32 bytes
+vbcast32 = _load_op((vec, _vbcast32))  # 4 bytes repeated in every 32-bit lane
 vnib = _load_op((vec, _vnib))        # 16 nibble-pair bytes as 32 values 0..15
 vbits = _load_op((vec, _vbits))      # 32 bits as 32 bytes of 0 / 0xFF
 vf16x8 = _load_op((vec, _vf16x8))    # 8 halves as 8 floats
 vbf16x8 = _load_op((vec, _vbf16x8))  # 8 bfloat16 as 8 floats
 vf32x8 = _load_op((vec, _vf32x8))    # 8 floats
 sf16 = _load_op((types.float32, _sf16))  # one half as a float (F16C)
+
+
+@intrinsic
+def prefetch(typingctx, ary, off):
+    """Hint that byte `off` of an array's data is read soon (into all cache levels)."""
+    def codegen(context, builder, signature, args):
+        p = _addr(context, builder, signature.args[0], args[0], args[1], _I8)
+        i32 = lambda v: ir.Constant(_I32, v)  # noqa: E731
+        _llvm_call(builder, "llvm.prefetch.p0", ir.VoidType(), [p, i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+    return types.none(ary, types.intp), codegen
+
+
+@intrinsic
+def vlane(typingctx, x, i):
+    """Float lane i of a vector."""
+    def codegen(context, builder, signature, args):
+        return builder.extract_element(_as(builder, args[0], _F8), builder.trunc(args[1], _I32))
+    return types.float32(vec, types.intp), codegen
+
+
+@intrinsic
+def vstoref(typingctx, ary, off, x):
+    """Store a vector's 8 floats at byte `off` of an array's data."""
+    def codegen(context, builder, signature, args):
+        builder.store(_as(builder, args[2], _F8), _addr(context, builder, signature.args[0], args[0], args[1], _F8),
+                      align=1)
+        return context.get_dummy_value()
+    return types.none(ary, types.intp, vec), codegen
 
 
 @intrinsic
@@ -733,127 +769,294 @@ def _q3_sc(w, at, g):
     return np.int64(low | (high << 4)) - 32
 
 
-@kernel
-def dot_avx2(code, w, qs, d, s, sums):
-    """`dot_portable` with AVX2: the same integer block sums, accumulated in 8 float lanes."""
-    acc = vzero()
-    extra = np.float32(0.0)  # the per-block float terms outside the lanes (mins)
+# Row kernels: rows m0..m1 of w against every quantized activation row, out[n, m]. The legacy
+# types run four weight rows per pass (one activation load and four independent accumulator
+# chains per block); the last pass repeats the last row where fewer than four remain.
+# Compiled without NRT: they allocate nothing, and array views then cost no reference counting.
+
+@kernel(inline="always")
+def _four_rows(w, m, m1):
+    rs = w.strides[0]
+    return m * rs, min(m + 1, m1 - 1) * rs, min(m + 2, m1 - 1) * rs, min(m + 3, m1 - 1) * rs
+
+
+@kernel(inline="always")
+def _store4(out, n, m, m1, v0, v1, v2, v3):
+    out[n, m] = v0
+    if m + 1 < m1:
+        out[n, m + 1] = v1
+    if m + 2 < m1:
+        out[n, m + 2] = v2
+    if m + 3 < m1:
+        out[n, m + 3] = v3
+
+
+@kernel(inline="always")
+def _blk(w, at, da, p, acc):
+    """acc + f16 scale at w[at] * da * the block's integer lanes p."""
+    return vfma(vsetf(sf16(w, at) * da), vcvt(p), acc)
+
+
+@kernel(_nrt=False)
+def _rows_q4_0_avx2(w, qs, d, s, sums, out, m0, m1):
+    k = qs.shape[1]
+    for m in range(m0, m1, 4):
+        r0, r1, r2, r3 = _four_rows(w, m, m1)
+        for n in range(qs.shape[0]):
+            a0 = a1 = a2 = a3 = vzero()
+            for b in range(k // 32):
+                x = vload(qs, n * k + 32 * b)
+                off = vset32(sums[n, 2 * b] + sums[n, 2 * b + 1])  # q - 8: 8 * sum(x) over 8 lanes
+                da = d[n, b]
+                o = 18 * b
+                a0 = _blk(w, r0 + o, da, vsub32(vdot(vnib(w, r0 + o + 2), x), off), a0)
+                a1 = _blk(w, r1 + o, da, vsub32(vdot(vnib(w, r1 + o + 2), x), off), a1)
+                a2 = _blk(w, r2 + o, da, vsub32(vdot(vnib(w, r2 + o + 2), x), off), a2)
+                a3 = _blk(w, r3 + o, da, vsub32(vdot(vnib(w, r3 + o + 2), x), off), a3)
+            _store4(out, n, m, m1, vhsum(a0), vhsum(a1), vhsum(a2), vhsum(a3))
+
+
+@kernel(_nrt=False)
+def _rows_q4_1_avx2(w, qs, d, s, sums, out, m0, m1):
+    k = qs.shape[1]
+    for m in range(m0, m1, 4):
+        r0, r1, r2, r3 = _four_rows(w, m, m1)
+        for n in range(qs.shape[0]):
+            a0 = a1 = a2 = a3 = vzero()
+            e0 = e1 = e2 = e3 = np.float32(0.0)  # sum of m * s (ggml's summs)
+            for b in range(k // 32):
+                x = vload(qs, n * k + 32 * b)
+                da = d[n, b]
+                sb = s[n, b]
+                o = 20 * b
+                a0 = _blk(w, r0 + o, da, vdot(vnib(w, r0 + o + 4), x), a0)
+                a1 = _blk(w, r1 + o, da, vdot(vnib(w, r1 + o + 4), x), a1)
+                a2 = _blk(w, r2 + o, da, vdot(vnib(w, r2 + o + 4), x), a2)
+                a3 = _blk(w, r3 + o, da, vdot(vnib(w, r3 + o + 4), x), a3)
+                e0 += sf16(w, r0 + o + 2) * sb
+                e1 += sf16(w, r1 + o + 2) * sb
+                e2 += sf16(w, r2 + o + 2) * sb
+                e3 += sf16(w, r3 + o + 2) * sb
+            _store4(out, n, m, m1, vhsum(a0) + e0, vhsum(a1) + e1, vhsum(a2) + e2, vhsum(a3) + e3)
+
+
+@kernel(inline="always")
+def _q5(w, at, hm):
+    """Q5 quants at w[at..]: the 4 bytes of fifth bits, then 16 nibble-pair bytes: values 0..31."""
+    return vor(vnib(w, at + 4), vand(vbits(w, at), hm))
+
+
+@kernel(_nrt=False)
+def _rows_q5_0_avx2(w, qs, d, s, sums, out, m0, m1):
+    k = qs.shape[1]
+    hm = vset8(16)
+    for m in range(m0, m1, 4):
+        r0, r1, r2, r3 = _four_rows(w, m, m1)
+        for n in range(qs.shape[0]):
+            a0 = a1 = a2 = a3 = vzero()
+            for b in range(k // 32):
+                x = vload(qs, n * k + 32 * b)
+                off = vset32(2 * (sums[n, 2 * b] + sums[n, 2 * b + 1]))  # q - 16
+                da = d[n, b]
+                o = 22 * b
+                a0 = _blk(w, r0 + o, da, vsub32(vdot(_q5(w, r0 + o + 2, hm), x), off), a0)
+                a1 = _blk(w, r1 + o, da, vsub32(vdot(_q5(w, r1 + o + 2, hm), x), off), a1)
+                a2 = _blk(w, r2 + o, da, vsub32(vdot(_q5(w, r2 + o + 2, hm), x), off), a2)
+                a3 = _blk(w, r3 + o, da, vsub32(vdot(_q5(w, r3 + o + 2, hm), x), off), a3)
+            _store4(out, n, m, m1, vhsum(a0), vhsum(a1), vhsum(a2), vhsum(a3))
+
+
+@kernel(_nrt=False)
+def _rows_q5_1_avx2(w, qs, d, s, sums, out, m0, m1):
+    k = qs.shape[1]
+    hm = vset8(16)
+    for m in range(m0, m1, 4):
+        r0, r1, r2, r3 = _four_rows(w, m, m1)
+        for n in range(qs.shape[0]):
+            a0 = a1 = a2 = a3 = vzero()
+            e0 = e1 = e2 = e3 = np.float32(0.0)
+            for b in range(k // 32):
+                x = vload(qs, n * k + 32 * b)
+                da = d[n, b]
+                sb = s[n, b]
+                o = 24 * b
+                a0 = _blk(w, r0 + o, da, vdot(_q5(w, r0 + o + 4, hm), x), a0)
+                a1 = _blk(w, r1 + o, da, vdot(_q5(w, r1 + o + 4, hm), x), a1)
+                a2 = _blk(w, r2 + o, da, vdot(_q5(w, r2 + o + 4, hm), x), a2)
+                a3 = _blk(w, r3 + o, da, vdot(_q5(w, r3 + o + 4, hm), x), a3)
+                e0 += sf16(w, r0 + o + 2) * sb
+                e1 += sf16(w, r1 + o + 2) * sb
+                e2 += sf16(w, r2 + o + 2) * sb
+                e3 += sf16(w, r3 + o + 2) * sb
+            _store4(out, n, m, m1, vhsum(a0) + e0, vhsum(a1) + e1, vhsum(a2) + e2, vhsum(a3) + e3)
+
+
+@kernel(inline="always")
+def _q8_lanes(w, at, x):
+    """Signed weight bytes at w[at..] times signed x: |w| times x carrying w's sign."""
+    q = vload(w, at)
+    return vdot(vabs8(q), vsign8(x, q))
+
+
+@kernel(_nrt=False)
+def _rows_q8_0_avx2(w, qs, d, s, sums, out, m0, m1):
+    k = qs.shape[1]
+    rs = w.strides[0]
+    for m in range(m0, m1, 4):
+        r0, r1, r2, r3 = _four_rows(w, m, m1)
+        for n in range(qs.shape[0]):
+            a0 = a1 = a2 = a3 = vzero()
+            for b in range(k // 32):
+                x = vload(qs, n * k + 32 * b)
+                da = d[n, b]
+                o = 34 * b
+                prefetch(w, r0 + 4 * rs + o)
+                prefetch(w, r1 + 4 * rs + o)
+                prefetch(w, r2 + 4 * rs + o)
+                prefetch(w, r3 + 4 * rs + o)
+                a0 = _blk(w, r0 + o, da, _q8_lanes(w, r0 + o + 2, x), a0)
+                a1 = _blk(w, r1 + o, da, _q8_lanes(w, r1 + o + 2, x), a1)
+                a2 = _blk(w, r2 + o, da, _q8_lanes(w, r2 + o + 2, x), a2)
+                a3 = _blk(w, r3 + o, da, _q8_lanes(w, r3 + o + 2, x), a3)
+            _store4(out, n, m, m1, vhsum(a0), vhsum(a1), vhsum(a2), vhsum(a3))
+
+
+@kernel(_nrt=False)
+def _rows_q2_k_avx2(w, qs, d, s, sums, out, m0, m1):
+    k = qs.shape[1]
+    m3 = vset8(3)
+    rs = w.strides[0]
+    for m in range(m0, m1):
+        for n in range(qs.shape[0]):
+            acc = vzero()
+            extra = np.float32(0.0)
+            for b in range(k // 256):
+                o = m * rs + 84 * b
+                isum = vzero()
+                mins = 0
+                for h in range(2):
+                    q = vload(w, o + 16 + 32 * h)
+                    for j in range(4):
+                        g = 8 * h + 2 * j
+                        sc = vset16x2(np.int64(w[m, 84 * b + g] & 15), np.int64(w[m, 84 * b + g + 1] & 15))
+                        u = vand(vsrl16(q, 2 * j), m3)
+                        isum = vadd32(isum, vmadd(vmaddubs(u, vload(qs, n * k + 256 * b + 128 * h + 32 * j)), sc))
+                for g in range(16):
+                    mins += np.int64(w[m, 84 * b + g] >> 4) * sums[n, 16 * b + g]
+                acc = vfma(vsetf(d[n, b] * sf16(w, o + 80)), vcvt(isum), acc)
+                extra -= (d[n, b] * sf16(w, o + 82)) * np.float32(mins)
+            out[n, m] = vhsum(acc) + extra
+
+
+@kernel(_nrt=False)
+def _rows_q3_k_avx2(w, qs, d, s, sums, out, m0, m1):
+    k = qs.shape[1]
+    m3 = vset8(3)
+    m1v = vset8(1)
+    rs = w.strides[0]
+    for m in range(m0, m1):
+        for n in range(qs.shape[0]):
+            acc = vzero()
+            for b in range(k // 256):
+                o = m * rs + 110 * b
+                ob = 110 * b
+                isum = vzero()
+                hm = vload(w, o)
+                for h in range(2):
+                    q = vload(w, o + 32 + 32 * h)
+                    for j in range(4):
+                        g = 8 * h + 2 * j
+                        u = vor(vand(vsrl16(q, 2 * j), m3), vsll16(vand(vsrl16(hm, 4 * h + j), m1v), 2))
+                        sc = vset16x2(_q3_sc(w[m], ob + 96, g), _q3_sc(w[m], ob + 96, g + 1))
+                        isum = vadd32(isum, vmadd(vmaddubs(u, vload(qs, n * k + 256 * b + 128 * h + 32 * j)), sc))
+                corr = 0  # q - 4: 4 * the sum over groups of scale * activation sum
+                for g in range(16):
+                    corr += _q3_sc(w[m], ob + 96, g) * sums[n, 16 * b + g]
+                isum = vsub32(isum, vlane0(4 * corr))
+                acc = vfma(vsetf(sf16(w, o + 108) * d[n, b]), vcvt(isum), acc)
+            out[n, m] = vhsum(acc)
+
+
+@kernel(inline="always")
+def _rows_q45_k_avx2(five, w, qs, d, sums, out, m0, m1):
+    """Q4_K (five False) or Q5_K: 8 sub-blocks of 32 with six-bit scales and mins."""
+    k = qs.shape[1]
+    ts = 176 if five else 144
+    qs_at = 48 if five else 16
     m15 = vset8(15)
-    if code == Q4_0:
-        for b in range(qs.shape[0] // 32):
-            o = 18 * b
-            p = vsub32(vdot(vnib(w, o + 2), vload(qs, 32 * b)), vset32(sums[2 * b] + sums[2 * b + 1]))
-            acc = vfma(vsetf(sf16(w, o) * d[b]), vcvt(p), acc)
-    elif code == Q4_1:
-        for b in range(qs.shape[0] // 32):
-            o = 20 * b
-            p = vdot(vnib(w, o + 4), vload(qs, 32 * b))
-            acc = vfma(vsetf(sf16(w, o) * d[b]), vcvt(p), acc)
-            extra += sf16(w, o + 2) * s[b]
-    elif code == Q5_0:
-        m16 = vset8(16)
-        for b in range(qs.shape[0] // 32):
-            o = 22 * b
-            u = vor(vnib(w, o + 6), vand(vbits(w, o + 2), m16))
-            p = vsub32(vdot(u, vload(qs, 32 * b)), vset32(2 * (sums[2 * b] + sums[2 * b + 1])))
-            acc = vfma(vsetf(sf16(w, o) * d[b]), vcvt(p), acc)
-    elif code == Q5_1:
-        m16 = vset8(16)
-        for b in range(qs.shape[0] // 32):
-            o = 24 * b
-            u = vor(vnib(w, o + 8), vand(vbits(w, o + 4), m16))
-            acc = vfma(vsetf(sf16(w, o) * d[b]), vcvt(vdot(u, vload(qs, 32 * b))), acc)
-            extra += sf16(w, o + 2) * s[b]
-    elif code == Q8_0:
-        for b in range(qs.shape[0] // 32):
-            o = 34 * b
-            x = vload(w, o + 2)
-            p = vdot(vabs8(x), vsign8(vload(qs, 32 * b), x))
-            acc = vfma(vsetf(sf16(w, o) * d[b]), vcvt(p), acc)
-    elif code == Q2_K:
-        m3 = vset8(3)
-        for b in range(qs.shape[0] // 256):
-            o = 84 * b
-            isum = vzero()
-            mins = 0
-            for h in range(2):
-                q = vload(w, o + 16 + 32 * h)
-                for j in range(4):
-                    g = 8 * h + 2 * j
-                    u = vand(vsrl16(q, 2 * j), m3)
-                    sc = vset16x2(np.int64(w[o + g] & 15), np.int64(w[o + g + 1] & 15))
-                    isum = vadd32(isum, vmadd(vmaddubs(u, vload(qs, 256 * b + 128 * h + 32 * j)), sc))
-            for g in range(16):
-                mins += np.int64(w[o + g] >> 4) * sums[16 * b + g]
-            acc = vfma(vsetf(d[b] * sf16(w, o + 80)), vcvt(isum), acc)
-            extra -= (d[b] * sf16(w, o + 82)) * np.float32(mins)
-    elif code == Q3_K:
-        m3 = vset8(3)
-        m1 = vset8(1)
-        for b in range(qs.shape[0] // 256):
-            o = 110 * b
-            isum = vzero()
-            hm = vload(w, o)
-            for h in range(2):
-                q = vload(w, o + 32 + 32 * h)
-                for j in range(4):
-                    g = 8 * h + 2 * j
-                    u = vor(vand(vsrl16(q, 2 * j), m3), vsll16(vand(vsrl16(hm, 4 * h + j), m1), 2))
-                    sc = vset16x2(_q3_sc(w, o + 96, g), _q3_sc(w, o + 96, g + 1))
-                    isum = vadd32(isum, vmadd(vmaddubs(u, vload(qs, 256 * b + 128 * h + 32 * j)), sc))
-            corr = 0  # q - 4: 4 * sum over groups of scale * activation sum
-            for g in range(16):
-                corr += _q3_sc(w, o + 96, g) * sums[16 * b + g]
-            isum = vsub32(isum, vlane0(4 * corr))
-            acc = vfma(vsetf(sf16(w, o + 108) * d[b]), vcvt(isum), acc)
-    elif code == Q4_K or code == Q5_K:
-        ts = 144 if code == Q4_K else 176
-        qs_at = 16 if code == Q4_K else 48
-        m1 = vset8(1)
-        for b in range(qs.shape[0] // 256):
-            o = ts * b
-            isum = vzero()
-            mins = 0
-            hb = vload(w, o + 16)  # Q5_K's fifth bits (unused by Q4_K)
-            for i in range(4):
-                sc0, mn0 = _k4_sm(w, o + 4, 2 * i)
-                sc1, mn1 = _k4_sm(w, o + 4, 2 * i + 1)
-                x = vload(w, o + qs_at + 32 * i)
-                lo = vand(x, m15)
-                hi = vand(vsrl16(x, 4), m15)
-                if code == Q5_K:
-                    lo = vor(lo, vsll16(vand(vsrl16(hb, 2 * i), m1), 4))
-                    hi = vor(hi, vsll16(vand(vsrl16(hb, 2 * i + 1), m1), 4))
-                a = 256 * b + 64 * i
-                p0 = vmadd(vmaddubs(lo, vload(qs, a)), vset16x2(sc0, sc0))
-                p1 = vmadd(vmaddubs(hi, vload(qs, a + 32)), vset16x2(sc1, sc1))
-                isum = vadd32(isum, vadd32(p0, p1))
-                mins += mn0 * (sums[16 * b + 4 * i] + sums[16 * b + 4 * i + 1]) \
-                    + mn1 * (sums[16 * b + 4 * i + 2] + sums[16 * b + 4 * i + 3])
-            acc = vfma(vsetf(sf16(w, o) * d[b]), vcvt(isum), acc)
-            extra -= (sf16(w, o + 2) * d[b]) * np.float32(mins)
-    elif code == Q6_K:
-        m3 = vset8(3)
-        for b in range(qs.shape[0] // 256):
-            o = 210 * b
-            isum = vzero()
-            for h in range(2):
-                hi2 = vload(w, o + 128 + 32 * h)
-                la = vload(w, o + 64 * h)
-                lb = vload(w, o + 64 * h + 32)
+    m1v = vset8(1)
+    rs = w.strides[0]
+    for m in range(m0, m1):
+        row = w[m]
+        for n in range(qs.shape[0]):
+            acc = vzero()
+            extra = np.float32(0.0)
+            for b in range(k // 256):
+                ob = ts * b
+                o = m * rs + ob
+                isum = vzero()
+                mins = 0
+                hb = vload(w, o + 16)  # Q5_K's fifth bits
                 for i in range(4):
-                    low = la if i % 2 == 0 else lb
-                    low = vand(low, m15) if i < 2 else vand(vsrl16(low, 4), m15)
-                    u = vor(low, vsll16(vand(vsrl16(hi2, 2 * i), m3), 4))
-                    g = 8 * h + 2 * i
-                    sc = vset16x2(_s8(w[o + 192 + g]), _s8(w[o + 193 + g]))
-                    isum = vadd32(isum, vmadd(vmaddubs(u, vload(qs, 256 * b + 128 * h + 32 * i)), sc))
-            corr = 0  # q - 32: 32 * sum over groups of scale * activation sum
-            for g in range(16):
-                corr += _s8(w[o + 192 + g]) * sums[16 * b + g]
-            isum = vsub32(isum, vlane0(32 * corr))
-            acc = vfma(vsetf(sf16(w, o + 208) * d[b]), vcvt(isum), acc)
-    return vhsum(acc) + extra
+                    sc0, mn0 = _k4_sm(row, ob + 4, 2 * i)
+                    sc1, mn1 = _k4_sm(row, ob + 4, 2 * i + 1)
+                    x = vload(w, o + qs_at + 32 * i)
+                    lo = vand(x, m15)
+                    hi = vand(vsrl16(x, 4), m15)
+                    if five:
+                        lo = vor(lo, vsll16(vand(vsrl16(hb, 2 * i), m1v), 4))
+                        hi = vor(hi, vsll16(vand(vsrl16(hb, 2 * i + 1), m1v), 4))
+                    a = n * k + 256 * b + 64 * i
+                    p0 = vmadd(vmaddubs(lo, vload(qs, a)), vset16x2(sc0, sc0))
+                    p1 = vmadd(vmaddubs(hi, vload(qs, a + 32)), vset16x2(sc1, sc1))
+                    isum = vadd32(isum, vadd32(p0, p1))
+                    t = 16 * b + 4 * i
+                    mins += mn0 * (sums[n, t] + sums[n, t + 1]) + mn1 * (sums[n, t + 2] + sums[n, t + 3])
+                acc = vfma(vsetf(sf16(w, o) * d[n, b]), vcvt(isum), acc)
+                extra -= (sf16(w, o + 2) * d[n, b]) * np.float32(mins)
+            out[n, m] = vhsum(acc) + extra
+
+
+@kernel(_nrt=False)
+def _rows_q4_k_avx2(w, qs, d, s, sums, out, m0, m1):
+    _rows_q45_k_avx2(False, w, qs, d, sums, out, m0, m1)
+
+
+@kernel(_nrt=False)
+def _rows_q5_k_avx2(w, qs, d, s, sums, out, m0, m1):
+    _rows_q45_k_avx2(True, w, qs, d, sums, out, m0, m1)
+
+
+@kernel(_nrt=False)
+def _rows_q6_k_avx2(w, qs, d, s, sums, out, m0, m1):
+    k = qs.shape[1]
+    m15 = vset8(15)
+    m3 = vset8(3)
+    rs = w.strides[0]
+    for m in range(m0, m1):
+        for n in range(qs.shape[0]):
+            acc = vzero()
+            for b in range(k // 256):
+                o = m * rs + 210 * b
+                ob = 210 * b
+                isum = vzero()
+                for h in range(2):
+                    hi2 = vload(w, o + 128 + 32 * h)
+                    la = vload(w, o + 64 * h)
+                    lb = vload(w, o + 64 * h + 32)
+                    for i in range(4):
+                        low = la if i % 2 == 0 else lb
+                        low = vand(low, m15) if i < 2 else vand(vsrl16(low, 4), m15)
+                        u = vor(low, vsll16(vand(vsrl16(hi2, 2 * i), m3), 4))
+                        g = ob + 192 + 8 * h + 2 * i
+                        sc = vset16x2(_s8(w[m, g]), _s8(w[m, g + 1]))
+                        isum = vadd32(isum, vmadd(vmaddubs(u, vload(qs, n * k + 256 * b + 128 * h + 32 * i)), sc))
+                corr = 0  # q - 32: 32 * the sum over groups of scale * activation sum
+                for g in range(16):
+                    corr += _s8(w[m, ob + 192 + g]) * sums[n, 16 * b + g]
+                isum = vsub32(isum, vlane0(32 * corr))
+                acc = vfma(vsetf(sf16(w, o + 208) * d[n, b]), vcvt(isum), acc)
+            out[n, m] = vhsum(acc)
 
 
 @kernel(inline="always")
@@ -885,12 +1088,154 @@ def _dotf_avx2(code, w, x):
 
 
 # ---------------------------------------------------------------------------------------------
+# "r8": the legacy types repacked once at load for AVX2 (see `repack`). Rows in groups of 8; per
+# group and 32-block: the 8 rows' f16 scales d, (Q4_1/Q5_1) f16 mins m, (Q5) fifth bits, then the
+# quants as 32-bit lanes, one lane per row: vector j holds bytes 4j..4j+3 of every row. One
+# maddubs multiplies 4 weights of each of the 8 rows by 4 broadcast activation bytes, so the
+# lanes of the accumulator are the 8 rows' results and the scales are applied 8 rows at a time.
+# ---------------------------------------------------------------------------------------------
+
+R8 = 8
+R8_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+
+
+@kernel(inline="always")
+def _r8_block(code):
+    """Bytes per group and block, and where the quants start in them."""
+    if code == Q4_0:
+        return 144, 16
+    if code == Q4_1:
+        return 160, 32
+    if code == Q5_0:
+        return 176, 48
+    if code == Q5_1:
+        return 192, 64
+    return 272, 16
+
+
+def repack_r8(code: int, raw: np.ndarray) -> np.ndarray:
+    """ggml blocks [M, row bytes] (uint8) -> r8 groups [ceil(M / 8), blocks * group bytes] (uint8).
+
+    The last group is padded with zero rows (scale 0). Q5's fifth bits are reordered so that
+    bit 2j + h of byte t of a row's 32 bits is the bit of element 16h + 4j + t: the bit that
+    joins the nibble in lane byte t of vector j (h = 0: low nibbles, h = 1: high nibbles).
+    """
+    ts = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34}[code]
+    m = raw.shape[0]
+    nb = raw.shape[1] // ts
+    groups = (m + R8 - 1) // R8
+    blocks = np.zeros((groups * R8, nb, ts), dtype=np.uint8)
+    blocks[:m] = raw.reshape(m, nb, ts)
+    blocks = blocks.reshape(groups, R8, nb, ts).transpose(0, 2, 1, 3)  # [g, b, row, bytes]
+    size, q_at = _r8_block.py_func(code)
+    out = np.empty((groups, nb, size), dtype=np.uint8)
+    out[:, :, 0:16] = blocks[:, :, :, 0:2].reshape(groups, nb, 16)  # d
+    at = 2
+    if code in (Q4_1, Q5_1):
+        out[:, :, 16:32] = blocks[:, :, :, 2:4].reshape(groups, nb, 16)  # m
+        at = 4
+    if code in (Q5_0, Q5_1):
+        bits = np.unpackbits(blocks[:, :, :, at:at + 4], axis=-1, bitorder="little")  # element e -> bits[e]
+        e = np.array([16 * (i % 2) + 4 * ((i % 8) // 2) + i // 8 for i in range(32)])  # new bit i = 8t + 2j + h
+        out[:, :, q_at - 32:q_at] = np.packbits(bits[..., e], axis=-1, bitorder="little").reshape(groups, nb, 32)
+        at += 4
+    qs = blocks[:, :, :, at:]  # [g, b, row, 16 or 32 bytes]
+    lanes = qs.reshape(groups, nb, R8, -1, 4).transpose(0, 1, 3, 2, 4)  # [g, b, j, row, 4]
+    out[:, :, q_at:] = lanes.reshape(groups, nb, -1)
+    return out.reshape(groups, nb * size)
+
+
+def r8_block_bytes(code: int) -> int:
+    """Bytes of one r8 group (8 rows) per 32-element block."""
+    return _r8_block.py_func(code)[0]
+
+
+@kernel(inline="always")
+def _r8_store(out, n, g, m, acc):
+    r = R8 * g
+    if r + R8 <= m:
+        vstoref(out, 4 * (n * out.shape[1] + r), acc)
+    else:
+        for i in range(m - r):
+            out[n, r + i] = vlane(acc, i)
+
+
+@kernel(_nrt=False)
+def _rows_r8_avx2(code, p, qs, d, s, sums, out, g0, g1):
+    """Groups g0..g1 of an r8 weight against every quantized activation row."""
+    k = qs.shape[1]
+    m = out.shape[1]
+    size, q_at = _r8_block(code)
+    gs = p.strides[0]
+    m15 = vset8(15)
+    m16 = vset8(16)
+    ones = vset16x2(1, 1)
+    for g in range(g0, g1):
+        for n in range(qs.shape[0]):
+            acc = vzero()
+            acc_m = vzero()
+            for b in range(k // 32):
+                o = g * gs + size * b
+                prefetch(p, o + 4 * gs)
+                x = n * k + 32 * b
+                if code == Q8_0:
+                    lanes = vzero()
+                    for j in range(8):
+                        q = vload(p, o + q_at + 32 * j)
+                        lanes = vadd32(lanes, vmadd(vmaddubs(vabs8(q), vsign8(vbcast32(qs, x + 4 * j), q)), ones))
+                elif code == Q4_0 or code == Q4_1:
+                    t = vzero()
+                    for j in range(4):
+                        q = vload(p, o + q_at + 32 * j)
+                        t = vadd16(t, vmaddubs(vand(q, m15), vbcast32(qs, x + 4 * j)))
+                        t = vadd16(t, vmaddubs(vand(vsrl16(q, 4), m15), vbcast32(qs, x + 16 + 4 * j)))
+                    lanes = vmadd(t, ones)  # 8 products of at most 2 * 15 * 127 each fit in 16 bits
+                    if code == Q4_0:
+                        lanes = vsub32(lanes, vset32(8 * (sums[n, 2 * b] + sums[n, 2 * b + 1])))
+                else:
+                    hb = vload(p, o + q_at - 32)
+                    lanes = vzero()
+                    for half in range(2):
+                        t = vzero()
+                        for j in range(2 * half, 2 * half + 2):
+                            q = vload(p, o + q_at + 32 * j)
+                            # bit 2j (low nibbles) / 2j + 1 (high) of each byte moved to bit 4
+                            h_lo = vsll16(hb, 4 - 2 * j) if 2 * j < 4 else vsrl16(hb, 2 * j - 4)
+                            h_hi = vsll16(hb, 3 - 2 * j) if 2 * j + 1 < 4 else vsrl16(hb, 2 * j - 3)
+                            lo = vor(vand(q, m15), vand(h_lo, m16))
+                            hi = vor(vand(vsrl16(q, 4), m15), vand(h_hi, m16))
+                            t = vadd16(t, vmaddubs(lo, vbcast32(qs, x + 4 * j)))
+                            t = vadd16(t, vmaddubs(hi, vbcast32(qs, x + 16 + 4 * j)))
+                        lanes = vadd32(lanes, vmadd(t, ones))  # 4 products of at most 2 * 31 * 127
+                    if code == Q5_0:
+                        lanes = vsub32(lanes, vset32(16 * (sums[n, 2 * b] + sums[n, 2 * b + 1])))
+                acc = vfma(vmulf(vf16x8(p, o), vsetf(d[n, b])), vcvt(lanes), acc)
+                if code == Q4_1 or code == Q5_1:
+                    acc_m = vfma(vf16x8(p, o + 16), vsetf(s[n, b]), acc_m)
+            _r8_store(out, n, g, m, vaddf(acc, acc_m))
+
+
+@kernel
+def mul_mat_r8_avx2(code, act, p, x, qs, d, s, sums, out):
+    quantize_rows(act, x, qs, d, s, sums)
+    _rows_r8_avx2(code, p, qs, d, s, sums, out, 0, p.shape[0])
+
+
+@kernel(parallel=True)
+def mul_mat_r8_avx2_par(code, act, p, x, qs, d, s, sums, out, n_chunks):
+    quantize_rows(act, x, qs, d, s, sums)
+    step = (p.shape[0] + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        _rows_r8_avx2(code, p, qs, d, s, sums, out, c * step, min(p.shape[0], (c + 1) * step))
+
+
+# ---------------------------------------------------------------------------------------------
 # Matrix products of a stored weight w [M, row bytes] with activation rows x [N, K]:
 # out [N, M]. Every row of w is read once from memory and dotted with all N rows (N is small).
 # The *_par variants split w's rows into n_chunks ranges over numba's threads.
 # ---------------------------------------------------------------------------------------------
 
-@kernel
+@kernel(_nrt=False)
 def _rows_q8_portable(code, w, qs, d, s, sums, out, m0, m1):
     for m in range(m0, m1):
         row = w[m]
@@ -898,12 +1243,28 @@ def _rows_q8_portable(code, w, qs, d, s, sums, out, m0, m1):
             out[n, m] = dot_portable(code, row, qs[n], d[n], s[n], sums[n])
 
 
-@kernel
+@kernel(_nrt=False)
 def _rows_q8_avx2(code, w, qs, d, s, sums, out, m0, m1):
-    for m in range(m0, m1):
-        row = w[m]
-        for n in range(qs.shape[0]):
-            out[n, m] = dot_avx2(code, row, qs[n], d[n], s[n], sums[n])
+    if code == Q4_0:
+        _rows_q4_0_avx2(w, qs, d, s, sums, out, m0, m1)
+    elif code == Q4_1:
+        _rows_q4_1_avx2(w, qs, d, s, sums, out, m0, m1)
+    elif code == Q5_0:
+        _rows_q5_0_avx2(w, qs, d, s, sums, out, m0, m1)
+    elif code == Q5_1:
+        _rows_q5_1_avx2(w, qs, d, s, sums, out, m0, m1)
+    elif code == Q8_0:
+        _rows_q8_0_avx2(w, qs, d, s, sums, out, m0, m1)
+    elif code == Q2_K:
+        _rows_q2_k_avx2(w, qs, d, s, sums, out, m0, m1)
+    elif code == Q3_K:
+        _rows_q3_k_avx2(w, qs, d, s, sums, out, m0, m1)
+    elif code == Q4_K:
+        _rows_q4_k_avx2(w, qs, d, s, sums, out, m0, m1)
+    elif code == Q5_K:
+        _rows_q5_k_avx2(w, qs, d, s, sums, out, m0, m1)
+    elif code == Q6_K:
+        _rows_q6_k_avx2(w, qs, d, s, sums, out, m0, m1)
 
 
 @kernel
