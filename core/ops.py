@@ -44,8 +44,11 @@ OPS: dict[str, OpInfo] = {
     "swiglu": OpInfo(inplace=True),
     "geglu": OpInfo(inplace=True),
     "rms_norm": OpInfo(inplace=True),
+    "rms_norm_mul": OpInfo(inplace=True),
+    "add_rms_norm": OpInfo(),
     "norm": OpInfo(inplace=True),
     "rope": OpInfo(inplace=True),
+    "rope_set_rows": OpInfo(writes_into=True),
     "soft_max": OpInfo(inplace=True),
     "flash_attn": OpInfo(),
     "copy": OpInfo(),  # a scheduler copy of a tensor into another backend's memory
@@ -222,6 +225,37 @@ def rms_norm(a: Tensor, eps: float, name: str | None = None) -> Tensor:
     return _unary("rms_norm", a, name, eps=float(eps))
 
 
+def _check_norm_weight(op: str, a: Tensor, w: Tensor) -> None:
+    _need_float(op, w)
+    if not _broadcasts(w.shape, a.shape) or w.shape[-1] != a.shape[-1]:
+        raise _fail(op, "the weight must span the last axis and broadcast over the rest", a, w)
+
+
+def rms_norm_mul(a: Tensor, w: Tensor, eps: float, name: str | None = None) -> Tensor:
+    """rms_norm(a) * w in one pass (w spans the last axis: a norm's weight, per channel or per head dim)."""
+    _need_float("rms_norm_mul", a)
+    _check_norm_weight("rms_norm_mul", a, w)
+    return _node("rms_norm_mul", DType.F32, a.shape, (a, w), name, eps=float(eps))
+
+
+def add_rms_norm(x: Tensor, h: Tensor, w: Tensor, eps: float, post: Tensor | None = None,
+                 name: str | None = None) -> Tensor:
+    """The residual add fused with the next norm: [2, *x.shape] holding s = x + h and rms_norm(s) * w.
+
+    With `post`, h is first normalised by its own weight: s = x + rms_norm(h) * post (gemma3's
+    norms after attention and feed-forward). Index 0 is the residual stream, 1 its normalised form.
+    """
+    _need_float("add_rms_norm", x, h)
+    if x.shape != h.shape:
+        raise _fail("add_rms_norm", "the stream and the added tensor differ in shape", x, h)
+    _check_norm_weight("add_rms_norm", x, w)
+    srcs = (x, h, w)
+    if post is not None:
+        _check_norm_weight("add_rms_norm", h, post)
+        srcs += (post,)
+    return _node("add_rms_norm", DType.F32, (2,) + x.shape, srcs, name, eps=float(eps))
+
+
 def norm(a: Tensor, eps: float, name: str | None = None) -> Tensor:
     """(a - mean) / sqrt(var + eps) over the last axis."""
     return _unary("norm", a, name, eps=float(eps))
@@ -264,20 +298,54 @@ def mul_mat(a: Tensor, b: Tensor, name: str | None = None) -> Tensor:
     return _node("mul_mat", DType.F32, bb + (b.shape[-2], a.shape[-2]), (a, b), name)
 
 
+def _check_rope(op: str, a: Tensor, pos: Tensor, n_dims: int) -> None:
+    _need_float(op, a)
+    if len(a.shape) != 3 or pos.dtype is not DType.I32 or pos.shape != (a.shape[0],):
+        raise _fail(op, "expects a [tokens, heads, dim] and i32 positions [tokens]", a, pos)
+    if n_dims % 2 or n_dims > a.shape[2]:
+        raise _fail(op, f"n_dims {n_dims} must be even and at most the head size", a)
+
+
+def _rope_norm(op: str, a: Tensor, norm: Tensor | None, eps: float) -> tuple[tuple[Tensor, ...], dict]:
+    """The extra source and params of a RoPE that first RMS-normalises each head by `norm`."""
+    if norm is None:
+        return (), {}
+    _check_norm_weight(op, a, norm)
+    return (norm,), {"eps": float(eps)}
+
+
 def rope(a: Tensor, pos: Tensor, n_dims: int, mode: int = ROPE_NORMAL, freq_base: float = 10000.0,
-         freq_scale: float = 1.0, name: str | None = None) -> Tensor:
+         freq_scale: float = 1.0, name: str | None = None, out_scale: float = 1.0,
+         norm: Tensor | None = None, eps: float = 0.0) -> Tensor:
     """Rotary position embedding of a [tokens, heads, head_dim] at positions pos [tokens] (i32).
 
     mode ROPE_NORMAL rotates adjacent pairs (llama); ROPE_NEOX rotates the two halves.
-    Only the first n_dims of each head rotate.
+    Only the first n_dims of each head rotate. Fused around it: with `norm`, each head is first
+    rms_norm'ed and multiplied by norm [head_dim] (gemma3's q/k norms); the result is multiplied
+    by out_scale (gemma3 scales its queries right after RoPE).
     """
-    _need_float("rope", a)
-    if len(a.shape) != 3 or pos.dtype is not DType.I32 or pos.shape != (a.shape[0],):
-        raise _fail("rope", "expects a [tokens, heads, dim] and i32 positions [tokens]", a, pos)
-    if n_dims % 2 or n_dims > a.shape[2]:
-        raise _fail("rope", f"n_dims {n_dims} must be even and at most the head size", a)
-    return _node("rope", DType.F32, a.shape, (a, pos), name, n_dims=n_dims, mode=mode,
-                 freq_base=float(freq_base), freq_scale=float(freq_scale))
+    _check_rope("rope", a, pos, n_dims)
+    extra, params = _rope_norm("rope", a, norm, eps)
+    return _node("rope", DType.F32, a.shape, (a, pos) + extra, name, n_dims=n_dims, mode=mode,
+                 freq_base=float(freq_base), freq_scale=float(freq_scale), out_scale=float(out_scale), **params)
+
+
+def rope_set_rows(dst: Tensor, a: Tensor, idx: Tensor, pos: Tensor, n_dims: int, mode: int = ROPE_NORMAL,
+                  freq_base: float = 10000.0, freq_scale: float = 1.0, name: str | None = None,
+                  norm: Tensor | None = None, eps: float = 0.0) -> Tensor:
+    """rope(a, pos, ..., norm, eps) of a [tokens, heads, head_dim], each token's heads written as one
+    row of dst [rows, heads * head_dim] at row idx[token]: the keys' RoPE fused with the KV cache
+    write. Returns dst's view for later readers, as set_rows does."""
+    _check_rope("rope_set_rows", a, pos, n_dims)
+    if idx.dtype is not DType.I32 or idx.shape != (a.shape[0],):
+        raise _fail("rope_set_rows", "row indices must be i32 [tokens]", a, idx)
+    if len(dst.shape) != 2 or dst.shape[1] != a.shape[1] * a.shape[2]:
+        raise _fail("rope_set_rows", "dst rows must hold one token's heads", dst, a)
+    extra, params = _rope_norm("rope_set_rows", a, norm, eps)
+    t = _view_of("rope_set_rows", dst, dst.shape, dst.strides, 0, name)
+    t.srcs = (dst, a, idx, pos) + extra
+    t.params.update(n_dims=n_dims, mode=mode, freq_base=float(freq_base), freq_scale=float(freq_scale), **params)
+    return t
 
 
 def soft_max(a: Tensor, mask: Tensor | None = None, scale: float = 1.0, name: str | None = None) -> Tensor:

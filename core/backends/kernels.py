@@ -176,13 +176,37 @@ def _geglu(xp, node, out, srcs):
     xp.multiply(out, _f(xp, node, 1, srcs[1]), out=out)
 
 
-@kernel("rms_norm")
-def _rms_norm(xp, node, out, srcs):
-    a = _f(xp, node, 0, srcs[0])
+def _rms_norm_into(xp, a, eps: float, out) -> None:
     ms = xp.mean(xp.square(a, dtype=xp.float32), axis=-1, keepdims=True)
-    ms += node.params["eps"]
+    ms += eps
     xp.sqrt(ms, out=ms)
     xp.divide(a, ms, out=out)
+
+
+@kernel("rms_norm")
+def _rms_norm(xp, node, out, srcs):
+    _rms_norm_into(xp, _f(xp, node, 0, srcs[0]), node.params["eps"], out)
+
+
+@kernel("rms_norm_mul")
+def _rms_norm_mul(xp, node, out, srcs):
+    _rms_norm_into(xp, _f(xp, node, 0, srcs[0]), node.params["eps"], out)
+    out *= _f(xp, node, 1, srcs[1])
+
+
+@kernel("add_rms_norm")
+def _add_rms_norm(xp, node, out, srcs):
+    x, h, w = (_f(xp, node, i, s) for i, s in enumerate(srcs[:3]))
+    eps = node.params["eps"]
+    stream, normed = out[0], out[1]
+    if len(srcs) > 3:  # h normalised by its own weight before the add
+        _rms_norm_into(xp, h, eps, stream)
+        stream *= _f(xp, node, 3, srcs[3])
+        stream += x
+    else:
+        xp.add(x, h, out=stream)
+    _rms_norm_into(xp, stream, eps, normed)
+    normed *= w
 
 
 @kernel("norm")
@@ -267,11 +291,8 @@ def rope_angles(xp, pos, n_dims: int, freq_base: float, freq_scale: float):
     return xp.cos(theta).astype(xp.float32)[:, None, :], xp.sin(theta).astype(xp.float32)[:, None, :]
 
 
-@kernel("rope")
-def _rope(xp, node, out, srcs):
-    a, pos = srcs
-    a = _f(xp, node, 0, a)
-    p = node.params
+def _rope_into(xp, a, pos, p: dict, out) -> None:
+    """out = a rotated at positions pos (out may alias a)."""
     n = p["n_dims"]
     cos, sin = rope_angles(xp, pos, n, p["freq_base"], p["freq_scale"])
     if p["mode"] == ROPE_NEOX:
@@ -284,6 +305,37 @@ def _rope(xp, node, out, srcs):
     out[..., hi] = x0 * sin + x1 * cos
     if n < a.shape[-1]:
         out[..., n:] = a[..., n:]
+
+
+def _rope_input(xp, node, a, i: int, norm):
+    """The rope's input: a, or a's heads rms_norm'ed times the norm weight when the node fuses one."""
+    a = _f(xp, node, i, a)
+    if norm is None:
+        return a
+    normed = xp.empty(a.shape, dtype=xp.float32)
+    _rms_norm_into(xp, a, node.params["eps"], normed)
+    normed *= _f(xp, node, len(node.srcs) - 1, norm)
+    return normed
+
+
+@kernel("rope")
+def _rope(xp, node, out, srcs):
+    a = _rope_input(xp, node, srcs[0], 0, srcs[2] if len(srcs) > 2 else None)
+    _rope_into(xp, a, srcs[1], node.params, out)
+    s = node.params.get("out_scale", 1.0)
+    if s != 1.0:
+        out *= xp.float32(s)
+
+
+@kernel("rope_set_rows")
+def _rope_set_rows(xp, node, out, srcs):
+    _, a, idx, pos = srcs[:4]
+    a = _rope_input(xp, node, a, 1, srcs[4] if len(srcs) > 4 else None)
+    rows = xp.empty(a.shape, dtype=xp.float32)
+    _rope_into(xp, a, pos, node.params, rows)
+    stored = xp.empty((a.shape[0], out.shape[1]), dtype=out.dtype)
+    narrow_into(xp, stored, rows.reshape(stored.shape), node.dtype)
+    out[idx] = stored
 
 
 @kernel("soft_max")

@@ -50,14 +50,14 @@ def as_f64(data: np.ndarray, dtype: DType) -> np.ndarray:
 
 
 class Runner:
-    """Builds tensors for one test and runs graphs over one CPU backend.
+    """Builds tensors for one test and runs graphs over one backend (the CPU unless given).
 
     `weight` creates memory-backed leafs in an immediate context; `input` creates
     deferred input leafs whose data is set after allocation, as a model runtime does.
     """
 
-    def __init__(self, seed: int = 0) -> None:
-        self.backend = CPUBackend()
+    def __init__(self, seed: int = 0, backend=None) -> None:
+        self.backend = backend if backend is not None else CPUBackend()
         self.ctx = ImmediateContext(self.backend)
         self.rng = np.random.default_rng(seed)
         self.feeds: dict[Tensor, np.ndarray] = {}

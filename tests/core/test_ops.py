@@ -542,3 +542,74 @@ def test_gelu_f16_table_is_ggmls_lookup(rt: Runner):
     np.testing.assert_allclose(got, ref_gelu_exact(x.astype(np.float64)), rtol=2e-3, atol=2e-3)
     got = rt.run1(ops.geglu(rt.input("g", x), rt.input("u", up), f16_table=True))
     close(got, ref_gelu(x) * up, tol=1e-5)
+
+
+# ---- fused ops: the reference kernels and the CPU's compiled ones against the formulas ------------
+
+@pytest.fixture(params=["reference", "cpu"])
+def both(request) -> Runner:
+    """A runner on the reference array kernels, then on the CPU backend (compiled kernels)."""
+    from tests.core.backend_ops import ReferenceBackend
+
+    return Runner(seed=99, backend=ReferenceBackend() if request.param == "reference" else None)
+
+
+def test_rms_norm_mul_is_the_norm_times_its_weight(both: Runner):
+    xd, wd = both.random(5, 3, 12, scale=3.0), both.random(12)
+    got = both.run1(ops.rms_norm_mul(both.input("x", xd), both.weight("w", wd), 1e-5))
+    close(got, ref_rms_norm(xd.astype(np.float64), 1e-5) * wd)
+
+
+@pytest.mark.parametrize("post", [False, True])
+def test_add_rms_norm_gives_the_stream_and_its_norm(both: Runner, post: bool):
+    """[0] = x + h (x + rms_norm(h) * post with post), [1] = rms_norm([0]) * w."""
+    xd, hd, wd, pd = both.random(4, 10), both.random(4, 10, scale=2.0), both.random(10), both.random(10)
+    p = both.weight("p", pd) if post else None
+    got = both.run1(ops.add_rms_norm(both.input("x", xd), both.input("h", hd), both.weight("w", wd), 1e-6, post=p))
+    x, h = xd.astype(np.float64), hd.astype(np.float64)
+    stream = x + (ref_rms_norm(h, 1e-6) * pd if post else h)
+    assert got.shape == (2, 4, 10)
+    close(got[0], stream)
+    close(got[1], ref_rms_norm(stream, 1e-6) * wd)
+
+
+def test_rope_with_norm_and_out_scale(both: Runner):
+    """norm, then rotation, then out_scale: gemma3's queries in one node."""
+    xd, wd = both.random(3, 2, 8, scale=2.0), both.random(8)
+    pos = np.array([0, 5, 900], dtype=np.int32)
+    got = both.run1(ops.rope(both.input("x", xd), both.input("pos", pos), 8, ops.ROPE_NEOX, 10000.0, out_scale=0.5,
+                             norm=both.weight("w", wd), eps=1e-6))
+    normed = ref_rms_norm(xd.astype(np.float64), 1e-6) * wd
+    close(got, 0.5 * ref_rope(normed, pos.astype(np.float64), 8, True, 10000.0, 1.0), tol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_rope_set_rows_writes_rotated_rows(both: Runner, dtype: DType):
+    """Each token's rotated heads land side by side in its cache row; other rows keep their values."""
+    xd = both.random(3, 2, 6)
+    pos, idx = np.array([4, 1, 30], dtype=np.int32), np.array([7, 0, 3], dtype=np.int32)
+    cache = both.random(8, 12, dtype=dtype)
+    got = both.run1(ops.rope_set_rows(both.weight("cache", cache), both.input("x", xd), both.input("idx", idx),
+                                      both.input("pos", pos), 6, ops.ROPE_NORMAL))
+    want = cache.astype(np.float64)
+    rotated = ref_rope(xd.astype(np.float64), pos.astype(np.float64), 6, False, 10000.0, 1.0)
+    want[idx] = rotated.reshape(3, 12)
+    close(got, want, tol=1e-3 if dtype is F16 else 1e-5)
+    untouched = np.setdiff1d(np.arange(8), idx)
+    assert np.array_equal(got[untouched], cache[untouched])
+
+
+def test_rope_set_rows_is_refused_with_rows_of_the_wrong_width():
+    with _raises_naming("cache", "k"):
+        ops.rope_set_rows(_leaf("cache", (8, 10)), _leaf("k", (2, 2, 4)), _leaf("idx", (2,), I32),
+                          _leaf("pos", (2,), I32), 4)
+
+
+def test_add_rms_norm_of_different_shapes_is_refused():
+    with _raises_naming("x", "h"):
+        ops.add_rms_norm(_leaf("x", (2, 8)), _leaf("h", (3, 8)), _leaf("w", (8,)), 1e-5)
+
+
+def test_a_norm_weight_that_does_not_span_the_last_axis_is_refused():
+    with _raises_naming("x", "w"):
+        ops.rms_norm_mul(_leaf("x", (2, 8)), _leaf("w", (4,)), 1e-5)
