@@ -128,8 +128,11 @@ def test_mul_mat(dtype, n_tokens, numerics):
     assert err <= MAX_NMSE[numerics], err
 
 
+REPACKED_TYPES = LEGACY + [DType.Q4_K, DType.Q5_K, DType.Q6_K]
+
+
 @pytest.mark.parametrize("n_tokens", [1, 2, 7])
-@pytest.mark.parametrize("dtype", LEGACY, ids=str)
+@pytest.mark.parametrize("dtype", REPACKED_TYPES, ids=str)
 def test_mul_mat_repacked(dtype, n_tokens, monkeypatch):
     """The r8 layout (AVX2 hosts): rows in groups of 8, 37 rows leave a partial group."""
     if Q.SIMD != "avx2":
@@ -163,6 +166,15 @@ def test_mul_mat_both_simd_levels_and_threads(dtype, numerics, simd, two_threads
         assert err <= MAX_NMSE[numerics], (n_tokens, err)
     err = compare(CPUBackend(), product(dtype, 300, k_for(dtype, small=True), (40,), numerics))  # several tiles
     assert err <= MAX_NMSE[numerics], err
+
+
+def test_repack_is_for_the_types_it_speeds_up():
+    raw = weight_data(DType.Q2_K, 8, 256, 0)
+    assert matmul.repack(DType.Q2_K, raw) is None
+    assert matmul.repack(DType.F16, weight_data(DType.F16, 8, 64, 0).view(np.uint8)) is None
+    if Q.SIMD == "avx2":
+        with pytest.raises(ValueError):
+            matmul.repack(DType.Q4_1, raw.reshape(-1))
 
 
 def test_prompt_batch_tiles(monkeypatch):

@@ -131,7 +131,7 @@ def _repacked(node: Tensor, plan: _Plan) -> np.ndarray | None:
     if packed is None or Q.SIMD != "avx2" or plan.code not in Q.R8_TYPES:
         return None
     groups = (plan.m + Q.R8 - 1) // Q.R8
-    expect = plan.k // 32 * Q.r8_block_bytes(plan.code)
+    expect = plan.k // plan.dtype.block_size * Q.r8_block_bytes(plan.code)
     return packed if packed.shape == (groups, expect) and packed.dtype == np.uint8 else None
 
 

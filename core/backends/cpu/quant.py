@@ -612,6 +612,7 @@ vabs8 = _vec_op(1, lambda b, x: _as(b, _llvm_call(b, "llvm.abs.v32i8", _B32,
 vcvt = _vec_op(1, lambda b, x: _as(b, b.sitofp(_as(b, x, _D8), _F8), _V))
 vfma = _vec_op(3, lambda b, x, y, z: _as(b, _llvm_call(b, "llvm.fma.v8f32", _F8,
                                                        [_as(b, x, _F8), _as(b, y, _F8), _as(b, z, _F8)]), _V))
+vsubf = _vec_op(2, lambda b, x, y: _as(b, b.fsub(_as(b, x, _F8), _as(b, y, _F8)), _V))
 vaddf = _vec_op(2, lambda b, x, y: _as(b, b.fadd(_as(b, x, _F8), _as(b, y, _F8)), _V))
 vsrl16 = _vec_op(2, lambda b, x, n: _as(b, b.lshr(_as(b, x, _W16), _splat(b, b.trunc(n, _I16), _W16)), _V),
                  (vec, types.int64))
@@ -621,6 +622,8 @@ vset8 = _vec_op(1, lambda b, x: _as(b, _splat(b, b.trunc(x, _I8), _B32), _V), (t
 vset32 = _vec_op(1, lambda b, x: _as(b, _splat(b, b.trunc(x, _I32), _D8), _V), (types.int64,))
 vsetf = _vec_op(1, lambda b, x: _as(b, _splat(b, x, _F8), _V), (types.float32,))
 vzero = _vec_op(0, lambda b: ir.Constant(_V, [0, 0, 0, 0]))
+vsll32 = _vec_op(2, lambda b, x, n: _as(b, b.shl(_as(b, x, _D8), _splat(b, b.trunc(n, _I32), _D8)), _V),
+                 (vec, types.int64))
 vadd16 = _vec_op(2, lambda b, x, y: _as(b, b.add(_as(b, x, _W16), _as(b, y, _W16)), _V))
 vmulf = _vec_op(2, lambda b, x, y: _as(b, b.fmul(_as(b, x, _F8), _as(b, y, _F8)), _V))
 
@@ -697,8 +700,25 @@ def _vbcast32(b, ctx, aryty, ary, off):
     return _as(b, _splat(b, b.load(_addr(ctx, b, aryty, ary, off, _I32), align=1), _D8), _V)
 
 
+def _bytes_to_lanes(signed, pair):
+    """8 bytes -> one per 32-bit lane (zero- or sign-extended); `pair`: the 16-bit value in both
+    halves of the lane (madd then scales both products of a pair), else in the low half only."""
+    def load(b, ctx, aryty, ary, off):
+        x = b.load(_addr(ctx, b, aryty, ary, off, ir.VectorType(_I8, 8)), align=1)
+        v = b.sext(x, _D8) if signed else b.zext(x, _D8)
+        v = b.and_(v, ir.Constant(_D8, [0xFFFF] * 8))
+        if pair:
+            v = b.or_(v, b.shl(v, ir.Constant(_D8, [16] * 8)))
+        return _as(b, v, _V)
+    return load
+
+
 vload = _load_op((vec, _vload))      # 32 bytes
 vbcast32 = _load_op((vec, _vbcast32))  # 4 bytes repeated in every 32-bit lane
+vu8pair = _load_op((vec, _bytes_to_lanes(False, True)))   # 8 unsigned bytes as (x, x) 16-bit pairs
+vu8lo = _load_op((vec, _bytes_to_lanes(False, False)))    # 8 unsigned bytes as (x, 0)
+vs8pair = _load_op((vec, _bytes_to_lanes(True, True)))    # 8 signed bytes as (x, x)
+vs8lo = _load_op((vec, _bytes_to_lanes(True, False)))     # 8 signed bytes as (x, 0)
 vnib = _load_op((vec, _vnib))        # 16 nibble-pair bytes as 32 values 0..15
 vbits = _load_op((vec, _vbits))      # 32 bits as 32 bytes of 0 / 0xFF
 vf16x8 = _load_op((vec, _vf16x8))    # 8 halves as 8 floats
@@ -1096,7 +1116,8 @@ def _dotf_avx2(code, w, x):
 # ---------------------------------------------------------------------------------------------
 
 R8 = 8
-R8_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+PF_GROUPS = 4  # groups ahead that the r8 kernels prefetch
+R8_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
 
 
 @kernel(inline="always")
@@ -1113,8 +1134,63 @@ def _r8_block(code):
     return 272, 16
 
 
+def r8_block_bytes(code: int) -> int:
+    """Bytes of one r8 group (8 rows) per block (32 elements, 256 for the k-quants)."""
+    return {Q4_K: 1184, Q5_K: 1440, Q6_K: 1680}.get(code) or _r8_block.py_func(code)[0]
+
+
 def repack_r8(code: int, raw: np.ndarray) -> np.ndarray:
-    """ggml blocks [M, row bytes] (uint8) -> r8 groups [ceil(M / 8), blocks * group bytes] (uint8).
+    """ggml blocks [M, row bytes] (uint8) -> r8 groups [ceil(M / 8), blocks * group bytes] (uint8)."""
+    if code in (Q4_K, Q5_K, Q6_K):
+        return _repack_r8_k(code, raw)
+    return _repack_r8_legacy(code, raw)
+
+
+def _lanes(q: np.ndarray) -> np.ndarray:
+    """[g, b, row, 4 * n bytes] -> [g, b, n vectors * 8 lanes * 4 bytes]: vector j lane r = row r's bytes 4j..4j+3."""
+    g, nb, rows, width = q.shape
+    return q.reshape(g, nb, rows, width // 4, 4).transpose(0, 1, 3, 2, 4).reshape(g, nb, -1)
+
+
+def _grouped(raw: np.ndarray, ts: int) -> np.ndarray:
+    """ggml rows as [groups, blocks, 8 rows, block bytes], zero rows padding the last group."""
+    m = raw.shape[0]
+    nb = raw.shape[1] // ts
+    groups = (m + R8 - 1) // R8
+    blocks = np.zeros((groups * R8, nb, ts), dtype=np.uint8)
+    blocks[:m] = raw.reshape(m, nb, ts)
+    return blocks.reshape(groups, R8, nb, ts).transpose(0, 2, 1, 3)
+
+
+def _repack_r8_k(code: int, raw: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K per group and super-block: d, dmin (8 f16 each), the six-bit scales and mins
+    unpacked to bytes [sub-block][row], (Q5_K) the fifth bits as 8 lane vectors of qh, then the
+    quants as 32 lane vectors (32 bytes of each row per 64 elements). Q6_K: d, the int8 scales
+    [group of 16][row], ql as 32 lane vectors, qh as 16."""
+    ts = {Q4_K: 144, Q5_K: 176, Q6_K: 210}[code]
+    b = _grouped(raw, ts)
+    groups, nb = b.shape[:2]
+    if code == Q6_K:
+        parts = [b[..., 208:210].reshape(groups, nb, 16),
+                 b[..., 192:208].transpose(0, 1, 3, 2).reshape(groups, nb, 128),
+                 _lanes(b[..., 0:128]), _lanes(b[..., 128:192])]
+    else:
+        sc = b[..., 4:16]
+        lo, hi, mixed = sc[..., 0:4], sc[..., 4:8], sc[..., 8:12]
+        scales = np.concatenate([lo & 63, (mixed & 15) | ((lo >> 6) << 4)], axis=-1)  # [g, b, row, sub]
+        mins = np.concatenate([hi & 63, (mixed >> 4) | ((hi >> 6) << 4)], axis=-1)
+        parts = [b[..., 0:2].reshape(groups, nb, 16), b[..., 2:4].reshape(groups, nb, 16),
+                 scales.transpose(0, 1, 3, 2).reshape(groups, nb, 64), mins.transpose(0, 1, 3, 2).reshape(groups, nb, 64)]
+        if code == Q5_K:
+            parts.append(_lanes(b[..., 16:48]))
+        parts.append(_lanes(b[..., ts - 128:ts]))
+    out = np.concatenate(parts, axis=-1)
+    assert out.shape[-1] == r8_block_bytes(code)
+    return out.reshape(groups, -1)
+
+
+def _repack_r8_legacy(code: int, raw: np.ndarray) -> np.ndarray:
+    """The legacy types: per group and block d (8 f16), (Q4_1/Q5_1) m, (Q5) qh, then the quants.
 
     The last group is padded with zero rows (scale 0). Q5's fifth bits are reordered so that
     bit 2j + h of byte t of a row's 32 bits is the bit of element 16h + 4j + t: the bit that
@@ -1145,11 +1221,6 @@ def repack_r8(code: int, raw: np.ndarray) -> np.ndarray:
     return out.reshape(groups, nb * size)
 
 
-def r8_block_bytes(code: int) -> int:
-    """Bytes of one r8 group (8 rows) per 32-element block."""
-    return _r8_block.py_func(code)[0]
-
-
 @kernel(inline="always")
 def _r8_store(out, n, g, m, acc):
     r = R8 * g
@@ -1158,6 +1229,13 @@ def _r8_store(out, n, g, m, acc):
     else:
         for i in range(m - r):
             out[n, r + i] = vlane(acc, i)
+
+
+@kernel(inline="always")
+def _prefetch_rows(p, g0, g1):
+    """Start reading groups g0..g1 (each kernel prefetches PF_GROUPS ahead of where it reads)."""
+    for at in range(g0 * p.strides[0], min(g1, p.shape[0]) * p.strides[0], 64):
+        prefetch(p, at)
 
 
 @kernel(_nrt=False)
@@ -1176,7 +1254,8 @@ def _rows_r8_avx2(code, p, qs, d, s, sums, out, g0, g1):
             acc_m = vzero()
             for b in range(k // 32):
                 o = g * gs + size * b
-                prefetch(p, o + 4 * gs)
+                for line in range(0, size, 64):
+                    prefetch(p, o + PF_GROUPS * gs + line)
                 x = n * k + 32 * b
                 if code == Q8_0:
                     lanes = vzero()
@@ -1215,10 +1294,113 @@ def _rows_r8_avx2(code, p, qs, d, s, sums, out, g0, g1):
             _r8_store(out, n, g, m, vaddf(acc, acc_m))
 
 
+@kernel(inline="always")
+def _fifth_bit(hb, bit):
+    """Bit `bit` of every byte of hb moved to bit 4 (16-bit shifts; the mask drops what crosses bytes)."""
+    return vsll16(hb, 4 - bit) if bit < 4 else vsrl16(hb, bit - 4)
+
+
+@kernel(_nrt=False)
+def _rows_r8_q45_k_avx2(five, p, qs, d, sums, out, g0, g1):
+    k = qs.shape[1]
+    m = out.shape[1]
+    size = 1440 if five else 1184
+    q_at = 416 if five else 160
+    gs = p.strides[0]
+    m15 = vset8(15)
+    m16 = vset8(16)
+    for g in range(g0, g1):
+        for n in range(qs.shape[0]):
+            acc = vzero()
+            acc_min = vzero()
+            for b in range(k // 256):
+                o = g * gs + size * b
+                for line in range(0, size, 64):
+                    prefetch(p, o + PF_GROUPS * gs + line)
+                x = n * k + 256 * b
+                isum = vzero()
+                msum = vzero()
+                for i in range(4):
+                    for half in range(2):  # four products per 16-bit lane at most (Q5_K: 4 * 2 * 31 * 127)
+                        t_lo = vzero()
+                        t_hi = vzero()
+                        for j in range(4 * half, 4 * half + 4):
+                            q = vload(p, o + q_at + 32 * (8 * i + j))
+                            lo = vand(q, m15)
+                            hi = vand(vsrl16(q, 4), m15)
+                            if five:
+                                hb = vload(p, o + 160 + 32 * j)
+                                lo = vor(lo, vand(_fifth_bit(hb, 2 * i), m16))
+                                hi = vor(hi, vand(_fifth_bit(hb, 2 * i + 1), m16))
+                            t_lo = vadd16(t_lo, vmaddubs(lo, vbcast32(qs, x + 64 * i + 4 * j)))
+                            t_hi = vadd16(t_hi, vmaddubs(hi, vbcast32(qs, x + 64 * i + 32 + 4 * j)))
+                        isum = vadd32(isum, vmadd(t_lo, vu8pair(p, o + 32 + 16 * i)))
+                        isum = vadd32(isum, vmadd(t_hi, vu8pair(p, o + 40 + 16 * i)))
+                for sub in range(8):
+                    a_sum = sums[n, 16 * b + 2 * sub] + sums[n, 16 * b + 2 * sub + 1]
+                    msum = vadd32(msum, vmadd(vu8lo(p, o + 96 + 8 * sub), vset16x2(a_sum, a_sum)))
+                da = vsetf(d[n, b])
+                acc = vfma(vmulf(vf16x8(p, o), da), vcvt(isum), acc)
+                acc_min = vfma(vmulf(vf16x8(p, o + 16), da), vcvt(msum), acc_min)
+            _r8_store(out, n, g, m, vsubf(acc, acc_min))
+
+
+@kernel(_nrt=False)
+def _rows_r8_q6_k_avx2(p, qs, d, sums, out, g0, g1):
+    k = qs.shape[1]
+    m = out.shape[1]
+    size = 1680
+    gs = p.strides[0]
+    m15 = vset8(15)
+    m48 = vset8(48)
+    for g in range(g0, g1):
+        for n in range(qs.shape[0]):
+            acc = vzero()
+            for b in range(k // 256):
+                o = g * gs + size * b
+                for line in range(0, size, 64):
+                    prefetch(p, o + PF_GROUPS * gs + line)
+                x = n * k + 256 * b
+                isum = vzero()
+                osum = vzero()  # sum over groups of scale * activation sum (the -32 offset)
+                for h in range(2):
+                    for c in range(2):
+                        for jj in range(0, 8, 2):  # two products per 16-bit lane at most (2 * 63 * 127 * 2)
+                            t_lo = vzero()
+                            t_hi = vzero()
+                            for j in range(jj, jj + 2):
+                                q = vload(p, o + 144 + 32 * (16 * h + 8 * c + j))
+                                hq = vload(p, o + 1168 + 32 * (8 * h + j))
+                                lo = vor(vand(q, m15), vand(_fifth_bit(hq, 2 * c), m48))
+                                hi = vor(vand(vsrl16(q, 4), m15), vand(_fifth_bit(hq, 2 * c + 4), m48))
+                                t_lo = vadd16(t_lo, vmaddubs(lo, vbcast32(qs, x + 128 * h + 32 * c + 4 * j)))
+                                t_hi = vadd16(t_hi, vmaddubs(hi, vbcast32(qs, x + 128 * h + 32 * c + 64 + 4 * j)))
+                            grp = 8 * h + 2 * c + jj // 4  # 16 elements per scale
+                            isum = vadd32(isum, vmadd(t_lo, vs8pair(p, o + 16 + 8 * grp)))
+                            isum = vadd32(isum, vmadd(t_hi, vs8pair(p, o + 16 + 8 * (grp + 4))))
+                for grp in range(16):
+                    a_sum = sums[n, 16 * b + grp]
+                    osum = vadd32(osum, vmadd(vs8lo(p, o + 16 + 8 * grp), vset16x2(a_sum, a_sum)))
+                isum = vsub32(isum, vsll32(osum, 5))
+                acc = vfma(vmulf(vf16x8(p, o), vsetf(d[n, b])), vcvt(isum), acc)
+            _r8_store(out, n, g, m, acc)
+
+
+@kernel(_nrt=False)
+def _rows_r8_any_avx2(code, p, qs, d, s, sums, out, g0, g1):
+    if code == Q4_K or code == Q5_K:
+        _rows_r8_q45_k_avx2(code == Q5_K, p, qs, d, sums, out, g0, g1)
+    elif code == Q6_K:
+        _rows_r8_q6_k_avx2(p, qs, d, sums, out, g0, g1)
+    else:
+        _rows_r8_avx2(code, p, qs, d, s, sums, out, g0, g1)
+
+
 @kernel
 def mul_mat_r8_avx2(code, act, p, x, qs, d, s, sums, out):
+    _prefetch_rows(p, 0, PF_GROUPS)  # the first rows arrive while x is quantized
     quantize_rows(act, x, qs, d, s, sums)
-    _rows_r8_avx2(code, p, qs, d, s, sums, out, 0, p.shape[0])
+    _rows_r8_any_avx2(code, p, qs, d, s, sums, out, 0, p.shape[0])
 
 
 @kernel(parallel=True)
@@ -1226,7 +1408,8 @@ def mul_mat_r8_avx2_par(code, act, p, x, qs, d, s, sums, out, n_chunks):
     quantize_rows(act, x, qs, d, s, sums)
     step = (p.shape[0] + n_chunks - 1) // n_chunks
     for c in prange(n_chunks):
-        _rows_r8_avx2(code, p, qs, d, s, sums, out, c * step, min(p.shape[0], (c + 1) * step))
+        _prefetch_rows(p, c * step, c * step + PF_GROUPS)
+        _rows_r8_any_avx2(code, p, qs, d, s, sums, out, c * step, min(p.shape[0], (c + 1) * step))
 
 
 # ---------------------------------------------------------------------------------------------
