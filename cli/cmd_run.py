@@ -11,7 +11,7 @@ import typer
 from cli import options as o
 from cli.app import app
 from cli.common import check_positive, err_console, list_devices, load_model, print_model_info, timing_line
-from core.errors import BadInput
+from core.errors import BadInput, RuntimeFailure
 from core.llm.generate import generate
 from core.llm.sampling import Sampler, SamplingParams
 from core.llm.session import Session, SessionParams
@@ -47,7 +47,7 @@ def run_command(
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template (interactive when stdin is a terminal)"),
     verbose_prompt: bool = typer.Option(False, "--verbose-prompt", help="Print the prompt's tokens to stderr before generating"),
     list_devices_: o.ListDevices = False, no_graph_reuse: o.NoGraphReuse = False, flash_attn: o.FlashAttn = False,
-    verbose: o.Verbose = False,
+    check_numerics: o.CheckNumerics = False, verbose: o.Verbose = False,
 ) -> None:
     """Generate text from a prompt (like llama-cli)."""
     if list_devices_:
@@ -61,7 +61,8 @@ def run_command(
     sampling.check()
     m = load_model(model, n_gpu_layers, threads=threads, numerics=numerics)
     session = Session(m, SessionParams(n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size,
-                                       graph_reuse=not no_graph_reuse, flash_attn=flash_attn))
+                                       graph_reuse=not no_graph_reuse, flash_attn=flash_attn,
+                                       check_numerics=check_numerics))
     if verbose:
         print_model_info(session)
     if chat and sys.stdin.isatty() and prompt is None and file is None:
@@ -91,11 +92,20 @@ def _run_once(session: Session, text: str, sampling: SamplingParams, n_predict: 
     dec = StreamDecoder(m.tokenizer)
     t0 = time.perf_counter()
 
+    emitted: list[int] = []
+
     def emit(tid: int) -> None:
+        emitted.append(tid)
         sys.stdout.write(dec.feed(tid))
         sys.stdout.flush()
 
-    out, st = generate(session, tokens, n_predict, Sampler(sampling, session.n_ctx), emit, ignore_eos)
+    try:
+        out, st = generate(session, tokens, n_predict, Sampler(sampling, session.n_ctx), emit, ignore_eos)
+    except RuntimeFailure:
+        if emitted:  # the text so far gets its newline before the error line on stderr
+            sys.stdout.write(dec.flush() + "\n")
+            sys.stdout.flush()
+        raise
     sys.stdout.write(dec.flush())
     if n_predict:
         sys.stdout.write("\n")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 from gguf import GGUFValueType, GGUFWriter
@@ -309,6 +309,26 @@ def write_sparse_big(path: str | os.PathLike[str], *, n_layer: int = 32, n_embd:
     shapes = {name: (shape, QT.F32 if len(shape) == 1 else QT(weight_type))
               for name, shape in config.tensor_shapes().items()}
     return write_gguf_sparse(path, "llama", config.metadata() | tok_meta, shapes)
+
+
+def write_variant(path: str | os.PathLike[str], config: LlamaConfig | Gemma3Config, *,
+                  meta: Mapping[str, Any] | None = None,
+                  edit: Callable[[dict[str, np.ndarray]], None] | None = None, seed: int = 0) -> Path:
+    """A model of `config` with random F32 weights (drawn as write_tiny_llama draws them) and the tiny
+    tokenizer, changed on purpose: `meta` overrides metadata keys (None removes a key), and `edit` changes
+    the dict of tensors in place (retype, reshape, drop or poison one) before it is written."""
+    arch = "gemma3" if isinstance(config, Gemma3Config) else "llama"
+    rng = np.random.default_rng(seed)
+    tensors = {name: _random_weight(rng, shape, QT.F32) for name, shape in config.tensor_shapes().items()}
+    if edit is not None:
+        edit(tensors)
+    metadata = config.metadata() | tokenizer_metadata(config.n_vocab)
+    for key, value in (meta or {}).items():
+        if value is None:
+            metadata.pop(key, None)
+        else:
+            metadata[key] = value
+    return write_gguf(path, arch, metadata, tensors)
 
 
 def _random_weight(rng: np.random.Generator, shape: tuple[int, ...], qtype: QT) -> np.ndarray | QuantizedTensor:

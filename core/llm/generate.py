@@ -10,6 +10,7 @@ import numpy as np
 
 from core.errors import BadInput
 from core.llm.batch import Batch
+from core.llm.numerics import NonFiniteLogits
 from core.llm.sampling import Sampler
 from core.llm.session import Session
 
@@ -52,7 +53,10 @@ def generate(session: Session, prompt: list[int], n_predict: int, sampler: Sampl
     st = GenerationStats(n_prompt=len(prompt))
     tok = session.model.tokenizer
     t0 = time.perf_counter()
-    logits = eval_prompt(session, prompt, session.params.n_batch)
+    try:
+        logits = eval_prompt(session, prompt, session.params.n_batch)
+    except NonFiniteLogits as err:
+        raise NonFiniteLogits(err.kind, f"while evaluating the prompt ({len(prompt)} token{'s' if len(prompt) > 1 else ''})", err.culprit) from None
     st.prompt_s = time.perf_counter() - t0
     for t in prompt:
         sampler.accept(t)
@@ -72,7 +76,10 @@ def generate(session: Session, prompt: list[int], n_predict: int, sampler: Sampl
             st.stop_reason = "context full"
             break
         t1 = time.perf_counter()
-        logits = session.decode(Batch.of_sequence([token], pos))[-1]
+        try:
+            logits = session.decode(Batch.of_sequence([token], pos))[-1]
+        except NonFiniteLogits as err:
+            raise NonFiniteLogits(err.kind, f"at generation step {len(out)} (position {pos})", err.culprit) from None
         st.eval_s += time.perf_counter() - t1
         st.n_eval += 1
         pos += 1

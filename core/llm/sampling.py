@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from core.errors import BadInput
+from core.errors import BadInput, RuntimeFailure
+from core.llm.numerics import non_finite_kind
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,9 @@ class Sampler:
 
     def sample(self, logits: np.ndarray) -> int:
         logits = np.asarray(logits, dtype=np.float32)
+        kind = non_finite_kind(logits)
+        if kind:  # argmax would pick an arbitrary token and the draw would fail: never hide a fault
+            raise RuntimeFailure(f"cannot sample from logits that hold {kind}")
         if self.p.repeat_penalty != 1.0 and self.recent:
             logits = self._penalize(logits)
         if self.p.temp <= 0:

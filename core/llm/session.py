@@ -22,6 +22,7 @@ from core.llm.graph_result import GraphResult
 from core.llm.inputs import GraphInputs, GraphParams, UBatchState
 from core.llm.kv_cache import KV_PAD, KVCache
 from core.llm.model import Model
+from core.llm.numerics import NonFiniteLogits, first_non_finite, non_finite_kind
 from core.sched import Scheduler
 
 
@@ -39,6 +40,7 @@ class SessionParams:
     graph_reuse: bool = True
     reuse_memory: bool = True  # False: every intermediate gets its own bytes (a reference run)
     flash_attn: bool = False  # fused attention op (llama.cpp's -fa)
+    check_numerics: bool = False  # on non-finite logits, find the node that made them (also GGRUN_GRAPH_DEBUG)
 
     def check(self) -> None:
         if self.n_ctx < 1:
@@ -83,6 +85,7 @@ class Session:
         self.kv, self.kv_swa = self._make_caches()
         self.graph_reuse = params.graph_reuse and reuse_enabled_by_env()
         self.debug = graph_debug_level()
+        self.check_numerics = params.check_numerics or self.debug >= 1
         self.stats = SessionStats()
         self.result: GraphResult | None = None
         self._debug_line = ""
@@ -221,15 +224,33 @@ class Session:
         res = self._graph_for(p)
         t0 = time.perf_counter()
         cpu = self.sched.cpu
-        for inp in res.inputs:
-            inp.set_input(st, cpu.array(inp.tensor))
-        self.sched.compute(res.sg)
+
+        def set_inputs() -> None:
+            for inp in res.inputs:
+                inp.set_input(st, cpu.array(inp.tensor))
+
+        set_inputs()
+        with np.errstate(all="ignore"):  # a NaN is reported once, below, not as numpy warnings per kernel
+            self.sched.compute(res.sg)
         out = self.sched.get_tensor(res.logits) if ub.n_outputs else None
         dt = time.perf_counter() - t0
         self.stats.compute_s += dt
         if self.debug:  # one line per micro-batch, printed once its compute time is known
             print(self._debug_line + (f" compute {1e3 * dt:.2f} ms" if self.debug >= 2 else ""), file=sys.stderr)
+        if out is not None and not np.isfinite(out).all():
+            raise self._non_finite(ub, out, res, set_inputs)
         return out
+
+    def _non_finite(self, ub: UBatch, logits: np.ndarray, res: GraphResult, set_inputs) -> NonFiniteLogits:
+        """The error for non-finite logits of micro-batch ub; with check_numerics, naming the first
+        node that produced a non-finite value (the micro-batch is recomputed node by node)."""
+        p0, p1 = int(ub.pos.min()), int(ub.pos.max())
+        where = f"at position {p0}" if p0 == p1 else f"at positions {p0}..{p1}"
+        culprit = None
+        if self.check_numerics:
+            with np.errstate(all="ignore"):
+                culprit = first_non_finite(res.sg, set_inputs) or "no graph node holds one when recomputed"
+        return NonFiniteLogits(non_finite_kind(logits), where, culprit)
 
     def _graph_for(self, p: GraphParams) -> GraphResult:
         """The kept graph when it can serve p, else a newly built and planned one."""

@@ -12,7 +12,7 @@ import pytest
 from core.errors import BadInput
 from core.llm.model import Model
 from loaders.gguf_file import open_gguf
-from tests.synth import Gemma3Config, LlamaConfig, tokenizer_metadata, write_gguf
+from tests.synth import Gemma3Config, LlamaConfig, tokenizer_metadata, write_variant
 
 TOK = tokenizer_metadata()
 N_VOCAB = len(TOK["tokenizer.ggml.tokens"])
@@ -24,19 +24,7 @@ Edit = Callable[[dict[str, np.ndarray]], None]
 
 
 def write_model(path: Path, config=LLAMA, meta: dict[str, Any] | None = None, edit: Edit | None = None) -> Path:
-    """A model of `config` with zero weights; `meta` overrides keys (None removes one), `edit` changes
-    the tensor dict in place before writing."""
-    arch = "gemma3" if isinstance(config, Gemma3Config) else "llama"
-    tensors = {name: np.zeros(shape, np.float32) for name, shape in config.tensor_shapes().items()}
-    if edit:
-        edit(tensors)
-    metadata = config.metadata() | TOK
-    for key, value in (meta or {}).items():
-        if value is None:
-            metadata.pop(key, None)
-        else:
-            metadata[key] = value
-    return write_gguf(path, arch, metadata, tensors)
+    return write_variant(path, config, meta=meta, edit=edit)
 
 
 def rejected(path: Path) -> str:
