@@ -197,18 +197,33 @@ def test_both_paths_round_activations_alike(monkeypatch):
     build = product(DType.Q4_0, 40, 128, (6,), "llama")
     q8 = run_on(CPUBackend(), build)
     monkeypatch.setattr(matmul, "Q8_MAX_N", 0)
+    monkeypatch.setattr(matmul, "R8_MAX_N", {})
     blas = run_on(CPUBackend(), build)
     assert np.abs(q8 - blas).max() <= 1e-5 * np.abs(blas).max()
 
 
 @pytest.mark.parametrize("dtype", LEGACY + K_QUANTS + [DType.F16, DType.BF16], ids=str)
-def test_get_rows(dtype):
+def test_get_rows(dtype, simd):
     data = weight_data(dtype, 23, k_for(dtype), seed=3)
     ids = np.array([4, 0, 22, 4, 9], dtype=np.int32)
 
     def build(lf: Leafs):
         return ops.get_rows(lf.weight("w", dtype, (23, k_for(dtype)), data), lf.input("ids", DType.I32, ids))
     assert compare(CPUBackend(), build) == 0.0  # decoded bit for bit as core.quants does
+
+
+@pytest.mark.parametrize("dtype", [DType.F16, DType.BF16], ids=str)
+def test_every_half_decodes_exactly(dtype, simd):
+    """All 65536 bit patterns (subnormals, infinities, NaNs, -0) decode as numpy decodes them
+    (F16C quiets signalling NaNs, as on ggml's x86 path: NaNs need only stay NaNs)."""
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    want = bits.view(np.float16).astype(np.float32) if dtype is DType.F16 else (bits.astype(np.uint32) << 16).view(np.float32)
+    out = np.empty((1, 1 << 16), np.float32)
+    decode = Q.dequantize_rows_avx2 if simd == "avx2" else Q.dequantize_rows
+    decode(Q.CODES[dtype], bits.view(np.uint8).reshape(1, -1), 0, 1, out)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(out[0]), nan)
+    assert np.array_equal(out[0][~nan].view(np.uint32), want[~nan].view(np.uint32))
 
 
 def test_attention_products_are_left_to_others():

@@ -32,9 +32,19 @@ from core.tensor import Tensor
 # Activation rounding that a weight's `act_quant` asks for (as the reference kernel reads it).
 _ROUNDING = {"q8_0": Q.ACT_Q8_0, "q8_k": Q.ACT_Q8_K}
 
-# Largest N for which the row kernels beat decoding tiles for sgemm. Measured on SmolLM2's shapes
-# (see the module's tests/benchmark notes in the final report): set below by `_crossover`.
+# Largest N (rows of x) for which the row kernels beat decoding tiles for numpy's sgemm, measured
+# on one core of an AMD Zen 5 (AVX2 kernels; the machine shared) for SmolLM2's shapes (576x576,
+# 192x576, 1536x576, 576x1536 Q4_1, 49152x576 Q8_0) and gemma-3-270m's (640x2048 Q4_K/Q5_K/Q6_K,
+# 2048x640 Q5_0). Reading the stored blocks, the integer kernels win up to N = 8 and sgemm from
+# N = 16 (1536x576 Q4_1: 0.52 vs 0.65 ms at N = 8, 1.05 vs 0.78 ms at 16). On the r8 layout they
+# win far longer: the nibble types to N ~ 64-128 (1536x576 Q4_1 at 128: 2.6 vs 3.2 ms; 640x2048
+# Q4_K at 128: 3.5 vs 6.3 ms), the types with more bits to unpack to N ~ 32 (2048x640 Q5_0 at
+# 32: 1.9 vs 1.9 ms; 640x2048 Q6_K: 2.2 vs 2.0 ms), the 49152x576 Q8_0 head to N ~ 64-128.
+# Without act_quant (f32 numerics) decoding rows for f32 dots wins up to N = 4 (1536x576 Q4_1:
+# 0.35 vs 0.38 ms at 4, 0.69 vs 0.50 ms at 8).
 Q8_MAX_N = 8
+R8_MAX_N = {DType.Q4_0: 64, DType.Q4_1: 96, DType.Q8_0: 64, DType.Q4_K: 128, DType.Q5_K: 64,
+            DType.Q5_0: 32, DType.Q5_1: 48, DType.Q6_K: 24}
 F32_MAX_N = 4
 
 REPACKED = "cpu_repacked"  # params key of a weight's repacked rows (see `repack`)
@@ -101,7 +111,8 @@ def _plan(node: Tensor) -> _Plan | None:
         return _Plan("blas", a.dtype, act, n, m, k)
     own = Q.ACT_OF.get(a.dtype)
     if act is not None and own is not None and (act == Q.ACT_Q8_K) == (own == Q.ACT_Q8_K):
-        if n <= Q8_MAX_N:
+        repacked = a.view_src is None and a.params.get(REPACKED) is not None
+        if n <= (R8_MAX_N.get(a.dtype, Q8_MAX_N) if repacked else Q8_MAX_N):
             return _Plan("q8", a.dtype, own, n, m, k)
         return _Plan("blas", a.dtype, act, n, m, k)
     if act is None and n <= F32_MAX_N:
@@ -227,7 +238,11 @@ def _bind_blas(plan: _Plan, w, x, out2, scratch):
         steps = [(m0, min(plan.m, m0 + rows), tile[:min(plan.m, m0 + rows) - m0].T, out2[:, m0:m0 + rows])
                  for m0 in range(0, plan.m, rows)]
     threads = jit.threads()
-    decode = Q.dequantize_rows_par if threads > 1 else Q.dequantize_rows
+    avx2 = Q.SIMD == "avx2"
+    if threads > 1:
+        decode = Q.dequantize_rows_avx2_par if avx2 else Q.dequantize_rows_par
+    else:
+        decode = Q.dequantize_rows_avx2 if avx2 else Q.dequantize_rows
 
     def call() -> None:
         if rounded is not None:
@@ -252,4 +267,4 @@ def bind_get_rows(node: Tensor, out, srcs: list, scratch):
     ids = srcs[1]
     if w is None or ids.ndim != 1:
         return None
-    return partial(Q.get_rows, code, w, ids, out)
+    return partial(Q.get_rows_avx2 if Q.SIMD == "avx2" else Q.get_rows, code, w, ids, out)

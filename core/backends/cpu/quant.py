@@ -25,6 +25,8 @@ from numba.extending import intrinsic, models, register_model
 from core.backends.cpu.jit import kernel
 from core.dtypes import DType
 
+_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+
 # ---------------------------------------------------------------------------------------------
 # Type codes (numba dispatches on a small int) and activation formats
 # ---------------------------------------------------------------------------------------------
@@ -112,34 +114,33 @@ def _rint(v):
     return int((np.float64(v) + _RINT_MAGIC) - _RINT_MAGIC)
 
 
+@intrinsic
+def _bits_f32(typingctx, bits):
+    """The float32 whose IEEE bits are the low 32 bits of an integer."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.trunc(args[0], _I32), ir.FloatType())
+    return types.float32(types.int64), codegen
+
+
 @kernel(inline="always")
 def _f16(w, at):
     """The IEEE half stored little-endian at w[at], w[at + 1], as float32."""
     h = np.int64(w[at]) | (np.int64(w[at + 1]) << 8)
     e = (h >> 10) & 31
     f = h & 1023
-    if e == 0:
-        v = math.ldexp(np.float64(f), -24)
-    elif e == 31:
-        v = math.inf if f == 0 else math.nan
-    else:
-        v = math.ldexp(np.float64(f | 1024), e - 25)
-    return np.float32(-v if h & 0x8000 else v)
+    sign = (h & 0x8000) << 16
+    if e == 0:  # zero or subnormal: f * 2^-24, exact in f32
+        v = np.float32(f) * np.float32(5.960464477539063e-08)
+        return -v if sign else v
+    if e == 31:
+        return _bits_f32(sign | 0x7F800000 | (f << 13))
+    return _bits_f32(sign | ((e + 112) << 23) | (f << 13))
 
 
 @kernel(inline="always")
 def _bf16(w, at):
     """The bfloat16 stored little-endian at w[at], w[at + 1], as float32."""
-    h = np.int64(w[at]) | (np.int64(w[at + 1]) << 8)
-    e = (h >> 7) & 255
-    f = h & 127
-    if e == 0:
-        v = math.ldexp(np.float64(f), -133)
-    elif e == 255:
-        v = math.inf if f == 0 else math.nan
-    else:
-        v = math.ldexp(np.float64(f | 128), e - 134)
-    return np.float32(-v if h & 0x8000 else v)
+    return _bits_f32((np.int64(w[at]) | (np.int64(w[at + 1]) << 8)) << 16)
 
 
 @kernel(inline="always")
@@ -546,7 +547,6 @@ class _VecType(types.Type):
 
 
 vec = _VecType()
-_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _V = ir.VectorType(_I64, 4)
 _B32 = ir.VectorType(_I8, 32)
 _W16 = ir.VectorType(_I16, 16)
@@ -736,6 +736,19 @@ def prefetch(typingctx, ary, off):
         _llvm_call(builder, "llvm.prefetch.p0", ir.VoidType(), [p, i32(0), i32(3), i32(1)])
         return context.get_dummy_value()
     return types.none(ary, types.intp), codegen
+
+
+def _bytes_f32(part, signed):
+    """Bytes 8 * part .. 8 * part + 7 of a vector as 8 floats."""
+    def body(b, x):
+        v = b.shuffle_vector(_as(b, x, _B32), ir.Constant(_B32, None),
+                             ir.Constant(ir.VectorType(_I32, 8), list(range(8 * part, 8 * part + 8))))
+        return _as(b, b.sitofp(b.sext(v, _D8) if signed else b.zext(v, _D8), _F8), _V)
+    return _vec_op(1, body)
+
+
+vu8f0, vu8f1, vu8f2, vu8f3 = (_bytes_f32(i, False) for i in range(4))
+vs8f0, vs8f1, vs8f2, vs8f3 = (_bytes_f32(i, True) for i in range(4))
 
 
 @intrinsic
@@ -1105,6 +1118,135 @@ def _dotf_avx2(code, w, x):
         else:
             tail += np.float32(w[j]) * x[j]
     return vhsum(vaddf(a0, a1)) + tail
+
+
+# ---------------------------------------------------------------------------------------------
+# AVX2 decoding to f32: the same products as `dequantize_row` (no fused multiply-add, so the
+# values match core.quants bit for bit), 8 at a time
+# ---------------------------------------------------------------------------------------------
+
+@kernel(inline="always")
+def _store32(out, at, q, scale, offset, signed):
+    """out[at : at + 32] = float(byte j of q) * scale - offset."""
+    sv = vsetf(scale)
+    ov = vsetf(offset)
+    if signed:
+        vstoref(out, 4 * at, vsubf(vmulf(vs8f0(q), sv), ov))
+        vstoref(out, 4 * at + 32, vsubf(vmulf(vs8f1(q), sv), ov))
+        vstoref(out, 4 * at + 64, vsubf(vmulf(vs8f2(q), sv), ov))
+        vstoref(out, 4 * at + 96, vsubf(vmulf(vs8f3(q), sv), ov))
+    else:
+        vstoref(out, 4 * at, vsubf(vmulf(vu8f0(q), sv), ov))
+        vstoref(out, 4 * at + 32, vsubf(vmulf(vu8f1(q), sv), ov))
+        vstoref(out, 4 * at + 64, vsubf(vmulf(vu8f2(q), sv), ov))
+        vstoref(out, 4 * at + 96, vsubf(vmulf(vu8f3(q), sv), ov))
+
+
+@kernel(inline="always")
+def _store32_centered(out, at, q, center, scale):
+    """out[at : at + 32] = (float(byte j of q) - center) * scale (exact subtraction first)."""
+    sv = vsetf(scale)
+    cv = vsetf(np.float32(center))
+    vstoref(out, 4 * at, vmulf(vsubf(vu8f0(q), cv), sv))
+    vstoref(out, 4 * at + 32, vmulf(vsubf(vu8f1(q), cv), sv))
+    vstoref(out, 4 * at + 64, vmulf(vsubf(vu8f2(q), cv), sv))
+    vstoref(out, 4 * at + 96, vmulf(vsubf(vu8f3(q), cv), sv))
+
+
+@kernel(_nrt=False)
+def dequantize_row_avx2(code, w, out):
+    """`dequantize_row` with AVX2 for the types models use; the scalar code for the rest."""
+    k = out.shape[0]
+    m15 = vset8(15)
+    if code == F16 or code == BF16:
+        k8 = k - k % 8
+        for j in range(0, k8, 8):
+            vstoref(out, 4 * j, vf16x8(w, 2 * j) if code == F16 else vbf16x8(w, 2 * j))
+        for j in range(k8, k):
+            out[j] = _f16(w, 2 * j) if code == F16 else _bf16(w, 2 * j)
+    elif code == Q4_0:
+        for b in range(k // 32):
+            _store32_centered(out, 32 * b, vnib(w, 18 * b + 2), 8, sf16(w, 18 * b))
+    elif code == Q4_1:
+        for b in range(k // 32):
+            o = 20 * b  # q * d + m: the negated min as offset keeps mul-then-add rounding
+            _store32(out, 32 * b, vnib(w, o + 4), sf16(w, o), -sf16(w, o + 2), False)
+    elif code == Q5_0:
+        m16 = vset8(16)
+        for b in range(k // 32):
+            o = 22 * b
+            _store32_centered(out, 32 * b, vor(vnib(w, o + 6), vand(vbits(w, o + 2), m16)), 16, sf16(w, o))
+    elif code == Q5_1:
+        m16 = vset8(16)
+        for b in range(k // 32):
+            o = 24 * b
+            _store32(out, 32 * b, vor(vnib(w, o + 8), vand(vbits(w, o + 4), m16)), sf16(w, o), -sf16(w, o + 2), False)
+    elif code == Q8_0:
+        for b in range(k // 32):
+            _store32(out, 32 * b, vload(w, 34 * b + 2), sf16(w, 34 * b), np.float32(0.0), True)
+    elif code == Q4_K or code == Q5_K:
+        ts = 144 if code == Q4_K else 176
+        qs_at = 16 if code == Q4_K else 48
+        m1 = vset8(1)
+        for b in range(k // 256):
+            o = ts * b
+            d = sf16(w, o)
+            dmin = sf16(w, o + 2)
+            hb = vload(w, o + 16)
+            for i in range(4):
+                x = vload(w, o + qs_at + 32 * i)
+                for half in range(2):
+                    sub = 2 * i + half
+                    sc, mn = _k4_sm(w, o + 4, sub)
+                    q = vand(x, m15) if half == 0 else vand(vsrl16(x, 4), m15)
+                    if code == Q5_K:
+                        q = vor(q, vsll16(vand(vsrl16(hb, sub), m1), 4))
+                    _store32(out, 256 * b + 32 * sub, q, d * np.float32(sc), dmin * np.float32(mn), False)
+    elif code == Q6_K:
+        m3 = vset8(3)
+        for b in range(k // 256):
+            o = 210 * b
+            d = sf16(w, o + 208)
+            for h in range(2):
+                hi2 = vload(w, o + 128 + 32 * h)
+                for i in range(4):
+                    low = vload(w, o + 64 * h + 32 * (i % 2))
+                    low = vand(low, m15) if i < 2 else vand(vsrl16(low, 4), m15)
+                    q = vor(low, vsll16(vand(vsrl16(hi2, 2 * i), m3), 4))
+                    g = 8 * h + 2 * i  # two scales of 16 in these 32 values
+                    at = 256 * b + 128 * h + 32 * i
+                    s0 = vsetf(d * np.float32(_s8(w[o + 192 + g])))
+                    s1 = vsetf(d * np.float32(_s8(w[o + 193 + g])))
+                    c = vsetf(np.float32(32.0))
+                    vstoref(out, 4 * at, vmulf(vsubf(vu8f0(q), c), s0))
+                    vstoref(out, 4 * at + 32, vmulf(vsubf(vu8f1(q), c), s0))
+                    vstoref(out, 4 * at + 64, vmulf(vsubf(vu8f2(q), c), s1))
+                    vstoref(out, 4 * at + 96, vmulf(vsubf(vu8f3(q), c), s1))
+    else:
+        dequantize_row(code, w, out)
+
+
+@kernel
+def dequantize_rows_avx2(code, w, m0, m1, out):
+    for m in range(m0, m1):
+        dequantize_row_avx2(code, w[m], out[m - m0])
+
+
+@kernel(parallel=True)
+def dequantize_rows_avx2_par(code, w, m0, m1, out, n_chunks):
+    step = (m1 - m0 + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        for m in range(m0 + c * step, min(m1, m0 + (c + 1) * step)):
+            dequantize_row_avx2(code, w[m], out[m - m0])
+
+
+@kernel
+def get_rows_avx2(code, w, ids, out):
+    for i in range(ids.shape[0]):
+        r = ids[i]
+        if r < 0 or r >= w.shape[0]:
+            raise IndexError("get_rows: row id out of range")
+        dequantize_row_avx2(code, w[r], out[i])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1495,7 +1637,7 @@ def _rows_f32_avx2(code, w, x, buf, out, m0, m1):
             for n in range(x.shape[0]):
                 out[n, m] = _dotf_avx2(code, row, x[n])
         else:
-            dequantize_row(code, row, buf)
+            dequantize_row_avx2(code, row, buf)
             for n in range(x.shape[0]):
                 out[n, m] = _dotf_avx2(F32, buf, x[n])
 
