@@ -1,10 +1,12 @@
 """numba set-up for the CPU kernels: the on-disk compile cache under ggrun's cache directory
 and the thread count (`-t`). Every compiled CPU kernel is declared with `kernel` from here.
 
-Kernels compile once per machine (numba's `cache=True`); a later process loads them from disk.
+Kernels compile once per machine (numba's `cache=True`, in a directory named by a digest of the
+sources other kernels inline, SHARED_SOURCES); a later process loads them from disk.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -15,7 +17,20 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "ggrun"
 
 
-os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_root() / "numba"))
+# Files whose code kernels of other files compile in (helpers inlined across modules, and this
+# file's compile flags). numba revalidates a cached kernel against its own source file only, so
+# the cache lives in a directory named by a digest of these: editing one compiles afresh.
+SHARED_SOURCES = ("jit.py", "vecmath.py", "norm.py")
+
+
+def sources_digest() -> str:
+    digest = hashlib.sha256()
+    for name in SHARED_SOURCES:
+        digest.update((Path(__file__).parent / name).read_bytes())
+    return digest.hexdigest()[:12]
+
+
+os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_root() / "numba" / sources_digest()))
 
 import numba  # noqa: E402  (the cache directory must be set before numba is imported)
 
@@ -23,9 +38,12 @@ _threads = 1
 
 
 def kernel(*args, parallel: bool = False, **kw):
-    """numba.njit with ggrun's defaults: cached on disk, no fast-math (ggml's CPU arithmetic)."""
+    """numba.njit with ggrun's defaults: cached on disk, no fast-math (ggml's CPU arithmetic), and
+    C's division (x / 0 is inf or nan, as in ggml): Python's ZeroDivisionError check would put a
+    branch in every division and keep such loops from vectorizing."""
     kw.setdefault("cache", True)
     kw.setdefault("nogil", True)
+    kw.setdefault("error_model", "numpy")
     return numba.njit(*args, parallel=parallel, **kw)
 
 

@@ -59,6 +59,14 @@ def _weight(leafs, dtype: DType, rows: int) -> Tensor:
     return leafs.ctx.from_bytes(f"w_{dtype}", dtype, (rows, K), raw)
 
 
+def readonly(leafs, name: str, dtype: DType, data: np.ndarray) -> Tensor:
+    """A weight holding data's values in read-only memory, as a memory-mapped file gives them
+    (numba compiles read-only arrays as a type of their own)."""
+    raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1).copy()
+    raw.flags.writeable = False
+    return leafs.ctx.from_bytes(name, dtype, data.shape, raw)
+
+
 def _product(leafs, dtype: DType, n_tokens: int, act_quant: bool) -> Tensor:
     w = _weight(leafs, dtype, 16)
     if act_quant and dtype.is_quantized:

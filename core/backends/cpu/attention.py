@@ -1,0 +1,210 @@
+"""Compiled attention over the KV cache: flash_attn (no scores tensor; tiles of query rows meet
+tiles of cache cells with an online softmax).
+
+The query heads that share one KV head (GQA) and all tokens of an item meet each tile of cached
+keys and values together, so the cache is converted from f16 once per tile and KV head (work
+items are KV heads, and blocks of tokens when several threads share the work). A tile the
+mask hides from a token is skipped for it (the padded tail of n_kv, the causal future), and so
+is every hidden cell.
+As llama.cpp's CPU path does, queries meet an f16 cache as f16-rounded values (`act_quant`
+f16 on the cache); products and the softmax are f32.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import prange
+
+from core.backends.cpu import jit
+from core.backends.cpu.dispatch import binds
+from core.backends.cpu.jit import kernel
+from core.backends.cpu.vecmath import as_f32, expf, f16_to_f32, f32_to_f16
+from core.backends.cpu.warmup import warms
+from core.dtypes import DType
+
+CELLS = 64  # cache cells per tile: converted to f32 once per tile and KV head
+
+
+@kernel(inline="always")
+def _attend(q, k, v, mask, scale, q_f16, g, t0, t1, Kf, Vf, S, Qr, M, L, out):
+    """out[t, h] for tokens t0..t1 and the query heads h sharing KV head g (an online softmax over
+    tiles of cells; out holds the running sums, M and L each row's running maximum and total)."""
+    n_kv, d = k.shape[0], k.shape[2]
+    group = q.shape[1] // k.shape[1]
+    for t in range(t0, t1):
+        for h in range(g * group, (g + 1) * group):
+            M[t, h] = -np.inf
+            L[t, h] = 0.0
+            for j in range(d):
+                out[t, h, j] = 0.0
+    for c0 in range(0, n_kv, CELLS):
+        nc = min(CELLS, n_kv - c0)
+        converted = False
+        for t in range(t0, t1):
+            visible = False
+            for c in range(nc):
+                if as_f32(mask[t, c0 + c]) != -np.inf:
+                    visible = True
+                    break
+            if not visible:
+                continue  # the whole tile is hidden from this token
+            if not converted:
+                for c in range(nc):
+                    kc = k[c0 + c, g]
+                    vc = v[c0 + c, g]
+                    for j in range(d):
+                        Kf[c, j] = as_f32(kc[j])
+                    for j in range(d):
+                        Vf[c, j] = as_f32(vc[j])
+                converted = True
+            for h in range(g * group, (g + 1) * group):
+                qh = q[t, h]
+                for j in range(d):
+                    Qr[j] = f16_to_f32(f32_to_f16(qh[j])) if q_f16 else qh[j]
+                m = M[t, h]
+                for c in range(nc):
+                    mv = as_f32(mask[t, c0 + c])
+                    if mv == -np.inf:
+                        S[c] = -np.inf
+                        continue
+                    acc = np.float32(0.0)
+                    kc = Kf[c]
+                    for j in range(d):
+                        acc += Qr[j] * kc[j]
+                    S[c] = acc * scale + mv
+                    m = max(m, S[c])
+                if m == -np.inf:
+                    continue
+                total = np.float32(0.0)
+                for c in range(nc):
+                    p = expf(S[c] - m)
+                    S[c] = p
+                    total += p
+                alpha = expf(M[t, h] - m)  # rescales what earlier tiles summed under the old maximum
+                M[t, h] = m
+                L[t, h] = L[t, h] * alpha + total
+                o = out[t, h]
+                if alpha != 1.0:
+                    for j in range(d):
+                        o[j] *= alpha
+                for c in range(nc):
+                    p = S[c]
+                    if p != 0.0:
+                        vr = Vf[c]
+                        for j in range(d):
+                            o[j] += p * vr[j]
+    for t in range(t0, t1):
+        for h in range(g * group, (g + 1) * group):
+            inv = np.float32(1.0) / L[t, h] if L[t, h] > 0 else np.float32(0.0)
+            o = out[t, h]
+            for j in range(d):
+                o[j] *= inv
+
+
+# Dot products over head_dim are summed in SIMD lanes (as ggml's vec_dot), hence `reassoc`.
+_FLAGS = {"reassoc", "contract"}
+
+
+@kernel(fastmath=_FLAGS)
+def flash_attn_serial(q, k, v, mask, scale, q_f16, Kf, Vf, S, Qr, ML, out):
+    """out [tokens, heads, d] = softmax(q k^T * scale + mask) v for q [tokens, heads, d], k and v
+    [n_kv, heads_kv, d] (f16 bits or f32), mask [>= tokens, n_kv]; Kf..Qr: one worker's tiles."""
+    for g in range(k.shape[1]):
+        _attend(q, k, v, mask, scale, q_f16, g, 0, q.shape[0], Kf[0], Vf[0], S[0], Qr[0], ML[0], ML[1], out)
+
+
+@kernel(parallel=True, fastmath=_FLAGS)
+def flash_attn_parallel(q, k, v, mask, scale, q_f16, Kf, Vf, S, Qr, ML, out):
+    """flash_attn_serial with (KV head, block of tokens) items dealt round-robin to Kf.shape[0] workers."""
+    workers = Kf.shape[0]
+    n_tok = q.shape[0]
+    blocks = max(1, min(n_tok, (2 * workers + k.shape[1] - 1) // k.shape[1]))
+    per_block = (n_tok + blocks - 1) // blocks
+    items = k.shape[1] * blocks
+    for w in prange(workers):
+        for item in range(w, items, workers):
+            g = item // blocks
+            t0 = (item % blocks) * per_block
+            t1 = min(n_tok, t0 + per_block)
+            if t0 < t1:
+                _attend(q, k, v, mask, scale, q_f16, g, t0, t1, Kf[w], Vf[w], S[w], Qr[w], ML[0], ML[1], out)
+
+
+def _workers(node) -> int:
+    """One worker, unless there are threads and enough work to share (a prompt, a long cache)."""
+    q, k = node.srcs[0], node.srcs[1]
+    work = q.shape[0] * q.shape[1] * k.shape[1]  # query rows x cells
+    return 1 if jit.threads() == 1 or work < 16384 else jit.threads()
+
+
+def flash_attn_scratch(node) -> int:
+    q = node.srcs[0]
+    d, rows = q.shape[2], q.shape[0] * q.shape[1]
+    return 4 * (_workers(node) * (2 * CELLS * d + CELLS + d) + 2 * rows)
+
+
+def _stored(node, i: int, a: np.ndarray) -> np.ndarray | None:
+    """A cache operand [heads_kv, n_kv, d] as [n_kv, heads_kv, d] C-contiguous (f16 as uint16)."""
+    dtype = node.srcs[i].dtype
+    if dtype not in (DType.F16, DType.F32):
+        return None
+    t = a.transpose(1, 0, 2)
+    if not t.flags.c_contiguous:
+        return None
+    return t.view(np.uint16) if dtype is DType.F16 else t
+
+
+@binds("flash_attn", scratch=flash_attn_scratch)
+def bind_flash_attn(node, out, srcs, scratch):
+    q, k, v, mask = srcs
+    if node.srcs[0].dtype is not DType.F32 or node.srcs[1].dtype is not node.srcs[2].dtype:
+        return None
+    q3 = q.transpose(1, 0, 2)
+    k3, v3 = _stored(node, 1, k), _stored(node, 2, v)
+    if k3 is None or v3 is None or not q3.flags.c_contiguous or not out.flags.c_contiguous:
+        return None
+    mdt = node.srcs[3].dtype
+    if mdt not in (DType.F16, DType.F32) or mask.strides[-1] != mask.itemsize:
+        return None
+    mask = mask.view(np.uint16) if mdt is DType.F16 else mask
+    d, rows = q.shape[2], q.shape[0] * q.shape[1]
+    workers = _workers(node)
+    if scratch is None or scratch.size < flash_attn_scratch(node):
+        return None
+    f32 = scratch.view(np.float32)
+    tiles, at = [], 0
+    for shape in ((workers, CELLS, d), (workers, CELLS, d), (workers, CELLS), (workers, d),
+                  (2, q3.shape[0], q3.shape[1])):
+        n = int(np.prod(shape))
+        tiles.append(f32[at:at + n].reshape(shape))
+        at += n
+    scale = np.float32(node.params["scale"])
+    q_f16 = node.srcs[1].root.params.get("act_quant") == "f16"
+    fn = flash_attn_parallel if workers > 1 else flash_attn_serial
+    return lambda: fn(q3, k3, v3, mask, scale, q_f16, *tiles, out)
+
+
+# ---- first-run compilation: the signatures a model's graphs meet ---------------------------------
+
+def _warm_flash_attn(lf, dtype: DType, n_tokens: int):
+    """Attention over a cache of `dtype` (f16 with q rounded, as llama numerics do); a prompt-sized
+    graph compiles the threaded kernel too when there are threads."""
+    from core import ops
+    from core.tensor import new_tensor
+
+    n_kv, h, d = 64, 4, 16
+    caches = []
+    for name in ("k", "v"):
+        c = lf.ctx.new_tensor(name, dtype, (n_kv, d))
+        lf.ctx.backend.set_tensor(c, np.zeros((n_kv, d), dtype.np_dtype))
+        if dtype is DType.F16:
+            c.params["act_quant"] = "f16"
+        caches.append(ops.permute(ops.view(c, (n_kv, 1, d)), (1, 0, 2)))
+    mask = new_tensor("mask", DType.F16, (n_tokens, n_kv), is_input=True)
+    lf.feeds[mask] = np.zeros((n_tokens, n_kv), np.float16)
+    q = ops.permute(lf.input("q", np.ones((n_tokens, h, d), np.float32)), (1, 0, 2))
+    return ops.flash_attn(q, caches[0], caches[1], mask, 0.25)
+
+
+for _dtype in (DType.F16, DType.F32):
+    for _n in (1, 64):
+        warms(lambda lf, d=_dtype, n=_n: _warm_flash_attn(lf, d, n))

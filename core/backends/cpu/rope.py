@@ -1,0 +1,174 @@
+"""Compiled RoPE: rope (queries, optionally scaled after) and rope_set_rows (keys rotated and
+written straight into the KV cache rows, f16 or f32); either may first RMS-normalise each head
+by a weight (gemma3's q/k norms).
+
+Angles are computed in f32 inside the kernel as ggml's rope cache does: theta starts at the
+position and is multiplied by theta_scale = base^(-2/n_dims) for each next pair; each pair
+rotates by cos/sin(freq_scale * theta).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from core.backends.cpu.dispatch import binds
+from core.backends.cpu.jit import kernel
+from core.backends.cpu.norm import inv_rms
+from core.backends.cpu.vecmath import f32_to_f16
+from core.backends.cpu.warmup import readonly, warms
+from core.dtypes import DType
+from core.ops import ROPE_NEOX
+
+
+@kernel(inline="always")
+def _angles(p, n_dims, theta_scale, freq_scale, cos, sin):
+    theta = np.float32(p)
+    for i in range(n_dims // 2):
+        a = freq_scale * theta
+        cos[i] = math.cos(a)
+        sin[i] = math.sin(a)
+        theta *= theta_scale
+
+
+@kernel(inline="always")
+def _rotate(x, cos, sin, n_dims, neox, scale, y):
+    """y = x with its first n_dims rotated, times scale (y may alias x)."""
+    half = n_dims // 2
+    for i in range(half):
+        j0 = i if neox else 2 * i
+        j1 = j0 + half if neox else j0 + 1
+        x0 = x[j0]
+        x1 = x[j1]
+        y[j0] = (x0 * cos[i] - x1 * sin[i]) * scale
+        y[j1] = (x0 * sin[i] + x1 * cos[i]) * scale
+    for j in range(n_dims, x.shape[0]):
+        y[j] = x[j] * scale
+
+
+@kernel(inline="always")
+def _source(x, w, eps, use_norm, row):
+    """x, or x rms_norm'ed and times w written into row (a head's fused q/k norm)."""
+    if not use_norm:
+        return x
+    s = inv_rms(x, eps)
+    for j in range(x.shape[0]):
+        row[j] = x[j] * s * w[j]
+    return row
+
+
+@kernel
+def rope_rows(x, pos, n_dims, neox, theta_scale, freq_scale, scale, w, eps, use_norm, out):
+    """out[t, h] = x[t, h] (normalised times w when use_norm) rotated at position pos[t], times scale."""
+    cos = np.empty(n_dims // 2, dtype=np.float32)
+    sin = np.empty(n_dims // 2, dtype=np.float32)
+    row = np.empty(x.shape[2], dtype=np.float32)
+    for t in range(x.shape[0]):
+        _angles(pos[t], n_dims, theta_scale, freq_scale, cos, sin)
+        for h in range(x.shape[1]):
+            _rotate(_source(x[t, h], w, eps, use_norm, row), cos, sin, n_dims, neox, scale, out[t, h])
+
+
+@kernel
+def rope_store_f16(x, pos, idx, n_dims, neox, theta_scale, freq_scale, w, eps, use_norm, cache):
+    """cache[idx[t]] = x[t] (normalised when use_norm) rotated at pos[t], heads side by side,
+    rounded to f16 (uint16 bits)."""
+    cos = np.empty(n_dims // 2, dtype=np.float32)
+    sin = np.empty(n_dims // 2, dtype=np.float32)
+    d = x.shape[2]
+    row = np.empty(d, dtype=np.float32)
+    for t in range(x.shape[0]):
+        _angles(pos[t], n_dims, theta_scale, freq_scale, cos, sin)
+        if idx[t] < 0 or idx[t] >= cache.shape[0]:
+            raise IndexError("rope_set_rows: row index out of range")
+        dst = cache[idx[t]]
+        for h in range(x.shape[1]):
+            _rotate(_source(x[t, h], w, eps, use_norm, row), cos, sin, n_dims, neox, np.float32(1.0), row)
+            for j in range(d):
+                dst[h * d + j] = f32_to_f16(row[j])
+
+
+@kernel
+def rope_store_f32(x, pos, idx, n_dims, neox, theta_scale, freq_scale, w, eps, use_norm, cache):
+    """cache[idx[t]] = x[t] (normalised when use_norm) rotated at pos[t], heads side by side, in f32."""
+    cos = np.empty(n_dims // 2, dtype=np.float32)
+    sin = np.empty(n_dims // 2, dtype=np.float32)
+    d = x.shape[2]
+    row = np.empty(d, dtype=np.float32)
+    for t in range(x.shape[0]):
+        _angles(pos[t], n_dims, theta_scale, freq_scale, cos, sin)
+        if idx[t] < 0 or idx[t] >= cache.shape[0]:
+            raise IndexError("rope_set_rows: row index out of range")
+        dst = cache[idx[t]]
+        for h in range(x.shape[1]):
+            _rotate(_source(x[t, h], w, eps, use_norm, row), cos, sin, n_dims, neox, np.float32(1.0),
+                    dst[h * d:(h + 1) * d])
+
+
+def _params(node) -> tuple:
+    p = node.params
+    n_dims = int(p["n_dims"])
+    theta_scale = np.float32(p["freq_base"]) ** (np.float32(-2.0) / np.float32(n_dims))  # powf, as ggml
+    return n_dims, p["mode"] == ROPE_NEOX, np.float32(theta_scale), np.float32(p["freq_scale"])
+
+
+def _norm(node, srcs: list, first: int, d: int) -> tuple | None:
+    """(weight, eps, use) of the fused per-head norm, when the node has one (its last source)."""
+    if len(srcs) == first:
+        return _NO_NORM.setdefault(d, np.ones(d, dtype=np.float32)), np.float32(0.0), False
+    w = srcs[first]
+    if node.srcs[first].dtype is not DType.F32 or w.size != d or not w.flags.c_contiguous:
+        return None
+    return w.reshape(d), np.float32(node.params["eps"]), True
+
+
+_NO_NORM: dict[int, np.ndarray] = {}
+
+
+def _f32_rows(node, i: int, a: np.ndarray) -> bool:
+    return node.srcs[i].dtype is DType.F32 and a.flags.c_contiguous
+
+
+@binds("rope")
+def bind_rope(node, out, srcs, scratch):
+    x, pos = srcs[:2]
+    norm = _norm(node, srcs, 2, x.shape[-1])
+    if not (_f32_rows(node, 0, x) and out.flags.c_contiguous) or norm is None:
+        return None
+    n_dims, neox, theta_scale, freq_scale = _params(node)
+    scale = np.float32(node.params.get("out_scale", 1.0))
+    return lambda: rope_rows(x, pos, n_dims, neox, theta_scale, freq_scale, scale, *norm, out)
+
+
+@binds("rope_set_rows")
+def bind_rope_set_rows(node, out, srcs, scratch):
+    x, idx, pos = srcs[1:4]
+    norm = _norm(node, srcs, 4, x.shape[-1])
+    if not (_f32_rows(node, 1, x) and out.flags.c_contiguous) or norm is None:
+        return None
+    n_dims, neox, theta_scale, freq_scale = _params(node)
+    if node.dtype is DType.F16:
+        cache = out.view(np.uint16)
+        return lambda: rope_store_f16(x, pos, idx, n_dims, neox, theta_scale, freq_scale, *norm, cache)
+    if node.dtype is DType.F32:
+        return lambda: rope_store_f32(x, pos, idx, n_dims, neox, theta_scale, freq_scale, *norm, out)
+    return None
+
+
+# ---- first-run compilation: the signatures a model's graphs meet ---------------------------------
+
+def _warm_rope(lf, cache_dtype: DType, norm: bool):
+    from core import ops
+
+    x = lf.input("x", np.ones((2, 2, 8), np.float32))
+    pos = lf.input("pos", np.arange(2, dtype=np.int32))
+    w = readonly(lf, "w", DType.F32, np.ones(8, np.float32)) if norm else None
+    cache = lf.ctx.new_tensor("cache", cache_dtype, (4, 16))
+    lf.ctx.backend.set_tensor(cache, np.zeros((4, 16), cache_dtype.np_dtype))
+    q = ops.rope(x, pos, 8, ROPE_NEOX, norm=w, eps=1e-6)
+    return ops.rope_set_rows(cache, q, pos, pos, 8, norm=w, eps=1e-6)
+
+
+for _cache_dtype in (DType.F16, DType.F32):
+    for _with_norm in (False, True):
+        warms(lambda lf, d=_cache_dtype, n=_with_norm: _warm_rope(lf, d, n))

@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""Compiled CPU kernels against the numpy reference kernels, op by op, on SmolLM2-135M's shapes
+(n_embd 576, 9 heads over 3 KV heads, head_dim 64, n_ff 1536, 30 layers): one node per graph,
+each prepared once and replayed as a reused graph does; medians in microseconds and the ratio,
+for a decode step (1 token) and a prompt micro-batch (512 tokens), and per token of a decode
+step the total over a layer's nodes times 30.
+
+    .venv/bin/python scripts/bench_kernels.py            # -t 1
+    .venv/bin/python scripts/bench_kernels.py -t 2 --reps 50
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from core import ops  # noqa: E402
+from core.backends.cpu import CPUBackend, set_threads  # noqa: E402
+from core.dtypes import DType  # noqa: E402
+from core.graph import build_graph  # noqa: E402
+from core.sched import Scheduler  # noqa: E402
+from tests.core.backend_ops import Leafs, ReferenceBackend  # noqa: E402
+
+N_EMBD, N_HEAD, N_HEAD_KV, HEAD_DIM, N_FF, N_LAYER = 576, 9, 3, 64, 1536, 30
+N_CTX = 1024
+rng = np.random.default_rng(0)
+
+
+def f32(*shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def cache(lf, name):
+    t = lf.weight(name, DType.F16, (N_CTX, N_HEAD_KV * HEAD_DIM),
+                  rng.standard_normal((N_CTX, N_HEAD_KV * HEAD_DIM)).astype(np.float16))
+    t.params["act_quant"] = "f16"
+    return t
+
+
+def causal_mask(n, n_kv, used):
+    m = np.full((n, n_kv), -np.inf, dtype=np.float32)
+    for t in range(n):
+        m[t, :used - n + t + 1] = 0
+    return m.astype(np.float16)
+
+
+def kv_views(lf, k, v, n_kv):
+    view = ((n_kv, N_HEAD_KV, HEAD_DIM), (N_HEAD_KV * HEAD_DIM * 2, HEAD_DIM * 2, 2))
+    return ops.permute(ops.view(k, *view), (1, 0, 2)), ops.permute(ops.view(v, *view), (1, 0, 2))
+
+
+def cases(n: int, n_kv: int, used: int) -> dict:
+    """name -> graph builder, for n tokens attending n_kv cells of which `used` hold data."""
+    pos = np.arange(used - n, used, dtype=np.int32)
+    idx = pos.copy()
+
+    def norm(lf):
+        return ops.rms_norm_mul(lf.input("x", DType.F32, f32(n, N_EMBD)), lf.weight("w", DType.F32, (N_EMBD,), f32(N_EMBD)), 1e-5)
+
+    def add_norm(lf):
+        x, h = lf.input("x", DType.F32, f32(n, N_EMBD)), lf.input("h", DType.F32, f32(n, N_EMBD))
+        return ops.add_rms_norm(x, h, lf.weight("w", DType.F32, (N_EMBD,), f32(N_EMBD)), 1e-5)
+
+    def rope_q(lf):
+        return ops.rope(lf.input("q", DType.F32, f32(n, N_HEAD, HEAD_DIM)), lf.input("pos", DType.I32, pos), HEAD_DIM)
+
+    def rope_k(lf):
+        return ops.rope_set_rows(cache(lf, "k"), lf.input("k", DType.F32, f32(n, N_HEAD_KV, HEAD_DIM)),
+                                 lf.input("idx", DType.I32, idx), lf.input("pos", DType.I32, pos), HEAD_DIM)
+
+    def store_v(lf):
+        return ops.set_rows(cache(lf, "v"), lf.input("v", DType.F32, f32(n, N_HEAD_KV * HEAD_DIM)), lf.input("idx", DType.I32, idx))
+
+    def fattn(lf):
+        keys, vals = kv_views(lf, cache(lf, "k"), cache(lf, "v"), n_kv)
+        q = ops.permute(lf.input("q", DType.F32, f32(n, N_HEAD, HEAD_DIM)), (1, 0, 2))
+        return ops.flash_attn(q, keys, vals, lf.input("mask", DType.F16, causal_mask(n, n_kv, used)), HEAD_DIM ** -0.5)
+
+    def swiglu(lf):
+        return ops.swiglu(lf.input("g", DType.F32, f32(n, N_FF)), lf.input("u", DType.F32, f32(n, N_FF)))
+
+    return {"add_rms_norm": add_norm, "rms_norm_mul": norm, "rope (q)": rope_q, "rope_set_rows (k)": rope_k,
+            "set_rows (v)": store_v, "flash_attn": fattn, "swiglu": swiglu}
+
+
+def prepared(backend, build):
+    """The prepared call of the graph's last node, its other nodes run once."""
+    lf = Leafs(backend)
+    out = build(lf)
+    sched = Scheduler([backend])
+    sg = sched.schedule(build_graph([out]))
+    sched.alloc(sg)
+    for t, data in lf.feeds.items():
+        sched.set_tensor(t, data)
+    sched.compute(sg)
+    call = sg.splits[-1].calls[-1]
+    if isinstance(call, tuple):  # the array backends' prepared form: (kernel, node, out, srcs)
+        fn, node, arr, srcs = call
+        return lambda: fn(np, node, arr, srcs)
+    return call
+
+
+def median_us(call, reps: int) -> float:
+    call()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-t", "--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args()
+    set_threads(args.threads)
+    per_layer = {"add_rms_norm": 2, "rope (q)": 1, "rope_set_rows (k)": 1, "set_rows (v)": 1, "flash_attn": 1, "swiglu": 1}
+    for label, (n, n_kv, used) in {"decode, 1 token, n_kv 256 (100 used)": (1, 256, 100),
+                                   "prompt, 512 tokens, n_kv 512": (512, 512, 512)}.items():
+        print(f"{label} (-t {args.threads}): median us per call")
+        print(f"  {'op':<20}{'numba':>10}{'numpy':>10}{'ratio':>8}")
+        tot_c = tot_r = 0.0
+        for name, build in cases(n, n_kv, used).items():
+            reps = args.reps if n == 1 else max(5, args.reps // 5)
+            c = median_us(prepared(CPUBackend(), build), reps)
+            r = median_us(prepared(ReferenceBackend(), build), reps)
+            tot_c += per_layer.get(name, 0) * c
+            tot_r += per_layer.get(name, 0) * r
+            print(f"  {name:<20}{c:>10.1f}{r:>10.1f}{r / c:>8.1f}")
+        print(f"  per step, {N_LAYER} layers of these nodes: numba {N_LAYER * tot_c / 1e3:.2f} ms, "
+              f"numpy {N_LAYER * tot_r / 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
