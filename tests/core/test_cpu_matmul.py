@@ -226,6 +226,24 @@ def test_every_half_decodes_exactly(dtype, simd):
     assert np.array_equal(out[0][~nan].view(np.uint32), want[~nan].view(np.uint32))
 
 
+@pytest.mark.parametrize("act", [Q.ACT_Q8_0, Q.ACT_Q8_1], ids=["q8_0", "q8_1"])
+def test_avx2_activation_blocks_equal_the_portable_ones(act):
+    """Both quantizers give the same blocks (ggml's rounding), here for rows of a wider array,
+    all-zero and tiny blocks (f16-subnormal scales) included."""
+    if Q.SIMD != "avx2":
+        pytest.skip("this CPU has no AVX2")
+    rng = np.random.default_rng(5)
+    wide = (rng.standard_normal((4, 700)) * np.exp(rng.uniform(-14, 3, (4, 1)))).astype(np.float32)
+    wide[0, :32] = 0
+    wide[1, 32:64] *= 1e-6
+    x = wide[:, :640]
+    got, want = (Q.act_arrays(np.zeros(Q.act_arrays_bytes(4, 640), np.uint8), 4, 640) for _ in range(2))
+    Q.quantize_rows_avx2(act, x, *got)
+    Q.quantize_rows(act, np.ascontiguousarray(x), *want)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
 def test_attention_products_are_left_to_others():
     """A batched f16 product (attention over the KV cache) is not this module's."""
     rng = np.random.default_rng(0)

@@ -99,6 +99,8 @@ def _plan(node: Tensor) -> _Plan | None:
         return None
     m, k = a.shape
     n = math.prod(b.shape[:-1])
+    if n == 0 or m == 0:
+        return None
     act_quant = a.root.params.get("act_quant")
     act = None
     if act_quant is not None:
@@ -182,7 +184,10 @@ def bind_mul_mat(node: Tensor, out, srcs: list, scratch):
         return None
     x = _rows2d(srcs[1], plan.n, plan.k)
     out2 = _rows2d(out, plan.n, plan.m)
-    if x is None or out2 is None or not out2.flags.c_contiguous:
+    if x is None or out2 is None or not out2.flags.c_contiguous or x.dtype != np.float32:
+        return None
+    need = plan.scratch_bytes()
+    if need and (scratch is None or scratch.nbytes < need):  # planned without this binder's sizes
         return None
     if plan.path == "blas":
         return _bind_blas(plan, srcs[0], x, out2, scratch)

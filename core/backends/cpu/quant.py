@@ -752,6 +752,59 @@ vs8f0, vs8f1, vs8f2, vs8f3 = (_bytes_f32(i, True) for i in range(4))
 
 
 @intrinsic
+def vabsmax4(typingctx, a, b, c, e):
+    """The largest |value| among the 32 floats of four vectors."""
+    def codegen(context, builder, signature, args):
+        absf = lambda v: _llvm_call(builder, "llvm.fabs.v8f32", _F8, [_as(builder, v, _F8)])  # noqa: E731
+        mx = lambda x, y: _llvm_call(builder, "llvm.x86.avx.max.ps.256", _F8, [x, y])  # noqa: E731
+        m = mx(mx(absf(args[0]), absf(args[1])), mx(absf(args[2]), absf(args[3])))
+        e8 = [builder.extract_element(m, ir.Constant(_I32, i)) for i in range(8)]
+        best = e8[0]
+        for v in e8[1:]:
+            best = builder.select(builder.fcmp_ordered(">", v, best), v, best)
+        return best
+    return types.float32(vec, vec, vec, vec), codegen
+
+
+vround32 = _vec_op(1, lambda b, x: _as(b, _llvm_call(b, "llvm.x86.avx.cvt.ps2dq.256", _D8, [_as(b, x, _F8)]), _V))
+
+
+@intrinsic
+def vhsum32(typingctx, x):
+    """The sum of a vector's 8 int32 lanes."""
+    def codegen(context, builder, signature, args):
+        v = _as(builder, args[0], _D8)
+        total = ir.Constant(_I64, 0)
+        for i in range(8):
+            total = builder.add(total, builder.sext(builder.extract_element(v, ir.Constant(_I32, i)), _I64))
+        return total
+    return types.int64(vec), codegen
+
+
+@intrinsic
+def vstore_i8x32(typingctx, ary, off, a, b, c, e):
+    """Four vectors of 8 int32 (each within int8) stored as 32 int8 at byte `off`, in order."""
+    def codegen(context, builder, signature, args):
+        w = [_as(builder, v, _D8) for v in args[2:]]
+        lo = _llvm_call(builder, "llvm.x86.avx2.packssdw", _W16, [w[0], w[1]])  # lanes: 0-3 8-11 | 4-7 12-15
+        hi = _llvm_call(builder, "llvm.x86.avx2.packssdw", _W16, [w[2], w[3]])
+        q = _llvm_call(builder, "llvm.x86.avx2.packsswb", _B32, [lo, hi])
+        order = ir.Constant(_D8, [0, 4, 1, 5, 2, 6, 3, 7])
+        q = _llvm_call(builder, "llvm.x86.avx2.permd", _D8, [_as(builder, q, _D8), order])
+        builder.store(_as(builder, q, _B32), _addr(context, builder, signature.args[0], args[0], args[1], _B32), align=1)
+        return context.get_dummy_value()
+    return types.none(ary, types.intp, vec, vec, vec, vec), codegen
+
+
+@intrinsic
+def f16_round(typingctx, x):
+    """x rounded to the nearest f16 value, ties to even (F16C), as float32."""
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.float32), codegen
+
+
+@intrinsic
 def vlane(typingctx, x, i):
     """Float lane i of a vector."""
     def codegen(context, builder, signature, args):
@@ -1118,6 +1171,41 @@ def _dotf_avx2(code, w, x):
         else:
             tail += np.float32(w[j]) * x[j]
     return vhsum(vaddf(a0, a1)) + tail
+
+
+# ---------------------------------------------------------------------------------------------
+# AVX2 quantization of activation rows: `quantize_rows` 32 values at a time (the same rounding:
+# x * (127 / amax) in f32, to nearest even), for Q8_0/Q8_1; Q8_K stays scalar
+# ---------------------------------------------------------------------------------------------
+
+@kernel(_nrt=False)
+def quantize_rows_avx2(act, x, qs, d, s, sums):
+    n_rows, k = x.shape
+    for n in range(n_rows):
+        if act == ACT_Q8_K:
+            _quantize_q8_k(x[n], qs[n], d[n], sums[n])
+            continue
+        for b in range(k // 32):
+            o = n * x.strides[0] + 128 * b  # bytes into x (rows of unit inner stride)
+            v0 = vf32x8(x, o)
+            v1 = vf32x8(x, o + 32)
+            v2 = vf32x8(x, o + 64)
+            v3 = vf32x8(x, o + 96)
+            amax = vabsmax4(v0, v1, v2, v3)
+            inv = vsetf(np.float32(127.0) / amax if amax != 0 else np.float32(0.0))
+            q0 = vround32(vmulf(v0, inv))
+            q1 = vround32(vmulf(v1, inv))
+            q2 = vround32(vmulf(v2, inv))
+            q3 = vround32(vmulf(v3, inv))
+            vstore_i8x32(qs, n * k + 32 * b, q0, q1, q2, q3)
+            lo = vhsum32(vadd32(q0, q1))
+            hi = vhsum32(vadd32(q2, q3))
+            scale = amax / np.float32(127.0)
+            d[n, b] = f16_round(scale)
+            sums[n, 2 * b] = lo
+            sums[n, 2 * b + 1] = hi
+            if act == ACT_Q8_1:
+                s[n, b] = f16_round(scale * np.float32(lo + hi))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1541,13 +1629,13 @@ def _rows_r8_any_avx2(code, p, qs, d, s, sums, out, g0, g1):
 @kernel
 def mul_mat_r8_avx2(code, act, p, x, qs, d, s, sums, out):
     _prefetch_rows(p, 0, PF_GROUPS)  # the first rows arrive while x is quantized
-    quantize_rows(act, x, qs, d, s, sums)
+    quantize_rows_avx2(act, x, qs, d, s, sums)
     _rows_r8_any_avx2(code, p, qs, d, s, sums, out, 0, p.shape[0])
 
 
 @kernel(parallel=True)
 def mul_mat_r8_avx2_par(code, act, p, x, qs, d, s, sums, out, n_chunks):
-    quantize_rows(act, x, qs, d, s, sums)
+    quantize_rows_avx2(act, x, qs, d, s, sums)
     step = (p.shape[0] + n_chunks - 1) // n_chunks
     for c in prange(n_chunks):
         _prefetch_rows(p, c * step, c * step + PF_GROUPS)
@@ -1609,13 +1697,13 @@ def mul_mat_q8_portable_par(code, act, w, x, qs, d, s, sums, out, n_chunks):
 
 @kernel
 def mul_mat_q8_avx2(code, act, w, x, qs, d, s, sums, out):
-    quantize_rows(act, x, qs, d, s, sums)
+    quantize_rows_avx2(act, x, qs, d, s, sums)
     _rows_q8_avx2(code, w, qs, d, s, sums, out, 0, w.shape[0])
 
 
 @kernel(parallel=True)
 def mul_mat_q8_avx2_par(code, act, w, x, qs, d, s, sums, out, n_chunks):
-    quantize_rows(act, x, qs, d, s, sums)
+    quantize_rows_avx2(act, x, qs, d, s, sums)
     step = (w.shape[0] + n_chunks - 1) // n_chunks
     for c in prange(n_chunks):
         _rows_q8_avx2(code, w, qs, d, s, sums, out, c * step, min(w.shape[0], (c + 1) * step))
