@@ -33,8 +33,34 @@ class Build:
         return self.kv, self.inp.kv_idx.tensor, self.p.n_kv
 
 
-def rms_norm(b: Build, x: Tensor, w: Tensor, name: str) -> Tensor:
-    return ops.mul(ops.rms_norm(x, b.hp.norm_eps), w, name=name)
+def norm(b: Build, x: Tensor, w: Tensor, name: str) -> Tensor:
+    """RMS norm times its weight, one node (w spans the last axis: per channel, or per head dim)."""
+    return ops.rms_norm_mul(x, w, b.hp.norm_eps, name=name)
+
+
+# Micro-batches up to this many tokens add the residual inside the next norm's node. That node's
+# result holds the stream and its normalised form side by side, so the normalised half lives as
+# long as the stream: a few KB for a decode step, 1 MB of a SmolLM2 prompt's plan (and gaps in
+# it), so larger micro-batches keep the add and the norm as two nodes.
+FUSED_ADD_MAX_TOKENS = 32
+
+
+def add_norm(b: Build, x: Tensor, h: Tensor | None, w: Tensor, name: str, stream: str,
+             post: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The residual stream after adding h to x, and its norm times w: (x + h, norm(x + h) * w).
+
+    With `post`, h is first normalised by its own weight (gemma3's norms after attention and
+    feed-forward). Without h (the first layer) the stream is x itself."""
+    if h is None:
+        return x, norm(b, x, w, name)
+    if x.shape[0] > FUSED_ADD_MAX_TOKENS:
+        if post is not None:
+            h = norm(b, h, post, f"{name}.post")
+        x = ops.add(x, h, name=stream)
+        return x, norm(b, x, w, name)
+    both = ops.add_rms_norm(x, h, w, b.hp.norm_eps, post=post, name=f"{stream}+{name}")
+    half = x.n_elements * 4
+    return ops.view(both, x.shape, name=stream), ops.view(both, x.shape, offset=half, name=name)
 
 
 def project_heads(x: Tensor, w: Tensor, n_head: int, head_dim: int, name: str) -> Tensor:
@@ -42,21 +68,28 @@ def project_heads(x: Tensor, w: Tensor, n_head: int, head_dim: int, name: str) -
     return ops.reshape(ops.mul_mat(w, x, name=name), (x.shape[0], n_head, head_dim))
 
 
-def rope(b: Build, x: Tensor, mode: int, freq_base: float | None = None) -> Tensor:
+def rope(b: Build, x: Tensor, mode: int, freq_base: float | None = None, out_scale: float = 1.0,
+         norm: Tensor | None = None, name: str | None = None) -> Tensor:
+    """RoPE of x [tokens, heads, head_dim] at the micro-batch's positions, each head first normalised
+    by `norm` when given (q/k norms), the result times out_scale: one node."""
     hp = b.hp
-    return ops.rope(x, b.inp.pos.tensor, hp.n_rot, mode,
-                    hp.rope_freq_base if freq_base is None else freq_base, hp.rope_freq_scale)
+    return ops.rope(x, b.inp.pos.tensor, hp.n_rot, mode, hp.rope_freq_base if freq_base is None else freq_base,
+                    hp.rope_freq_scale, name=name, out_scale=out_scale, norm=norm, eps=hp.norm_eps)
 
 
-def attention(b: Build, il: int, q: Tensor, k: Tensor, v: Tensor, wo: Tensor, kq_scale: float | None = None,
-              mask: Tensor | None = None) -> Tensor:
-    """Write k, v [tokens, heads_kv, head_dim] into layer il's cache, attend with q
-    [tokens, heads, head_dim] over the first n_kv cells, and project with wo."""
+def attention(b: Build, il: int, q: Tensor, k: Tensor, v: Tensor, wo: Tensor, rope_mode: int,
+              freq_base: float | None = None, kq_scale: float | None = None, mask: Tensor | None = None,
+              k_norm: Tensor | None = None) -> Tensor:
+    """Rotate k [tokens, heads_kv, head_dim] (each head first normalised by k_norm when given) as it
+    is written into layer il's cache (one node), write v, attend with q [tokens, heads, head_dim]
+    (already rotated) over the first n_kv cells, and project with wo."""
     hp = b.hp
     n_tokens = q.shape[0]
     cache, idx, n_kv = b.cache_of(il)
     rows = cache.layers[il]
-    k_all = ops.set_rows(rows.k, ops.reshape(k, (n_tokens, hp.n_embd_kv)), idx, name=f"k_store-{il}")
+    k_all = ops.rope_set_rows(rows.k, k, idx, b.inp.pos.tensor, hp.n_rot, rope_mode,
+                              hp.rope_freq_base if freq_base is None else freq_base, hp.rope_freq_scale,
+                              name=f"k_store-{il}", norm=k_norm, eps=hp.norm_eps)
     v_all = ops.set_rows(rows.v, ops.reshape(v, (n_tokens, hp.n_embd_kv)), idx, name=f"v_store-{il}")
     row = rows.k.strides[0]
     elem = rows.k.dtype.itemsize

@@ -5,13 +5,16 @@ predict from the model's structure.
 The prediction (`predict`) is derived here from the llama graph, not read from the scheduler:
 - graph inputs (tokens, positions, KV row indices, KQ mask, output ids) live on the CPU; the
   token embedding stays on the CPU, so the embedding lookup is always the CPU's first node;
-- the offloaded layers are the last N; the residual stream enters the device at the first of
-  them, together with its RMS-normalised form (the norm carries no weight, so it stays with its
-  source on the CPU; the multiply by attn_norm's weight is the device's first node);
+- the offloaded layers are the last N; the first of them begins with the node that adds the
+  previous layer's feed-forward output to the residual stream and normalises the sum by its
+  attn_norm weight (one node, on the device with its weight), so the stream and that output enter
+  the device; the first layer's norm reads only the embedding. A micro-batch of more than
+  FUSED_ADD_MAX_TOKENS tokens adds on the CPU (the add has no weight) and copies the sum;
 - every device layer reads positions (rope), KV row indices (set_rows) and the mask (soft_max),
   copied once and shared; the last layer reads the output ids when fewer rows than tokens need
   logits;
-- the head on the CPU (-ngl <= n_layer) gets the final normalised stream back ([outputs, n_embd]);
+- the head on the CPU (-ngl <= n_layer) gets the last layer's stream and feed-forward output back
+  ([outputs, n_embd] each: output_norm's node, on the CPU with its weight, adds them);
   the head on the device (-ngl > n_layer) returns logits [outputs, n_vocab] through get_tensor.
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ from core.backends.cpu import CPUBackend
 from core.backends.sim import SimBackend
 from core.errors import GraphError
 from core.llm.batch import Batch
+from core.llm.blocks import FUSED_ADD_MAX_TOKENS
 from core.llm.kv_cache import KV_PAD
 from core.llm.model import Model, Placement
 from core.llm.session import Session, SessionParams
@@ -64,28 +68,35 @@ def predict(s: Shape, ngl: int) -> dict:
     if off == 0:
         return dict(splits=[("CPU", [])], sim_in=0, sim_out=0)
     first = s.n_layer - off
-    stream = "inp_embd" if first == 0 else f"l_out-{first - 1}"
-    stream_bytes = s.n_tokens * s.n_embd * F32
-    into_sim = [(stream, stream_bytes), (f"rms_norm({stream})", stream_bytes),
-                ("inp_pos", s.n_tokens * I32), ("inp_kv_idx", s.n_tokens * I32),
-                ("inp_kq_mask", s.n_tokens * s.n_kv * F16)]
+    into_sim = _stream_into(s.n_tokens, first - 1, s.n_embd) + [
+        ("inp_pos", s.n_tokens * I32), ("inp_kv_idx", s.n_tokens * I32), ("inp_kq_mask", s.n_tokens * s.n_kv * F16)]
     if s.n_outputs < s.n_tokens:
         into_sim.append(("inp_out_ids", s.n_outputs * I32))
     splits = [("CPU", []), ("SIM", into_sim)]
     if ngl > s.n_layer:
         out = s.n_outputs * s.n_vocab * F32  # logits, read back by the session
     else:
-        back = [(f"rms_norm(l_out-{s.n_layer - 1})", s.n_outputs * s.n_embd * F32)]
+        back = _stream_into(s.n_outputs, s.n_layer - 1, s.n_embd)
         splits.append(("CPU", back))
-        out = back[0][1]
+        out = sum(b for _, b in back)
     return dict(splits=splits, sim_in=sum(b for _, b in into_sim), sim_out=out)
 
 
+def _stream_into(rows: int, il: int, n_embd: int) -> list[tuple[str, int]]:
+    """What the node after layer il reads from the other side: the embedding (before layer 0), else
+    layer il's stream after attention and its feed-forward output, or their sum when a micro-batch
+    this large adds them in a node of its own."""
+    row_bytes = rows * n_embd * F32
+    if il < 0:
+        return [("inp_embd", row_bytes)]
+    if rows > FUSED_ADD_MAX_TOKENS:
+        return [(f"l_out-{il}", row_bytes)]
+    return [(f"attn_residual-{il}", row_bytes), (f"ffn_out-{il}", row_bytes)]
+
+
 def copied(sg: ScheduledGraph) -> list[tuple[str, list[tuple[str, int]]]]:
-    """The scheduler's splits in the prediction's terms; an unnamed norm shows as rms_norm(<its source>)."""
-    def label(t):
-        return f"rms_norm({t.srcs[0].name})" if t.op == "rms_norm" and t.name.startswith("rms_norm-") else t.name
-    return [(s.backend.name, sorted((label(c.srcs[0]), c.nbytes) for c in s.copies)) for s in sg.splits]
+    """The scheduler's splits in the prediction's terms: the sources copied into each, by name."""
+    return [(s.backend.name, sorted((c.srcs[0].name, c.nbytes) for c in s.copies)) for s in sg.splits]
 
 
 def sorted_prediction(p: dict) -> list:
@@ -135,11 +146,17 @@ def placement_of(model: Model) -> dict[str, str]:
     return {name: t.buffer.backend.name for name, t in model.weights.tensors.items()}
 
 
+# SIM runs the reference kernels, the CPU its compiled ones: they agree to f32 rounding (3e-6 in the
+# tiny model's logits with an f32 cache), but a key or value stored in the f16 cache can round to the
+# neighbouring f16 on one side (2e-4 in those logits).
+LOGITS_ATOL = 1e-3
+
+
 def assert_same_run(got: Run, ref: Run) -> None:
     assert got.tokens == ref.tokens
     assert len(got.logits) == len(ref.logits)
     for a, b in zip(got.logits, ref.logits):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(a, b, rtol=0, atol=LOGITS_ATOL)
 
 
 def assert_predicted(run: Run, shape_prompt: Shape, shape_step: Shape, ngl: int) -> None:
@@ -221,7 +238,7 @@ def test_tiny_all_logits_prompt_needs_no_output_ids(tiny):
     batch = Batch()
     for i, t in enumerate(PROMPT):
         batch.add(t, i, 0, logits=True)
-    np.testing.assert_allclose(s.decode(batch), ref_s.decode(batch), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(s.decode(batch), ref_s.decode(batch), rtol=0, atol=LOGITS_ATOL)
     hp = model.hp
     shape = Shape(hp.n_layer, hp.n_embd, hp.n_vocab, len(PROMPT), len(PROMPT), n_kv_for(N_CTX, len(PROMPT)))
     assert copied(s.result.sg) == sorted_prediction(predict(shape, 2))
@@ -229,24 +246,24 @@ def test_tiny_all_logits_prompt_needs_no_output_ids(tiny):
 
 @pytest.mark.parametrize("refused", ["rope", "soft_max"])
 def test_tiny_refused_op_runs_on_the_cpu_between_copies(tiny, tiny_ref, refused):
-    """All layers on SIM, which refuses rope (two per layer: q and k) or soft_max (one per layer):
-    each such node is a CPU split of its own, reading a copy of its device input (its other input,
-    positions or mask, is already on the CPU), and its result is copied back."""
+    """All layers on SIM, which refuses rope (one per layer: the queries; the keys' RoPE is part of
+    the cache write) or soft_max (one per layer): each such node is a CPU split of its own, reading a
+    copy of its device input (its other input, positions or mask, is already on the CPU), and its
+    result is copied back."""
     model = Model.load(tiny, [SimBackend(refuse=frozenset({refused})), CPUBackend()], N_LAYER + 1)
     s = Session(model, SessionParams(n_ctx=N_CTX, n_batch=64, n_ubatch=64))
     logits = [s.decode(Batch.of_sequence(PROMPT, 0))[-1]]
     sg = s.result.sg
     check_plans(sg)
     hp, n = model.hp, len(PROMPT)
-    per_layer = 2 if refused == "rope" else 1
-    assert len(sg.splits) == 2 + 2 * per_layer * N_LAYER
+    assert len(sg.splits) == 2 + 2 * N_LAYER
     refused_nodes = [x for x in sg.graph.nodes if x.op == refused]
-    assert len(refused_nodes) == per_layer * N_LAYER
+    assert len(refused_nodes) == N_LAYER
     assert all(sg.backend_of[id(x)].name == "CPU" for x in refused_nodes)
     cpu_splits = [sp for sp in sg.splits[1:] if sp.backend.name == "CPU"]
     assert [sp.nodes for sp in cpu_splits] == [[x] for x in refused_nodes]
-    if refused == "rope":  # q rows [tokens, n_head, head_dim], k rows [tokens, n_head_kv, head_dim]
-        sizes = sorted([n * hp.n_head * hp.head_dim * F32, n * hp.n_head_kv * hp.head_dim * F32] * N_LAYER)
+    if refused == "rope":  # q rows [tokens, n_head, head_dim]
+        sizes = [n * hp.n_head * hp.head_dim * F32] * N_LAYER
     else:  # kq [n_head, tokens, n_kv]
         sizes = [hp.n_head * n * n_kv_for(N_CTX, n) * F32] * N_LAYER
     assert sorted(c.nbytes for sp in cpu_splits for c in sp.copies) == sizes
@@ -260,7 +277,7 @@ def test_tiny_refused_op_runs_on_the_cpu_between_copies(tiny, tiny_ref, refused)
         logits.append(s.decode(Batch.of_sequence([int(np.argmax(logits[-1]))], n + i))[-1])
     assert [int(np.argmax(x)) for x in logits[:-1]] == tiny_ref.tokens[:3]
     for a, b in zip(logits, tiny_ref.logits):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(a, b, rtol=0, atol=LOGITS_ATOL)
 
 
 def test_tiny_refused_cache_write_is_a_clear_error(tiny):
@@ -286,7 +303,7 @@ def test_tiny_offload_survives_a_k_shift_and_sequence_edits(tiny):
 
     ref = run([CPUBackend()], 0)
     for got, want in zip(run([SimBackend(), CPUBackend()], 2), ref):
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(got, want, rtol=0, atol=LOGITS_ATOL)
 
 
 # ---- SmolLM2 ------------------------------------------------------------------------------------
@@ -358,9 +375,10 @@ def test_smollm2_offload_copies_what_the_rules_predict(smol):
         if ngl != "cpu":
             assert_predicted(run, prompt, step, ngl)
     # the figures of one decoded token at -ngl 15 / n_layer + 1, written out for SmolLM2 (n_embd 576,
-    # n_vocab 49152, 256 cells): stream 2304 B (+ its norm), positions 4, rows 4, mask 512
+    # n_vocab 49152, 256 cells): stream and feed-forward output 2304 B each (the embedding alone before
+    # layer 0), positions 4, rows 4, mask 512
     mid, full = smol["runs"][hp.n_layer // 2], smol["runs"][hp.n_layer + 1]
-    assert (len(mid.step_splits), sum(len(c) for _, c in mid.step_splits), mid.step_sched_bytes) == (3, 6, 7432)
-    assert mid.step_sim == (5128, 2304)
-    assert (len(full.step_splits), sum(len(c) for _, c in full.step_splits), full.step_sched_bytes) == (2, 5, 5128)
-    assert full.step_sim == (5128, 196608)
+    assert (len(mid.step_splits), sum(len(c) for _, c in mid.step_splits), mid.step_sched_bytes) == (3, 7, 9736)
+    assert mid.step_sim == (5128, 4608)
+    assert (len(full.step_splits), sum(len(c) for _, c in full.step_splits), full.step_sched_bytes) == (2, 4, 2824)
+    assert full.step_sim == (2824, 196608)

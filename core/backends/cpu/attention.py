@@ -24,8 +24,14 @@ from core.dtypes import DType
 CELLS = 64  # cache cells per tile: converted to f32 once per tile and KV head
 
 
-@kernel(inline="always")
-def _attend(q, k, v, mask, scale, q_f16, g, t0, t1, Kf, Vf, S, Qr, M, L, out):
+# Dot products over head_dim are summed in SIMD lanes (as ggml's vec_dot), hence `reassoc`. One
+# compiled function serves every caller, so a row's result never depends on how tokens were
+# batched or shared among threads.
+_FLAGS = {"reassoc", "contract"}
+
+
+@kernel(fastmath=_FLAGS)
+def attend(q, k, v, mask, scale, q_f16, g, t0, t1, Kf, Vf, S, Qr, M, L, out):
     """out[t, h] for tokens t0..t1 and the query heads h sharing KV head g (an online softmax over
     tiles of cells; out holds the running sums, M and L each row's running maximum and total)."""
     n_kv, d = k.shape[0], k.shape[2]
@@ -100,19 +106,15 @@ def _attend(q, k, v, mask, scale, q_f16, g, t0, t1, Kf, Vf, S, Qr, M, L, out):
                 o[j] *= inv
 
 
-# Dot products over head_dim are summed in SIMD lanes (as ggml's vec_dot), hence `reassoc`.
-_FLAGS = {"reassoc", "contract"}
-
-
-@kernel(fastmath=_FLAGS)
+@kernel
 def flash_attn_serial(q, k, v, mask, scale, q_f16, Kf, Vf, S, Qr, ML, out):
     """out [tokens, heads, d] = softmax(q k^T * scale + mask) v for q [tokens, heads, d], k and v
     [n_kv, heads_kv, d] (f16 bits or f32), mask [>= tokens, n_kv]; Kf..Qr: one worker's tiles."""
     for g in range(k.shape[1]):
-        _attend(q, k, v, mask, scale, q_f16, g, 0, q.shape[0], Kf[0], Vf[0], S[0], Qr[0], ML[0], ML[1], out)
+        attend(q, k, v, mask, scale, q_f16, g, 0, q.shape[0], Kf[0], Vf[0], S[0], Qr[0], ML[0], ML[1], out)
 
 
-@kernel(parallel=True, fastmath=_FLAGS)
+@kernel(parallel=True)
 def flash_attn_parallel(q, k, v, mask, scale, q_f16, Kf, Vf, S, Qr, ML, out):
     """flash_attn_serial with (KV head, block of tokens) items dealt round-robin to Kf.shape[0] workers."""
     workers = Kf.shape[0]
@@ -126,7 +128,7 @@ def flash_attn_parallel(q, k, v, mask, scale, q_f16, Kf, Vf, S, Qr, ML, out):
             t0 = (item % blocks) * per_block
             t1 = min(n_tok, t0 + per_block)
             if t0 < t1:
-                _attend(q, k, v, mask, scale, q_f16, g, t0, t1, Kf[w], Vf[w], S[w], Qr[w], ML[0], ML[1], out)
+                attend(q, k, v, mask, scale, q_f16, g, t0, t1, Kf[w], Vf[w], S[w], Qr[w], ML[0], ML[1], out)
 
 
 def _workers(node) -> int:

@@ -49,25 +49,24 @@ def build(b: Build, w: Weights) -> Tensor:
     x = ops.get_rows(w["token_embd.weight"], b.inp.tokens.tensor, name="inp_embd")
     x = ops.scale(x, math.sqrt(hp.n_embd), name="inp_scaled")
     base_of = rope_freq_base_of(hp)
+    ffn = None  # the previous layer's feed-forward output, normalised and added with the next norm
     for il in range(hp.n_layer):
         L = w.layer(il)
-        h = blocks.rms_norm(b, x, L.attn_norm, f"attn_norm-{il}")
-        q = blocks.rms_norm(b, blocks.project_heads(h, L.attn_q, hp.n_head, hp.head_dim, f"q-{il}"),
-                            L.attn_q_norm, f"q_norm-{il}")
-        k = blocks.rms_norm(b, blocks.project_heads(h, L.attn_k, hp.n_head_kv, hp.head_dim, f"k-{il}"),
-                            L.attn_k_norm, f"k_norm-{il}")
+        post = w.layer(il - 1).post_ffw_norm if il else None
+        x, h = blocks.add_norm(b, x, ffn, L.attn_norm, f"attn_norm-{il}", stream=f"l_out-{il - 1}", post=post)
+        q = blocks.project_heads(h, L.attn_q, hp.n_head, hp.head_dim, f"q-{il}")
+        k = blocks.project_heads(h, L.attn_k, hp.n_head_kv, hp.head_dim, f"k-{il}")
         v = blocks.project_heads(h, L.attn_v, hp.n_head_kv, hp.head_dim, f"v-{il}")
-        q = ops.scale(blocks.rope(b, q, ROPE_MODE, base_of(il)), hp.extra["attn_scale"], name=f"q_scaled-{il}")
-        k = blocks.rope(b, k, ROPE_MODE, base_of(il))
+        q = blocks.rope(b, q, ROPE_MODE, base_of(il), out_scale=hp.extra["attn_scale"], norm=L.attn_q_norm,
+                        name=f"q_scaled-{il}")  # q_norm, RoPE and the query scale in one node
         mask = b.inp.kq_mask_swa.tensor if is_swa(hp, il) else None
-        h = blocks.attention(b, il, q, k, v, L.attn_output, kq_scale=1.0, mask=mask)
+        attn = blocks.attention(b, il, q, k, v, L.attn_output, ROPE_MODE, base_of(il), kq_scale=1.0, mask=mask,
+                                k_norm=L.attn_k_norm)
         if il == hp.n_layer - 1:
-            h, x = blocks.select_outputs(b, h, x)
-        h = blocks.rms_norm(b, h, L.post_attention_norm, f"attn_post_norm-{il}")
-        x = ops.add(h, x, name=f"sa_out-{il}")
-        h = blocks.rms_norm(b, x, L.ffn_norm, f"ffn_norm-{il}")
-        h = blocks.ffn_geglu(b, h, L.ffn_gate, L.ffn_up, L.ffn_down, il)
-        h = blocks.rms_norm(b, h, L.post_ffw_norm, f"ffn_post_norm-{il}")
-        x = ops.add(h, x, name=f"l_out-{il}")
-    x = blocks.rms_norm(b, x, w["output_norm.weight"], "result_norm")
-    return ops.mul_mat(w["output.weight"], x, name="result_output")
+            attn, x = blocks.select_outputs(b, attn, x)
+        x, h = blocks.add_norm(b, x, attn, L.ffn_norm, f"ffn_norm-{il}", stream=f"sa_out-{il}",
+                               post=L.post_attention_norm)
+        ffn = blocks.ffn_geglu(b, h, L.ffn_gate, L.ffn_up, L.ffn_down, il)
+    x, h = blocks.add_norm(b, x, ffn, w["output_norm.weight"], "result_norm", stream=f"l_out-{hp.n_layer - 1}",
+                           post=w.layer(hp.n_layer - 1).post_ffw_norm)
+    return ops.mul_mat(w["output.weight"], h, name="result_output")

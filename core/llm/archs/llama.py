@@ -17,18 +17,17 @@ def build(b: Build, w: Weights) -> Tensor:
     """Logits [n_outputs, n_vocab] of the micro-batch in b.inp."""
     hp = b.hp
     x = ops.get_rows(w["token_embd.weight"], b.inp.tokens.tensor, name="inp_embd")
+    ffn = None  # the previous layer's feed-forward output, added to the stream with the next norm
     for il in range(hp.n_layer):
         L = w.layer(il)
-        h = blocks.rms_norm(b, x, L.attn_norm, f"attn_norm-{il}")
+        x, h = blocks.add_norm(b, x, ffn, L.attn_norm, f"attn_norm-{il}", stream=f"l_out-{il - 1}")
         q = blocks.rope(b, blocks.project_heads(h, L.attn_q, hp.n_head, hp.head_dim, f"q-{il}"), ROPE_MODE)
-        k = blocks.rope(b, blocks.project_heads(h, L.attn_k, hp.n_head_kv, hp.head_dim, f"k-{il}"), ROPE_MODE)
+        k = blocks.project_heads(h, L.attn_k, hp.n_head_kv, hp.head_dim, f"k-{il}")
         v = blocks.project_heads(h, L.attn_v, hp.n_head_kv, hp.head_dim, f"v-{il}")
-        h = blocks.attention(b, il, q, k, v, L.attn_output)
+        attn = blocks.attention(b, il, q, k, v, L.attn_output, ROPE_MODE)
         if il == hp.n_layer - 1:
-            h, x = blocks.select_outputs(b, h, x)
-        x = ops.add(h, x, name=f"attn_residual-{il}")
-        h = blocks.rms_norm(b, x, L.ffn_norm, f"ffn_norm-{il}")
-        h = blocks.ffn_swiglu(h, L.ffn_gate, L.ffn_up, L.ffn_down, il)
-        x = ops.add(h, x, name=f"l_out-{il}")
-    x = blocks.rms_norm(b, x, w["output_norm.weight"], "result_norm")
-    return ops.mul_mat(w["output.weight"], x, name="result_output")
+            attn, x = blocks.select_outputs(b, attn, x)
+        x, h = blocks.add_norm(b, x, attn, L.ffn_norm, f"ffn_norm-{il}", stream=f"attn_residual-{il}")
+        ffn = blocks.ffn_swiglu(h, L.ffn_gate, L.ffn_up, L.ffn_down, il)
+    x, h = blocks.add_norm(b, x, ffn, w["output_norm.weight"], "result_norm", stream=f"l_out-{hp.n_layer - 1}")
+    return ops.mul_mat(w["output.weight"], h, name="result_output")
