@@ -878,6 +878,16 @@ def _store4(out, n, m, m1, v0, v1, v2, v3):
 
 
 @kernel(inline="always")
+def _prefetch4(w, r0, r1, r2, r3, o):
+    """Prefetch block offset o of the next four rows (the hardware prefetcher loses four streams)."""
+    ahead = 4 * w.strides[0]
+    prefetch(w, r0 + ahead + o)
+    prefetch(w, r1 + ahead + o)
+    prefetch(w, r2 + ahead + o)
+    prefetch(w, r3 + ahead + o)
+
+
+@kernel(inline="always")
 def _blk(w, at, da, p, acc):
     """acc + f16 scale at w[at] * da * the block's integer lanes p."""
     return vfma(vsetf(sf16(w, at) * da), vcvt(p), acc)
@@ -895,6 +905,7 @@ def _rows_q4_0_avx2(w, qs, d, s, sums, out, m0, m1):
                 off = vset32(sums[n, 2 * b] + sums[n, 2 * b + 1])  # q - 8: 8 * sum(x) over 8 lanes
                 da = d[n, b]
                 o = 18 * b
+                _prefetch4(w, r0, r1, r2, r3, o)
                 a0 = _blk(w, r0 + o, da, vsub32(vdot(vnib(w, r0 + o + 2), x), off), a0)
                 a1 = _blk(w, r1 + o, da, vsub32(vdot(vnib(w, r1 + o + 2), x), off), a1)
                 a2 = _blk(w, r2 + o, da, vsub32(vdot(vnib(w, r2 + o + 2), x), off), a2)
@@ -915,6 +926,7 @@ def _rows_q4_1_avx2(w, qs, d, s, sums, out, m0, m1):
                 da = d[n, b]
                 sb = s[n, b]
                 o = 20 * b
+                _prefetch4(w, r0, r1, r2, r3, o)
                 a0 = _blk(w, r0 + o, da, vdot(vnib(w, r0 + o + 4), x), a0)
                 a1 = _blk(w, r1 + o, da, vdot(vnib(w, r1 + o + 4), x), a1)
                 a2 = _blk(w, r2 + o, da, vdot(vnib(w, r2 + o + 4), x), a2)
@@ -945,6 +957,7 @@ def _rows_q5_0_avx2(w, qs, d, s, sums, out, m0, m1):
                 off = vset32(2 * (sums[n, 2 * b] + sums[n, 2 * b + 1]))  # q - 16
                 da = d[n, b]
                 o = 22 * b
+                _prefetch4(w, r0, r1, r2, r3, o)
                 a0 = _blk(w, r0 + o, da, vsub32(vdot(_q5(w, r0 + o + 2, hm), x), off), a0)
                 a1 = _blk(w, r1 + o, da, vsub32(vdot(_q5(w, r1 + o + 2, hm), x), off), a1)
                 a2 = _blk(w, r2 + o, da, vsub32(vdot(_q5(w, r2 + o + 2, hm), x), off), a2)
@@ -966,6 +979,7 @@ def _rows_q5_1_avx2(w, qs, d, s, sums, out, m0, m1):
                 da = d[n, b]
                 sb = s[n, b]
                 o = 24 * b
+                _prefetch4(w, r0, r1, r2, r3, o)
                 a0 = _blk(w, r0 + o, da, vdot(_q5(w, r0 + o + 4, hm), x), a0)
                 a1 = _blk(w, r1 + o, da, vdot(_q5(w, r1 + o + 4, hm), x), a1)
                 a2 = _blk(w, r2 + o, da, vdot(_q5(w, r2 + o + 4, hm), x), a2)
@@ -987,7 +1001,6 @@ def _q8_lanes(w, at, x):
 @kernel(_nrt=False)
 def _rows_q8_0_avx2(w, qs, d, s, sums, out, m0, m1):
     k = qs.shape[1]
-    rs = w.strides[0]
     for m in range(m0, m1, 4):
         r0, r1, r2, r3 = _four_rows(w, m, m1)
         for n in range(qs.shape[0]):
@@ -996,10 +1009,7 @@ def _rows_q8_0_avx2(w, qs, d, s, sums, out, m0, m1):
                 x = vload(qs, n * k + 32 * b)
                 da = d[n, b]
                 o = 34 * b
-                prefetch(w, r0 + 4 * rs + o)
-                prefetch(w, r1 + 4 * rs + o)
-                prefetch(w, r2 + 4 * rs + o)
-                prefetch(w, r3 + 4 * rs + o)
+                _prefetch4(w, r0, r1, r2, r3, o)
                 a0 = _blk(w, r0 + o, da, _q8_lanes(w, r0 + o + 2, x), a0)
                 a1 = _blk(w, r1 + o, da, _q8_lanes(w, r1 + o + 2, x), a1)
                 a2 = _blk(w, r2 + o, da, _q8_lanes(w, r2 + o + 2, x), a2)
