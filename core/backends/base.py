@@ -87,6 +87,13 @@ class Backend(ABC):
         """Copy src (on any backend) into dst (on this backend), through the host."""
         self.set_tensor(dst, src.root.buffer.backend.get_tensor(src))
 
+    # backends that draw on one memory (the host's RAM) share a pool name; each GPU is a pool of its own
+    memory_pool: str = "?"
+
+    def free_memory(self) -> int | None:
+        """Bytes this backend's memory pool can still give, or None when it cannot tell."""
+        return None
+
     def address(self, arr: Any) -> int:
         """Device address of an array's first element (used to check placements)."""
         return int(arr.__array_interface__["data"][0])

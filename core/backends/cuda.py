@@ -29,6 +29,16 @@ class CUDABackend(ArrayBackend):
         self.device = describe_device(index)
         self._dev = cupy.cuda.Device(index)
 
+    @property
+    def memory_pool(self) -> str:
+        return f"{self.name}{self.index}"
+
+    def free_memory(self) -> int | None:
+        """Free device memory plus what cupy's pool holds unused (it hands that out first)."""
+        with self._dev:
+            free, _ = cupy.cuda.runtime.memGetInfo()
+            return int(free) + int(cupy.get_default_memory_pool().free_bytes())
+
     def device_context(self):
         return self._dev
 

@@ -6,6 +6,8 @@ array is a numpy view, cached on the tensor until it is placed again.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from core.backends.array_backend import ArrayBackend, storage_dtype
@@ -19,6 +21,10 @@ class HostArrayBackend(ArrayBackend):
     buffer_type = BufferType(alignment=64, max_size=1 << 44)
     xp = np
     stores_blocks = True
+    memory_pool = "CPU"
+
+    def free_memory(self) -> int | None:
+        return host_available_bytes()
 
     def alloc_buffer(self, size: int, usage: str) -> Buffer:
         return Buffer(self, np.empty(size, dtype=np.uint8), usage)
@@ -40,3 +46,19 @@ class HostArrayBackend(ArrayBackend):
 
     def get_tensor(self, t: Tensor) -> np.ndarray:
         return np.array(self.array(t), copy=True)
+
+
+def host_available_bytes() -> int | None:
+    """Memory the host can give without swapping: /proc/meminfo's MemAvailable (free memory plus
+    page cache it can drop), else free pages where the OS reports them, else None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None

@@ -27,6 +27,21 @@ class CacheRows:
     v: Tensor
 
 
+def planned_bytes(n_ctx: int, n_embd_kv: int, layer_backends: list, dtype: DType = DType.F16, **_) -> dict[str, int]:
+    """Bytes per backend name that a KVCache made with these arguments takes for its K and V rows,
+    known before it exists (so that a session can check they fit before allocating them)."""
+    out: dict[str, int] = {}
+    for backend in layer_backends:
+        if backend is not None:
+            out[backend.name] = out.get(backend.name, 0) + 2 * max(n_ctx * n_embd_kv * dtype.itemsize, 1)
+    return out
+
+
+def cell_record_bytes(n_seq_max: int) -> int:
+    """Host bytes of one cell's records: position and shift (int32 each), one flag per sequence."""
+    return 4 + 4 + n_seq_max
+
+
 class KVCache:
     """n_ctx cells shared by up to n_seq_max sequences, holding K and V of the layers given a
     backend (`layer_backends[il]`; None for a layer another cache holds).

@@ -20,7 +20,8 @@ from core.llm.batch import Batch, UBatch, split_batch
 from core.llm.blocks import Build, build_k_shift
 from core.llm.graph_result import GraphResult
 from core.llm.inputs import GraphInputs, GraphParams, UBatchState
-from core.llm.kv_cache import KV_PAD, KVCache
+from core.llm.budget import Budget
+from core.llm.kv_cache import cell_record_bytes, KV_PAD, KVCache, planned_bytes
 from core.llm.model import Model
 from core.llm.numerics import NonFiniteLogits, first_non_finite, non_finite_kind
 from core.sched import Scheduler
@@ -82,6 +83,9 @@ class Session:
         self.n_ubatch = min(params.n_ubatch, params.n_batch)
         self.sched = Scheduler(model.backends, params.reuse_memory)
         self.virtual = any(c.virtual for c in model.contexts.values())  # metadata-only model: plan, never run
+        # what each memory pool has free before the session takes anything (a plan-only session takes nothing)
+        self.budget = None if self.virtual else Budget.now(model.backends)
+        self.kv_need: dict[str, int] = {}
         self.kv, self.kv_swa = self._make_caches()
         self.graph_reuse = params.graph_reuse and reuse_enabled_by_env()
         self.debug = graph_debug_level()
@@ -103,12 +107,29 @@ class Session:
                   act_quant="f16" if llama_f16 else None)
         layers = model.placement.layers
         if not any(swa):
-            return KVCache(p.n_ctx, model.hp.n_embd_kv, layers, **kw), None
-        n_swa = min(p.n_ctx, -(-(window * p.n_seq_max + self.n_ubatch) // KV_PAD) * KV_PAD)
-        base = KVCache(p.n_ctx, model.hp.n_embd_kv, [None if w else b for w, b in zip(swa, layers)], **kw)
-        local = KVCache(n_swa, model.hp.n_embd_kv, [b if w else None for w, b in zip(swa, layers)], **kw,
-                        window=window, name="cache_swa")
-        return base, local
+            specs = [dict(n_ctx=p.n_ctx, n_embd_kv=model.hp.n_embd_kv, layer_backends=layers, **kw)]
+        else:
+            n_swa = min(p.n_ctx, -(-(window * p.n_seq_max + self.n_ubatch) // KV_PAD) * KV_PAD)
+            specs = [dict(n_ctx=p.n_ctx, n_embd_kv=model.hp.n_embd_kv,
+                          layer_backends=[None if w else b for w, b in zip(swa, layers)], **kw),
+                     dict(n_ctx=n_swa, n_embd_kv=model.hp.n_embd_kv,
+                          layer_backends=[b if w else None for w, b in zip(swa, layers)], **kw,
+                          window=window, name="cache_swa")]
+        if self.budget is not None:  # the cache must fit before it is allocated (-c can ask for terabytes)
+            self.kv_need = self._kv_need(specs)
+            self.budget.check({"KV cache": self.kv_need})
+        caches = [KVCache(**spec) for spec in specs]
+        return caches[0], caches[1] if len(caches) > 1 else None
+
+    def _kv_need(self, specs: list[dict]) -> dict[str, int]:
+        """Bytes per backend the caches of `specs` will take: K and V rows, and the cell records on the host."""
+        need: dict[str, int] = {}
+        for spec in specs:
+            for name, n in planned_bytes(**spec).items():
+                need[name] = need.get(name, 0) + n
+            cpu = self.sched.cpu.name
+            need[cpu] = need.get(cpu, 0) + spec["n_ctx"] * cell_record_bytes(spec["n_seq_max"])
+        return need
 
     @property
     def caches(self) -> list[KVCache]:
@@ -166,7 +187,14 @@ class Session:
         graphs = [self.build(GraphParams(n, k, worst.n_kv, worst.n_kv_swa)).sg
                   for k in sorted({n, max(n - 1, 1), 1}, reverse=True)]
         graphs += [self.sched.schedule(self._k_shift_graph(c)[0]) for c in self.caches]
-        need = [sum(p.size for p in self.sched.measure(sg).values()) for sg in graphs]
+        measured = [self.sched.measure(sg) for sg in graphs]
+        need = [sum(p.size for p in m.values()) for m in measured]
+        if self.budget is not None:  # the compute buffers must fit beside the cache before they are allocated
+            compute: dict[str, int] = {}
+            for m in measured:
+                for name, plan in m.items():
+                    compute[name] = max(compute.get(name, 0), plan.size)
+            self.budget.check({"KV cache": self.kv_need, "compute buffers": compute})
         plans: dict = {}
         for i in sorted(range(len(graphs)), key=lambda i: -need[i]):
             for name, plan in self.sched.reserve(graphs[i]).items():

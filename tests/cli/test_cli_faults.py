@@ -61,3 +61,9 @@ def test_check_numerics_names_the_node(capsys, monkeypatch, nan_model):
     code, out, err = ggrun(capsys, monkeypatch, "run", "-m", nan_model, "-p", "hello", "-n", "4", "--check-numerics")
     one_error_line(code, err, 1, "the first non-finite value (inf) comes from node result_norm",
                    "whose weight output_norm.weight holds inf")
+
+
+def test_a_context_too_large_for_memory_is_bad_input(capsys, monkeypatch, tiny_llama_path):
+    code, out, err = ggrun(capsys, monkeypatch, "run", "-m", tiny_llama_path, "-p", "hi", "-n", "2", "-c", 2**31)
+    one_error_line(code, err, 2, "this session needs 530.00 GiB on CPU (KV cache 530.00 GiB), ", " GiB free; lower -c or -ub")
+    assert out == ""
