@@ -133,18 +133,21 @@ REPACKED_TYPES = LEGACY + [DType.Q4_K, DType.Q5_K, DType.Q6_K]
 
 @pytest.mark.parametrize("n_tokens", [1, 2, 7])
 @pytest.mark.parametrize("dtype", REPACKED_TYPES, ids=str)
-def test_mul_mat_repacked(dtype, n_tokens, monkeypatch):
-    """The r8 layout (AVX2 hosts): rows in groups of 8, 37 rows leave a partial group."""
-    if Q.SIMD != "avx2":
-        pytest.skip("this CPU has no AVX2: no repacked layout")
+def test_mul_mat_repacked(dtype, n_tokens, simd, monkeypatch):
+    """The r8 layout (AVX2: rows in groups of 8) and the ri64 layout (portable: groups of 64);
+    37 rows leave a partial group."""
     packed = matmul.repack(dtype, weight_data(dtype, 37, k_for(dtype), 0))
-    assert packed is not None and packed.shape[0] == 5
-    used, real = [], Q.mul_mat_r8_avx2
+    if simd == "portable" and dtype in K_QUANTS:
+        assert packed is None
+        return
+    assert packed is not None
+    kernel = "mul_mat_r8_avx2" if simd == "avx2" else "mul_mat_ri_portable"
+    used, real = [], getattr(Q, kernel)
 
     def spy(*args):
         used.append(1)
         real(*args)
-    monkeypatch.setattr(Q, "mul_mat_r8_avx2", spy)
+    monkeypatch.setattr(Q, kernel, spy)
     err = compare(CPUBackend(), product(dtype, 37, k_for(dtype), (n_tokens,), "llama", repacked=True))
     assert err <= MAX_NMSE["llama"], err
     assert used, "the repacked kernel did not run"
@@ -161,20 +164,19 @@ def test_mul_mat_prompt_batch(dtype, numerics):
 @pytest.mark.parametrize("dtype", TYPES, ids=str)
 def test_mul_mat_both_simd_levels_and_threads(dtype, numerics, simd, two_threads):
     for n_tokens in (1, 3):
-        build = product(dtype, 29, k_for(dtype), (n_tokens,), numerics, seed=n_tokens, repacked=simd == "avx2")
+        build = product(dtype, 29, k_for(dtype), (n_tokens,), numerics, seed=n_tokens, repacked=True)
         err = compare(CPUBackend(), build)
         assert err <= MAX_NMSE[numerics], (n_tokens, err)
     err = compare(CPUBackend(), product(dtype, 300, k_for(dtype, small=True), (40,), numerics))  # several tiles
     assert err <= MAX_NMSE[numerics], err
 
 
-def test_repack_is_for_the_types_it_speeds_up():
+def test_repack_is_for_the_types_it_speeds_up(simd):
     raw = weight_data(DType.Q2_K, 8, 256, 0)
     assert matmul.repack(DType.Q2_K, raw) is None
     assert matmul.repack(DType.F16, weight_data(DType.F16, 8, 64, 0).view(np.uint8)) is None
-    if Q.SIMD == "avx2":
-        with pytest.raises(ValueError):
-            matmul.repack(DType.Q4_1, raw.reshape(-1))
+    with pytest.raises(ValueError):
+        matmul.repack(DType.Q4_1, raw.reshape(-1))
 
 
 def test_prompt_batch_tiles(monkeypatch):

@@ -76,7 +76,7 @@ class _Plan:
 
     def scratch_bytes(self) -> int:
         if self.path == "q8":
-            return Q.act_arrays_bytes(self.n, self.k)
+            return Q.act_arrays_bytes(self.n, self.k) + _work_bytes()
         if self.path == "f32":
             return _round64(numba.config.NUMBA_NUM_THREADS * self.k * 4)
         size = 0
@@ -113,7 +113,7 @@ def _plan(node: Tensor) -> _Plan | None:
         return _Plan("blas", a.dtype, act, n, m, k)
     own = Q.ACT_OF.get(a.dtype)
     if act is not None and own is not None and (act == Q.ACT_Q8_K) == (own == Q.ACT_Q8_K):
-        repacked = a.view_src is None and a.params.get(REPACKED) is not None
+        repacked = a.view_src is None and a.params.get(REPACKED) is not None  # checked when bound
         if n <= (R8_MAX_N.get(a.dtype, Q8_MAX_N) if repacked else Q8_MAX_N):
             return _Plan("q8", a.dtype, own, n, m, k)
         return _Plan("blas", a.dtype, act, n, m, k)
@@ -122,30 +122,46 @@ def _plan(node: Tensor) -> _Plan | None:
     return _Plan("blas", a.dtype, act, n, m, k)
 
 
-def repack(dtype: DType, raw: np.ndarray) -> np.ndarray | None:
-    """A 2-d weight's stored rows (uint8 [M, row bytes], GGUF blocks) in the layout the decode
-    kernels of this host read fastest, or None where they read the stored blocks directly.
+_RI64_TYPES = (DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q8_0)
 
-    Made once per weight at load (about 0.1 s for 30 MB); the caller keeps it in the weight's
-    params under REPACKED. The stored bytes stay in use too (get_rows, long batches).
+
+def repack(dtype: DType, raw: np.ndarray) -> np.ndarray | Q.RI64 | None:
+    """A 2-d weight's stored rows (uint8 [M, row bytes], GGUF blocks) in the layout the decode
+    kernels of this host read fastest (AVX2: "r8", a uint8 array; without AVX2: "ri64"), or None
+    where they read the stored blocks directly.
+
+    Made once per weight at load (about 0.1 s for 30 MB); the caller keeps the result in the
+    weight tensor's params under REPACKED. The stored bytes stay in use too (get_rows, batches).
     """
-    if Q.SIMD != "avx2" or dtype not in Q.CODES or Q.CODES[dtype] not in Q.R8_TYPES:
+    if dtype not in Q.CODES or not dtype.is_quantized:
         return None
     raw = np.asarray(raw)
     if raw.ndim != 2 or raw.dtype != np.uint8 or raw.shape[1] % dtype.type_size:
         raise ValueError(f"repack: {dtype} rows must be uint8 [rows, row bytes], got {raw.dtype} {raw.shape}")
-    return Q.repack_r8(Q.CODES[dtype], raw)
+    if Q.SIMD == "avx2":
+        return Q.repack_r8(Q.CODES[dtype], raw) if Q.CODES[dtype] in Q.R8_TYPES else None
+    return Q.repack_ri64(Q.CODES[dtype], raw) if dtype in _RI64_TYPES else None
 
 
-def _repacked(node: Tensor, plan: _Plan) -> np.ndarray | None:
-    """The weight's r8 rows when the engine made them (and they fit this node's weight)."""
+def _repacked(node: Tensor, plan: _Plan):
+    """The weight's repacked rows when the engine made them in this host's layout for its shape."""
     a = node.srcs[0]
     packed = a.params.get(REPACKED) if a.view_src is None else None
-    if packed is None or Q.SIMD != "avx2" or plan.code not in Q.R8_TYPES:
-        return None
-    groups = (plan.m + Q.R8 - 1) // Q.R8
-    expect = plan.k // plan.dtype.block_size * Q.r8_block_bytes(plan.code)
-    return packed if packed.shape == (groups, expect) and packed.dtype == np.uint8 else None
+    blocks = plan.k // plan.dtype.block_size
+    if isinstance(packed, np.ndarray) and Q.SIMD == "avx2" and plan.code in Q.R8_TYPES:
+        groups = (plan.m + Q.R8 - 1) // Q.R8
+        ok = packed.shape == (groups, blocks * Q.r8_block_bytes(plan.code)) and packed.dtype == np.uint8
+        return packed if ok else None
+    if isinstance(packed, Q.RI64) and Q.SIMD != "avx2" and plan.dtype in _RI64_TYPES:
+        groups = (plan.m + Q.RI - 1) // Q.RI
+        ok = packed.q.shape[:2] == (groups, blocks) and packed.d.shape == (groups, blocks, Q.RI)
+        return packed if ok else None
+    return None
+
+
+def _work_bytes() -> int:
+    """The ri64 kernels' per-thread accumulators: f32 [threads, 2, 64]."""
+    return numba.config.NUMBA_NUM_THREADS * 2 * Q.RI * 4
 
 
 def _scratch(node: Tensor) -> int:
@@ -199,9 +215,16 @@ def bind_mul_mat(node: Tensor, out, srcs: list, scratch):
     if plan.path == "q8":
         qs, d, s, sums = Q.act_arrays(scratch, plan.n, plan.k)
         packed = _repacked(node, plan)
+        if isinstance(packed, Q.RI64):
+            at = Q.act_arrays_bytes(plan.n, plan.k)
+            work = scratch[at:at + _work_bytes()].view(np.float32).reshape(-1, 2, Q.RI)
+            chunks = min(chunks, packed.q.shape[0], work.shape[0])
+            args = (plan.code, plan.act, packed.q, packed.d, packed.m, x, qs, d, s, sums, out2, work)
+            if chunks > 1:
+                return partial(Q.mul_mat_ri_portable_par, *args, chunks)
+            return partial(Q.mul_mat_ri_portable, *args)
         if packed is not None:
-            groups = packed.shape[0]
-            chunks = min(chunks, groups)
+            chunks = min(chunks, packed.shape[0])
             if chunks > 1:
                 return partial(Q.mul_mat_r8_avx2_par, plan.code, plan.act, packed, x, qs, d, s, sums, out2, chunks)
             return partial(Q.mul_mat_r8_avx2, plan.code, plan.act, packed, x, qs, d, s, sums, out2)

@@ -15,6 +15,7 @@ LLVM intrinsics on a 256-bit vector type (`Vec`), chosen once from the host's fe
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 from llvmlite import ir
@@ -1650,6 +1651,119 @@ def mul_mat_r8_avx2_par(code, act, p, x, qs, d, s, sums, out, n_chunks):
     for c in prange(n_chunks):
         _prefetch_rows(p, c * step, c * step + PF_GROUPS)
         _rows_r8_any_avx2(code, p, qs, d, s, sums, out, c * step, min(p.shape[0], (c + 1) * step))
+
+
+# ---------------------------------------------------------------------------------------------
+# "ri64": the legacy types repacked for the portable kernels (CPUs without AVX2). Rows in groups
+# of 64; per group and block, byte t of all 64 rows is contiguous (q [groups, blocks, bytes, 64]),
+# so the innermost loop runs across rows with a broadcast activation value: LLVM vectorizes it
+# (no horizontal sum). Scales and mins are f32 [groups, blocks, 64]; Q5's values are whole bytes.
+# ---------------------------------------------------------------------------------------------
+
+RI = 64
+
+
+class RI64(NamedTuple):
+    """A weight in the ri64 layout (see above)."""
+
+    q: np.ndarray
+    d: np.ndarray
+    m: np.ndarray
+
+
+def repack_ri64(code: int, raw: np.ndarray) -> RI64:
+    """ggml blocks [M, row bytes] (uint8) of a legacy type -> RI64, zero rows padding the last group."""
+    from core.quants import dequantize
+
+    ts = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34}[code]
+    m = raw.shape[0]
+    nb = raw.shape[1] // ts
+    groups = (m + RI - 1) // RI
+    blocks = np.zeros((groups * RI, nb, ts), dtype=np.uint8)
+    blocks[:m] = raw.reshape(m, nb, ts)
+    by_row = blocks.reshape(groups, RI, nb, ts)
+    d = by_row[..., 0:2].copy().view("<f2")[..., 0].astype(np.float32).transpose(0, 2, 1)
+    mins = np.zeros_like(d)
+    if code in (Q4_1, Q5_1):
+        mins = by_row[..., 2:4].copy().view("<f2")[..., 0].astype(np.float32).transpose(0, 2, 1)
+    if code in (Q4_0, Q4_1):
+        q = by_row[..., ts - 16:]
+    elif code == Q8_0:
+        q = by_row[..., 2:]
+    else:  # Q5: the values 0..31 as bytes (the decoded value is d * (q - 16) or d * q + m)
+        name = "Q5_0" if code == Q5_0 else "Q5_1"
+        one = blocks.copy()
+        one[..., 0:2] = np.array([1.0], "<f2").view(np.uint8)  # d = 1, m = 0: the integers
+        if code == Q5_1:
+            one[..., 2:4] = 0
+        values = dequantize(one.reshape(-1), name, (groups * RI, nb * 32)) + (16 if code == Q5_0 else 0)
+        q = values.astype(np.uint8).reshape(groups, RI, nb, 32)
+    return RI64(np.ascontiguousarray(q.transpose(0, 2, 3, 1)), np.ascontiguousarray(d), np.ascontiguousarray(mins))
+
+
+@kernel(_nrt=False)
+def _rows_ri_portable(code, q, dv, mv, qs, d, s, sums, out, work, g0, g1):
+    """Groups g0..g1 of an ri64 weight against every quantized activation row; work: f32 [2, 64]."""
+    nb = q.shape[1]
+    m = out.shape[1]
+    acc_i = work[0].view(np.int32)
+    acc_f = work[1]
+    for g in range(g0, g1):
+        for n in range(qs.shape[0]):
+            x = qs[n]
+            for r in range(RI):
+                acc_f[r] = 0.0
+            for b in range(nb):
+                for r in range(RI):
+                    acc_i[r] = 0
+                if code == Q4_0 or code == Q4_1:
+                    for t in range(16):
+                        xl = np.int32(x[32 * b + t])
+                        xh = np.int32(x[32 * b + 16 + t])
+                        qq = q[g, b, t]
+                        for r in range(RI):
+                            v = np.int32(qq[r])
+                            acc_i[r] += (v & 15) * xl + (v >> 4) * xh
+                elif code == Q8_0:
+                    for t in range(32):
+                        xv = np.int32(x[32 * b + t])
+                        qq = q[g, b, t]
+                        for r in range(RI):
+                            acc_i[r] += ((np.int32(qq[r]) ^ 128) - 128) * xv
+                else:
+                    for t in range(32):
+                        xv = np.int32(x[32 * b + t])
+                        qq = q[g, b, t]
+                        for r in range(RI):
+                            acc_i[r] += np.int32(qq[r]) * xv
+                if code == Q4_0 or code == Q5_0:  # q - 8 or q - 16
+                    off = (8 if code == Q4_0 else 16) * (sums[n, 2 * b] + sums[n, 2 * b + 1])
+                    for r in range(RI):
+                        acc_i[r] -= off
+                da = d[n, b]
+                if code == Q4_1 or code == Q5_1:
+                    sb = s[n, b]
+                    for r in range(RI):
+                        acc_f[r] += np.float32(acc_i[r]) * (dv[g, b, r] * da) + mv[g, b, r] * sb
+                else:
+                    for r in range(RI):
+                        acc_f[r] += np.float32(acc_i[r]) * (dv[g, b, r] * da)
+            for r in range(min(RI, m - g * RI)):
+                out[n, g * RI + r] = acc_f[r]
+
+
+@kernel
+def mul_mat_ri_portable(code, act, q, dv, mv, x, qs, d, s, sums, out, work):
+    quantize_rows(act, x, qs, d, s, sums)
+    _rows_ri_portable(code, q, dv, mv, qs, d, s, sums, out, work[0], 0, q.shape[0])
+
+
+@kernel(parallel=True)
+def mul_mat_ri_portable_par(code, act, q, dv, mv, x, qs, d, s, sums, out, work, n_chunks):
+    quantize_rows(act, x, qs, d, s, sums)
+    step = (q.shape[0] + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        _rows_ri_portable(code, q, dv, mv, qs, d, s, sums, out, work[c], c * step, min(q.shape[0], (c + 1) * step))
 
 
 # ---------------------------------------------------------------------------------------------
