@@ -8,7 +8,7 @@ import sys
 
 import typer
 
-from core.errors import GGRunError
+from core.errors import GGRunError, one_line
 
 app = typer.Typer(
     name="ggrun",
@@ -43,7 +43,7 @@ def main() -> None:
     try:
         code = app(standalone_mode=False)
     except GGRunError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {one_line(str(err))}", file=sys.stderr)
         sys.exit(err.exit_code)
     except Exception as err:
         if not _is_usage_error(err):

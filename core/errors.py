@@ -27,7 +27,18 @@ def quote(value: Any) -> str:
     data = text.encode("utf-8", "replace")
     if len(data) <= QUOTE_BYTES:
         return text
-    return data[:QUOTE_BYTES].decode("utf-8", "ignore") + f"… ({len(data):,} bytes)"
+    size = len(value.encode("utf-8", "replace")) if isinstance(value, str) else len(data)
+    return data[:QUOTE_BYTES].decode("utf-8", "ignore") + f"… ({size:,} bytes)"
+
+
+MESSAGE_CHARS = 400
+
+
+def one_line(message: str) -> str:
+    """A message as the CLI prints it: line breaks folded, at most MESSAGE_CHARS characters. A last guard:
+    messages quote bad values through `quote` already, so this should never have to cut."""
+    text = " | ".join(part.strip() for part in message.splitlines() if part.strip())
+    return text if len(text) <= MESSAGE_CHARS else text[:MESSAGE_CHARS - 1] + "…"
 
 
 def quote_name(text: str) -> str:

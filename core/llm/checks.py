@@ -118,9 +118,13 @@ def _check_tokenizer_arrays(gf) -> None:
         if not isinstance(value, list) or not value or not isinstance(value[0], kind) \
                 or isinstance(value[0], bool):
             raise _bad(gf, key, value, f"a non-empty array of {what}")
-    model = gf.get("tokenizer.ggml.model")
-    if model is not None and not isinstance(model, str):
-        raise _bad(gf, "tokenizer.ggml.model", model, "a string")
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens"):
+        if gf.get(key) is None:
+            raise BadInput(f"{gf.path}: missing metadata key {key}")
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre"):
+        value = gf.get(key)
+        if value is not None and not isinstance(value, str):
+            raise _bad(gf, key, value, "a string")
 
 
 def check_hparams(gf, hp: HParams) -> None:
@@ -137,6 +141,10 @@ def check_hparams(gf, hp: HParams) -> None:
         raise _bad(gf, f"{a}.attention.value_length", v_len, f"the key length {hp.head_dim}")
     if hp.n_rot > hp.head_dim or hp.n_rot % 2:
         raise _bad(gf, f"{a}.rope.dimension_count", hp.n_rot, f"an even number up to the head size {hp.head_dim}")
+    for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+        values = gf.get(key)
+        if values is not None and len(values) < hp.n_vocab:
+            raise _bad(gf, key, values, f"one entry for each of the {hp.n_vocab} tokens")
     vocab_size = gf.get(f"{a}.vocab_size")
     if vocab_size is not None and vocab_size != hp.n_vocab:
         raise _bad(gf, f"{a}.vocab_size", vocab_size, f"the vocabulary's {hp.n_vocab} tokens")

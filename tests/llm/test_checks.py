@@ -74,6 +74,10 @@ def test_good_models_pass(tmp_path):
                                              f"from 0 to {N_VOCAB - 1}"),
     ("tokenizer.ggml.eos_token_id", 2**31, "tokenizer.ggml.eos_token_id = 2147483648, expected a token id"),
     ("tokenizer.ggml.padding_token_id", -7, "tokenizer.ggml.padding_token_id = -7, expected a token id"),
+    ("tokenizer.ggml.model", None, "missing metadata key tokenizer.ggml.model"),
+    ("tokenizer.ggml.pre", ["x"], "tokenizer.ggml.pre = an array of 1 strs, expected a string"),
+    ("tokenizer.ggml.token_type", np.ones(3, dtype=np.int32), "tokenizer.ggml.token_type = an array of 3 ints, "
+                                                              f"expected one entry for each of the {N_VOCAB} tokens"),
     ("tokenizer.ggml.merges", np.arange(3, dtype=np.int32), "tokenizer.ggml.merges = an array of 3 ints, "
                                                             "expected a non-empty array of strings"),
     ("tokenizer.ggml.token_type", ["a"] * N_VOCAB, f"tokenizer.ggml.token_type = an array of {N_VOCAB} strs, "
@@ -99,7 +103,7 @@ def test_no_token_sentinel_is_accepted(tmp_path):
 
 def test_long_values_are_quoted_short(tmp_path):
     message = rejected(write_model(tmp_path / "bad.gguf", meta={"llama.embedding_length": "x" * 5000}))
-    assert message.startswith("llama.embedding_length = 'xxxx") and "… (5,002 bytes)" in message
+    assert message.startswith("llama.embedding_length = 'xxxx") and "… (5,000 bytes)" in message
 
 
 def _set(name: str, value: np.ndarray) -> Edit:
