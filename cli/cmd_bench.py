@@ -91,7 +91,7 @@ def bench_command(
     threads: int = typer.Option(None, "-t", "--threads", help="CPU threads for matrix products (default: all cores)"),
     numerics: str = typer.Option("llama", "--numerics", help="llama (llama.cpp's operand rounding) or f32"),
     graph_reuse: str = typer.Option("1", "--graph-reuse", help="Graph reuse off/on (comma list of 0,1)"),
-    flash_attn: str = typer.Option("0", "-fa", "--flash-attn", help="Fused attention off/on (comma list of 0,1)"),
+    flash_attn: str = typer.Option("1", "-fa", "--flash-attn", help="Fused attention off/on (comma list of 0,1)"),
     output: str = typer.Option("md", "-o", "--output", help="md, csv, json or jsonl"),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="Log each repetition on stderr"),
     list_devices_: bool = typer.Option(False, "--list-devices", help="List the usable backends and exit"),

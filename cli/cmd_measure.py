@@ -44,7 +44,7 @@ def measure_command(
     n_gpu_layers: o.GpuLayers = 0,
     output: str = typer.Option("table", "-o", "--output", help="table or json"),
     verify_: bool = typer.Option(False, "--verify", help="Also run one worst-case micro-batch and check the plan held"),
-    flash_attn: o.FlashAttn = False,
+    flash_attn: o.FlashAttn = True,
     list_devices_: o.ListDevices = False,
 ) -> None:
     """Plan worst-case memory per backend without running the model."""

@@ -74,7 +74,7 @@ def parallel_command(
     no_system: bool = typer.Option(False, "--no-system-prompt", help="Serve the prompts without the shared system prompt"),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Generate n tokens even past end-of-generation"),
     as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout: one per sequence, then a summary"),
-    list_devices_: o.ListDevices = False, no_graph_reuse: o.NoGraphReuse = False, flash_attn: o.FlashAttn = False,
+    list_devices_: o.ListDevices = False, no_graph_reuse: o.NoGraphReuse = False, flash_attn: o.FlashAttn = True,
 ) -> None:
     """Serve many sequences at once with continuous batching (like llama-parallel)."""
     if list_devices_:

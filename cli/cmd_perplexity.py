@@ -20,7 +20,7 @@ def perplexity_command(
     model: o.Model = None, file: o.File = None, ctx_size: o.Ctx = 2048, batch_size: o.BatchSize = 2048,
     ubatch_size: o.UBatchSize = 512, n_gpu_layers: o.GpuLayers = 0, threads: o.Threads = None,
     numerics: o.Numerics = "llama",
-    output: str = typer.Option("text", "-o", "--output", help="text or json"), flash_attn: o.FlashAttn = False,
+    output: str = typer.Option("text", "-o", "--output", help="text or json"), flash_attn: o.FlashAttn = True,
     list_devices_: o.ListDevices = False,
 ) -> None:
     """Perplexity of a text (like llama-perplexity)."""

@@ -46,7 +46,7 @@ def run_command(
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-generation tokens"),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template (interactive when stdin is a terminal)"),
     verbose_prompt: bool = typer.Option(False, "--verbose-prompt", help="Print the prompt's tokens to stderr before generating"),
-    list_devices_: o.ListDevices = False, no_graph_reuse: o.NoGraphReuse = False, flash_attn: o.FlashAttn = False,
+    list_devices_: o.ListDevices = False, no_graph_reuse: o.NoGraphReuse = False, flash_attn: o.FlashAttn = True,
     check_numerics: o.CheckNumerics = False, verbose: o.Verbose = False,
 ) -> None:
     """Generate text from a prompt (like llama-cli)."""

@@ -51,11 +51,11 @@ def test_json_keys_and_the_product_of_comma_lists(app, tiny_llama_path):
     assert all(list(r) == KEYS for r in records)
     assert [(r["ctx"], r["ubatch"], r["logits"]) for r in records] == \
         [(c, ub, mode) for c in (64, 128) for ub in (8, 16) for mode in ("all", "last")]
-    assert {r["backend"] for r in records} == {"CPU"} and {r["flash_attn"] for r in records} == {False}
+    assert {r["backend"] for r in records} == {"CPU"} and {r["flash_attn"] for r in records} == {True}  # the default
 
     # the same figures as the runtime's own measure on the same metadata-only model (all but timing)
     model = Model.load(tiny_llama_path, [CPUBackend()], metadata_only=True)
-    want = [r.to_json() for c in (64, 128) for ub in (8, 16) for r in measure(model, c, ub, 32, 1)]
+    want = [r.to_json() for c in (64, 128) for ub in (8, 16) for r in measure(model, c, ub, 32, 1, flash_attn=True)]
     strip = [{k: v for k, v in r.items() if k != "plan_ms"} for r in want]
     assert [{k: v for k, v in r.items() if k != "plan_ms"} for r in records] == strip
     total = sum(int(t.n_bytes) for t in GGUFReader(tiny_llama_path).tensors)
