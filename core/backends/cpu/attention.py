@@ -30,6 +30,74 @@ CELLS = 64  # cache cells per tile: converted to f32 once per tile and KV head
 _FLAGS = {"reassoc", "contract"}
 
 
+@kernel(inline="always")
+def _visible(mask, t, c0, nc):
+    """The range [lo, hi) of the tile's cells from the first to the last one token t may see
+    (lo == hi when the mask hides the whole tile from it)."""
+    lo = 0
+    while lo < nc and as_f32(mask[t, c0 + lo]) == -np.inf:
+        lo += 1
+    hi = nc
+    while hi > lo and as_f32(mask[t, c0 + hi - 1]) == -np.inf:
+        hi -= 1
+    return lo, hi
+
+
+# The loops below index arrays element by element (Kf[c, j], not a row view kc = Kf[c]): a view
+# made inside a loop costs numba two reference-count calls, more than the arithmetic of a cell.
+
+@kernel(inline="always")
+def _convert(k, v, g, c0, lo, hi, Kf, Vf):
+    for c in range(lo, hi):
+        for j in range(k.shape[2]):
+            Kf[c, j] = as_f32(k[c0 + c, g, j])
+        for j in range(k.shape[2]):
+            Vf[c, j] = as_f32(v[c0 + c, g, j])
+
+
+@kernel(inline="always")
+def _scores(Qr, Kf, lo, hi, S):
+    """S[c] = Qr . Kf[c] for c in [lo, hi), four cells at a time (each query load serves four keys)."""
+    d = Qr.shape[0]
+    c = lo
+    while c + 4 <= hi:
+        a0 = a1 = a2 = a3 = np.float32(0.0)
+        for j in range(d):
+            x = Qr[j]
+            a0 += x * Kf[c, j]
+            a1 += x * Kf[c + 1, j]
+            a2 += x * Kf[c + 2, j]
+            a3 += x * Kf[c + 3, j]
+        S[c] = a0
+        S[c + 1] = a1
+        S[c + 2] = a2
+        S[c + 3] = a3
+        c += 4
+    while c < hi:
+        a = np.float32(0.0)
+        for j in range(d):
+            a += Qr[j] * Kf[c, j]
+        S[c] = a
+        c += 1
+
+
+@kernel(inline="always")
+def _accumulate(S, Vf, lo, hi, t, h, out):
+    """out[t, h] += sum over c in [lo, hi) of S[c] * Vf[c], four cells per pass over the row."""
+    d = out.shape[2]
+    c = lo
+    while c + 4 <= hi:
+        p0, p1, p2, p3 = S[c], S[c + 1], S[c + 2], S[c + 3]
+        for j in range(d):
+            out[t, h, j] += (p0 * Vf[c, j] + p1 * Vf[c + 1, j]) + (p2 * Vf[c + 2, j] + p3 * Vf[c + 3, j])
+        c += 4
+    while c < hi:
+        p = S[c]
+        for j in range(d):
+            out[t, h, j] += p * Vf[c, j]
+        c += 1
+
+
 @kernel(fastmath=_FLAGS)
 def attend(q, k, v, mask, scale, q_f16, g, t0, t1, Kf, Vf, S, Qr, M, L, out):
     """out[t, h] for tokens t0..t1 and the query heads h sharing KV head g (an online softmax over
@@ -44,66 +112,47 @@ def attend(q, k, v, mask, scale, q_f16, g, t0, t1, Kf, Vf, S, Qr, M, L, out):
                 out[t, h, j] = 0.0
     for c0 in range(0, n_kv, CELLS):
         nc = min(CELLS, n_kv - c0)
-        converted = False
+        clo, chi = nc, nc  # cells of the tile converted so far: [clo, chi)
         for t in range(t0, t1):
-            visible = False
-            for c in range(nc):
-                if as_f32(mask[t, c0 + c]) != -np.inf:
-                    visible = True
-                    break
-            if not visible:
+            lo, hi = _visible(mask, t, c0, nc)
+            if lo == hi:
                 continue  # the whole tile is hidden from this token
-            if not converted:
-                for c in range(nc):
-                    kc = k[c0 + c, g]
-                    vc = v[c0 + c, g]
-                    for j in range(d):
-                        Kf[c, j] = as_f32(kc[j])
-                    for j in range(d):
-                        Vf[c, j] = as_f32(vc[j])
-                converted = True
+            if clo == chi:
+                _convert(k, v, g, c0, lo, hi, Kf, Vf)
+                clo, chi = lo, hi
+            else:
+                if lo < clo:
+                    _convert(k, v, g, c0, lo, clo, Kf, Vf)
+                    clo = lo
+                if hi > chi:
+                    _convert(k, v, g, c0, chi, hi, Kf, Vf)
+                    chi = hi
             for h in range(g * group, (g + 1) * group):
-                qh = q[t, h]
                 for j in range(d):
-                    Qr[j] = f16_to_f32(f32_to_f16(qh[j])) if q_f16 else qh[j]
+                    x = q[t, h, j]
+                    Qr[j] = f16_to_f32(f32_to_f16(x)) if q_f16 else x
+                _scores(Qr, Kf, lo, hi, S)
                 m = M[t, h]
-                for c in range(nc):
-                    mv = as_f32(mask[t, c0 + c])
-                    if mv == -np.inf:
-                        S[c] = -np.inf
-                        continue
-                    acc = np.float32(0.0)
-                    kc = Kf[c]
-                    for j in range(d):
-                        acc += Qr[j] * kc[j]
-                    S[c] = acc * scale + mv
+                for c in range(lo, hi):  # cells hidden inside [lo, hi) get -inf, hence weight 0
+                    S[c] = S[c] * scale + as_f32(mask[t, c0 + c])
                     m = max(m, S[c])
-                if m == -np.inf:
-                    continue
                 total = np.float32(0.0)
-                for c in range(nc):
+                for c in range(lo, hi):
                     p = expf(S[c] - m)
                     S[c] = p
                     total += p
                 alpha = expf(M[t, h] - m)  # rescales what earlier tiles summed under the old maximum
                 M[t, h] = m
                 L[t, h] = L[t, h] * alpha + total
-                o = out[t, h]
                 if alpha != 1.0:
                     for j in range(d):
-                        o[j] *= alpha
-                for c in range(nc):
-                    p = S[c]
-                    if p != 0.0:
-                        vr = Vf[c]
-                        for j in range(d):
-                            o[j] += p * vr[j]
+                        out[t, h, j] *= alpha
+                _accumulate(S, Vf, lo, hi, t, h, out)
     for t in range(t0, t1):
         for h in range(g * group, (g + 1) * group):
             inv = np.float32(1.0) / L[t, h] if L[t, h] > 0 else np.float32(0.0)
-            o = out[t, h]
             for j in range(d):
-                o[j] *= inv
+                out[t, h, j] *= inv
 
 
 @kernel
