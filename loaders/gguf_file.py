@@ -253,7 +253,25 @@ def _parse(path: Path, mapping: mmap.mmap) -> GGUFFile:
     tensors = _read_tensor_infos(cur, n_tensors)
     data_offset = _align(cur.pos, alignment)
     placed = {name: _place(spec, data_offset, alignment, len(mapping)) for name, spec in tensors.items()}
+    _check_packed(placed.values(), data_offset, alignment)
     return GGUFFile(path, version, metadata, placed, alignment, data_offset, mapping)
+
+
+def _check_packed(infos, data_offset: int, alignment: int) -> None:
+    """Tensor data lies packed in directory order, each tensor at the aligned end of the one before, as
+    every GGUF writer lays it out and llama.cpp requires: a corrupt type or dimension changes a tensor's
+    size and so moves where the next one should start, which is caught here instead of read as garbage."""
+    expected, before = 0, None
+    for info in infos:
+        at = info.offset - data_offset
+        if at != expected:
+            if before is None:
+                raise _HeaderError(f"tensor {quote_name(info.name)}: data offset {at}, expected 0 for the first "
+                                   "tensor (a corrupt offset)")
+            raise _HeaderError(f"tensor {quote_name(before.name)} ({before.qtype.name} {list(before.shape)}) ends at "
+                               f"data offset {expected}, but the next, {quote_name(info.name)}, starts at {at} "
+                               "(a corrupt type, dimension or offset)")
+        expected, before = expected + _align(info.n_bytes, alignment), info
 
 
 def _read_magic_and_version(cur: _Cursor) -> int:

@@ -235,3 +235,19 @@ def _fuzz_source(tmp_path_factory) -> Path:
     if not _FUZZ_SOURCE:
         _FUZZ_SOURCE.append(write_tiny_llama(tmp_path_factory.mktemp("fuzzsrc") / "tiny.gguf", n_layer=1))
     return _FUZZ_SOURCE[0]
+
+
+def test_retyped_or_resized_tensor_breaks_the_packed_layout(tmp_path):
+    """Tensor data lies packed in directory order (as llama.cpp requires), so a corrupt type or dimension,
+    which changes a tensor's size, is caught at the next tensor's offset."""
+    path = write_tiny_llama(tmp_path / "tiny.gguf", n_layer=1)
+    data = path.read_bytes()
+    at = _tensor_type_field(data, b"blk.0.attn_norm.weight", 1)
+    message = _bad(_patched(path, tmp_path, at, struct.pack("<I", int(QT.F16))),
+                   r"tensor blk\.0\.attn_norm\.weight \(F16 \[64\]\) ends at data offset \d+, but the next, \S+, "
+                   r"starts at \d+ \(a corrupt type, dimension or offset\)$")
+    assert len(message) < 300
+    _bad(_patched(path, tmp_path, at - 8, struct.pack("<Q", 1)), r"tensor blk\.0\.attn_norm\.weight \(F32 \[1\]\) ends")
+    first = _tensor_type_field(data, b"token_embd.weight", 2)
+    _bad(_patched(path, tmp_path, first + 4, struct.pack("<Q", 32)),
+         r"tensor token_embd\.weight: data offset 32, expected 0 for the first tensor")
