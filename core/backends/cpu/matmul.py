@@ -50,7 +50,7 @@ F32_MAX_N = 4
 REPACKED = "cpu_repacked"  # params key of a weight's repacked rows (see `repack`)
 
 TILE_BYTES = 1 << 20  # f32 bytes of one decoded weight tile (stays in L2 between sgemm passes)
-PARALLEL_MIN_BYTES = 1 << 20  # stored weight bytes x rows of x below which one thread does the work
+PARALLEL_MIN_BYTES = 1 << 19  # stored weight bytes x rows of x below which one thread does the work
 
 
 @dataclass(frozen=True)

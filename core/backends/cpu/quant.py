@@ -10,7 +10,9 @@ The arithmetic follows ggml's CPU backend on x86 (ggml-cpu/arch/x86/quants.c): t
 activation rounding (Q8_0/Q8_1: d = amax/127 stored as f16, q = round-half-even(x * 127/amax);
 Q8_K: d = max/-127 as f32) and exact integer block sums scaled once per block. Two
 implementations of every dot product: portable numba (any CPU), and AVX2 through a handful of
-LLVM intrinsics on a 256-bit vector type (`Vec`), chosen once from the host's features.
+LLVM intrinsics on a 256-bit vector type (`vec`), chosen once from the host's features (SIMD).
+Decode steps read weights fastest in a layout repacked once at load: "r8" for AVX2, "ri64" for
+the portable kernels (see those sections); both read the same activation blocks.
 """
 from __future__ import annotations
 
@@ -1349,11 +1351,12 @@ def get_rows_avx2(code, w, ids, out):
 
 
 # ---------------------------------------------------------------------------------------------
-# "r8": the legacy types repacked once at load for AVX2 (see `repack`). Rows in groups of 8; per
-# group and 32-block: the 8 rows' f16 scales d, (Q4_1/Q5_1) f16 mins m, (Q5) fifth bits, then the
+# "r8": weights repacked once at load for AVX2 (matmul.repack). Rows in groups of 8; per group
+# and 32-block: the 8 rows' f16 scales d, (Q4_1/Q5_1) f16 mins m, (Q5) fifth bits, then the
 # quants as 32-bit lanes, one lane per row: vector j holds bytes 4j..4j+3 of every row. One
 # maddubs multiplies 4 weights of each of the 8 rows by 4 broadcast activation bytes, so the
 # lanes of the accumulator are the 8 rows' results and the scales are applied 8 rows at a time.
+# The k-quants (Q4_K, Q5_K, Q6_K) follow the same plan per 256-block (see `_repack_r8_k`).
 # ---------------------------------------------------------------------------------------------
 
 R8 = 8
