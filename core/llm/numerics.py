@@ -17,7 +17,7 @@ from core.ops import OPS
 from core.sched import ScheduledGraph
 from core.tensor import Tensor
 
-HINT = "--check-numerics (or GGRUN_GRAPH_DEBUG=1) names the graph node that produced them"
+HINT = "GGRUN_GRAPH_DEBUG=1 (or `run --check-numerics`) names the graph node that produced them"
 
 
 class NonFiniteLogits(RuntimeFailure):
