@@ -2,7 +2,9 @@
 micro-batch, reusing the previous graph whenever the next one would have the same shapes.
 
 At creation it reserves the worst-case graph (n_ubatch tokens over the full context), so
-compute buffers exist before the first token and do not grow while generating.
+compute buffers exist before the first token and do not grow while generating; the KV cache and
+those buffers are first checked to fit in the memory free (core.llm.budget). Logits that hold NaN
+or infinity stop decoding (core.llm.numerics), never reach a sampler.
 """
 from __future__ import annotations
 
