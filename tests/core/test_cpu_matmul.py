@@ -246,6 +246,14 @@ def test_avx2_activation_blocks_equal_the_portable_ones(act):
         np.testing.assert_array_equal(g, w)
 
 
+def test_float_weights_with_8_bit_activation_blocks_are_left_to_the_reference():
+    """A float weight marked act_quant is no ggml pairing (their vec_dot types are float)."""
+    lf = Leafs(CPUBackend())
+    w = lf.weight("w", DType.F32, (4, 64), np.zeros((4, 64), np.float32))
+    w.params["act_quant"] = "q8_0"
+    assert matmul._plan(ops.mul_mat(w, lf.input("x", DType.F32, np.zeros((2, 64), np.float32)))) is None
+
+
 def test_attention_products_are_left_to_others():
     """A batched f16 product (attention over the KV cache) is not this module's."""
     rng = np.random.default_rng(0)

@@ -109,6 +109,9 @@ def _plan(node: Tensor) -> _Plan | None:
             return None
         if k % Q.ACT_BLOCK[act]:  # the reference leaves such rows unrounded
             act = None
+    if not a.dtype.is_quantized and act is not None:
+        # no ggml type quantizes activations for a float weight: leave such a pairing to the reference
+        return None
     if a.dtype is DType.F32:
         return _Plan("blas", a.dtype, act, n, m, k)
     own = Q.ACT_OF.get(a.dtype)
