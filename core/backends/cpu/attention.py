@@ -3,11 +3,11 @@ tiles of cache cells with an online softmax).
 
 The query heads that share one KV head (GQA) and all tokens of an item meet each tile of cached
 keys and values together, so the cache is converted from f16 once per tile and KV head (work
-items are KV heads, and blocks of tokens when several threads share the work). A tile the
-mask hides from a token is skipped for it (the padded tail of n_kv, the causal future), and so
-is every hidden cell.
-As llama.cpp's CPU path does, queries meet an f16 cache as f16-rounded values (`act_quant`
-f16 on the cache); products and the softmax are f32.
+items are KV heads, and blocks of tokens when several threads share the work). Each token
+attends only the span of a tile between the first and last cells its mask leaves visible, so
+the padded tail of n_kv and the causal future cost nothing; hidden cells inside the span get
+weight 0. As llama.cpp's CPU path does, queries meet an f16 cache as f16-rounded values
+(`act_quant` f16 on the cache); products and the softmax are f32 (ggml accumulates V in f16).
 """
 from __future__ import annotations
 
