@@ -2,16 +2,17 @@
 and shares no code with the allocator, so an allocator bug cannot hide from it.
 
 Checks: no two tensors alive at the same step share bytes (except a node computed in
-place over the source it reads last), views lie inside their roots, and outputs
-survive to the end.
+place over the source it reads last), a node's scratch shares no byte with anything alive
+at its step, views lie inside their roots, and outputs survive to the end.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core.dtypes import DType
 from core.errors import RuntimeFailure
 from core.ops import OPS
-from core.tensor import Tensor
+from core.tensor import Tensor, new_tensor
 
 
 @dataclass
@@ -23,9 +24,11 @@ class _Life:
     end: int
 
 
-def validate_plan(order: list[Tensor], offsets: dict[Tensor, int], sizes: dict[Tensor, int] | None = None) -> int:
-    """Raise RuntimeFailure naming the tensors if the placement in `offsets` is unsafe for
-    execution `order`; return the number of pairs checked."""
+def validate_plan(order: list[Tensor], offsets: dict[Tensor, int], sizes: dict[Tensor, int] | None = None,
+                  scratch: dict[Tensor, tuple[int, int]] | None = None) -> int:
+    """Raise RuntimeFailure naming the tensors if the placement in `offsets` (and the nodes'
+    `scratch`: node -> (offset, bytes)) is unsafe for execution `order`; return the number of
+    pairs checked."""
     step = {id(n): i for i, n in enumerate(order)}
     end = len(order)
     last: dict[int, int] = {}
@@ -43,6 +46,9 @@ def validate_plan(order: list[Tensor], offsets: dict[Tensor, int], sizes: dict[T
         dies = end if t.is_output else last.get(id(t), born)
         size = sizes[t] if sizes else t.nbytes
         lives.append(_Life(t, born, dies, off, off + max(size, t.nbytes)))
+    for n, (off, size) in (scratch or {}).items():
+        at = step[id(n)]
+        lives.append(_Life(new_tensor(f"{n.name}#scratch", DType.F32, (size // 4,)), at, at, off, off + size))
     lives.sort(key=lambda x: x.start)
     checked = 0
     for i, a in enumerate(lives):

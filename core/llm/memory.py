@@ -100,7 +100,7 @@ def verify(model: Model, ctx: int, ubatch: int, seed: int = 0, flash_attn: bool 
     res = session.build(session.worst_case_params(all_logits=True))
     plans = session.sched.alloc(res.sg)
     for name, plan in plans.items():
-        validate_plan(res.sg.order, plan.offsets, plan.sizes)
+        validate_plan(res.sg.order, plan.offsets, plan.sizes, plan.scratch)
     ub = _random_ubatch(model, res.params.n_tokens, seed)
     _set_inputs(session, res, ub)
     checked = _run_checked(session.sched, res.sg, plans)

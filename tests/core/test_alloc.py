@@ -63,7 +63,7 @@ def inplace_allowed(order: list[Tensor], owned: set[int]) -> set[tuple[int, int]
 def test_random_plans_pass_the_validator(recipe: Recipe):
     _, sg, _ = schedule(recipe)
     plan = plan_of(sg)
-    validate_plan(sg.order, plan.offsets, plan.sizes)
+    validate_plan(sg.order, plan.offsets, plan.sizes, plan.scratch)
 
 
 @SETTINGS
@@ -304,7 +304,7 @@ def test_output_view_keeps_its_root_alive(rt: Runner):
     np.testing.assert_allclose(got_v, 3 * xd.reshape(-1), rtol=1e-6)
     np.testing.assert_allclose(got_later, 6 * xd.reshape(-1), rtol=1e-6)
     plan = rt.sg.plans["CPU"]
-    validate_plan(rt.sg.order, plan.offsets, plan.sizes)
+    validate_plan(rt.sg.order, plan.offsets, plan.sizes, plan.scratch)
 
 
 def test_inputs_are_placed_first():
@@ -428,6 +428,6 @@ def test_offline_placement_passes_the_validator_and_never_grows_the_plan(recipe:
         plan = plan_of(sg)
     finally:
         alloc.OFFLINE_TRIGGER = saved
-    validate_plan(sg.order, plan.offsets, plan.sizes)
+    validate_plan(sg.order, plan.offsets, plan.sizes, plan.scratch)
     assert plan.lower_bound <= plan.size <= walk.size
 

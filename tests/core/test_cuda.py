@@ -45,7 +45,7 @@ def test_offloaded_model_matches_cpu(tiny_llama_factory, gpu, ngl):
     sg = s.result.sg
     assert any(sp.backend is gpu for sp in sg.splits)
     for name, plan in sg.plans.items():
-        validate_plan(sg.order, plan.offsets, plan.sizes)
+        validate_plan(sg.order, plan.offsets, plan.sizes, plan.scratch)
 
 
 def test_cpu_cannot_read_gpu_memory(tiny_llama_factory, gpu):

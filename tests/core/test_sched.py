@@ -93,7 +93,7 @@ def test_each_backend_gets_a_valid_plan_in_its_own_buffer():
     measured = sched.measure(sg)
     plans = sched.alloc(sg)
     for name, plan in plans.items():
-        validate_plan(sg.order, plan.offsets, plan.sizes)
+        validate_plan(sg.order, plan.offsets, plan.sizes, plan.scratch)
         assert measured[name].size == plan.size == sched.buffer_sizes()[name]
         backend = sched.backend(name)
         for t, off in plan.offsets.items():

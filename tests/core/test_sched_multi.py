@@ -96,7 +96,7 @@ def check_plans(rig: Rig, sg: ScheduledGraph) -> None:
     every planned tensor lies in that backend's one compute buffer."""
     assert set(sg.plans) == {"SIM", "CPU"}
     for name, plan in sg.plans.items():
-        validate_plan(sg.order, plan.offsets, plan.sizes)
+        validate_plan(sg.order, plan.offsets, plan.sizes, plan.scratch)
         backend = rig.sched.backend(name)
         buf = rig.sched.allocators[name].buffer
         for t, off in plan.offsets.items():

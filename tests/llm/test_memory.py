@@ -97,13 +97,15 @@ def test_figures_equal_an_independent_computation(files, head, kind, ngl, fa):
                 continue
             alignment = model.backends[names.index(r.backend)].buffer_type.alignment
             assert r.compute_planned_bytes == plan.size
-            assert r.compute_no_reuse_bytes == sum(align_up(t.nbytes, alignment) for t in plan.offsets)
+            backend = model.backends[names.index(r.backend)]
+            scratch = sum(align_up(backend.scratch_bytes(n), alignment) for n in plan.scratch)
+            assert r.compute_no_reuse_bytes == sum(align_up(t.nbytes, alignment) for t in plan.offsets) + scratch
             assert r.compute_lower_bound_bytes == plan.lower_bound
             assert 0 < r.compute_lower_bound_bytes <= r.compute_planned_bytes <= r.compute_no_reuse_bytes
             assert r.compute_lower_bound_bytes >= max(align_up(t.nbytes, alignment) for t in plan.offsets)
             assert all(off % alignment == 0 for off in plan.offsets.values())
             assert max(off + plan.sizes[t] for t, off in plan.offsets.items()) <= plan.size
-            validate_plan(res.sg.order, plan.offsets, plan.sizes)
+            validate_plan(res.sg.order, plan.offsets, plan.sizes, plan.scratch)
             assert r.plan_ms > 0
 
     # the file figures and the KV cache add up over the backends
@@ -132,6 +134,9 @@ def test_records_are_json_ready():
 # ---- SmolLM2 against llama.cpp (metadata only: cheap) --------------------------------------------
 
 LLAMA_CPP_COMPUTE_MIB = {512: 98.25, 2048: 99.38, 8192: 166.38}  # llama.cpp's CPU compute buffer, -ub 512
+# llama.cpp keeps its CPU kernels' work buffer (quantized activations: ggml_cplan's work_data) outside
+# that figure; ggrun plans the same bytes (a product's scratch) inside its buffer, live at its node only.
+SCRATCH_ALLOWANCE_MIB = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +154,7 @@ def test_smollm2_compute_buffer_no_larger_than_llama_cpp(smollm2_meta, ctx):
         best_ms = min(best_ms, rec.plan_ms)
         if best_ms < 50:
             break
-    assert rec.compute_planned_bytes / MiB <= LLAMA_CPP_COMPUTE_MIB[ctx]
+    assert rec.compute_planned_bytes / MiB <= LLAMA_CPP_COMPUTE_MIB[ctx] + SCRATCH_ALLOWANCE_MIB
     assert rec.compute_planned_bytes <= 1.05 * rec.compute_lower_bound_bytes
     assert best_ms < 50
     assert rec.kv_bytes == 2 * 30 * ctx * 3 * 64 * 2  # 30 layers, 3 KV heads of 64, f16
@@ -164,7 +169,7 @@ def test_smollm2_fused_attention_buffer_no_larger_than_llama_cpp(smollm2_meta, c
     and every reservation mode plans within 1.05 x its lower bound."""
     recs = measure(smollm2_meta, ctx, 512, 2048, 1, flash_attn=True)
     all_logits = next(r for r in recs if r.logits == "all")
-    assert all_logits.compute_planned_bytes / MiB <= LLAMA_CPP_FA_COMPUTE_MIB[ctx]
+    assert all_logits.compute_planned_bytes / MiB <= LLAMA_CPP_FA_COMPUTE_MIB[ctx] + SCRATCH_ALLOWANCE_MIB
     for r in recs:
         assert r.compute_planned_bytes <= 1.05 * r.compute_lower_bound_bytes, r
 

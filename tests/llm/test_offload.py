@@ -105,7 +105,7 @@ def sorted_prediction(p: dict) -> list:
 
 def check_plans(sg: ScheduledGraph) -> None:
     for plan in sg.plans.values():
-        validate_plan(sg.order, plan.offsets, plan.sizes)
+        validate_plan(sg.order, plan.offsets, plan.sizes, plan.scratch)
 
 
 # ---- running ------------------------------------------------------------------------------------
