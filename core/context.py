@@ -23,10 +23,15 @@ class ImmediateContext:
         self.virtual = virtual  # tensors get a virtual buffer: a size and a backend, no memory
         self.tensors: dict[str, Tensor] = {}
         self.buffers: list = []
+        self.repacked = 0  # bytes of weights re-laid for the backend's kernels (Backend.prepare_weight)
 
     @property
     def nbytes(self) -> int:
-        return sum(b.size for b in self.buffers)
+        return sum(b.size for b in self.buffers) + self.repacked
+
+    def prepare_weight(self, t: Tensor) -> None:
+        """Let the backend re-lay weight t for its kernels, counting the bytes that adds."""
+        self.repacked += self.backend.prepare_weight(t)
 
     def new_tensor(self, name: str, dtype: DType, shape: tuple[int, ...], weight: bool = False) -> Tensor:
         """A tensor with fresh (uninitialised) memory on this context's backend."""

@@ -63,6 +63,12 @@ class Backend(ABC):
     @abstractmethod
     def supports_op(self, node: Tensor) -> bool: ...
 
+    def prepare_weight(self, t: Tensor) -> int:
+        """Re-lay a weight once at load for this backend's kernels (like ggml's CPU "repacked"
+        buffers), keeping the stored bytes as they are; returns the bytes it added (for a weight
+        without memory, the bytes it would add). None by default."""
+        return 0
+
     def scratch_bytes(self, node: Tensor) -> int:
         """Work space node's kernel needs beside its result (planned by the allocator); none by default."""
         return 0

@@ -131,7 +131,10 @@ class Model:
         total = gf.file_bytes
         done = 0
         for name, info in gf.tensors.items():
-            tensors[name] = _weight(ctx_for(_backend_for(name, placement)), gf, name, name, numerics)
+            ctx = ctx_for(_backend_for(name, placement))
+            tensors[name] = _weight(ctx, gf, name, name, numerics)
+            if name != "token_embd.weight":  # the embedding is read by rows (and as a tied head, as stored)
+                ctx.prepare_weight(tensors[name])
             done += info.n_bytes
             if progress:
                 progress(done, total)

@@ -9,6 +9,8 @@ from gguf.constants import GGMLQuantizationType as QT
 
 from core.alloc import align_up
 from core.backends.cpu import CPUBackend
+from core.backends.cpu.matmul import repacked_bytes
+from core.dtypes import DType
 from core.backends.sim import SimBackend
 from core.errors import RuntimeFailure
 from core.llm import memory
@@ -36,9 +38,9 @@ def backends(kind: str) -> list:
 
 
 def expected(path, ngl: int, kind: str, ctx: int) -> dict[str, dict[str, int]]:
-    """Per backend: file bytes, resident bytes (stored blocks, on both host backends) and f16 KV bytes,
-    from gguf's reader and llama.cpp's placement rule (the last ngl layers on the device, the head too
-    when ngl exceeds the layers)."""
+    """Per backend: file bytes, resident bytes (stored blocks on both host backends, plus the CPU's
+    repacked matrices) and f16 KV bytes, from gguf's reader and llama.cpp's placement rule (the last
+    ngl layers on the device, the head too when ngl exceeds the layers)."""
     dev = "CPU" if kind == "cpu" else "SIM"
     tensors = {t.name: t for t in GGUFReader(path).tensors}
 
@@ -53,6 +55,8 @@ def expected(path, ngl: int, kind: str, ctx: int) -> dict[str, dict[str, int]]:
     for name, t in tensors.items():
         out[home(name)]["file"] += int(t.n_bytes)
         out[home(name)]["resident"] += int(t.n_bytes)
+        if home(name) == "CPU" and name != "token_embd.weight" and len(t.shape) == 2:  # re-laid for decode
+            out["CPU"]["resident"] += repacked_bytes(DType.of_ggml(t.tensor_type.name), tuple(reversed(t.shape)))
     if "output.weight" not in tensors and home("output.weight") != "CPU":  # tied head copied to the device
         out[home("output.weight")]["resident"] += int(tensors["token_embd.weight"].n_bytes)
     for il in range(N_LAYER):

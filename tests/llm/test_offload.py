@@ -152,11 +152,11 @@ def placement_of(model: Model) -> dict[str, str]:
 LOGITS_ATOL = 1e-3
 
 
-def assert_same_run(got: Run, ref: Run) -> None:
+def assert_same_run(got: Run, ref: Run, atol: float = LOGITS_ATOL) -> None:
     assert got.tokens == ref.tokens
     assert len(got.logits) == len(ref.logits)
     for a, b in zip(got.logits, ref.logits):
-        np.testing.assert_allclose(a, b, rtol=0, atol=LOGITS_ATOL)
+        np.testing.assert_allclose(a, b, rtol=0, atol=atol)
 
 
 def assert_predicted(run: Run, shape_prompt: Shape, shape_step: Shape, ngl: int) -> None:
@@ -313,10 +313,15 @@ SMOL_PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2, smollm2_path):
-    """Runs of SmolLM2: CPU-only (the shared fixture), and with [SIM, CPU] at -ngl 0, 15 and
-    n_layer + 1. -ngl 0 places nothing on SIM, so it reuses the shared model's weights under the
-    placement Model.load would give it; the other two are loaded once each, one at a time."""
+def smol(smollm2_path):
+    """Runs of SmolLM2: CPU-only, and with [SIM, CPU] at -ngl 0, 15 and n_layer + 1. -ngl 0 places
+    nothing on SIM, so it reuses the CPU model's weights under the placement Model.load would give it;
+    the other two are loaded once each, one at a time.
+
+    In f32 numerics: SIM runs the reference kernels and the CPU its compiled ones, which agree to f32
+    rounding; llama.cpp's 8-bit activation rounding would magnify that into logit differences of
+    ~1e-2 (up to ~0.7 without fused attention), differences of kernels rather than of placement."""
+    smollm2 = Model.load(smollm2_path, [CPUBackend()], numerics="f32")
     prompt = smollm2.tokenizer.tokenize(SMOL_PROMPT, add_special=True, parse_special=False)
     cpu = smollm2.backends[-1]
     placements: dict[int, dict[str, str]] = {}
@@ -337,9 +342,9 @@ def _smol_offloaded(smollm2, path, prompt, cpu, placements: dict) -> dict:
             placement = Placement.for_layers(n_layer, backends, 0)
             assert set(placement.layers) | {placement.input, placement.output} == {cpu}
             model = Model(smollm2.gguf, smollm2.hp, smollm2.arch, smollm2.tokenizer, smollm2.weights, placement,
-                          backends, smollm2.contexts, 0.0)
+                          backends, smollm2.contexts, 0.0, numerics="f32")
         else:
-            model = Model.load(path, [SimBackend(), CPUBackend()], ngl)
+            model = Model.load(path, [SimBackend(), CPUBackend()], ngl, numerics="f32")
         placements[ngl] = placement_of(model)
         runs[ngl] = greedy_run(model, prompt, SMOL_STEPS)
         del model
@@ -352,7 +357,11 @@ def test_smollm2_offload_equals_cpu(smol):
     assert len(ref.tokens) == SMOL_STEPS
     for ngl, run in smol["runs"].items():
         if ngl != "cpu":
-            assert_same_run(run, ref)
+            assert_same_run(run, ref, SMOL_LOGITS_ATOL)
+
+
+# SmolLM2's 30 layers carry such f16-cache rounding flips further (measured 1.1e-3 in logits of ~10).
+SMOL_LOGITS_ATOL = 5e-3
 
 
 @pytest.mark.slow
