@@ -71,8 +71,18 @@ class _Plan:
         return self.m * (self.dtype.row_bytes(self.k) if self.dtype.is_quantized else self.k * self.dtype.itemsize)
 
     @property
+    def min_columns(self) -> bool:
+        """BLAS path of a Q4_1/Q5_1 weight with 8-bit activations: one more column per block
+        carries the weight's min against the f16 rounding of ggml's s (see quant.round_rows_s)."""
+        return self.path == "blas" and self.act == Q.ACT_Q8_0 and self.dtype in (DType.Q4_1, DType.Q5_1)
+
+    @property
+    def cols(self) -> int:
+        return self.k + self.k // 32 if self.min_columns else self.k
+
+    @property
     def tile_rows(self) -> int:
-        return max(1, min(self.m, TILE_BYTES // (4 * self.k)))
+        return max(1, min(self.m, TILE_BYTES // (4 * self.cols)))
 
     def scratch_bytes(self) -> int:
         if self.path == "q8":
@@ -81,9 +91,9 @@ class _Plan:
             return _round64(numba.config.NUMBA_NUM_THREADS * self.k * 4)
         size = 0
         if self.act is not None:  # the quantized rows, then the f32 values they hold
-            size += Q.act_arrays_bytes(self.n, self.k) + _round64(self.n * self.k * 4)
+            size += Q.act_arrays_bytes(self.n, self.k) + _round64(self.n * self.cols * 4)
         if self.dtype is not DType.F32:
-            size += _round64(self.tile_rows * self.k * 4)
+            size += _round64(self.tile_rows * self.cols * 4)
         return size
 
 
@@ -253,20 +263,20 @@ def _bind_blas(plan: _Plan, w, x, out2, scratch):
         q_bytes = Q.act_arrays_bytes(plan.n, plan.k)
         act_arrays = Q.act_arrays(scratch[:q_bytes], plan.n, plan.k)
         at = q_bytes
-        rounded = scratch[at:at + plan.n * plan.k * 4].view(np.float32).reshape(plan.n, plan.k)
-        at += _round64(plan.n * plan.k * 4)
+        rounded = scratch[at:at + plan.n * plan.cols * 4].view(np.float32).reshape(plan.n, plan.cols)
+        at += _round64(plan.n * plan.cols * 4)
     lhs = rounded if rounded is not None else x
     if plan.dtype is DType.F32:
         if w.ndim != 2 or w.shape != (plan.m, plan.k):
             return None
-        steps = [(None, None, w.T, out2)]
+        steps = [(None, None, w, out2)]
     else:
         w = _stored_rows(w, plan.dtype, plan.m, plan.k)
         if w is None:
             return None
         rows = plan.tile_rows
-        tile = scratch[at:at + rows * plan.k * 4].view(np.float32).reshape(rows, plan.k)
-        steps = [(m0, min(plan.m, m0 + rows), tile[:min(plan.m, m0 + rows) - m0].T, out2[:, m0:m0 + rows])
+        tile = scratch[at:at + rows * plan.cols * 4].view(np.float32).reshape(rows, plan.cols)
+        steps = [(m0, min(plan.m, m0 + rows), tile[:min(plan.m, m0 + rows) - m0], out2[:, m0:m0 + rows])
                  for m0 in range(0, plan.m, rows)]
     threads = jit.threads()
     avx2 = Q.SIMD == "avx2"
@@ -275,16 +285,22 @@ def _bind_blas(plan: _Plan, w, x, out2, scratch):
     else:
         decode = Q.dequantize_rows_avx2 if avx2 else Q.dequantize_rows
 
+    k, mins = plan.k, plan.min_columns
+
     def call() -> None:
-        if rounded is not None:
+        if mins:
+            Q.round_rows_s(x, *act_arrays, rounded)
+        elif rounded is not None:
             Q.round_rows(plan.act, x, *act_arrays, rounded)
         for m0, m1, rhs, dst in steps:
             if m0 is not None:
                 if threads > 1:
-                    decode(plan.code, w, m0, m1, rhs.T, threads)
+                    decode(plan.code, w, m0, m1, rhs[:, :k], threads)
                 else:
-                    decode(plan.code, w, m0, m1, rhs.T)
-            np.matmul(lhs, rhs, out=dst)
+                    decode(plan.code, w, m0, m1, rhs[:, :k])
+                if mins:
+                    Q.block_mins(plan.code, w, m0, m1, rhs[:, k:])
+            np.matmul(lhs, rhs.T, out=dst)
     return call
 
 

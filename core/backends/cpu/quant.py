@@ -246,6 +246,32 @@ def round_rows(act, x, qs, d, s, sums, out):
 
 
 @kernel
+def round_rows_s(x, qs, d, s, sums, out):
+    """`round_rows` for the Q4_1/Q5_1 weights' BLAS path: x's Q8_1 values in out[:, :K] and, in
+    out[:, K + b], s - d * sum(q): how much ggml's f16 s (which their vec_dot multiplies by the
+    weight's min) exceeds the block's exact sum. Weight tiles carry the mins in those columns, so
+    sgemm adds min * s per block as the integer kernel does."""
+    quantize_rows(ACT_Q8_1, x, qs, d, s, sums)
+    k = qs.shape[1]
+    for n in range(qs.shape[0]):
+        for b in range(k // 32):
+            scale = d[n, b]
+            for j in range(32 * b, 32 * b + 32):
+                out[n, j] = np.float32(qs[n, j]) * scale
+            exact = np.float64(scale) * np.float64(sums[n, 2 * b] + sums[n, 2 * b + 1])
+            out[n, k + b] = np.float32(np.float64(s[n, b]) - exact)
+
+
+@kernel
+def block_mins(code, w, m0, m1, out):
+    """out[r, b] = the f16 min of block b of row m0 + r (Q4_1, Q5_1)."""
+    ts = 20 if code == Q4_1 else 24
+    for m in range(m0, m1):
+        for b in range(out.shape[1]):
+            out[m - m0, b] = _f16(w[m], ts * b + 2)
+
+
+@kernel
 def expand_rows(act, qs, d, out):
     """Quantized activation rows back to the f32 values they hold (q * d), for the BLAS path."""
     n_rows, k = qs.shape
