@@ -32,19 +32,20 @@ from core.tensor import Tensor
 # Activation rounding that a weight's `act_quant` asks for (as the reference kernel reads it).
 _ROUNDING = {"q8_0": Q.ACT_Q8_0, "q8_k": Q.ACT_Q8_K}
 
-# Largest N (rows of x) for which the row kernels beat decoding tiles for numpy's sgemm, measured
-# on one core of an AMD Zen 5 (AVX2 kernels; the machine shared) for SmolLM2's shapes (576x576,
+# Largest N (rows of x) for which the integer row kernels beat decoding tiles for numpy's sgemm,
+# measured on one core of an AMD Zen 5 (AVX2 kernels, machine idle) for SmolLM2's shapes (576x576,
 # 192x576, 1536x576, 576x1536 Q4_1, 49152x576 Q8_0) and gemma-3-270m's (640x2048 Q4_K/Q5_K/Q6_K,
 # 2048x640 Q5_0). Reading the stored blocks, the integer kernels win up to N = 8 and sgemm from
-# N = 16 (1536x576 Q4_1: 0.52 vs 0.65 ms at N = 8, 1.05 vs 0.78 ms at 16). On the r8 layout they
-# win far longer: the nibble types to N ~ 64-128 (1536x576 Q4_1 at 128: 2.6 vs 3.2 ms; 640x2048
-# Q4_K at 128: 3.5 vs 6.3 ms), the types with more bits to unpack to N ~ 32 (2048x640 Q5_0 at
-# 32: 1.9 vs 1.9 ms; 640x2048 Q6_K: 2.2 vs 2.0 ms), the 49152x576 Q8_0 head to N ~ 64-128.
-# Without act_quant (f32 numerics) decoding rows for f32 dots wins up to N = 4 (1536x576 Q4_1:
-# 0.35 vs 0.38 ms at 4, 0.69 vs 0.50 ms at 8).
+# N = 16 (1536x576 Q4_0: 0.77 vs 0.64 ms at 16). On the r8 layout they win much longer: Q4_0,
+# Q4_1 and Q4_K at every N measured (1536x576 Q4_1 at N = 512: 9.8 vs 12.4 ms; 640x2048 Q4_K:
+# 14.0 vs 19.3 ms), Q8_0 to N ~ 256 (the 49152x576 head: 146 vs 148 ms at 189, 426 vs 367 at
+# 512), Q5_1 to 128, Q5_0 and Q5_K to 64 (2048x640 Q5_0: 2.43 vs 2.54 ms at 64, 4.9 vs 4.6 at
+# 128), Q6_K to 32 (1.56 vs 1.59 ms; 3.1 vs 2.7 at 64). Without act_quant (f32 numerics)
+# decoding rows for f32 dots wins up to N = 4 (1536x576 Q4_1: 0.35 vs 0.38 ms at 4, 0.69 vs 0.50
+# at 8).
 Q8_MAX_N = 8
-R8_MAX_N = {DType.Q4_0: 64, DType.Q4_1: 96, DType.Q8_0: 64, DType.Q4_K: 128, DType.Q5_K: 64,
-            DType.Q5_0: 32, DType.Q5_1: 48, DType.Q6_K: 24}
+R8_MAX_N = {DType.Q4_0: 4096, DType.Q4_1: 4096, DType.Q4_K: 4096, DType.Q8_0: 256, DType.Q5_1: 128,
+            DType.Q5_0: 64, DType.Q5_K: 64, DType.Q6_K: 32}
 F32_MAX_N = 4
 
 REPACKED = "cpu_repacked"  # params key of a weight's repacked rows (see `repack`)
