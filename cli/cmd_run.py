@@ -1,5 +1,8 @@
 """`ggrun run`: generate text from a prompt, like llama-cli, streaming tokens to stdout
-and printing llama.cpp-style timings to stderr."""
+and printing llama.cpp-style timings to stderr.
+
+A full context prints a notice (or, with --context-shift, old tokens are discarded and generation
+goes on)."""
 from __future__ import annotations
 
 import sys
@@ -12,7 +15,7 @@ from cli import options as o
 from cli.app import app
 from cli.common import check_positive, err_console, list_devices, load_model, print_model_info, timing_line
 from core.errors import BadInput, RuntimeFailure
-from core.llm.generate import generate
+from core.llm.generate import STOP_CONTEXT_FULL, generate, keep_for_shift
 from core.llm.sampling import Sampler, SamplingParams
 from core.llm.session import Session, SessionParams
 from loaders.chat import render_chat
@@ -48,6 +51,8 @@ def run_command(
     verbose_prompt: bool = typer.Option(False, "--verbose-prompt", help="Print the prompt's tokens to stderr before generating"),
     list_devices_: o.ListDevices = False, no_graph_reuse: o.NoGraphReuse = False, flash_attn: o.FlashAttn = True,
     check_numerics: o.CheckNumerics = False, verbose: o.Verbose = False,
+    context_shift: bool = typer.Option(False, "--context-shift/--no-context-shift", help="When the context is full, discard half of the tokens after the kept ones and go on (default: stop there, with a notice)"),
+    n_keep: int = typer.Option(0, "--keep", help="Prompt tokens a context shift keeps at the start (-1: the whole prompt; BOS is always kept)"),
 ) -> None:
     """Generate text from a prompt (like llama-cli)."""
     if list_devices_:
@@ -57,6 +62,8 @@ def run_command(
     check_positive(**{"-c": ctx_size, "-b": batch_size, "-ub": ubatch_size})
     if n_predict < 0:
         raise BadInput(f"-n {n_predict}: the number of tokens to predict must not be negative")
+    if n_keep < -1:
+        raise BadInput(f"--keep {n_keep}: give a number of tokens, or -1 for the whole prompt")
     sampling = SamplingParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed)
     sampling.check()
     m = load_model(model, n_gpu_layers, threads=threads, numerics=numerics)
@@ -70,7 +77,8 @@ def run_command(
         return
     if chat:
         text = _chat_prompt(m, [{"role": "user", "content": text}])
-    _run_once(session, text, sampling, n_predict, ignore_eos, verbose_prompt, parse_special=chat)
+    _run_once(session, text, sampling, n_predict, ignore_eos, verbose_prompt, parse_special=chat,
+              context_shift=context_shift, n_keep=n_keep)
 
 
 def _chat_prompt(m, messages: list[dict]) -> str:
@@ -84,9 +92,10 @@ def _chat_prompt(m, messages: list[dict]) -> str:
 
 
 def _run_once(session: Session, text: str, sampling: SamplingParams, n_predict: int, ignore_eos: bool,
-              verbose_prompt: bool, parse_special: bool) -> None:
+              verbose_prompt: bool, parse_special: bool, context_shift: bool = False, n_keep: int = 0) -> None:
     m = session.model
     tokens = m.tokenizer.tokenize(text, add_special=True, parse_special=parse_special)
+    keep = keep_for_shift(n_keep, tokens, bool(tokens) and tokens[0] == m.tokenizer.bos_id and m.tokenizer.add_bos)
     if verbose_prompt:
         _print_prompt_tokens(m.tokenizer, tokens)
     dec = StreamDecoder(m.tokenizer)
@@ -100,7 +109,8 @@ def _run_once(session: Session, text: str, sampling: SamplingParams, n_predict: 
         sys.stdout.flush()
 
     try:
-        out, st = generate(session, tokens, n_predict, Sampler(sampling, session.n_ctx), emit, ignore_eos)
+        out, st = generate(session, tokens, n_predict, Sampler(sampling, session.n_ctx), emit,
+                           ignore_eos, context_shift, keep)
     except RuntimeFailure:
         if emitted:  # the text so far gets its newline before the error line on stderr
             sys.stdout.write(dec.flush() + "\n")
@@ -111,7 +121,15 @@ def _run_once(session: Session, text: str, sampling: SamplingParams, n_predict: 
         sys.stdout.write("\n")
     sys.stdout.flush()
     total_ms = 1e3 * (time.perf_counter() - t0)
-    _print_timings(session, st, total_ms, len(tokens) + len(out))
+    if st.stop_reason == STOP_CONTEXT_FULL:
+        why = " (--keep leaves nothing to discard)" if context_shift else \
+            "; --context-shift keeps going (discarding old tokens), or give a larger -c"
+        print(f"ggrun: context full: generation stopped after {len(out)} tokens at the end of the context "
+              f"(-c {session.n_ctx}){why}", file=sys.stderr)
+    if st.n_shifts:
+        print(f"ggrun: context shifted {st.n_shifts} time{'s' if st.n_shifts > 1 else ''}, "
+              f"{st.n_discarded} tokens discarded (--keep {keep})", file=sys.stderr)
+    _print_timings(session, st, total_ms, st.n_prompt + len(out))
 
 
 def _print_prompt_tokens(tok, tokens: list[int]) -> None:

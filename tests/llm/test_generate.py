@@ -1,0 +1,139 @@
+"""generate() at the context's end on a synthetic tiny llama: it stops and says so, or with context_shift
+keeps the first n_keep tokens, discards half of the rest and goes on (llama.cpp's context shift); `run`
+prints a notice for the first and counts the shifts of the second."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from core.backends.cpu import CPUBackend
+from core.llm.batch import Batch
+from core.llm.generate import STOP_CONTEXT_FULL, STOP_N_PREDICT, generate, keep_for_shift
+from core.llm.model import Model
+from core.llm.sampling import Sampler, SamplingParams
+from core.llm.session import Session, SessionParams
+from tests.cli.runner import ggrun
+from tests.cli.test_cli_run import timings
+
+PROMPT = [104, 101, 108, 108, 111, 256, 263, 32, 119]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama_path) -> Model:
+    return Model.load(tiny_llama_path, [CPUBackend()])
+
+
+def session(model: Model, n_ctx: int, n_ubatch: int = 512) -> Session:
+    return Session(model, SessionParams(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ubatch))
+
+
+def expected_shifts(n_prompt: int, n_predict: int, n_ctx: int, n_keep: int) -> list[int]:
+    """The tokens each shift discards, replaying llama.cpp's rule: the token sampled at `pos` == n_ctx
+    (every cell used) needs room, so half of what follows the kept tokens goes."""
+    pos, shifts = n_prompt, []
+    for i in range(n_predict - 1):  # the last token is sampled, never decoded
+        if pos >= n_ctx:
+            discard = (pos - n_keep) // 2
+            shifts.append(discard)
+            pos -= discard
+        pos += 1
+    return shifts
+
+
+def test_without_context_shift_a_full_context_stops(model):
+    out, st = generate(session(model, 16), PROMPT, 40, Sampler(SamplingParams(temp=0)), lambda t: None,
+                       ignore_eos=True)
+    assert len(out) == 16 - len(PROMPT) + 1 and st.stop_reason == STOP_CONTEXT_FULL and st.n_shifts == 0
+
+
+@pytest.mark.parametrize("n_keep", [0, 4, len(PROMPT)])
+def test_context_shift_keeps_the_first_tokens_and_goes_on(model, n_keep):
+    """40 tokens through a 16-cell context: every shift discards the expected count; afterwards the kept
+    tokens still sit in their cells at positions 0..n_keep-1 and the positions in use are 0..pos-1 without
+    gaps (the discarded ones moved the rest down, as the K-shift re-rotated them)."""
+    s = session(model, 16)
+    kept_cells = None
+
+    def on_token(t: int) -> None:
+        nonlocal kept_cells
+        if kept_cells is None:
+            kept_cells = [int(np.flatnonzero(s.kv.pos == p)[0]) for p in range(n_keep)]
+
+    out, st = generate(s, PROMPT, 40, Sampler(SamplingParams(temp=0)), on_token, ignore_eos=True,
+                       context_shift=True, n_keep=n_keep)
+    shifts = expected_shifts(len(PROMPT), 40, 16, n_keep)
+    assert len(out) == 40 and st.stop_reason == STOP_N_PREDICT
+    assert (st.n_shifts, st.n_discarded) == (len(shifts), sum(shifts)) and st.n_shifts >= 3
+    assert st.n_eval == 39
+    used = np.sort(s.kv.pos[s.kv.pos >= 0])
+    assert used.tolist() == list(range(len(used))) and len(used) <= 16
+    assert [int(np.flatnonzero(s.kv.pos == p)[0]) for p in range(n_keep)] == kept_cells
+    assert s.stats.reuse_log.count((False, "rebuilt: KV cache layout changed")) >= st.n_shifts
+
+
+def test_a_keep_that_leaves_nothing_to_discard_stops(model):
+    """With --keep covering all but one cell, a shift would discard nothing: generation stops there."""
+    prompt = PROMPT + PROMPT[:6]
+    out, st = generate(session(model, 16), prompt, 40, Sampler(SamplingParams(temp=0)), lambda t: None,
+                       ignore_eos=True, context_shift=True, n_keep=15)
+    assert st.stop_reason == STOP_CONTEXT_FULL and st.n_shifts == 0 and len(out) == 16 - 15 + 1
+
+
+def test_shifted_generation_matches_a_fresh_sequence_on_its_first_layer_keys(model):
+    """After a shift the kept and moved tokens' layer-0 keys are those a fresh evaluation of the same
+    tokens at their new positions gives (layer 0's keys depend only on token and position)."""
+    s = session(model, 16)
+    history: list[int] = list(PROMPT)
+    out, st = generate(s, PROMPT, 8 + 1, Sampler(SamplingParams(temp=0)), history.append, ignore_eos=True,
+                       context_shift=True, n_keep=2)
+    assert st.n_shifts == 1  # 9 + 8 > 16: one shift of (16 - 2) // 2 = 7 tokens, then the 9th token
+    kept = history[:2] + history[2 + 7:17]  # the tokens at positions 0..9 after the shift
+    hp = model.hp
+    cpu = s.sched.cpu
+    shape = (16, hp.n_head_kv, hp.head_dim)
+    k = cpu.array(s.kv.layers[0].k).reshape(shape).astype(np.float32)
+    by_pos = {int(p): c for c, p in enumerate(s.kv.pos) if p >= 0}
+    fresh = session(model, 16)
+    fresh.decode(Batch.of_sequence(kept, 0))
+    k_fresh = cpu.array(fresh.kv.layers[0].k).reshape(shape).astype(np.float32)
+    for p in range(len(kept)):
+        np.testing.assert_allclose(k[by_pos[p]], k_fresh[p], atol=4e-3, rtol=2e-3, err_msg=f"position {p}")
+
+
+@pytest.mark.parametrize("n_keep, prompt, add_bos, want", [
+    (0, [1, 5, 6], False, 0), (0, [1, 5, 6], True, 1), (2, [1, 5, 6], True, 3), (2, [5, 6, 7, 8], False, 2),
+    (-1, [5, 6, 7], False, 3), (10, [5, 6, 7], True, 3), (3, [1, 5, 6], True, 3),
+])
+def test_keep_follows_llama_cpp(n_keep, prompt, add_bos, want):
+    assert keep_for_shift(n_keep, prompt, add_bos) == want
+
+
+# ---- through the CLI ---------------------------------------------------------------------------------
+
+
+def test_run_says_when_the_context_is_full(capsys, monkeypatch, tiny_llama_path):
+    code, out, err = ggrun(capsys, monkeypatch, "run", "-m", tiny_llama_path, "-p", "Once upon a time", "-n", "200",
+                           "-c", "32", "--ignore-eos", "--temp", "0")
+    assert code == 0, err
+    notice = [line for line in err.splitlines() if "context full" in line]
+    assert len(notice) == 1 and "(-c 32)" in notice[0] and "--context-shift" in notice[0], err
+    n_total = int(timings(err)["total time"].split("/")[1].split()[0])
+    assert n_total == 32 + 1  # every cell, and the token sampled from the last one
+
+
+def test_run_with_context_shift_keeps_going(capsys, monkeypatch, tiny_llama_path):
+    code, out, err = ggrun(capsys, monkeypatch, "run", "-m", tiny_llama_path, "-p", "Once upon a time", "-n", "200",
+                           "-c", "32", "--ignore-eos", "--temp", "0", "--context-shift", "--keep", "2")
+    assert code == 0, err
+    assert "context full" not in err
+    found = timings(err)
+    n_prompt = int(found["prompt eval time"].split("/")[1].split()[0])
+    shifts = expected_shifts(n_prompt, 200, 32, 2)
+    assert f"context shifted {len(shifts)} times, {sum(shifts)} tokens discarded (--keep 2)" in err
+    assert int(found["total time"].split("/")[1].split()[0]) == n_prompt + 200
+    assert int(found["eval time"].split("/")[1].split()[0]) == 199
+
+
+def test_run_rejects_a_negative_keep(capsys, monkeypatch, tiny_llama_path):
+    code, out, err = ggrun(capsys, monkeypatch, "run", "-m", tiny_llama_path, "-p", "hi", "--keep", "-2")
+    assert code == 2 and err.startswith("error: --keep -2") and out == ""
