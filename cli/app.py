@@ -8,7 +8,7 @@ import sys
 
 import typer
 
-from core.errors import GGRunError, one_line
+from core.errors import GGRunError, Interrupted, one_line
 
 app = typer.Typer(
     name="ggrun",
@@ -38,10 +38,13 @@ def _root() -> None:
 
 def main() -> None:
     """Console entry point: one clear line and exit 2 for bad input (ggrun's own checks and
-    malformed options alike), 1 for runtime failures; never a traceback for either."""
+    malformed options alike), 1 for runtime failures; never a traceback for either. Ctrl-C is
+    `interrupted` and exit 130: a command that armed cli.interrupt has shown what it had first."""
     _register_commands()
     try:
         code = app(standalone_mode=False)
+    except Interrupted:
+        _interrupted()
     except GGRunError as err:
         print(f"error: {one_line(str(err))}", file=sys.stderr)
         sys.exit(err.exit_code)
@@ -54,9 +57,16 @@ def main() -> None:
             print(f"error: {err.format_message()} (see --help)", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        _interrupted()
+    if code == 130:  # Typer's answer to a KeyboardInterrupt outside an armed Interrupt (loading, say)
+        _interrupted()
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _interrupted() -> None:
+    sys.stdout.flush()
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
 
 
 def _is_usage_error(err: Exception) -> bool:

@@ -1,7 +1,8 @@
 """`ggrun bench`: llama-bench's tests, options and output formats, from Python.
 
 Comma lists expand to the cartesian product of configurations; each model is loaded
-once per -ngl value. Results go to stdout, progress to stderr.
+once per -ngl value. Results go to stdout, progress to stderr. Ctrl-C prints the rows already
+measured (a test cut short is left out), then `interrupted`, exit 130.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from cli.app import app
 from cli.cmd_measure import parse_int_list
 from cli.cmd_version import ggrun_version
 from cli.common import err_console, list_devices, load_model
-from core.errors import BadInput
+from cli.interrupt import Interrupt
+from core.errors import BadInput, Interrupted
 from core.llm.bench import BenchResult, BenchTest, run_bench
 from core.llm.model import Model
 from core.llm.session import Session, SessionParams
@@ -120,8 +122,16 @@ def bench_command(
             Model.read_hparams(gf)
     if threads is not None and threads < 1:
         raise BadInput(f"-t {threads} must be positive")
-    results = _run_all(configs, paths, repetitions, verbose, threads, numerics)
-    sys.stdout.write(render(results, output))
+    results: list[dict] = []
+    with Interrupt() as stop:
+        try:
+            _run_all(configs, paths, repetitions, verbose, threads, numerics, results, stop)
+        except Interrupted:
+            pass
+    if results or not stop.requested:
+        sys.stdout.write(render(results, output))
+    if stop.requested:
+        raise Interrupted()
 
 
 def _switch_list(text: str, flag: str) -> list[bool]:
@@ -143,19 +153,22 @@ def _nonneg_list(text: str, flag: str) -> list[int]:
 
 
 def _run_all(configs: list[Config], paths: dict, repetitions: int, verbose: bool, threads: int | None,
-             numerics: str) -> list[dict]:
-    out = []
+             numerics: str, out: list[dict], stop: Interrupt) -> None:
+    """Run every configuration, appending its row to `out` as soon as it is measured."""
     loaded: tuple[tuple[str, int], Model] | None = None
     with Progress(console=err_console, transient=True) as progress:
         task = progress.add_task("benchmarking", total=len(configs) * repetitions)
         for cfg in configs:
+            if stop.requested:  # Ctrl-C while loading: no session polled it yet
+                raise Interrupted()
             key = (cfg.model, cfg.n_gpu_layers)
             if loaded is None or loaded[0] != key:
                 m = load_model(cfg.model, cfg.n_gpu_layers, quiet=True, threads=threads, numerics=numerics)
                 loaded = (key, m)
             m = loaded[1]
-            session = Session(m, SessionParams(n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch,
-                                               graph_reuse=cfg.graph_reuse, flash_attn=cfg.flash_attn))
+            params = SessionParams(n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch,
+                                   graph_reuse=cfg.graph_reuse, flash_attn=cfg.flash_attn)
+            session = stop.watch(Session(m, params))
             progress.update(task, description=f"{paths[cfg.model].name} {cfg.test.label}")
 
             def tick(i: int, cfg=cfg) -> None:
@@ -165,7 +178,6 @@ def _run_all(configs: list[Config], paths: dict, repetitions: int, verbose: bool
 
             res = run_bench(session, cfg.test, repetitions, on_rep=tick)
             out.append(record(cfg, m, paths[cfg.model], res))
-    return out
 
 
 def record(cfg: Config, m: Model, path, res: BenchResult) -> dict:

@@ -1,5 +1,6 @@
 """`ggrun parallel`: many clients decoding at once over one model, one KV cache and one
-batched graph per step (like llama-parallel)."""
+batched graph per step (like llama-parallel). Ctrl-C prints the summary of the sequences finished so
+far (each was printed when it finished), then `interrupted`, exit 130."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,8 @@ import typer
 from cli import options as o
 from cli.app import app
 from cli.common import check_positive, err_console, list_devices, load_model
-from core.errors import BadInput
+from cli.interrupt import Interrupt
+from core.errors import BadInput, Interrupted
 from core.llm.parallel import ParallelRunner, ParallelSummary, SequenceResult
 from core.llm.sampling import SamplingParams
 from core.llm.session import Session, SessionParams
@@ -100,8 +102,12 @@ def parallel_command(
     runner = ParallelRunner(session, n_parallel, n_predict, sampling, batch_size, ignore_eos)
     err_console.print(f"serving {n_sequences} sequences with {n_parallel} clients; system prompt "
                       f"{len(system)} tokens", markup=False)
-    summary = runner.run(system, jobs, lambda r: _print_result(r, as_json))
+    with Interrupt() as stop:
+        stop.watch(session)
+        summary = runner.run(system, jobs, lambda r: _print_result(r, as_json))
     _print_summary(summary, as_json)
+    if summary.interrupted or stop.requested:
+        raise Interrupted()
 
 
 def _print_result(r: SequenceResult, as_json: bool) -> None:
@@ -126,8 +132,12 @@ def _print_summary(s: ParallelSummary, as_json: bool) -> None:
     if as_json:
         print(json.dumps({"prompt_tps": s.prompt_tps, "gen_tps": s.gen_tps, "total_tps": s.total_tps,
                           "cache_misses": s.cache_misses, "graphs_reused": s.graphs_reused,
-                          "n_prompt": s.n_prompt, "n_gen": s.n_gen, "seconds": s.total_s}), flush=True)
+                          "n_prompt": s.n_prompt, "n_gen": s.n_gen, "seconds": s.total_s,
+                          "sequences_done": s.n_done, "sequences": s.n_sequences,
+                          "interrupted": s.interrupted}), flush=True)
         return
+    if s.interrupted:
+        print(f"Interrupted after {s.n_done} of {s.n_sequences} sequences", flush=True)
     print(f"Total prompt tokens: {s.n_prompt:6d}, speed: {s.prompt_tps:7.2f} t/s\n"
           f"Total gen tokens:    {s.n_gen:6d}, speed: {s.gen_tps:7.2f} t/s\n"
           f"Total speed (AVG):           speed: {s.total_tps:7.2f} t/s\n"

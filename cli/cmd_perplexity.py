@@ -1,4 +1,5 @@
-"""`ggrun perplexity`: score a text file like llama-perplexity; result on stdout."""
+"""`ggrun perplexity`: score a text file like llama-perplexity; result on stdout. Ctrl-C prints the
+estimate over the windows scored so far, then `interrupted`, exit 130."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,8 @@ from cli import options as o
 from cli.app import app
 from cli.cmd_run import read_prompt
 from cli.common import check_positive, err_console, list_devices, load_model
-from core.errors import BadInput
+from cli.interrupt import Interrupt
+from core.errors import BadInput, Interrupted
 from core.llm.perplexity import score_tokens
 from core.llm.session import Session, SessionParams
 
@@ -42,12 +44,22 @@ def perplexity_command(
     session = Session(m, SessionParams(n_ctx=min(ctx_size, len(tokens)), n_batch=batch_size,
                                        n_ubatch=ubatch_size, flash_attn=flash_attn))
     t0 = time.perf_counter()
-    score = score_tokens(session, tokens, m.tokenizer.bos_id if m.tokenizer.add_bos else None)
+    with Interrupt() as stop:
+        score = score_tokens(stop.watch(session), tokens, m.tokenizer.bos_id if m.tokenizer.add_bos else None)
     secs = time.perf_counter() - t0
+    interrupted = score.interrupted or stop.requested
+    so_far = f" (interrupted: {score.n_windows} of {score.n_windows_total} windows scored)" if interrupted else ""
     if output == "json":
-        typer.echo(json.dumps({"perplexity": score.perplexity, "n_tokens": score.n_tokens,
-                               "n_ctx": session.n_ctx, "seconds": secs}))
+        record = {"perplexity": score.perplexity if score.n_tokens else None, "n_tokens": score.n_tokens,
+                  "n_ctx": session.n_ctx, "seconds": secs}
+        if interrupted:
+            record |= {"interrupted": True, "windows": score.n_windows, "windows_total": score.n_windows_total}
+        typer.echo(json.dumps(record))
+    elif score.n_tokens:
+        typer.echo(f"perplexity: {score.perplexity:.4f} over {score.n_tokens} tokens{so_far}")
     else:
-        typer.echo(f"perplexity: {score.perplexity:.4f} over {score.n_tokens} tokens")
+        typer.echo(f"perplexity: no estimate yet{so_far}")
     err_console.print(f"scored {score.n_tokens} tokens in {secs:.2f} s "
                       f"({score.n_tokens / secs:.1f} tokens per second)", markup=False)
+    if interrupted:
+        raise Interrupted()

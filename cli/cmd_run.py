@@ -1,8 +1,10 @@
 """`ggrun run`: generate text from a prompt, like llama-cli, streaming tokens to stdout
 and printing llama.cpp-style timings to stderr.
 
-A full context prints a notice (or, with --context-shift, old tokens are discarded and generation
-goes on)."""
+Every stop is said: a full context prints a notice (or, with --context-shift, old tokens are
+discarded and generation goes on), and Ctrl-C ends the text with a newline, prints the timings so
+far and `interrupted`, exit 130 (cli.interrupt). In --chat on a terminal, Ctrl-C ends the reply and
+returns to the prompt."""
 from __future__ import annotations
 
 import sys
@@ -14,8 +16,9 @@ import typer
 from cli import options as o
 from cli.app import app
 from cli.common import check_positive, err_console, list_devices, load_model, print_model_info, timing_line
-from core.errors import BadInput, RuntimeFailure
-from core.llm.generate import STOP_CONTEXT_FULL, generate, keep_for_shift
+from cli.interrupt import Interrupt
+from core.errors import BadInput, Interrupted, RuntimeFailure
+from core.llm.generate import STOP_CONTEXT_FULL, STOP_INTERRUPTED, generate, keep_for_shift
 from core.llm.sampling import Sampler, SamplingParams
 from core.llm.session import Session, SessionParams
 from loaders.chat import render_chat
@@ -109,15 +112,17 @@ def _run_once(session: Session, text: str, sampling: SamplingParams, n_predict: 
         sys.stdout.flush()
 
     try:
-        out, st = generate(session, tokens, n_predict, Sampler(sampling, session.n_ctx), emit,
-                           ignore_eos, context_shift, keep)
+        with Interrupt() as stop:
+            out, st = generate(stop.watch(session), tokens, n_predict, Sampler(sampling, session.n_ctx), emit,
+                               ignore_eos, context_shift, keep)
+            interrupted = stop.requested or st.stop_reason == STOP_INTERRUPTED
     except RuntimeFailure:
         if emitted:  # the text so far gets its newline before the error line on stderr
             sys.stdout.write(dec.flush() + "\n")
             sys.stdout.flush()
         raise
     sys.stdout.write(dec.flush())
-    if n_predict:
+    if n_predict and (emitted or not interrupted):
         sys.stdout.write("\n")
     sys.stdout.flush()
     total_ms = 1e3 * (time.perf_counter() - t0)
@@ -130,6 +135,8 @@ def _run_once(session: Session, text: str, sampling: SamplingParams, n_predict: 
         print(f"ggrun: context shifted {st.n_shifts} time{'s' if st.n_shifts > 1 else ''}, "
               f"{st.n_discarded} tokens discarded (--keep {keep})", file=sys.stderr)
     _print_timings(session, st, total_ms, st.n_prompt + len(out))
+    if interrupted:
+        raise Interrupted()
 
 
 def _print_prompt_tokens(tok, tokens: list[int]) -> None:
@@ -175,7 +182,8 @@ def _interactive_chat(session: Session, sampling: SamplingParams, n_predict: int
             sys.stdout.write(piece)
             sys.stdout.flush()
 
-        generate(session, tokens, n_predict, sampler, emit, ignore_eos)
+        with Interrupt() as stop:  # Ctrl-C ends this reply (kept as far as it got); the prompt comes back
+            generate(stop.watch(session), tokens, n_predict, sampler, emit, ignore_eos)
         reply.append(dec.flush())
         sys.stdout.write(reply[-1] + "\n")
         messages.append({"role": "assistant", "content": "".join(reply)})

@@ -67,5 +67,16 @@ class RuntimeFailure(GGRunError):
     exit_code = 1
 
 
+class Interrupted(GGRunError):
+    """The user asked to stop (Ctrl-C). Raised only at a safe point (a session polls before each
+    micro-batch), so what was computed so far stays consistent; a command shows what it has, and the
+    CLI prints `interrupted` and exits 130, as a shell does for a process that SIGINT ended."""
+
+    exit_code = 130
+
+    def __init__(self, message: str = "interrupted") -> None:
+        super().__init__(message)
+
+
 class GraphError(BadInput):
     """Bad use of the graph API: shape or dtype mismatches, naming the tensors involved."""

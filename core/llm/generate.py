@@ -3,7 +3,8 @@ one token at a time, handing each token to a callback as soon as it exists.
 
 When the context is full it stops and says so in its stats, or with context_shift keeps going as
 llama.cpp does: the first n_keep tokens stay, half of the rest is discarded, and the later half moves
-down (seq_rm, then seq_add, whose K-shift re-rotates the cached keys to their new positions).
+down (seq_rm, then seq_add, whose K-shift re-rotates the cached keys to their new positions). An
+interrupted session (Ctrl-C) ends generation with what exists so far, never an exception.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from core.errors import BadInput
+from core.errors import BadInput, Interrupted
 from core.llm.batch import Batch
 from core.llm.numerics import NonFiniteLogits
 from core.llm.sampling import Sampler
@@ -34,6 +35,7 @@ class GenerationStats:
 STOP_EOG = "end of generation token"
 STOP_N_PREDICT = "n_predict reached"
 STOP_CONTEXT_FULL = "context full"
+STOP_INTERRUPTED = "interrupted"
 
 
 def keep_for_shift(n_keep: int, prompt: list[int], add_bos: bool) -> int:
@@ -69,16 +71,22 @@ def generate(session: Session, prompt: list[int], n_predict: int, sampler: Sampl
              on_token: Callable[[int], None], ignore_eos: bool = False, context_shift: bool = False,
              n_keep: int = 0) -> tuple[list[int], GenerationStats]:
     """Generate up to n_predict tokens after `prompt`; stops at an end-of-generation token (unless
-    ignore_eos) or when the context is full: with context_shift, a
+    ignore_eos), when the session is interrupted, or when the context is full: with context_shift, a
     full context discards half of what follows the first n_keep tokens and generation goes on."""
     check_prompt(session, prompt, n_predict)
     st = GenerationStats(n_prompt=len(prompt))
     tok = session.model.tokenizer
     t0 = time.perf_counter()
+    decoded_before = session.stats.n_tokens
     try:
         logits = eval_prompt(session, prompt, session.params.n_batch)
     except NonFiniteLogits as err:
         raise NonFiniteLogits(err.kind, f"while evaluating the prompt ({len(prompt)} token{'s' if len(prompt) > 1 else ''})", err.culprit) from None
+    except Interrupted:
+        st.prompt_s = time.perf_counter() - t0
+        st.n_prompt = session.stats.n_tokens - decoded_before
+        st.stop_reason = STOP_INTERRUPTED
+        return [], st
     st.prompt_s = time.perf_counter() - t0
     for t in prompt:
         sampler.accept(t)
@@ -109,6 +117,9 @@ def generate(session: Session, prompt: list[int], n_predict: int, sampler: Sampl
             logits = session.decode(Batch.of_sequence([token], pos))[-1]
         except NonFiniteLogits as err:
             raise NonFiniteLogits(err.kind, f"at generation step {len(out)} (position {pos})", err.culprit) from None
+        except Interrupted:
+            st.stop_reason = STOP_INTERRUPTED
+            break
         st.eval_s += time.perf_counter() - t1
         st.n_eval += 1
         pos += 1

@@ -4,7 +4,8 @@ A shared system prompt is evaluated once as sequence 0; each client's sequence s
 those cells (seq_cp, no re-evaluation). Every step decodes one batch holding one token of
 each generating client and the prompt tokens of newly started ones. A finished sequence
 frees its cells and the client starts the next one at once. A sequence that cannot get
-cells yet waits; one that could never fit is reported and skipped.
+cells yet waits; one that could never fit is reported and skipped. An interrupted session (Ctrl-C)
+ends the run with the sequences already finished and the totals so far.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from core.errors import Interrupted
 from core.llm.batch import Batch
 from core.llm.generate import eval_prompt
 from core.llm.sampling import Sampler, SamplingParams
@@ -52,6 +54,9 @@ class ParallelSummary:
     cache_misses: int = 0  # times a ready sequence had to wait for free KV cells
     graphs_reused: int = 0
     n_system: int = 0
+    n_done: int = 0  # sequences finished or skipped
+    n_sequences: int = 0  # sequences asked for
+    interrupted: bool = False
 
     @property
     def prompt_tps(self) -> float:
@@ -104,16 +109,30 @@ class ParallelRunner:
         """Evaluate the system prompt once, then serve every prompt; returns the totals."""
         t_start = time.perf_counter()
         reused_before = self.s.stats.graphs_reused
+        self.summary.n_sequences = len(prompts)
+        try:
+            self._serve(system_prompt, prompts, on_done)
+        except Interrupted:
+            self.summary.interrupted = True
+        self.summary.total_s = time.perf_counter() - t_start
+        self.summary.graphs_reused = self.s.stats.graphs_reused - reused_before
+        return self.summary
+
+    def _serve(self, system_prompt: list[int], prompts: list[tuple[str, list[int]]],
+               on_done: Callable[[SequenceResult], None]) -> None:
         self._system(system_prompt)
         queue = list(range(len(prompts)))
-        done = 0
-        while done < len(prompts):
+
+        def done(r: SequenceResult) -> None:
+            self.summary.n_done += 1
+            on_done(r)
+
+        while self.summary.n_done < len(prompts):
             for c in self.clients:
                 if c.job < 0 and queue:
                     verdict = self._try_start(c, queue[0], prompts)
                     if verdict == "skip":
-                        on_done(self._skipped(c, queue.pop(0), prompts))
-                        done += 1
+                        done(self._skipped(c, queue.pop(0), prompts))
                     elif verdict == "started":
                         queue.pop(0)
                     else:
@@ -123,11 +142,7 @@ class ParallelRunner:
                     continue  # every waiting sequence was skipped this round; try the rest
                 break
             for r in self._step(prompts):
-                on_done(r)
-                done += 1
-        self.summary.total_s = time.perf_counter() - t_start
-        self.summary.graphs_reused = self.s.stats.graphs_reused - reused_before
-        return self.summary
+                done(r)
 
     def _system(self, tokens: list[int]) -> None:
         self.s.clear()

@@ -1,11 +1,13 @@
 """Perplexity of a token sequence, scored in consecutive windows of n_ctx tokens (the whole
-text in one window when it fits), as llama-perplexity does it for every position."""
+text in one window when it fits), as llama-perplexity does it for every position. An interrupted
+session (Ctrl-C) ends scoring with the estimate over the windows already scored."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
 
+from core.errors import Interrupted
 from core.llm.batch import Batch
 from core.llm.session import Session
 
@@ -16,6 +18,9 @@ class Score:
     n_tokens: int  # positions scored
     nll: np.ndarray  # negative log-likelihood of each scored next token
     argmax: np.ndarray  # the model's top-1 at each scored position
+    n_windows: int = 0  # windows scored
+    n_windows_total: int = 0  # windows the text needs
+    interrupted: bool = False
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -28,21 +33,26 @@ def score_tokens(session: Session, tokens: list[int], bos_id: int | None = None)
     (when the model uses one) so each begins like a fresh text."""
     n_ctx = session.n_ctx
     nll, argmax = [], []
-    for start in range(0, len(tokens) - 1, n_ctx):
+    starts = [s for s in range(0, len(tokens) - 1, n_ctx) if len(tokens) - s >= 2]
+    interrupted = False
+    for start in starts:
         window = list(tokens[start:start + n_ctx])
         if start and bos_id is not None:
             window[0] = bos_id
-        if len(window) < 2:
-            break
         session.clear()
-        logits = session.decode(_all_logits(window))
+        try:
+            logits = session.decode(_all_logits(window))
+        except Interrupted:
+            interrupted = True
+            break
         lp = log_softmax(logits[:-1])
         nxt = np.asarray(window[1:])
         nll.append(-lp[np.arange(len(nxt)), nxt])
         argmax.append(logits[:-1].argmax(axis=-1))
     nll_all = np.concatenate(nll) if nll else np.zeros(0)
     ppl = float(np.exp(nll_all.mean())) if len(nll_all) else float("nan")
-    return Score(ppl, len(nll_all), nll_all, np.concatenate(argmax) if argmax else np.zeros(0, dtype=int))
+    return Score(ppl, len(nll_all), nll_all, np.concatenate(argmax) if argmax else np.zeros(0, dtype=int),
+                 len(nll), len(starts), interrupted)
 
 
 def _all_logits(tokens: list[int]) -> Batch:

@@ -4,7 +4,9 @@ micro-batch, reusing the previous graph whenever the next one would have the sam
 At creation it reserves the worst-case graph (n_ubatch tokens over the full context), so
 compute buffers exist before the first token and do not grow while generating; the KV cache and
 those buffers are first checked to fit in the memory free (core.llm.budget). Logits that hold NaN
-or infinity stop decoding (core.llm.numerics), never reach a sampler.
+or infinity stop decoding (core.llm.numerics), never reach a sampler. A caller may set `interrupt`, a
+poll asked before each micro-batch: when it says stop, decode raises Interrupted with the cache holding
+exactly the micro-batches already computed.
 """
 from __future__ import annotations
 
@@ -12,11 +14,12 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
 from core.dtypes import DType
-from core.errors import BadInput, RuntimeFailure
+from core.errors import BadInput, Interrupted, RuntimeFailure
 from core.graph import build_graph
 from core.llm.batch import Batch, UBatch, split_batch
 from core.llm.blocks import Build, build_k_shift
@@ -42,7 +45,7 @@ class SessionParams:
     kv_type: DType = DType.F16
     graph_reuse: bool = True
     reuse_memory: bool = True  # False: every intermediate gets its own bytes (a reference run)
-    flash_attn: bool = False  # fused attention op (llama.cpp's -fa)
+    flash_attn: bool = True  # fused attention op (llama.cpp's -fa, on by default as its "auto" on the CPU)
     check_numerics: bool = False  # on non-finite logits, find the node that made them (also GGRUN_GRAPH_DEBUG)
 
     def check(self) -> None:
@@ -61,6 +64,7 @@ class SessionStats:
     build_s: float = 0.0
     plan_s: float = 0.0
     compute_s: float = 0.0
+    n_tokens: int = 0  # tokens decoded (micro-batches computed), for timings of an interrupted batch
     reuse_log: list[tuple[bool, str]] = field(default_factory=list)
 
 
@@ -95,6 +99,7 @@ class Session:
         self.stats = SessionStats()
         self.result: GraphResult | None = None
         self._debug_line = ""
+        self.interrupt: Callable[[], bool] | None = None  # polled before each micro-batch (Ctrl-C)
         self.reserved = {} if self.virtual else self.reserve()
 
     def _make_caches(self) -> tuple[KVCache, KVCache | None]:
@@ -216,6 +221,8 @@ class Session:
         self._check_batch(batch)
         outs = []
         for ub in split_batch(batch, self.n_ubatch):
+            if self.interrupt is not None and self.interrupt():
+                raise Interrupted()
             logits = self._decode_ubatch(ub)
             if logits is not None:
                 outs.append(logits)
@@ -265,6 +272,7 @@ class Session:
         out = self.sched.get_tensor(res.logits) if ub.n_outputs else None
         dt = time.perf_counter() - t0
         self.stats.compute_s += dt
+        self.stats.n_tokens += ub.n_tokens
         if self.debug:  # one line per micro-batch, printed once its compute time is known
             print(self._debug_line + (f" compute {1e3 * dt:.2f} ms" if self.debug >= 2 else ""), file=sys.stderr)
         if out is not None and not np.isfinite(out).all():

@@ -1,6 +1,7 @@
 """generate() at the context's end on a synthetic tiny llama: it stops and says so, or with context_shift
 keeps the first n_keep tokens, discards half of the rest and goes on (llama.cpp's context shift); `run`
-prints a notice for the first and counts the shifts of the second."""
+prints a notice for the first and counts the shifts of the second. Interrupted sessions end generation
+with what exists."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 
 from core.backends.cpu import CPUBackend
 from core.llm.batch import Batch
-from core.llm.generate import STOP_CONTEXT_FULL, STOP_N_PREDICT, generate, keep_for_shift
+from core.llm.generate import STOP_CONTEXT_FULL, STOP_INTERRUPTED, STOP_N_PREDICT, generate, keep_for_shift
 from core.llm.model import Model
 from core.llm.sampling import Sampler, SamplingParams
 from core.llm.session import Session, SessionParams
@@ -98,6 +99,22 @@ def test_shifted_generation_matches_a_fresh_sequence_on_its_first_layer_keys(mod
     k_fresh = cpu.array(fresh.kv.layers[0].k).reshape(shape).astype(np.float32)
     for p in range(len(kept)):
         np.testing.assert_allclose(k[by_pos[p]], k_fresh[p], atol=4e-3, rtol=2e-3, err_msg=f"position {p}")
+
+
+def test_interrupted_session_ends_generation_with_what_exists(model):
+    s = session(model, 64)
+    streamed: list[int] = []
+    s.interrupt = lambda: len(streamed) >= 3
+    out, st = generate(s, PROMPT, 20, Sampler(SamplingParams(temp=0)), streamed.append, ignore_eos=True)
+    assert out == streamed and len(out) == 3
+    assert st.stop_reason == STOP_INTERRUPTED and st.n_eval == 2 and st.n_prompt == len(PROMPT)
+
+
+def test_interrupted_prompt_reports_the_tokens_evaluated(model):
+    s = session(model, 64, n_ubatch=4)
+    s.interrupt = lambda: s.stats.n_tokens >= 4
+    out, st = generate(s, PROMPT, 20, Sampler(SamplingParams(temp=0)), lambda t: None)
+    assert out == [] and st.stop_reason == STOP_INTERRUPTED and st.n_prompt == 4
 
 
 @pytest.mark.parametrize("n_keep, prompt, add_bos, want", [
