@@ -157,6 +157,22 @@ def repack(dtype: DType, raw: np.ndarray) -> np.ndarray | Q.RI64 | None:
     return Q.repack_ri64(Q.CODES[dtype], raw) if dtype in _RI64_TYPES else None
 
 
+def repacked_bytes(dtype: DType, shape: tuple[int, int]) -> int:
+    """Bytes `repack` adds for a weight of this type and shape on this host (for `ggrun measure`,
+    which has no weight data)."""
+    if dtype not in Q.CODES or not dtype.is_quantized:
+        return 0
+    m, k = shape
+    blocks = k // dtype.block_size
+    code = Q.CODES[dtype]
+    if Q.SIMD == "avx2":
+        return (m + Q.R8 - 1) // Q.R8 * blocks * Q.r8_block_bytes(code) if code in Q.R8_TYPES else 0
+    if dtype not in _RI64_TYPES:
+        return 0
+    groups = (m + Q.RI - 1) // Q.RI
+    return sum(a.nbytes for a in Q.repack_ri64(code, np.zeros((1, dtype.row_bytes(k)), np.uint8))) * groups
+
+
 def _repacked(node: Tensor, plan: _Plan):
     """The weight's repacked rows when the engine made them in this host's layout for its shape."""
     a = node.srcs[0]
