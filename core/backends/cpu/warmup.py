@@ -44,9 +44,12 @@ def _graphs() -> list[Callable]:
     """Builders of one-node graphs: (leafs) -> output tensor, for every op and type in use."""
     builders = []
     for dtype in WEIGHT_TYPES:
-        for n_tokens in (1, 64):
+        for n_tokens in (1, 64, 300):  # decode, short and long prompts: each takes its own path
             for act_quant in (True, False):
-                builders.append(lambda lf, d=dtype, n=n_tokens, q=act_quant: _product(lf, d, n, q))
+                for repacked in (True, False):  # layer matrices are repacked at load; a tied head is not
+                    for large in (False, True):  # small products run on one thread, large ones on all
+                        builders.append(lambda lf, d=dtype, n=n_tokens, q=act_quant, r=repacked, g=large:
+                                        _product(lf, d, n, q, r, g))
         builders.append(lambda lf, d=dtype: ops.get_rows(_weight(lf, d, 4), lf.input("ids", np.array([1, 3], np.int32))))
     return builders
 
@@ -67,10 +70,15 @@ def readonly(leafs, name: str, dtype: DType, data: np.ndarray) -> Tensor:
     return leafs.ctx.from_bytes(name, dtype, data.shape, raw)
 
 
-def _product(leafs, dtype: DType, n_tokens: int, act_quant: bool) -> Tensor:
-    w = _weight(leafs, dtype, 16)
+def _product(leafs, dtype: DType, n_tokens: int, act_quant: bool, repacked: bool, large: bool) -> Tensor:
+    from core.backends.cpu.matmul import PARALLEL_MIN_BYTES
+
+    # a large weight has enough rows that the kernels split them over threads
+    w = _weight(leafs, dtype, 8 * (PARALLEL_MIN_BYTES // (8 * dtype.row_bytes(K)) + 1) if large else 16)
     if act_quant and dtype.is_quantized:
         w.params["act_quant"] = "q8_k" if dtype.name.endswith("_K") else "q8_0"
+    if repacked:
+        leafs.ctx.prepare_weight(w)
     x = leafs.input("x", np.ones((n_tokens, K), np.float32))
     return ops.mul_mat(w, x)
 
