@@ -189,7 +189,7 @@ def tiny_model(files) -> Model:
 def test_verify_passes_on_a_sound_plan(tiny_model):
     rep = verify(tiny_model, 64, 16)
     # every node that owns planned bytes (not an input, not computed in place over a source) is checked
-    session = Session(tiny_model, SessionParams(n_ctx=64, n_batch=16, n_ubatch=16))
+    session = Session(tiny_model, SessionParams(n_ctx=64, n_batch=16, n_ubatch=16, flash_attn=False))  # as verify's
     res = session.build(session.worst_case_params(all_logits=True))
     plan = session.sched.alloc(res.sg)["CPU"]
     inplace = {id(n) for n, _ in plan.inplace}

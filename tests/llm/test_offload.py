@@ -251,7 +251,7 @@ def test_tiny_refused_op_runs_on_the_cpu_between_copies(tiny, tiny_ref, refused)
     copy of its device input (its other input, positions or mask, is already on the CPU), and its
     result is copied back."""
     model = Model.load(tiny, [SimBackend(refuse=frozenset({refused})), CPUBackend()], N_LAYER + 1)
-    s = Session(model, SessionParams(n_ctx=N_CTX, n_batch=64, n_ubatch=64))
+    s = Session(model, SessionParams(n_ctx=N_CTX, n_batch=64, n_ubatch=64, flash_attn=False))  # soft_max exists
     logits = [s.decode(Batch.of_sequence(PROMPT, 0))[-1]]
     sg = s.result.sg
     check_plans(sg)
@@ -276,8 +276,8 @@ def test_tiny_refused_op_runs_on_the_cpu_between_copies(tiny, tiny_ref, refused)
     for i in range(3):
         logits.append(s.decode(Batch.of_sequence([int(np.argmax(logits[-1]))], n + i))[-1])
     assert [int(np.argmax(x)) for x in logits[:-1]] == tiny_ref.tokens[:3]
-    for a, b in zip(logits, tiny_ref.logits):
-        np.testing.assert_allclose(a, b, rtol=0, atol=LOGITS_ATOL)
+    for a, b in zip(logits, tiny_ref.logits):  # the reference run attends with the fused op: 1.1e-3 apart
+        np.testing.assert_allclose(a, b, rtol=0, atol=3 * LOGITS_ATOL)
 
 
 def test_tiny_refused_cache_write_is_a_clear_error(tiny):
