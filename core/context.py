@@ -29,9 +29,11 @@ class ImmediateContext:
     def nbytes(self) -> int:
         return sum(b.size for b in self.buffers) + self.repacked
 
-    def prepare_weight(self, t: Tensor) -> None:
-        """Let the backend re-lay weight t for its kernels, counting the bytes that adds."""
-        self.repacked += self.backend.prepare_weight(t)
+    def prepare_weight(self, t: Tensor) -> int:
+        """Let the backend re-lay weight t for its kernels, counting the bytes that adds (returned)."""
+        added = self.backend.prepare_weight(t)
+        self.repacked += added
+        return added
 
     def new_tensor(self, name: str, dtype: DType, shape: tuple[int, ...], weight: bool = False) -> Tensor:
         """A tensor with fresh (uninitialised) memory on this context's backend."""

@@ -27,7 +27,7 @@ _SCALAR_FORMATS: dict[GGUFValueType, str] = {
     GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
     GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q",
     GGUFValueType.FLOAT32: "<f", GGUFValueType.FLOAT64: "<d",
-    GGUFValueType.BOOL: "<?",
+    GGUFValueType.BOOL: "<B",  # read as a byte: anything but 0 or 1 is a corrupt bool, not True
 }
 
 
@@ -73,6 +73,12 @@ class _Cursor:
         self.pos += size
         return value
 
+    def boolean(self, what: str) -> bool:
+        value = self.scalar("<B", what)
+        if value > 1:
+            raise _HeaderError(f"{what} is a bool stored as byte {value}, expected 0 or 1 (a corrupt value)")
+        return bool(value)
+
     def u32(self, what: str) -> int:
         return self.scalar("<I", what)
 
@@ -95,6 +101,8 @@ class _Cursor:
             return self.string(what)
         if vtype == GGUFValueType.ARRAY:
             return self.array(what)
+        if vtype == GGUFValueType.BOOL:
+            return self.boolean(what)
         return self.scalar(_SCALAR_FORMATS[vtype], what)
 
     def array(self, what: str) -> list[Any]:
@@ -105,6 +113,13 @@ class _Cursor:
             self._need(count * dtype.itemsize, what, f"{count:,} elements of {dtype.itemsize} bytes")
             values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
             self.pos += count * dtype.itemsize
+            if etype == GGUFValueType.BOOL:
+                top = int(values.max()) if count else 0
+                flags = values.astype(bool).tolist()
+                del values  # no view of the mapping may outlive this call, or closing it fails
+                if top > 1:
+                    raise _HeaderError(f"{what} holds a bool stored as byte {top}, expected 0 or 1")
+                return flags
             return values.tolist()
         # Every string or nested array takes at least 8 bytes: this bounds `count` before looping.
         self._need(count * 8, what, f"{count:,} elements of at least 8 bytes")
@@ -145,13 +160,17 @@ def _value_type(code: int, what: str) -> GGUFValueType:
 
 
 class GGUFFile:
-    """An open GGUF file: decoded metadata, the tensor directory, and on-demand access to tensor bytes."""
+    """An open GGUF file: decoded metadata (and each value's GGUF type), the tensor directory, and
+    on-demand access to tensor bytes."""
 
     def __init__(self, path: Path, version: int, metadata: dict[str, Any], tensors: dict[str, TensorInfo],
-                 alignment: int, data_offset: int, mapping: mmap.mmap) -> None:
+                 alignment: int, data_offset: int, mapping: mmap.mmap,
+                 types: dict[str, str] | None = None) -> None:
         self.path = path
         self.version = version
         self.metadata = metadata
+        self.types = types or {}  # key -> GGUF value type as named in messages: 'UINT32', 'ARRAY[INT32]'
+
         self.tensors = tensors
         self.alignment = alignment
         self.data_offset = data_offset
@@ -197,6 +216,17 @@ class GGUFFile:
             raise ValueError(f"{self.path} is closed")
         return self._bytes[info.offset:info.offset + info.n_bytes]
 
+    def evict(self, name: str) -> None:
+        """Let the OS drop the tensor's pages from this process's memory (they stay in the page
+        cache and come back on the next read): for a weight whose bytes were just copied into
+        another layout, so the process does not hold both."""
+        info = self.require_tensor(name)
+        page = mmap.PAGESIZE
+        start = -(-info.offset // page) * page
+        end = (info.offset + info.n_bytes) // page * page
+        if end > start and hasattr(self._mapping, "madvise"):
+            self._mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def load_f32(self, name: str) -> np.ndarray:
         """The tensor decoded to float32 in numpy order; F32 tensors come back as views of the file."""
         info = self.require_tensor(name)
@@ -222,14 +252,22 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     try:
         return _parse(path, mapping)
     except _HeaderError as err:
-        mapping.close()
+        _close(mapping)
         raise BadInput(f"{path}: {err}") from None
     except BadInput:
-        mapping.close()
+        _close(mapping)
         raise
     except Exception as err:  # any other failure on malformed bytes is still bad input, not a crash
-        mapping.close()
+        _close(mapping)
         raise BadInput(f"{path}: corrupt GGUF header ({type(err).__name__}: {quote_name(str(err))})") from None
+
+
+def _close(mapping: mmap.mmap) -> None:
+    """Close a mapping a failed parse leaves; a view still held somewhere keeps it open until dropped."""
+    try:
+        mapping.close()
+    except BufferError:
+        pass
 
 
 def _map(path: Path) -> mmap.mmap:
@@ -248,13 +286,13 @@ def _parse(path: Path, mapping: mmap.mmap) -> GGUFFile:
     version = _read_magic_and_version(cur)
     n_tensors = cur.u64("tensor count")
     n_kv = cur.u64("metadata count")
-    metadata = _read_metadata(cur, n_kv)
-    alignment = _alignment(metadata)
+    metadata, types = _read_metadata(cur, n_kv)
+    alignment = _alignment(metadata, types)
     tensors = _read_tensor_infos(cur, n_tensors)
     data_offset = _align(cur.pos, alignment)
     placed = {name: _place(spec, data_offset, alignment, len(mapping)) for name, spec in tensors.items()}
     _check_packed(placed.values(), data_offset, alignment)
-    return GGUFFile(path, version, metadata, placed, alignment, data_offset, mapping)
+    return GGUFFile(path, version, metadata, placed, alignment, data_offset, mapping, types)
 
 
 def _check_packed(infos, data_offset: int, alignment: int) -> None:
@@ -286,8 +324,10 @@ def _read_magic_and_version(cur: _Cursor) -> int:
     return version
 
 
-def _read_metadata(cur: _Cursor, n_kv: int) -> dict[str, Any]:
+def _read_metadata(cur: _Cursor, n_kv: int) -> tuple[dict[str, Any], dict[str, str]]:
+    """The metadata, and each value's GGUF type by name ('ARRAY[T]' for an array of T)."""
     metadata: dict[str, Any] = {}
+    types: dict[str, str] = {}
     for i in range(n_kv):
         key = cur.string(f"metadata key #{i}")
         if not key.isprintable():  # key names are text; control bytes mean the reader lost its place
@@ -295,12 +335,24 @@ def _read_metadata(cur: _Cursor, n_kv: int) -> dict[str, Any]:
         if key in metadata:
             raise _HeaderError(f"duplicate metadata key {quote_name(key)}")
         shown = quote_name(key)
-        metadata[key] = cur.value(cur.u32(f"type of metadata key {shown}"), f"metadata value of {shown}")
-    return metadata
+        vtype = cur.u32(f"type of metadata key {shown}")
+        etype = cur.scalar("<I", f"element type of {shown}") if vtype == GGUFValueType.ARRAY else None
+        if etype is not None:
+            cur.pos -= 4  # only peeked: the array reads its element type itself
+        metadata[key] = cur.value(vtype, f"metadata value of {shown}")
+        types[key] = _type_name(vtype, etype)
+    return metadata, types
 
 
-def _alignment(metadata: dict[str, Any]) -> int:
+def _type_name(vtype: int, etype: int | None) -> str:
+    name = GGUFValueType(vtype).name
+    return name if etype is None else f"{name}[{GGUFValueType(etype).name}]"
+
+
+def _alignment(metadata: dict[str, Any], types: dict[str, str]) -> int:
     alignment = metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+    if "general.alignment" in types and types["general.alignment"] != "UINT32":
+        raise _HeaderError(f"general.alignment has type {types['general.alignment']}, expected UINT32")
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
         raise _HeaderError(f"general.alignment must be a power of two, got {alignment!r}")
     return alignment

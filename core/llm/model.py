@@ -134,7 +134,8 @@ class Model:
             ctx = ctx_for(_backend_for(name, placement))
             tensors[name] = _weight(ctx, gf, name, name, numerics)
             if name != "token_embd.weight":  # the embedding is read by rows (and as a tied head, as stored)
-                ctx.prepare_weight(tensors[name])
+                if ctx.prepare_weight(tensors[name]) and not metadata_only:
+                    gf.evict(name)  # read again only by long prompts' products: not held twice meanwhile
             done += info.n_bytes
             if progress:
                 progress(done, total)
