@@ -20,11 +20,11 @@ class ScoreComparison:
     reference_perplexity: float
 
 
-def compare_score(model, ref: dict, record_property, label: str) -> ScoreComparison:
+def compare_score(model, ref: dict, record_property, label: str, flash_attn: bool = True) -> ScoreComparison:
     """Score ref's text in one batch and one micro-batch (as llama.cpp scored it, n_kv = 256)."""
     tokens = model.tokenizer.tokenize(ref["text"], add_special=True, parse_special=False)
     assert tokens == ref["tokens"]
-    session = Session(model, SessionParams(n_ctx=256, n_batch=256, n_ubatch=512))
+    session = Session(model, SessionParams(n_ctx=256, n_batch=256, n_ubatch=512, flash_attn=flash_attn))
     assert session.kv.n_ctx >= len(tokens)
     score = score_tokens(session, tokens, model.tokenizer.bos_id if model.tokenizer.add_bos else None)
     positions = ref["positions"]
@@ -35,7 +35,7 @@ def compare_score(model, ref: dict, record_property, label: str) -> ScoreCompari
     record_property("argmax_agreement", agreement)
     record_property("perplexity", score.perplexity)
     record_property("mean_abs_nll_gap", nll_gap)
-    print(f"\n{label} score: argmax agreement {agreement:.1%}, perplexity {score.perplexity:.4f} "
+    print(f"\n{label} score ({'fused' if flash_attn else 'unfused'} attention): argmax agreement {agreement:.1%}, perplexity {score.perplexity:.4f} "
           f"(llama.cpp {ref['perplexity']:.4f}), mean |nll - llama.cpp's| {nll_gap:.4f}")
     return ScoreComparison(score, agreement, nll_gap, ref["perplexity"])
 
