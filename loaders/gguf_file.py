@@ -170,7 +170,6 @@ class GGUFFile:
         self.version = version
         self.metadata = metadata
         self.types = types or {}  # key -> GGUF value type as named in messages: 'UINT32', 'ARRAY[INT32]'
-
         self.tensors = tensors
         self.alignment = alignment
         self.data_offset = data_offset

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 from core.errors import BadInput, quote, quote_name
 from core.llm.hparams import HParams
+from loaders.pretokenize import PRE_TOKENIZERS
 
 MAX_COUNT = 1 << 16  # layers, heads, head sizes: far above any real model, far below an overflow
 MAX_WIDTH = 1 << 24  # embedding and feed-forward widths
@@ -61,6 +62,29 @@ ARCH_KEYS: dict[str, tuple[Key, ...]] = {
 NO_TOKEN = (-1, 0xFFFFFFFF)
 _SPECIAL_ID = re.compile(r"tokenizer\.ggml\.[a-z_]+_token_id")
 
+# The GGUF type of every key the GGUF spec or llama.cpp's loader fixes (llama.cpp refuses a key of any
+# other type). A corrupt type code that keeps the file readable, UINT32 retyped INT32 or FLOAT32 (same
+# size, so the reader stays in step), is caught here instead of read as a different number.
+_STRING_KEYS = ("type", "architecture", "name", "author", "version", "organization", "finetune", "basename",
+                "description", "quantized_by", "size_label", "license", "license.name", "license.link", "url",
+                "doi", "uuid", "repo_url", "source.url", "source.doi", "source.uuid", "source.repo_url")
+KEY_TYPES: dict[str, str] = {
+    **{f"general.{k}": "STRING" for k in _STRING_KEYS},
+    **{f"general.{k}": "UINT32" for k in ("quantization_version", "alignment", "file_type", "base_model.count",
+                                          "dataset.count")},
+    "general.tags": "ARRAY[STRING]", "general.languages": "ARRAY[STRING]",
+    "tokenizer.ggml.model": "STRING", "tokenizer.ggml.pre": "STRING", "tokenizer.chat_template": "STRING",
+    "tokenizer.ggml.tokens": "ARRAY[STRING]", "tokenizer.ggml.merges": "ARRAY[STRING]",
+    "tokenizer.ggml.token_type": "ARRAY[INT32]", "tokenizer.ggml.scores": "ARRAY[FLOAT32]",
+    **{f"tokenizer.ggml.{k}": "BOOL" for k in ("add_bos_token", "add_eos_token", "add_sep_token",
+                                               "add_space_prefix", "remove_extra_whitespaces")},
+}
+_KEY_TYPE_PATTERNS = ((re.compile(r"general\.(base_model|dataset)\.\d+\.[a-z_]+"), "STRING"),
+                      (_SPECIAL_ID, "UINT32"))
+
+# llama.cpp's token types (llama_token_type): undefined, normal, unknown, control, user-defined, unused, byte.
+TOKEN_TYPES = range(0, 7)
+
 
 def _bad(gf, subject: str, value: Any, expected: str) -> BadInput:
     return BadInput(f"{gf.path}: {subject} = {quote(value)}, expected {expected}")
@@ -83,6 +107,29 @@ def check_metadata(gf) -> None:
     for key in COMMON_KEYS + ARCH_KEYS.get(arch, ()):
         _check_key(gf, f"{arch}.{key.name}", key)
     _check_tokenizer_arrays(gf)
+
+
+def expected_type(key: str, arch: str) -> str | None:
+    """The GGUF type `key` must have, or None for a key whose type nothing fixes."""
+    if key in KEY_TYPES:
+        return KEY_TYPES[key]
+    if key.startswith(arch + "."):
+        spec = next((k for k in COMMON_KEYS + ARCH_KEYS.get(arch, ()) if f"{arch}.{k.name}" == key), None)
+        if spec is not None:
+            return "UINT32" if spec.kind is int else "FLOAT32"
+    return next((t for pattern, t in _KEY_TYPE_PATTERNS if pattern.fullmatch(key)), None)
+
+
+def _check_types(gf, arch: str) -> None:
+    """Every key of a fixed type has it (run after every value check, whose messages say more)."""
+    types = getattr(gf, "types", {})
+    for key, actual in types.items():
+        want = expected_type(key, arch)
+        if want is None or actual == want:
+            continue
+        if want == "UINT32" and _SPECIAL_ID.fullmatch(key) and actual == "INT32" and gf.get(key) == -1:
+            continue  # -1 as INT32: an absent token, as some converters write it
+        raise BadInput(f"{gf.path}: metadata key {quote_name(key)} has type {actual}, expected {want}")
 
 
 def _check_key(gf, full: str, key: Key) -> None:
@@ -125,6 +172,22 @@ def _check_tokenizer_arrays(gf) -> None:
         value = gf.get(key)
         if value is not None and not isinstance(value, str):
             raise _bad(gf, key, value, "a string")
+    model = gf.get("tokenizer.ggml.model")
+    if model not in ("gpt2", "llama"):
+        raise _bad(gf, "tokenizer.ggml.model", model, "'gpt2' (BPE) or 'llama' (SentencePiece), the tokenizers "
+                                                      "ggrun supports")
+    pre = gf.get("tokenizer.ggml.pre") or "default"
+    if model == "gpt2" and pre not in PRE_TOKENIZERS:  # a SentencePiece tokenizer has no pre-tokenizer
+        raise _bad(gf, "tokenizer.ggml.pre", pre, f"one of the {len(PRE_TOKENIZERS)} pre-tokenizers ggrun knows "
+                                                  "(as llama.cpp: 'default', 'llama3', 'smollm', 'qwen2', ...)")
+    types = gf.get("tokenizer.ggml.token_type")
+    if types is not None and not all(t in TOKEN_TYPES for t in types):
+        bad = next(i for i, t in enumerate(types) if t not in TOKEN_TYPES)
+        raise _bad(gf, f"tokenizer.ggml.token_type[{bad}]", types[bad], "a token type from 0 to 6")
+    scores = gf.get("tokenizer.ggml.scores")
+    if scores is not None and not all(math.isfinite(x) for x in scores):
+        bad = next(i for i, x in enumerate(scores) if not math.isfinite(x))
+        raise _bad(gf, f"tokenizer.ggml.scores[{bad}]", scores[bad], "a finite number")
 
 
 def check_hparams(gf, hp: HParams) -> None:
@@ -152,6 +215,7 @@ def check_hparams(gf, hp: HParams) -> None:
         if _SPECIAL_ID.fullmatch(key) and value not in NO_TOKEN:
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < hp.n_vocab:
                 raise _bad(gf, key, value, f"a token id from 0 to {hp.n_vocab - 1}")
+    _check_types(gf, a)
 
 
 # ---- tensors -------------------------------------------------------------------------------------

@@ -150,3 +150,71 @@ def test_bad_tensor_directory(tmp_path, meta, edit, expected):
 ])
 def test_bad_gemma3(tmp_path, meta, edit, expected):
     assert rejected(write_model(tmp_path / "bad.gguf", GEMMA3, meta=meta, edit=edit)).startswith(expected)
+
+
+# ---- GGUF types, token types and scores, tokenizer names ------------------------------------------------
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("llama.block_count", np.int32(2), "metadata key llama.block_count has type INT32, expected UINT32"),
+    ("llama.context_length", np.uint64(256), "metadata key llama.context_length has type UINT64, expected UINT32"),
+    ("llama.rope.freq_base", np.float64(10000.0), "metadata key llama.rope.freq_base has type FLOAT64, "
+                                                  "expected FLOAT32"),
+    ("llama.rope.freq_base", 10000, "metadata key llama.rope.freq_base has type UINT32, expected FLOAT32"),
+    ("tokenizer.ggml.bos_token_id", np.int32(5), "metadata key tokenizer.ggml.bos_token_id has type INT32, "
+                                                 "expected UINT32"),
+    ("tokenizer.ggml.add_bos_token", np.uint8(1), "metadata key tokenizer.ggml.add_bos_token has type UINT8, "
+                                                  "expected BOOL"),
+    ("general.file_type", np.int32(2), "metadata key general.file_type has type INT32, expected UINT32"),
+    ("general.name", np.uint32(7), "metadata key general.name has type UINT32, expected STRING"),
+    ("tokenizer.ggml.token_type", np.ones(N_VOCAB, dtype=np.uint32), "metadata key tokenizer.ggml.token_type has "
+                                                                     "type ARRAY[UINT32], expected ARRAY[INT32]"),
+    ("tokenizer.ggml.scores", np.zeros(N_VOCAB, dtype=np.int32), "metadata key tokenizer.ggml.scores has type "
+                                                                 "ARRAY[INT32], expected ARRAY[FLOAT32]"),
+])
+def test_keys_have_the_types_llama_cpp_reads(tmp_path, key, value, expected):
+    """A UINT32 retyped INT32 or FLOAT32 keeps the file readable (same size) but is a corrupt type code."""
+    assert rejected(write_model(tmp_path / "bad.gguf", meta={key: value})) == expected
+
+
+def test_an_absent_token_may_be_minus_one_as_int32(tmp_path):
+    path = write_model(tmp_path / "ok.gguf", meta={"tokenizer.ggml.padding_token_id": -1})
+    with open_gguf(path) as gf:
+        Model.read_hparams(gf)
+
+
+def test_unknown_keys_keep_any_type(tmp_path):
+    path = write_model(tmp_path / "ok.gguf", meta={"some.tool.flag": np.int8(3), "general.base_model.0.name": "x"})
+    with open_gguf(path) as gf:
+        Model.read_hparams(gf)
+
+
+def _token_types(bad_at: int, value: int) -> np.ndarray:
+    types = np.array(TOK["tokenizer.ggml.token_type"], dtype=np.int32)
+    types[bad_at] = value
+    return types
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("tokenizer.ggml.token_type", _token_types(7, 99), "tokenizer.ggml.token_type[7] = 99, expected a token type "
+                                                       "from 0 to 6"),
+    ("tokenizer.ggml.token_type", _token_types(0, -1), "tokenizer.ggml.token_type[0] = -1, expected a token type"),
+    ("tokenizer.ggml.scores", np.array([0.0] * 5 + [np.nan] + [0.0] * (N_VOCAB - 6), dtype=np.float32),
+     "tokenizer.ggml.scores[5] = nan, expected a finite number"),
+    ("tokenizer.ggml.model", "gpt3", "tokenizer.ggml.model = 'gpt3', expected 'gpt2' (BPE) or 'llama' "
+                                     "(SentencePiece), the tokenizers ggrun supports"),
+    ("tokenizer.ggml.pre", "no-such-pre", "tokenizer.ggml.pre = 'no-such-pre', expected one of the "),
+])
+def test_tokenizer_values_and_names(tmp_path, key, value, expected):
+    """Token types and scores the tokenizer would misread, and tokenizer names it cannot build, are rejected
+    naming the file (the tokenizer's own errors do not know it)."""
+    assert rejected(write_model(tmp_path / "bad.gguf", meta={key: value})).startswith(expected)
+
+
+def test_a_sentencepiece_tokenizer_ignores_the_pre_tokenizer_name(tmp_path):
+    """As llama.cpp: only BPE tokenizers have a pre-tokenizer, so an unknown name is no error for 'llama'."""
+    scores = np.zeros(N_VOCAB, dtype=np.float32)
+    path = write_model(tmp_path / "ok.gguf", meta={"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "whatever",
+                                                   "tokenizer.ggml.scores": scores})
+    with open_gguf(path) as gf:
+        Model.read_hparams(gf)

@@ -251,3 +251,27 @@ def test_retyped_or_resized_tensor_breaks_the_packed_layout(tmp_path):
     first = _tensor_type_field(data, b"token_embd.weight", 2)
     _bad(_patched(path, tmp_path, first + 4, struct.pack("<Q", 32)),
          r"tensor token_embd\.weight: data offset 32, expected 0 for the first tensor")
+
+
+def test_bool_bytes_other_than_0_or_1_are_corrupt(tmp_path):
+    """A bool is one byte, 0 or 1; struct's '?' would read 255 as True and hide the corruption."""
+    path = write_gguf(tmp_path / "b.gguf", "llama", {"test.flag": True, "test.flags": [True, False]}, {})
+    data = path.read_bytes()
+    flag = data.index(b"test.flag") + len(b"test.flag") + 4  # past the key and its type code
+    _bad(_patched(path, tmp_path, flag, b"\xff"), r"metadata value of test\.flag is a bool stored as byte 255, "
+                                                  r"expected 0 or 1")
+    flags = data.index(b"test.flags") + len(b"test.flags") + 4 + 4 + 8  # past the type, element type, count
+    _bad(_patched(path, tmp_path, flags + 1, b"\x02"), r"test\.flags holds a bool stored as byte 2")
+
+
+def test_value_types_are_recorded(good_file, tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", "llama", METADATA, {})
+    with open_gguf(path) as f:
+        assert f.types["test.u32"] == "UINT32" and f.types["test.i32"] == "INT32" and f.types["test.bool"] == "BOOL"
+        assert f.types["test.strings"] == "ARRAY[STRING]" and f.types["test.ints"] == "ARRAY[INT32]"
+        assert f.types["general.architecture"] == "STRING"
+
+
+def test_alignment_must_be_uint32(tmp_path):
+    path = write_gguf(tmp_path / "a.gguf", "llama", {"general.alignment": np.int32(32)}, {})
+    _bad(path, "general.alignment has type INT32, expected UINT32")
