@@ -170,7 +170,11 @@ class Session:
         logits = self.model.arch.build(build, self.model.weights)
         graph = build_graph([logits])
         sg = self.sched.schedule(graph)
-        return GraphResult(p, inputs.all(), logits, sg, self.kv_version, self.sched.generation)
+        # only inputs the graph reads get memory: a gemma3 of fewer than 6 layers has no global layer,
+        # so nothing reads the global cache's rows or mask
+        read = {id(t) for t in graph.leafs}
+        used = [i for i in inputs.all() if id(i.tensor) in read]
+        return GraphResult(p, used, logits, sg, self.kv_version, self.sched.generation)
 
     def plan_worst_case(self, all_logits: bool = True) -> tuple[GraphResult, dict, float]:
         """Build and measure the worst-case graph without allocating: (graph, plans, plan seconds)."""

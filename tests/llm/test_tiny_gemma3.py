@@ -239,3 +239,17 @@ def test_window_layers_get_a_cache_of_their_own(model, ref):
     got = all_logits(s, tokens)
     assert s.kv_swa.n_used <= 256 and s.kv.n_used == 300
     np.testing.assert_allclose(got, ref.logits(tokens), atol=ATOL, rtol=0)
+
+
+def test_fewer_than_six_layers_are_all_sliding_window(gemma_factory):
+    """With 2 layers there is no global layer: nothing reads the global cache's rows or mask, which then get
+    no memory, and the session sets only the inputs its graph reads (it used to fail on the unplaced rows)."""
+    path = gemma_factory(n_layer=2)
+    m = Model.load(path, [CPUBackend()], numerics="f32")
+    assert not m.arch.swa_layers(m.hp).count(False)
+    s = session(m)
+    got = all_logits(s, PROMPT[:12])
+    step = s.decode(Batch.of_sequence([PROMPT[12]], 12))
+    want = ReferenceGemma3.load(path).logits(PROMPT[:13])
+    np.testing.assert_allclose(got, want[:12], atol=ATOL, rtol=0)
+    np.testing.assert_allclose(step[0], want[12], atol=ATOL, rtol=0)
