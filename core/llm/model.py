@@ -130,12 +130,14 @@ class Model:
         tensors = {}
         total = gf.file_bytes
         done = 0
+        tied = "output.weight" not in gf.tensors and placement.output is placement.input
         for name, info in gf.tensors.items():
             ctx = ctx_for(_backend_for(name, placement))
             tensors[name] = _weight(ctx, gf, name, name, numerics)
-            if name != "token_embd.weight":  # the embedding is read by rows (and as a tied head, as stored)
-                if ctx.prepare_weight(tensors[name]) and not metadata_only:
-                    gf.evict(name)  # read again only by long prompts' products: not held twice meanwhile
+            # a matrix gets its kernels' layout; the embedding only when it is the head too (then its
+            # rows are still read as stored, a page per token)
+            if (name != "token_embd.weight" or tied) and ctx.prepare_weight(tensors[name]) and not metadata_only:
+                gf.evict(name)  # read again only by long prompts' products: not held twice meanwhile
             done += info.n_bytes
             if progress:
                 progress(done, total)

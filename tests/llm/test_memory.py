@@ -55,7 +55,8 @@ def expected(path, ngl: int, kind: str, ctx: int) -> dict[str, dict[str, int]]:
     for name, t in tensors.items():
         out[home(name)]["file"] += int(t.n_bytes)
         out[home(name)]["resident"] += int(t.n_bytes)
-        if home(name) == "CPU" and name != "token_embd.weight" and len(t.shape) == 2:  # re-laid for decode
+        tied_head = name == "token_embd.weight" and "output.weight" not in tensors and home("output.weight") == "CPU"
+        if home(name) == "CPU" and (name != "token_embd.weight" or tied_head) and len(t.shape) == 2:  # for decode
             out["CPU"]["resident"] += repacked_bytes(DType.of_ggml(t.tensor_type.name), tuple(reversed(t.shape)))
     if "output.weight" not in tensors and home("output.weight") != "CPU":  # tied head copied to the device
         out[home("output.weight")]["resident"] += int(tensors["token_embd.weight"].n_bytes)

@@ -106,12 +106,11 @@ def test_micro_batch_size_does_not_change_logits(tiny_llama_path, kv_type):
 
 
 def test_micro_batch_size_does_not_change_q8_0_logits_without_activation_rounding(tiny_llama_factory):
-    """Quantized weights alone keep -ub invariance. (With 8-bit activation rounding on, BLAS's
-    row-count-dependent summation order flips a few rounding steps: measured up to 1e-2 here at -ub 1
-    and about 1 logit on SmolLM2, whose greedy tokens test_smollm2 checks instead.)"""
-    model = load(tiny_llama_factory(weight_type=QT.Q8_0))
-    for t in model.weights.tensors.values():
-        t.params.pop("act_quant", None)
+    """Quantized weights alone keep -ub invariance. (With llama.cpp's roundings on, 8-bit activations
+    and attention's f16 sums of values, last-bit differences between product paths flip a few rounding
+    steps: about 1e-3 here at -ub 1 and up to 1 logit on SmolLM2, whose greedy tokens test_smollm2
+    checks instead.)"""
+    model = Model.load(tiny_llama_factory(weight_type=QT.Q8_0), [CPUBackend()], numerics="f32")
     by_ub = {ub: all_logits(session(model, n_ubatch=ub, kv_type=DType.F16), PROMPT) for ub in (1, 7, 512)}
     for ub in (1, 7):
         np.testing.assert_allclose(by_ub[ub], by_ub[512], atol=1e-3, rtol=0, err_msg=f"-ub {ub} vs 512")

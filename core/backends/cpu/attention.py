@@ -7,9 +7,12 @@ items are KV heads, and blocks of tokens when several threads share the work). E
 attends only the span of a tile between the first and last cells its mask leaves visible, so
 the padded tail of n_kv and the causal future cost nothing; hidden cells inside the span get
 weight 0. As llama.cpp's CPU path does, queries meet an f16 cache as f16-rounded values
-(`act_quant` f16 on the cache); products and the softmax are f32 (ggml accumulates V in f16).
+(`act_quant` f16 on the cache), and then the values are summed as ggml does, cell by cell in f16;
+otherwise products and the softmax are f32, tile by tile.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from numba import prange
@@ -17,7 +20,7 @@ from numba import prange
 from core.backends.cpu import jit
 from core.backends.cpu.dispatch import binds
 from core.backends.cpu.jit import kernel
-from core.backends.cpu.vecmath import as_f32, expf, f16_to_f32, f32_to_f16
+from core.backends.cpu.vecmath import as_f32, expf, f16_to_f32, f32_to_f16, fma
 from core.backends.cpu.warmup import warms
 from core.dtypes import DType
 
@@ -98,6 +101,31 @@ def _accumulate(S, Vf, lo, hi, t, h, out):
         c += 1
 
 
+@kernel(inline="always")
+def _accumulate_f16(S, Vf, mask, scale, t, h, c0, lo, hi, M, L, out):
+    """llama.cpp's own order over an f16 cache: cell by cell, a new maximum rescales the running
+    sum of values, which is kept rounded to f16 after every step (ggml's VKQ16), as its CPU kernel
+    does; the scores of cells [lo, hi) are in S."""
+    d = out.shape[2]
+    for c in range(lo, hi):
+        mv = as_f32(mask[t, c0 + c])
+        if mv == -np.inf:
+            continue
+        s = S[c] * scale + mv
+        ms = np.float32(1.0)
+        vs = np.float32(1.0)
+        if s > M[t, h]:
+            ms = np.float32(math.exp(M[t, h] - s))
+            M[t, h] = s
+            for j in range(d):
+                out[t, h, j] = f16_to_f32(f32_to_f16(out[t, h, j] * ms))
+        else:
+            vs = np.float32(math.exp(s - M[t, h]))
+        for j in range(d):
+            out[t, h, j] = f16_to_f32(f32_to_f16(fma(Vf[c, j], vs, out[t, h, j])))
+        L[t, h] = L[t, h] * ms + vs
+
+
 @kernel(fastmath=_FLAGS)
 def attend(q, k, v, mask, scale, q_f16, g, t0, t1, Kf, Vf, S, Qr, M, L, out):
     """out[t, h] for tokens t0..t1 and the query heads h sharing KV head g (an online softmax over
@@ -132,6 +160,9 @@ def attend(q, k, v, mask, scale, q_f16, g, t0, t1, Kf, Vf, S, Qr, M, L, out):
                     x = q[t, h, j]
                     Qr[j] = f16_to_f32(f32_to_f16(x)) if q_f16 else x
                 _scores(Qr, Kf, lo, hi, S)
+                if q_f16:
+                    _accumulate_f16(S, Vf, mask, scale, t, h, c0, lo, hi, M, L, out)
+                    continue
                 m = M[t, h]
                 for c in range(lo, hi):  # cells hidden inside [lo, hi) get -inf, hence weight 0
                     S[c] = S[c] * scale + as_f32(mask[t, c0 + c])

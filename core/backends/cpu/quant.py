@@ -1409,11 +1409,23 @@ def r8_block_bytes(code: int) -> int:
     return {Q4_K: 1184, Q5_K: 1440, Q6_K: 1680}.get(code) or _r8_block.py_func(code)[0]
 
 
+R8_CHUNK_GROUPS = 512  # groups repacked at a time: the temporaries stay small and in cache
+
+
 def repack_r8(code: int, raw: np.ndarray) -> np.ndarray:
     """ggml blocks [M, row bytes] (uint8) -> r8 groups [ceil(M / 8), blocks * group bytes] (uint8)."""
-    if code in (Q4_K, Q5_K, Q6_K):
-        return _repack_r8_k(code, raw)
-    return _repack_r8_legacy(code, raw)
+    one = _repack_r8_k if code in (Q4_K, Q5_K, Q6_K) else _repack_r8_legacy
+    m = raw.shape[0]
+    groups = (m + R8 - 1) // R8
+    if groups <= R8_CHUNK_GROUPS:
+        return one(code, raw)
+    out = None
+    for g0 in range(0, groups, R8_CHUNK_GROUPS):
+        part = one(code, raw[g0 * R8:(g0 + R8_CHUNK_GROUPS) * R8])
+        if out is None:
+            out = np.empty((groups, part.shape[1]), dtype=np.uint8)
+        out[g0:g0 + part.shape[0]] = part
+    return out
 
 
 def _lanes(q: np.ndarray) -> np.ndarray:
