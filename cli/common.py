@@ -114,7 +114,9 @@ def print_model_info(session) -> None:
         f"model: {m.path.name}: {hp.arch}, {m.n_params / 1e6:.2f} M params, {m.file_bytes / 2**20:.2f} MiB in the file",
         f"hparams: n_layer {hp.n_layer}, n_embd {hp.n_embd}, n_head {hp.n_head}, n_head_kv {hp.n_head_kv}, "
         f"head_dim {hp.head_dim}, n_ff {hp.n_ff}, n_vocab {hp.n_vocab}, rope base {hp.rope_freq_base:g}",
-        "weights: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in m.resident_bytes().items()),
+        "weights: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" + (f" ({m.contexts[k].repacked / 2**20:.2f} MiB of it "
+                                 "repacked for the kernels)" if m.contexts[k].repacked else "")
+                                 for k, v in m.resident_bytes().items()),
         "KV cache: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in session.kv_bytes_by_backend().items()),
         "compute buffers: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in session.sched.buffer_sizes().items()),
     ]
