@@ -291,7 +291,21 @@ def _parse(path: Path, mapping: mmap.mmap) -> GGUFFile:
     data_offset = _align(cur.pos, alignment)
     placed = {name: _place(spec, data_offset, alignment, len(mapping)) for name, spec in tensors.items()}
     _check_packed(placed.values(), data_offset, alignment)
+    _check_no_trailing_data(placed.values(), len(mapping), alignment)
     return GGUFFile(path, version, metadata, placed, alignment, data_offset, mapping, types)
+
+
+def _check_no_trailing_data(infos, file_size: int, alignment: int) -> None:
+    """The file ends with the last tensor's data and at most its padding, as every GGUF writer (gguf-py,
+    llama.cpp) lays it out. A tensor count one too small leaves the last tensor's data, and its directory
+    entry read as padding, behind: the other tensors would then be read from the wrong bytes."""
+    last = max(infos, key=lambda info: info.offset, default=None)
+    if last is None:
+        return
+    extra = file_size - (last.offset + last.n_bytes)
+    if extra >= alignment:
+        raise _HeaderError(f"{extra:,} bytes follow the data of the last tensor, {quote_name(last.name)} (a corrupt "
+                           "tensor count or directory)")
 
 
 def _check_packed(infos, data_offset: int, alignment: int) -> None:

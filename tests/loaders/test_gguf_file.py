@@ -275,3 +275,17 @@ def test_value_types_are_recorded(good_file, tmp_path):
 def test_alignment_must_be_uint32(tmp_path):
     path = write_gguf(tmp_path / "a.gguf", "llama", {"general.alignment": np.int32(32)}, {})
     _bad(path, "general.alignment has type INT32, expected UINT32")
+
+
+def test_a_tensor_count_one_too_small_is_caught_by_the_data_left_over(tmp_path):
+    """With the count one short, the last directory entry is read as padding and every tensor from bytes
+    before its own; only the bytes left after the (now) last tensor's data give it away."""
+    path = write_tiny_llama(tmp_path / "tiny.gguf", n_layer=1)
+    n = struct.unpack_from("<Q", path.read_bytes(), 8)[0]
+    _bad(_patched(path, tmp_path, 8, struct.pack("<Q", n - 1)), r"bytes follow the data of the last tensor, "
+                                                                 r"\S+ \(a corrupt tensor count or directory\)")
+    padded = tmp_path / "padded.gguf"
+    padded.write_bytes(path.read_bytes() + b"\0" * 31)  # less than the alignment: an unpadded writer's slack
+    open_gguf(padded).close()
+    padded.write_bytes(path.read_bytes() + b"\0" * 32)
+    _bad(padded, "32 bytes follow the data of the last tensor")
