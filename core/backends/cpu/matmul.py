@@ -201,10 +201,8 @@ def _scratch(node: Tensor) -> int:
 
 def _rows2d(arr: np.ndarray, rows: int, cols: int) -> np.ndarray | None:
     """arr as a [rows, cols] view with unit inner stride, or None where that needs a copy."""
-    view = arr.view()
-    try:
-        view.shape = (rows, cols)
-    except AttributeError:
+    view = arr.reshape(rows, cols)  # a view where the strides allow one, else a copy
+    if not np.shares_memory(view, arr):
         return None
     return view if view.strides[1] == view.itemsize else None
 
