@@ -44,8 +44,12 @@ _ROUNDING = {"q8_0": Q.ACT_Q8_0, "q8_k": Q.ACT_Q8_K}
 # decoding rows for f32 dots wins up to N = 4 (1536x576 Q4_1: 0.35 vs 0.38 ms at 4, 0.69 vs 0.50
 # at 8).
 Q8_MAX_N = 8
-R8_MAX_N = {DType.Q4_0: 4096, DType.Q4_1: 4096, DType.Q4_K: 4096, DType.Q8_0: 256, DType.Q5_1: 128,
-            DType.Q5_0: 64, DType.Q5_K: 64, DType.Q6_K: 32}
+# Repacked weights take the integer path at every batch size up to these: sgemm on decoded tiles
+# measured faster from 256 (Q8_0), 128 (Q5_1), 64 (Q5_0, Q5_K) and 32 rows (Q6_K) on an idle machine,
+# but its float sums move with BLAS's thread count, and gemma-3-270m's perplexity with them (5.78
+# with one thread, 5.92 with two); integer block sums are what ggml computes, whatever the threads.
+R8_MAX_N = {dtype: 4096 for dtype in (DType.Q4_0, DType.Q4_1, DType.Q4_K, DType.Q8_0, DType.Q5_1,
+                                       DType.Q5_0, DType.Q5_K, DType.Q6_K)}
 F32_MAX_N = 4
 
 REPACKED = "cpu_repacked"  # params key of a weight's repacked rows (see `repack`)
