@@ -146,10 +146,11 @@ def placement_of(model: Model) -> dict[str, str]:
     return {name: t.buffer.backend.name for name, t in model.weights.tensors.items()}
 
 
-# SIM runs the reference kernels, the CPU its compiled ones: they agree to f32 rounding (3e-6 in the
-# tiny model's logits with an f32 cache), but a key or value stored in the f16 cache can round to the
-# neighbouring f16 on one side (2e-4 in those logits).
-LOGITS_ATOL = 1e-3
+# SIM runs the reference kernels, the CPU its compiled ones: they agree to f32 rounding, except where
+# llama.cpp's roundings apply on the CPU alone: a key or value stored in the f16 cache can round to the
+# neighbouring f16, and the CPU sums attention's values in f16 as ggml does (the reference in f32);
+# measured up to 1.5e-3 in the tiny model's logits.
+LOGITS_ATOL = 3e-3
 
 
 def assert_same_run(got: Run, ref: Run, atol: float = LOGITS_ATOL) -> None:
@@ -276,8 +277,8 @@ def test_tiny_refused_op_runs_on_the_cpu_between_copies(tiny, tiny_ref, refused)
     for i in range(3):
         logits.append(s.decode(Batch.of_sequence([int(np.argmax(logits[-1]))], n + i))[-1])
     assert [int(np.argmax(x)) for x in logits[:-1]] == tiny_ref.tokens[:3]
-    for a, b in zip(logits, tiny_ref.logits):  # the reference run attends with the fused op: 1.1e-3 apart
-        np.testing.assert_allclose(a, b, rtol=0, atol=3 * LOGITS_ATOL)
+    for a, b in zip(logits, tiny_ref.logits):  # the reference run attends with the fused op
+        np.testing.assert_allclose(a, b, rtol=0, atol=LOGITS_ATOL)
 
 
 def test_tiny_refused_cache_write_is_a_clear_error(tiny):
