@@ -51,13 +51,19 @@ class Leafs:
         return t
 
 
-def run_on(backend: Backend, build: Callable[[Leafs], Tensor]) -> np.ndarray:
-    """Build, schedule, plan and compute the graph on one backend; a host copy of its output."""
+def planned(backend: Backend, build: Callable[[Leafs], Tensor]):
+    """Build, schedule and plan the graph on one backend: (scheduler, scheduled graph, leafs, output)."""
     leafs = Leafs(backend)
     out = build(leafs)
     sched = Scheduler([backend])
     sg = sched.schedule(build_graph([out]))
     sched.alloc(sg)
+    return sched, sg, leafs, out
+
+
+def run_on(backend: Backend, build: Callable[[Leafs], Tensor]) -> np.ndarray:
+    """Build, schedule, plan and compute the graph on one backend; a host copy of its output."""
+    sched, sg, leafs, out = planned(backend, build)
     for t, data in leafs.feeds.items():
         sched.set_tensor(t, data)
     sched.compute(sg)

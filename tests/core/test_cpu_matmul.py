@@ -18,9 +18,7 @@ from core.backends.cpu import backend as cpu_backend
 from core.backends.cpu import matmul
 from core.backends.cpu import quant as Q
 from core.dtypes import DType
-from core.graph import build_graph
-from core.sched import Scheduler
-from tests.core.backend_ops import Leafs, ReferenceBackend, compare, run_on
+from tests.core.backend_ops import Leafs, ReferenceBackend, compare, planned, run_on
 from tests.core.harness import f32_to_bf16
 
 LEGACY = [DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q8_0]
@@ -271,23 +269,19 @@ def test_result_is_written_into_planned_memory(n_tokens):
     """The compiled call fills the node's planned array in place and allocates nothing of its size."""
     build = product(DType.Q4_K, 4096, 256, (n_tokens,), "llama")
     backend = CPUBackend()
-    lf = Leafs(backend)
-    out = build(lf)
-    sched = Scheduler([backend])
-    sg = sched.schedule(build_graph([out]))
-    sched.alloc(sg)
+    sched, sg, lf, out = planned(backend, build)
     for t, data in lf.feeds.items():
         sched.set_tensor(t, data)
-    planned = backend.array(out)
-    assert planned.base is not None  # a view of the arena
-    planned[...] = np.nan
+    result = backend.array(out)
+    assert result.base is not None  # a view of the arena
+    result[...] = np.nan
     sched.compute(sg)  # compiles; the measured run below replays the bound calls
-    planned[...] = np.nan
+    result[...] = np.nan
     tracemalloc.start()
     sched.compute(sg)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    assert peak < planned.nbytes // 4, peak
-    assert np.all(np.isfinite(planned))
+    assert peak < result.nbytes // 4, peak
+    assert np.all(np.isfinite(result))
     want = run_on(ReferenceBackend(), build)
-    assert np.abs(planned - want).max() <= 1e-4 * np.abs(want).max()
+    assert np.abs(result - want).max() <= 1e-4 * np.abs(want).max()

@@ -14,9 +14,7 @@ from core import ops
 from core.backends.cpu import CPUBackend, jit, set_threads
 from core.backends.kernels import KERNELS
 from core.dtypes import DType
-from core.graph import build_graph
-from core.sched import Scheduler
-from tests.core.backend_ops import Leafs, compare, run_on
+from tests.core.backend_ops import compare, planned, run_on
 
 F32, F16, I32 = DType.F32, DType.F16, DType.I32
 NMSE_ELEMENTWISE = 1e-7
@@ -32,11 +30,7 @@ def values(*shape: int, scale: float = 1.0) -> np.ndarray:
 def bound_calls(build) -> dict[str, bool]:
     """For each compute node of the graph (by name): did a compiled kernel take it?"""
     backend = CPUBackend()
-    leafs = Leafs(backend)
-    out = build(leafs)
-    sched = Scheduler([backend])
-    sg = sched.schedule(build_graph([out]))
-    sched.alloc(sg)
+    _, sg, _, _ = planned(backend, build)
     calls = backend.prepare(sg.splits[0].nodes)
     return {n.name: not (isinstance(c, partial) and c.func in KERNELS.values()) for n, c in zip(sg.splits[0].nodes, calls)}
 
@@ -328,10 +322,5 @@ def test_cont_of_permuted_heads(dtype):
 
 
 def _planned(build):
-    backend = CPUBackend()
-    leafs = Leafs(backend)
-    out = build(leafs)
-    sched = Scheduler([backend])
-    sg = sched.schedule(build_graph([out]))
-    sched.alloc(sg)
+    sched, sg, _, _ = planned(CPUBackend(), build)
     return sched, sg
