@@ -22,6 +22,7 @@ from typing import Any, BinaryIO, Callable, Iterator
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
+from core.cache import cache_dir
 from core.errors import BadInput, RuntimeFailure
 
 _CHUNK = 1 << 20
@@ -79,12 +80,6 @@ KNOWN_MODELS: dict[str, KnownModel] = {
     )
 }
 DEFAULT_MODEL = "smollm2"
-
-
-def cache_dir() -> Path:
-    """ggrun's cache: $GGRUN_CACHE, else ~/.cache/ggrun."""
-    env = os.environ.get("GGRUN_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "ggrun"
 
 
 def model_path(model: KnownModel) -> Path:

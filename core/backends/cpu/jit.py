@@ -10,11 +10,7 @@ import hashlib
 import os
 from pathlib import Path
 
-
-def cache_root() -> Path:
-    """ggrun's cache: $GGRUN_CACHE, else ~/.cache/ggrun (the same place the model cache uses)."""
-    env = os.environ.get("GGRUN_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "ggrun"
+from core.cache import cache_dir
 
 
 # Files whose code kernels of other files compile in (helpers inlined across modules, and this
@@ -30,7 +26,7 @@ def sources_digest() -> str:
     return digest.hexdigest()[:12]
 
 
-os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_root() / "numba" / sources_digest()))
+os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_dir() / "numba" / sources_digest()))
 
 import numba  # noqa: E402  (the cache directory must be set before numba is imported)
 
