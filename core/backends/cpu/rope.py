@@ -15,7 +15,7 @@ import numpy as np
 from core.backends.cpu.dispatch import binds
 from core.backends.cpu.jit import kernel
 from core.backends.cpu.norm import inv_rms
-from core.backends.cpu.vecmath import f32_to_f16
+from core.backends.cpu.vecmath import to_stored
 from core.backends.cpu.warmup import readonly, warms
 from core.dtypes import DType
 from core.ops import ROPE_NEOX
@@ -70,9 +70,9 @@ def rope_rows(x, pos, n_dims, neox, theta_scale, freq_scale, scale, w, eps, use_
 
 
 @kernel
-def rope_store_f16(x, pos, idx, n_dims, neox, theta_scale, freq_scale, w, eps, use_norm, cache):
-    """cache[idx[t]] = x[t] (normalised when use_norm) rotated at pos[t], heads side by side,
-    rounded to f16 (uint16 bits)."""
+def rope_store(x, pos, idx, n_dims, neox, theta_scale, freq_scale, w, eps, use_norm, cache):
+    """cache[idx[t]] = x[t] (normalised when use_norm) rotated at pos[t], heads side by side, in
+    the cache's storage type (f16 bits as uint16, or f32)."""
     cos = np.empty(n_dims // 2, dtype=np.float32)
     sin = np.empty(n_dims // 2, dtype=np.float32)
     d = x.shape[2]
@@ -85,24 +85,7 @@ def rope_store_f16(x, pos, idx, n_dims, neox, theta_scale, freq_scale, w, eps, u
         for h in range(x.shape[1]):
             _rotate(_source(x[t, h], w, eps, use_norm, row), cos, sin, n_dims, neox, np.float32(1.0), row)
             for j in range(d):
-                dst[h * d + j] = f32_to_f16(row[j])
-
-
-@kernel
-def rope_store_f32(x, pos, idx, n_dims, neox, theta_scale, freq_scale, w, eps, use_norm, cache):
-    """cache[idx[t]] = x[t] (normalised when use_norm) rotated at pos[t], heads side by side, in f32."""
-    cos = np.empty(n_dims // 2, dtype=np.float32)
-    sin = np.empty(n_dims // 2, dtype=np.float32)
-    d = x.shape[2]
-    row = np.empty(d, dtype=np.float32)
-    for t in range(x.shape[0]):
-        _angles(pos[t], n_dims, theta_scale, freq_scale, cos, sin)
-        if idx[t] < 0 or idx[t] >= cache.shape[0]:
-            raise IndexError("rope_set_rows: row index out of range")
-        dst = cache[idx[t]]
-        for h in range(x.shape[1]):
-            _rotate(_source(x[t, h], w, eps, use_norm, row), cos, sin, n_dims, neox, np.float32(1.0),
-                    dst[h * d:(h + 1) * d])
+                dst[h * d + j] = to_stored(row[j], cache)
 
 
 def _params(node) -> tuple:
@@ -147,12 +130,10 @@ def bind_rope_set_rows(node, out, srcs, scratch):
     if not (_f32_rows(node, 1, x) and out.flags.c_contiguous) or norm is None:
         return None
     n_dims, neox, theta_scale, freq_scale = _params(node)
-    if node.dtype is DType.F16:
-        cache = out.view(np.uint16)
-        return lambda: rope_store_f16(x, pos, idx, n_dims, neox, theta_scale, freq_scale, *norm, cache)
-    if node.dtype is DType.F32:
-        return lambda: rope_store_f32(x, pos, idx, n_dims, neox, theta_scale, freq_scale, *norm, out)
-    return None
+    if node.dtype not in (DType.F16, DType.F32):
+        return None
+    cache = out.view(np.uint16) if node.dtype is DType.F16 else out
+    return lambda: rope_store(x, pos, idx, n_dims, neox, theta_scale, freq_scale, *norm, cache)
 
 
 # ---- first-run compilation: the signatures a model's graphs meet ---------------------------------

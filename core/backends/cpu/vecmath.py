@@ -55,6 +55,21 @@ def _as_f32(v):
     return None
 
 
+def to_stored(v, like):
+    """f32 value v in the storage type of array `like`: f16 bits (uint16) rounded to nearest even,
+    or f32 as it is."""
+    raise NotImplementedError("only inside compiled kernels")
+
+
+@overload(to_stored, inline="always")
+def _to_stored(v, like):
+    if like.dtype == types.uint16:
+        return lambda v, like: f32_to_f16(v)
+    if like.dtype == types.float32:
+        return lambda v, like: v
+    return None
+
+
 @intrinsic
 def fma(typingctx, a, b, c):
     """a * b + c with one rounding."""
