@@ -8,7 +8,7 @@ import sys
 
 import typer
 
-from core.errors import GGRunError, Interrupted, one_line
+from ggrun.core.errors import GGRunError, Interrupted, one_line
 
 app = typer.Typer(
     name="ggrun",
@@ -24,11 +24,11 @@ def _register_commands() -> None:
     import importlib
     import pkgutil
 
-    import cli
+    from ggrun import cli
 
     for info in pkgutil.iter_modules(cli.__path__):
         if info.name.startswith("cmd_"):
-            importlib.import_module(f"cli.{info.name}")
+            importlib.import_module(f"ggrun.cli.{info.name}")
 
 
 @app.callback()

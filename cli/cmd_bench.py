@@ -17,17 +17,17 @@ from datetime import datetime, timezone
 import typer
 from rich.progress import Progress
 
-from cli.app import app
-from cli.cmd_measure import parse_int_list
-from cli.cmd_version import ggrun_version
-from cli.common import err_console, list_devices, load_model
-from cli.interrupt import Interrupt
-from core.errors import BadInput, Interrupted
-from core.llm.bench import BenchResult, BenchTest, run_bench
-from core.llm.model import Model
-from core.llm.session import Session, SessionParams
-from loaders.download import resolve_model
-from loaders.gguf_file import open_gguf
+from ggrun.cli.app import app
+from ggrun.cli.cmd_measure import parse_int_list
+from ggrun.cli.cmd_version import ggrun_version
+from ggrun.cli.common import err_console, list_devices, load_model
+from ggrun.cli.interrupt import Interrupt
+from ggrun.core.errors import BadInput, Interrupted
+from ggrun.core.llm.bench import BenchResult, BenchTest, run_bench
+from ggrun.core.llm.model import Model
+from ggrun.core.llm.session import Session, SessionParams
+from ggrun.loaders.download import resolve_model
+from ggrun.loaders.gguf_file import open_gguf
 
 FORMATS = ("md", "csv", "json", "jsonl")
 

@@ -10,14 +10,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from cli import options as o
-from cli.app import app
-from cli.common import check_positive, err_console, list_devices
-from core.backends.registry import usable_backends
-from core.errors import BadInput
-from loaders.download import resolve_model
-from core.llm.memory import measure, verify
-from core.llm.model import Model
+from ggrun.cli import options as o
+from ggrun.cli.app import app
+from ggrun.cli.common import check_positive, err_console, list_devices
+from ggrun.core.backends.registry import usable_backends
+from ggrun.core.errors import BadInput
+from ggrun.loaders.download import resolve_model
+from ggrun.core.llm.memory import measure, verify
+from ggrun.core.llm.model import Model
 
 MiB = 2**20
 

@@ -8,9 +8,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from cli.app import app
-from loaders import download
-from loaders.download import KNOWN_MODELS, is_cached, pull
+from ggrun.cli.app import app
+from ggrun.loaders import download
+from ggrun.loaders.download import KNOWN_MODELS, is_cached, pull
 
 models_app = typer.Typer(help="List the models ggrun knows by name, or download one.", no_args_is_help=False)
 app.add_typer(models_app, name="models")

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import typer
 
-from cli import options as o
-from cli.app import app
-from cli.common import check_positive, err_console, list_devices, load_model
-from cli.interrupt import Interrupt
-from core.errors import BadInput, Interrupted
-from core.llm.parallel import ParallelRunner, ParallelSummary, SequenceResult
-from core.llm.sampling import SamplingParams
-from core.llm.session import Session, SessionParams
+from ggrun.cli import options as o
+from ggrun.cli.app import app
+from ggrun.cli.common import check_positive, err_console, list_devices, load_model
+from ggrun.cli.interrupt import Interrupt
+from ggrun.core.errors import BadInput, Interrupted
+from ggrun.core.llm.parallel import ParallelRunner, ParallelSummary, SequenceResult
+from ggrun.core.llm.sampling import SamplingParams
+from ggrun.core.llm.session import Session, SessionParams
 
 SYSTEM_PROMPT = (
     "Transcript of a never ending dialog, where the User interacts with an Assistant.\n"

@@ -7,14 +7,14 @@ import time
 
 import typer
 
-from cli import options as o
-from cli.app import app
-from cli.cmd_run import read_prompt
-from cli.common import check_positive, err_console, list_devices, load_model
-from cli.interrupt import Interrupt
-from core.errors import BadInput, Interrupted
-from core.llm.perplexity import score_tokens
-from core.llm.session import Session, SessionParams
+from ggrun.cli import options as o
+from ggrun.cli.app import app
+from ggrun.cli.cmd_run import read_prompt
+from ggrun.cli.common import check_positive, err_console, list_devices, load_model
+from ggrun.cli.interrupt import Interrupt
+from ggrun.core.errors import BadInput, Interrupted
+from ggrun.core.llm.perplexity import score_tokens
+from ggrun.core.llm.session import Session, SessionParams
 
 
 @app.command("perplexity")

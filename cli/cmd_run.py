@@ -13,16 +13,16 @@ from pathlib import Path
 
 import typer
 
-from cli import options as o
-from cli.app import app
-from cli.common import check_positive, err_console, list_devices, load_model, print_model_info, timing_line
-from cli.interrupt import Interrupt
-from core.errors import BadInput, Interrupted, RuntimeFailure
-from core.llm.generate import STOP_CONTEXT_FULL, STOP_INTERRUPTED, generate, keep_for_shift
-from core.llm.sampling import Sampler, SamplingParams
-from core.llm.session import Session, SessionParams
-from loaders.chat import render_chat
-from loaders.tokenizer import StreamDecoder
+from ggrun.cli import options as o
+from ggrun.cli.app import app
+from ggrun.cli.common import check_positive, err_console, list_devices, load_model, print_model_info, timing_line
+from ggrun.cli.interrupt import Interrupt
+from ggrun.core.errors import BadInput, Interrupted, RuntimeFailure
+from ggrun.core.llm.generate import STOP_CONTEXT_FULL, STOP_INTERRUPTED, generate, keep_for_shift
+from ggrun.core.llm.sampling import Sampler, SamplingParams
+from ggrun.core.llm.session import Session, SessionParams
+from ggrun.loaders.chat import render_chat
+from ggrun.loaders.tokenizer import StreamDecoder
 
 DEFAULT_PROMPT = "The three most useful things to know about the ocean are"
 

@@ -5,7 +5,7 @@ from importlib.metadata import PackageNotFoundError, version as dist_version
 
 import typer
 
-from cli.app import app
+from ggrun.cli.app import app
 
 
 def ggrun_version() -> str:

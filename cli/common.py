@@ -9,11 +9,11 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-from core.backends.cpu import set_threads
-from core.backends.registry import probe, usable_backends
-from core.errors import BadInput
-from core.llm.model import NUMERICS, Model
-from loaders.download import resolve_model
+from ggrun.core.backends.cpu import set_threads
+from ggrun.core.backends.registry import probe, usable_backends
+from ggrun.core.errors import BadInput
+from ggrun.core.llm.model import NUMERICS, Model
+from ggrun.loaders.download import resolve_model
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -56,7 +56,7 @@ def load_model(model: str | None, n_gpu_layers: int = 0, quiet: bool = False, th
 def compile_kernels(cpu, quiet: bool = False) -> None:
     """Compile the CPU backend's kernels on the first run on this machine, saying so with a progress
     bar; later runs find them in numba's cache and print nothing."""
-    from core.backends.cpu import warmup
+    from ggrun.core.backends.cpu import warmup
 
     if not warmup.needs_compile():
         return

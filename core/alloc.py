@@ -15,9 +15,9 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from core.dtypes import DType
-from core.ops import OPS
-from core.tensor import Tensor, new_tensor
+from ggrun.core.dtypes import DType
+from ggrun.core.ops import OPS
+from ggrun.core.tensor import Tensor, new_tensor
 
 log = logging.getLogger("ggrun.alloc")
 

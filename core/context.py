@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from core.backends.array_backend import storage_dtype
-from core.backends.base import Buffer
-from core.dtypes import DType, dtype_of_numpy
-from core.tensor import Tensor, new_tensor
+from ggrun.core.backends.array_backend import storage_dtype
+from ggrun.core.backends.base import Buffer
+from ggrun.core.dtypes import DType, dtype_of_numpy
+from ggrun.core.tensor import Tensor, new_tensor
 
 
 class ImmediateContext:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.ops import OPS
-from core.tensor import Tensor
+from ggrun.core.ops import OPS
+from ggrun.core.tensor import Tensor
 
 
 @dataclass

@@ -10,9 +10,9 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from core.dtypes import DType
-from core.errors import GraphError
-from core.tensor import Tensor, contiguous_strides, new_tensor
+from ggrun.core.dtypes import DType
+from ggrun.core.errors import GraphError
+from ggrun.core.tensor import Tensor, contiguous_strides, new_tensor
 
 
 @dataclass(frozen=True)

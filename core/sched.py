@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from core.alloc import GraphAllocator, Plan
-from core.backends.base import Backend
-from core.errors import GraphError, RuntimeFailure
-from core.graph import Graph
-from core.ops import OPS, copy_to
-from core.tensor import Tensor
+from ggrun.core.alloc import GraphAllocator, Plan
+from ggrun.core.backends.base import Backend
+from ggrun.core.errors import GraphError, RuntimeFailure
+from ggrun.core.graph import Graph
+from ggrun.core.ops import OPS, copy_to
+from ggrun.core.tensor import Tensor
 
 log = logging.getLogger("ggrun.sched")
 

@@ -9,10 +9,10 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from core.dtypes import DType
+from ggrun.core.dtypes import DType
 
 if TYPE_CHECKING:
-    from core.backends.base import Buffer
+    from ggrun.core.backends.base import Buffer
 
 
 def contiguous_strides(shape: tuple[int, ...], dtype: DType) -> tuple[int, ...]:

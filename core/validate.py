@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.dtypes import DType
-from core.errors import RuntimeFailure
-from core.ops import OPS
-from core.tensor import Tensor, new_tensor
+from ggrun.core.dtypes import DType
+from ggrun.core.errors import RuntimeFailure
+from ggrun.core.ops import OPS
+from ggrun.core.tensor import Tensor, new_tensor
 
 
 @dataclass

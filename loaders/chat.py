@@ -14,7 +14,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from core.errors import BadInput
+from ggrun.core.errors import BadInput
 
 
 class _TemplateRaised(Exception):

@@ -22,8 +22,8 @@ from typing import Any, BinaryIO, Callable, Iterator
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
-from core.cache import cache_dir
-from core.errors import BadInput, RuntimeFailure
+from ggrun.core.cache import cache_dir
+from ggrun.core.errors import BadInput, RuntimeFailure
 
 _CHUNK = 1 << 20
 

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
-from core.errors import BadInput, quote_name
-from core.quants import SUPPORTED_TYPES, block_layout, dequantize, tensor_nbytes
+from ggrun.core.errors import BadInput, quote_name
+from ggrun.core.quants import SUPPORTED_TYPES, block_layout, dequantize, tensor_nbytes
 
 SUPPORTED_VERSIONS = (2, 3)
 MAX_DIMS = 4

@@ -10,10 +10,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from core.errors import BadInput
-from loaders.pretokenize import PRE_TOKENIZERS
-from loaders.tokenizer_bpe import UNICODE_TO_BYTE, BpeEncoder
-from loaders.tokenizer_spm import SpmEncoder
+from ggrun.core.errors import BadInput
+from ggrun.loaders.pretokenize import PRE_TOKENIZERS
+from ggrun.loaders.tokenizer_bpe import UNICODE_TO_BYTE, BpeEncoder
+from ggrun.loaders.tokenizer_spm import SpmEncoder
 
 # llama_token_attr bits
 UNKNOWN, UNUSED, NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 2, 4, 8, 16, 32

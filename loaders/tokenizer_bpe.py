@@ -10,7 +10,7 @@ import heapq
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from loaders.pretokenize import PreTokenizer
+from ggrun.loaders.pretokenize import PreTokenizer
 
 _WORD_CACHE_LIMIT = 100_000
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from core.errors import BadInput
-from loaders.tokenizer_bpe import merge_symbols
+from ggrun.core.errors import BadInput
+from ggrun.loaders.tokenizer_bpe import merge_symbols
 
 
 class SpmEncoder:

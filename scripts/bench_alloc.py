@@ -15,12 +15,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from core import ops  # noqa: E402
-from core.alloc import plan_graph  # noqa: E402
-from core.dtypes import DType  # noqa: E402
-from core.graph import Graph, build_graph  # noqa: E402
-from core.tensor import Tensor, new_tensor  # noqa: E402
-from core.validate import validate_plan  # noqa: E402
+from ggrun.core import ops  # noqa: E402
+from ggrun.core.alloc import plan_graph  # noqa: E402
+from ggrun.core.dtypes import DType  # noqa: E402
+from ggrun.core.graph import Graph, build_graph  # noqa: E402
+from ggrun.core.tensor import Tensor, new_tensor  # noqa: E402
+from ggrun.core.validate import validate_plan  # noqa: E402
 
 ALIGNMENT = 64  # the CPU backend's
 

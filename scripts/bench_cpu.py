@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from loaders.download import KNOWN_MODELS, model_path  # noqa: E402
+from ggrun.loaders.download import KNOWN_MODELS, model_path  # noqa: E402
 
 DEFAULT_ANCHOR = Path.home() / ".cache/ggrun-anchor/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
 PROMPT = "The capital of France is"
@@ -31,7 +31,7 @@ PROMPT = "The capital of France is"
 
 def ggrun_cmd() -> list[str]:
     exe = Path(sys.executable).with_name("ggrun")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "cli.app"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "ggrun.cli.app"]
 
 
 def run_measured(cmd: list[str]) -> tuple[float, int, str]:

@@ -21,11 +21,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from core import ops  # noqa: E402
-from core.backends.cpu import CPUBackend, set_threads  # noqa: E402
-from core.dtypes import DType  # noqa: E402
-from core.graph import build_graph  # noqa: E402
-from core.sched import Scheduler  # noqa: E402
+from ggrun.core import ops  # noqa: E402
+from ggrun.core.backends.cpu import CPUBackend, set_threads  # noqa: E402
+from ggrun.core.dtypes import DType  # noqa: E402
+from ggrun.core.graph import build_graph  # noqa: E402
+from ggrun.core.sched import Scheduler  # noqa: E402
 from tests.core.backend_ops import Leafs, ReferenceBackend  # noqa: E402
 
 N_EMBD, N_HEAD, N_HEAD_KV, HEAD_DIM, N_FF, N_LAYER = 576, 9, 3, 64, 1536, 30

@@ -13,14 +13,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cli.cmd_parallel import QUESTIONS, SYSTEM_PROMPT, format_prompt  # noqa: E402
-from core.backends.cpu import set_threads  # noqa: E402
-from core.backends.registry import usable_backends  # noqa: E402
-from core.llm.model import Model  # noqa: E402
-from core.llm.parallel import ParallelRunner, ParallelSummary, SequenceResult  # noqa: E402
-from core.llm.sampling import SamplingParams  # noqa: E402
-from core.llm.session import Session, SessionParams  # noqa: E402
-from loaders.download import resolve_model  # noqa: E402
+from ggrun.cli.cmd_parallel import QUESTIONS, SYSTEM_PROMPT, format_prompt  # noqa: E402
+from ggrun.core.backends.cpu import set_threads  # noqa: E402
+from ggrun.core.backends.registry import usable_backends  # noqa: E402
+from ggrun.core.llm.model import Model  # noqa: E402
+from ggrun.core.llm.parallel import ParallelRunner, ParallelSummary, SequenceResult  # noqa: E402
+from ggrun.core.llm.sampling import SamplingParams  # noqa: E402
+from ggrun.core.llm.session import Session, SessionParams  # noqa: E402
+from ggrun.loaders.download import resolve_model  # noqa: E402
 
 
 def serve(model: Model, n_clients: int, system: list[int], jobs: list[tuple[str, list[int]]], n_predict: int,

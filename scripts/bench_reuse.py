@@ -18,11 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from core.backends.cpu import CPUBackend, set_threads  # noqa: E402
-from core.llm.batch import Batch  # noqa: E402
-from core.llm.model import Model  # noqa: E402
-from core.llm.session import Session, SessionParams  # noqa: E402
-from loaders.download import resolve_model  # noqa: E402
+from ggrun.core.backends.cpu import CPUBackend, set_threads  # noqa: E402
+from ggrun.core.llm.batch import Batch  # noqa: E402
+from ggrun.core.llm.model import Model  # noqa: E402
+from ggrun.core.llm.session import Session, SessionParams  # noqa: E402
+from ggrun.loaders.download import resolve_model  # noqa: E402
 
 PROMPT = "The three most useful things to know about the ocean are"
 TARGET = 0.90  # share of per-token build+plan time reuse must remove

@@ -18,11 +18,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from core.backends.cpu import CPUBackend, set_threads  # noqa: E402
-from core.llm.batch import Batch  # noqa: E402
-from core.llm.model import Model  # noqa: E402
-from core.llm.session import Session, SessionParams  # noqa: E402
-from loaders.download import resolve_model  # noqa: E402
+from ggrun.core.backends.cpu import CPUBackend, set_threads  # noqa: E402
+from ggrun.core.llm.batch import Batch  # noqa: E402
+from ggrun.core.llm.model import Model  # noqa: E402
+from ggrun.core.llm.session import Session, SessionParams  # noqa: E402
+from ggrun.loaders.download import resolve_model  # noqa: E402
 
 
 def kind_of(node) -> str:

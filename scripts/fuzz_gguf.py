@@ -37,7 +37,7 @@ from tests.gguf_mutations import FAMILIES, MAY_RUN, Mutation, variants  # noqa: 
 
 # The limit is set by the child itself (a preexec_fn in a threaded parent can deadlock).
 ENTRY = [sys.executable, "-c", "import os, resource; n = int(os.environ['FUZZ_MEM_BYTES']); "
-         "resource.setrlimit(resource.RLIMIT_AS, (n, n)); from cli.app import main; main()"]
+         "resource.setrlimit(resource.RLIMIT_AS, (n, n)); from ggrun.cli.app import main; main()"]
 COMMANDS = {
     "run": ["run", "-p", "Once upon a time", "-n", "4", "-c", "64", "--temp", "0", "-t", "1"],
     "measure": ["measure", "-c", "64", "-o", "json"],

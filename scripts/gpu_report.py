@@ -15,11 +15,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from core.backends.cpu import CPUBackend  # noqa: E402
-from core.backends.registry import usable_backends  # noqa: E402
-from core.llm.batch import Batch  # noqa: E402
-from core.llm.model import Model  # noqa: E402
-from core.llm.session import Session, SessionParams  # noqa: E402
+from ggrun.core.backends.cpu import CPUBackend  # noqa: E402
+from ggrun.core.backends.registry import usable_backends  # noqa: E402
+from ggrun.core.llm.batch import Batch  # noqa: E402
+from ggrun.core.llm.model import Model  # noqa: E402
+from ggrun.core.llm.session import Session, SessionParams  # noqa: E402
 from tests.synth import write_tiny_llama  # noqa: E402
 
 

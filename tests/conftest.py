@@ -15,7 +15,7 @@ DATA = Path(__file__).parent / "data"
 
 def _smollm2_file() -> Path | None:
     """The cached SmolLM2 file, or None; never downloads (CI runs `ggrun models pull smollm2` first)."""
-    from loaders.download import KNOWN_MODELS, is_cached, model_path
+    from ggrun.loaders.download import KNOWN_MODELS, is_cached, model_path
 
     model = KNOWN_MODELS["smollm2"]
     return model_path(model) if is_cached(model) else None
@@ -32,8 +32,8 @@ def smollm2_path() -> Path:
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path):
     """SmolLM2 loaded on the CPU backend, shared by every test (about 1 s and 600 MB)."""
-    from core.backends.cpu import CPUBackend
-    from core.llm.model import Model
+    from ggrun.core.backends.cpu import CPUBackend
+    from ggrun.core.llm.model import Model
 
     return Model.load(smollm2_path, [CPUBackend()])
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from core.backends.base import Backend
-from core.backends.kernels import KERNELS
-from core.dtypes import DType
-from core.tensor import Tensor
+from ggrun.core.backends.base import Backend
+from ggrun.core.backends.kernels import KERNELS
+from ggrun.core.dtypes import DType
+from ggrun.core.tensor import Tensor
 
 
 class ArrayBackend(Backend):

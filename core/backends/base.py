@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from core.errors import RuntimeFailure
-from core.tensor import Tensor
+from ggrun.core.errors import RuntimeFailure
+from ggrun.core.tensor import Tensor
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ import os
 
 import numpy as np
 
-from core.backends.array_backend import ArrayBackend, storage_dtype
-from core.backends.base import Buffer, BufferType
-from core.tensor import Tensor
+from ggrun.core.backends.array_backend import ArrayBackend, storage_dtype
+from ggrun.core.backends.base import Buffer, BufferType
+from ggrun.core.tensor import Tensor
 
 
 class HostArrayBackend(ArrayBackend):

@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from core.dtypes import DType
-from core.ops import ROPE_NEOX
-from core.tensor import Tensor
+from ggrun.core.dtypes import DType
+from ggrun.core.ops import ROPE_NEOX
+from ggrun.core.tensor import Tensor
 
 Kernel = Callable[[Any, Tensor, Any, list], None]
 KERNELS: dict[str, Kernel] = {}
@@ -79,7 +79,7 @@ def _set_rows(xp, node, out, srcs):
 def dequantized(xp, a, dtype: DType):
     """Rows of GGUF blocks [rows, row bytes] decoded to f32 [rows, elements] (numpy only: a backend
     without block-format kernels is given its weights as f32)."""
-    from core.quants import dequantize
+    from ggrun.core.quants import dequantize
 
     rows = a.reshape(-1, a.shape[-1])
     return dequantize(xp.ascontiguousarray(rows).reshape(-1), dtype.name,

@@ -9,8 +9,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from core.backends.base import Backend
-from core.backends.cpu import CPUBackend
+from ggrun.core.backends.base import Backend
+from ggrun.core.backends.cpu import CPUBackend
 
 
 @dataclass
@@ -36,14 +36,14 @@ def _cuda_info() -> BackendInfo:
         return BackendInfo("CUDA", "NVIDIA GPU via cupy", False, f"no usable GPU ({err})", None)
     if n < 1:
         return BackendInfo("CUDA", "NVIDIA GPU via cupy", False, "no GPU found", None)
-    from core.backends.cuda import CUDABackend, describe_device
+    from ggrun.core.backends.cuda import CUDABackend, describe_device
 
     return BackendInfo("CUDA", describe_device(0), True, "", lambda: CUDABackend(0))
 
 
 def _sim_info() -> BackendInfo:
     on = os.environ.get("GGRUN_SIM_DEVICE", "") not in ("", "0")
-    from core.backends.sim import SimBackend
+    from ggrun.core.backends.sim import SimBackend
 
     return BackendInfo("SIM", "stand-in device for tests (numpy kernels, own memory)", on,
                        "" if on else "set GGRUN_SIM_DEVICE=1 to enable", SimBackend if on else None)

@@ -12,9 +12,9 @@ import os
 
 import numpy as np
 
-from core.backends.base import BufferType
-from core.backends.host import HostArrayBackend
-from core.tensor import Tensor
+from ggrun.core.backends.base import BufferType
+from ggrun.core.backends.host import HostArrayBackend
+from ggrun.core.tensor import Tensor
 
 
 class SimBackend(HostArrayBackend):

@@ -12,9 +12,9 @@ from typing import Callable
 
 import numpy as np
 
-from core.llm.batch import Batch
-from core.llm.generate import eval_prompt
-from core.llm.session import Session
+from ggrun.core.llm.batch import Batch
+from ggrun.core.llm.generate import eval_prompt
+from ggrun.core.llm.session import Session
 
 Clock = Callable[[], float]
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from core import ops
-from core.llm.hparams import HParams
-from core.llm.inputs import GraphInputs, GraphParams
-from core.llm.kv_cache import KVCache
-from core.tensor import Tensor
+from ggrun.core import ops
+from ggrun.core.llm.hparams import HParams
+from ggrun.core.llm.inputs import GraphInputs, GraphParams
+from ggrun.core.llm.kv_cache import KVCache
+from ggrun.core.tensor import Tensor
 
 
 @dataclass
@@ -136,8 +136,8 @@ def build_k_shift(hp: HParams, kv: KVCache, mode: int, freq_base_of=lambda il: N
 
     RoPE is a rotation, so rotating by the delta equals rotating from scratch at the new position.
     """
-    from core.graph import build_graph
-    from core.llm.inputs import InpKShift
+    from ggrun.core.graph import build_graph
+    from ggrun.core.llm.inputs import InpKShift
 
     shift = InpKShift(kv.n_ctx)
     outs = []

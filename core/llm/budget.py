@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.backends.base import Backend
-from core.errors import BadInput
+from ggrun.core.backends.base import Backend
+from ggrun.core.errors import BadInput
 
 GiB = 2**30
 

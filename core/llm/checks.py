@@ -13,9 +13,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from core.errors import BadInput, quote, quote_name
-from core.llm.hparams import HParams
-from loaders.pretokenize import PRE_TOKENIZERS
+from ggrun.core.errors import BadInput, quote, quote_name
+from ggrun.core.llm.hparams import HParams
+from ggrun.loaders.pretokenize import PRE_TOKENIZERS
 
 MAX_COUNT = 1 << 16  # layers, heads, head sizes: far above any real model, far below an overflow
 MAX_WIDTH = 1 << 24  # embedding and feed-forward widths

@@ -14,11 +14,11 @@ from typing import Callable
 
 import numpy as np
 
-from core.errors import BadInput, Interrupted
-from core.llm.batch import Batch
-from core.llm.numerics import NonFiniteLogits
-from core.llm.sampling import Sampler
-from core.llm.session import Session
+from ggrun.core.errors import BadInput, Interrupted
+from ggrun.core.llm.batch import Batch
+from ggrun.core.llm.numerics import NonFiniteLogits
+from ggrun.core.llm.sampling import Sampler
+from ggrun.core.llm.session import Session
 
 
 @dataclass

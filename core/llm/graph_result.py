@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.llm.inputs import GraphInput, GraphParams
-from core.sched import ScheduledGraph
-from core.tensor import Tensor
+from ggrun.core.llm.inputs import GraphInput, GraphParams
+from ggrun.core.sched import ScheduledGraph
+from ggrun.core.tensor import Tensor
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from core.errors import BadInput
+from ggrun.core.errors import BadInput
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ from typing import Callable
 
 import numpy as np
 
-from core.dtypes import DType
-from core.llm.batch import UBatch
-from core.tensor import Tensor, new_tensor
+from ggrun.core.dtypes import DType
+from ggrun.core.llm.batch import UBatch
+from ggrun.core.tensor import Tensor, new_tensor
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from core.context import ImmediateContext
-from core.dtypes import DType
-from core.errors import BadInput
-from core.tensor import Tensor
+from ggrun.core.context import ImmediateContext
+from ggrun.core.dtypes import DType
+from ggrun.core.errors import BadInput
+from ggrun.core.tensor import Tensor
 
 KV_PAD = 256
 

@@ -8,14 +8,14 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from core.errors import RuntimeFailure
-from core.llm.batch import UBatch
-from core.llm.inputs import UBatchState
-from core.llm.model import Model
-from core.llm.session import Session, SessionParams
-from core.ops import OPS
-from core.sched import Scheduler
-from core.validate import validate_plan
+from ggrun.core.errors import RuntimeFailure
+from ggrun.core.llm.batch import UBatch
+from ggrun.core.llm.inputs import UBatchState
+from ggrun.core.llm.model import Model
+from ggrun.core.llm.session import Session, SessionParams
+from ggrun.core.ops import OPS
+from ggrun.core.sched import Scheduler
+from ggrun.core.validate import validate_plan
 
 
 @dataclass

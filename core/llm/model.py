@@ -13,17 +13,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from core.backends.base import Backend
-from core.context import ImmediateContext
-from core.dtypes import DType
-from core.errors import BadInput
-from core.llm import checks
-from core.llm.hparams import HParams
-from core.llm.weights import Weights
-from loaders.gguf_file import GGUFFile, open_gguf
-from loaders.tokenizer import Tokenizer
+from ggrun.core.backends.base import Backend
+from ggrun.core.context import ImmediateContext
+from ggrun.core.dtypes import DType
+from ggrun.core.errors import BadInput
+from ggrun.core.llm import checks
+from ggrun.core.llm.hparams import HParams
+from ggrun.core.llm.weights import Weights
+from ggrun.loaders.gguf_file import GGUFFile, open_gguf
+from ggrun.loaders.tokenizer import Tokenizer
 
-ARCHS = {"llama": "core.llm.archs.llama", "gemma3": "core.llm.archs.gemma3"}
+ARCHS = {"llama": "ggrun.core.llm.archs.llama", "gemma3": "ggrun.core.llm.archs.gemma3"}
 
 Progress = Callable[[int, int], None]
 

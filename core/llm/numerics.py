@@ -11,11 +11,11 @@ from typing import Callable
 
 import numpy as np
 
-from core.dtypes import DType
-from core.errors import RuntimeFailure
-from core.ops import OPS
-from core.sched import ScheduledGraph
-from core.tensor import Tensor
+from ggrun.core.dtypes import DType
+from ggrun.core.errors import RuntimeFailure
+from ggrun.core.ops import OPS
+from ggrun.core.sched import ScheduledGraph
+from ggrun.core.tensor import Tensor
 
 HINT = "GGRUN_GRAPH_DEBUG=1 (or `run --check-numerics`) names the graph node that produced them"
 

@@ -15,11 +15,11 @@ from typing import Callable
 
 import numpy as np
 
-from core.errors import Interrupted
-from core.llm.batch import Batch
-from core.llm.generate import eval_prompt
-from core.llm.sampling import Sampler, SamplingParams
-from core.llm.session import Session
+from ggrun.core.errors import Interrupted
+from ggrun.core.llm.batch import Batch
+from ggrun.core.llm.generate import eval_prompt
+from ggrun.core.llm.sampling import Sampler, SamplingParams
+from ggrun.core.llm.session import Session
 
 SYSTEM_SEQ = 0
 

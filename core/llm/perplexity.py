@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from core.errors import Interrupted
-from core.llm.batch import Batch
-from core.llm.session import Session
+from ggrun.core.errors import Interrupted
+from ggrun.core.llm.batch import Batch
+from ggrun.core.llm.session import Session
 
 
 @dataclass

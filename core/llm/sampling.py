@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from core.errors import BadInput, RuntimeFailure
-from core.llm.numerics import non_finite_kind
+from ggrun.core.errors import BadInput, RuntimeFailure
+from ggrun.core.llm.numerics import non_finite_kind
 
 
 @dataclass(frozen=True)

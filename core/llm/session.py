@@ -18,18 +18,18 @@ from typing import Callable
 
 import numpy as np
 
-from core.dtypes import DType
-from core.errors import BadInput, Interrupted, RuntimeFailure
-from core.graph import build_graph
-from core.llm.batch import Batch, UBatch, split_batch
-from core.llm.blocks import Build, build_k_shift
-from core.llm.graph_result import GraphResult
-from core.llm.inputs import GraphInputs, GraphParams, UBatchState
-from core.llm.budget import Budget
-from core.llm.kv_cache import cell_record_bytes, KV_PAD, KVCache, planned_bytes
-from core.llm.model import Model
-from core.llm.numerics import NonFiniteLogits, first_non_finite, non_finite_kind
-from core.sched import Scheduler
+from ggrun.core.dtypes import DType
+from ggrun.core.errors import BadInput, Interrupted, RuntimeFailure
+from ggrun.core.graph import build_graph
+from ggrun.core.llm.batch import Batch, UBatch, split_batch
+from ggrun.core.llm.blocks import Build, build_k_shift
+from ggrun.core.llm.graph_result import GraphResult
+from ggrun.core.llm.inputs import GraphInputs, GraphParams, UBatchState
+from ggrun.core.llm.budget import Budget
+from ggrun.core.llm.kv_cache import cell_record_bytes, KV_PAD, KVCache, planned_bytes
+from ggrun.core.llm.model import Model
+from ggrun.core.llm.numerics import NonFiniteLogits, first_non_finite, non_finite_kind
+from ggrun.core.sched import Scheduler
 
 
 class KVCacheFull(RuntimeFailure):

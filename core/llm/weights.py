@@ -1,8 +1,8 @@
 """Model weights by GGUF tensor name, with per-layer access by short name (`layer(3).attn_q`)."""
 from __future__ import annotations
 
-from core.errors import BadInput
-from core.tensor import Tensor
+from ggrun.core.errors import BadInput
+from ggrun.core.tensor import Tensor
 
 
 class LayerWeights:

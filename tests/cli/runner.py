@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-ENTRY = [sys.executable, "-c", "from cli.app import main; main()"]
+ENTRY = [sys.executable, "-c", "from ggrun.cli.app import main; main()"]
 
 
 def ggrun(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, *args) -> tuple[int, str, str]:
     """Run `ggrun ARGS` in this process; (exit code, stdout, stderr)."""
-    from cli.app import main
+    from ggrun.cli.app import main
 
     monkeypatch.setattr(sys, "argv", ["ggrun", *map(str, args)])
     code = 0

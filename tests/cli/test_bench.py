@@ -19,12 +19,12 @@ from typer.testing import CliRunner
 
 from tests.cli.runner import ggrun_process
 
-import cli.app
-from cli.app import main
-from core.errors import BadInput
-from core.llm import bench as core_bench
-from core.llm.bench import BenchTest
-from core.llm.model import Model
+from ggrun import cli
+from ggrun.cli.app import main
+from ggrun.core.errors import BadInput
+from ggrun.core.llm import bench as core_bench
+from ggrun.core.llm.bench import BenchTest
+from ggrun.core.llm.model import Model
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = ("model_filename", "model_type", "model_size", "model_n_params", "n_batch", "n_ubatch", "n_gpu_layers",
@@ -35,7 +35,7 @@ SMALL = ["-p", "8", "-n", "4", "-r", "2"]
 @pytest.fixture(scope="module")
 def app():
     cli.app._register_commands()
-    from cli import cmd_bench
+    from ggrun.cli import cmd_bench
 
     return cli.app.app, cmd_bench
 
@@ -84,7 +84,7 @@ def check_rates(r: dict) -> None:
 
 @pytest.mark.parametrize("fmt", ["json", "jsonl", "csv"])
 def test_machine_formats_hold_llama_bench_fields(app, tiny, fmt):
-    from cli.cmd_version import ggrun_version
+    from ggrun.cli.cmd_version import ggrun_version
 
     rows = parse(invoke(app, ["-m", tiny["path"], *SMALL, "-o", fmt]), fmt)
     assert [(r["n_prompt"], r["n_gen"]) for r in rows] == [(8, 0), (0, 4)]
@@ -101,7 +101,7 @@ def test_machine_formats_hold_llama_bench_fields(app, tiny, fmt):
 
 
 def test_markdown_table_parses(app, tiny):
-    from cli.cmd_version import ggrun_version
+    from ggrun.cli.cmd_version import ggrun_version
 
     text = invoke(app, ["-m", tiny["path"], *SMALL, "-o", "md"])
     lines = text.splitlines()
@@ -124,7 +124,7 @@ def test_markdown_table_parses(app, tiny):
 def test_plan_configs_is_the_cartesian_product():
     models, prompts, gens, pgs = ["a.gguf", "b.gguf"], [8, 0, 16], [4], [BenchTest(4, 2)]
     batches, ubatches, ngls, reuse = [8, 16], [4, 8], [0, 3], [False, True]
-    from cli.cmd_bench import plan_configs
+    from ggrun.cli.cmd_bench import plan_configs
 
     configs = plan_configs(models, prompts, gens, pgs, batches, ubatches, ngls, reuse, None)
     tests = [BenchTest(8, 0), BenchTest(16, 0), BenchTest(0, 4), BenchTest(4, 2)]  # -p 0 is no test
@@ -137,7 +137,7 @@ def test_plan_configs_is_the_cartesian_product():
 
 
 def test_plan_configs_refuses_bad_combinations():
-    from cli.cmd_bench import plan_configs
+    from ggrun.cli.cmd_bench import plan_configs
 
     with pytest.raises(BadInput, match="-ub 16 is larger than -b 8"):
         plan_configs(["m"], [8], [], [], [8, 32], [16], [0], [True], None)
@@ -176,7 +176,7 @@ def test_output_rows_are_the_product_and_rates_follow_the_injected_clock(app, ti
         assert r["samples_ts"] == pytest.approx([8.0 * n, 8.0 * n])
         assert (r["avg_ts"], r["stddev_ts"]) == (pytest.approx(8.0 * n), 0.0)
 
-    from cli.cmd_bench import markdown
+    from ggrun.cli.cmd_bench import markdown
 
     header = markdown(rows).splitlines()[0]
     assert [c.strip() for c in header.strip("|").split("|")] == \

@@ -230,8 +230,8 @@ def _text_of(tokens: list[int]) -> str:
 
 
 def _tokenize_tiny(path: Path, text: str) -> list[int]:
-    from loaders.gguf_file import open_gguf
-    from loaders.tokenizer import Tokenizer
+    from ggrun.loaders.gguf_file import open_gguf
+    from ggrun.loaders.tokenizer import Tokenizer
 
     with open_gguf(path) as f:
         return Tokenizer.from_metadata(f.metadata).tokenize(text, add_special=True, parse_special=False)

@@ -13,10 +13,10 @@ from typer.testing import CliRunner
 
 from tests.cli.runner import ggrun_process
 
-from cli.app import _register_commands, app
-from core.backends import registry
-from core.backends.cpu import CPUBackend
-from core.backends.sim import SimBackend
+from ggrun.cli.app import _register_commands, app
+from ggrun.core.backends import registry
+from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.backends.sim import SimBackend
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,12 +14,12 @@ import time
 
 import pytest
 
-from cli.interrupt import Interrupt
-from core.backends.cpu import CPUBackend
-from core.errors import Interrupted
-from core.llm.batch import Batch
-from core.llm.model import Model
-from core.llm.session import Session, SessionParams
+from ggrun.cli.interrupt import Interrupt
+from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.errors import Interrupted
+from ggrun.core.llm.batch import Batch
+from ggrun.core.llm.model import Model
+from ggrun.core.llm.session import Session, SessionParams
 from tests.cli.runner import ENTRY, REPO, ggrun
 from tests.cli.test_cli_run import TIMING_LABELS, timings
 from tests.synth import write_tiny_llama
@@ -134,7 +134,7 @@ def _raise_sigint_after(calls: int, fn):
 
 
 def test_parallel_prints_finished_sequences_and_the_summary_so_far(capsys, monkeypatch, tiny_llama_path):
-    from cli import cmd_parallel
+    from ggrun.cli import cmd_parallel
 
     monkeypatch.setattr(cmd_parallel, "_print_result", _raise_sigint_after(1, cmd_parallel._print_result))
     code, out, err = ggrun(capsys, monkeypatch, "parallel", "-m", tiny_llama_path, "-np", "2", "-ns", "6",
@@ -149,7 +149,7 @@ def test_parallel_prints_finished_sequences_and_the_summary_so_far(capsys, monke
 
 
 def test_parallel_text_summary_says_interrupted(capsys, monkeypatch, tiny_llama_path):
-    from cli import cmd_parallel
+    from ggrun.cli import cmd_parallel
 
     monkeypatch.setattr(cmd_parallel, "_print_result", _raise_sigint_after(1, cmd_parallel._print_result))
     code, out, err = ggrun(capsys, monkeypatch, "parallel", "-m", tiny_llama_path, "-np", "2", "-ns", "6",
@@ -159,7 +159,7 @@ def test_parallel_text_summary_says_interrupted(capsys, monkeypatch, tiny_llama_
 
 
 def test_bench_prints_the_rows_already_measured(capsys, monkeypatch, tiny_llama_path):
-    from cli import cmd_bench
+    from ggrun.cli import cmd_bench
 
     monkeypatch.setattr(cmd_bench, "run_bench", _raise_sigint_after(1, cmd_bench.run_bench))
     code, out, err = ggrun(capsys, monkeypatch, "bench", "-m", tiny_llama_path, "-p", "8,16", "-n", "4", "-r", "1",
@@ -171,7 +171,7 @@ def test_bench_prints_the_rows_already_measured(capsys, monkeypatch, tiny_llama_
 
 
 def test_bench_interrupted_before_any_row_prints_no_table(capsys, monkeypatch, tiny_llama_path):
-    from core.llm import bench as core_bench
+    from ggrun.core.llm import bench as core_bench
 
     monkeypatch.setattr(core_bench, "run_once", _raise_sigint_after(1, core_bench.run_once))
     code, out, err = ggrun(capsys, monkeypatch, "bench", "-m", tiny_llama_path, "-p", "8", "-n", "0", "-r", "3")
@@ -180,7 +180,7 @@ def test_bench_interrupted_before_any_row_prints_no_table(capsys, monkeypatch, t
 
 
 def test_perplexity_prints_the_estimate_so_far(capsys, monkeypatch, tiny_llama_path, tmp_path):
-    from core.llm import perplexity
+    from ggrun.core.llm import perplexity
 
     text = tmp_path / "text.txt"
     text.write_text("the world is in the hello world of the tiny model " * 8, encoding="utf-8")
@@ -200,7 +200,7 @@ def test_ctrl_c_in_a_conversation_ends_the_reply_and_returns_to_the_prompt(capsy
     import builtins
     import sys
 
-    from cli import cmd_run
+    from ggrun.cli import cmd_run
 
     messages = iter(["Tell me a long story.", "Say hi."])
 

@@ -16,14 +16,14 @@ from typer.testing import CliRunner
 
 from tests.cli.runner import ENTRY
 
-import cli.app
-from cli.app import main
-from core.backends.cpu import CPUBackend
-from core.backends.cpu.matmul import repacked_bytes
-from core.dtypes import DType
-from core.llm.memory import measure
-from core.llm.model import Model
-from core.sched import Scheduler
+from ggrun import cli
+from ggrun.cli.app import main
+from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.backends.cpu.matmul import repacked_bytes
+from ggrun.core.dtypes import DType
+from ggrun.core.llm.memory import measure
+from ggrun.core.llm.model import Model
+from ggrun.core.sched import Scheduler
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = ["ctx", "ubatch", "logits", "backend", "weights_file_bytes", "weights_resident_bytes", "kv_bytes",

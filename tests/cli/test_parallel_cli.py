@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tests.cli.runner import ggrun
-from cli.cmd_parallel import QUESTIONS
+from ggrun.cli.cmd_parallel import QUESTIONS
 
 SEQUENCE_KEYS = {"client", "seq", "input", "response", "response_tokens", "n_prompt", "n_response", "seconds"}
 SUMMARY_KEYS = {"prompt_tps", "gen_tps", "total_tps", "cache_misses", "graphs_reused"}

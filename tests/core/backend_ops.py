@@ -12,13 +12,13 @@ from typing import Callable
 
 import numpy as np
 
-from core.backends.base import Backend
-from core.backends.host import HostArrayBackend
-from core.context import ImmediateContext
-from core.dtypes import DType
-from core.graph import build_graph
-from core.sched import Scheduler
-from core.tensor import Tensor, new_tensor
+from ggrun.core.backends.base import Backend
+from ggrun.core.backends.host import HostArrayBackend
+from ggrun.core.context import ImmediateContext
+from ggrun.core.dtypes import DType
+from ggrun.core.graph import build_graph
+from ggrun.core.sched import Scheduler
+from ggrun.core.tensor import Tensor, new_tensor
 
 
 class ReferenceBackend(HostArrayBackend):

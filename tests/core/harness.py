@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from core.backends.cpu import CPUBackend
-from core.context import ImmediateContext
-from core.dtypes import DType
-from core.graph import build_graph
-from core.sched import ScheduledGraph, Scheduler
-from core.tensor import Tensor, new_tensor
+from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.context import ImmediateContext
+from ggrun.core.dtypes import DType
+from ggrun.core.graph import build_graph
+from ggrun.core.sched import ScheduledGraph, Scheduler
+from ggrun.core.tensor import Tensor, new_tensor
 
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:

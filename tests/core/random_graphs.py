@@ -13,13 +13,13 @@ from dataclasses import dataclass
 import numpy as np
 from hypothesis import strategies as st
 
-from core import ops
-from core.alloc import Plan, plan_graph
-from core.backends.cpu import CPUBackend
-from core.dtypes import DType
-from core.graph import build_graph
-from core.sched import ScheduledGraph, Scheduler
-from core.tensor import Tensor, new_tensor
+from ggrun.core import ops
+from ggrun.core.alloc import Plan, plan_graph
+from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.dtypes import DType
+from ggrun.core.graph import build_graph
+from ggrun.core.sched import ScheduledGraph, Scheduler
+from ggrun.core.tensor import Tensor, new_tensor
 from tests.core.harness import Runner
 
 N_KINDS = 10

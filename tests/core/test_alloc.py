@@ -9,15 +9,15 @@ import logging
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 
-from core import ops
-from core.alloc import FreeList, GraphAllocator, Plan, align_up, plan_graph
-from core.backends.cpu import CPUBackend
-from core.dtypes import DType
-from core.graph import build_graph
-from core.ops import OPS
-from core.sched import ScheduledGraph
-from core.tensor import Tensor, new_tensor
-from core.validate import validate_plan
+from ggrun.core import ops
+from ggrun.core.alloc import FreeList, GraphAllocator, Plan, align_up, plan_graph
+from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.dtypes import DType
+from ggrun.core.graph import build_graph
+from ggrun.core.ops import OPS
+from ggrun.core.sched import ScheduledGraph
+from ggrun.core.tensor import Tensor, new_tensor
+from ggrun.core.validate import validate_plan
 from tests.core.harness import Runner
 from tests.core.random_graphs import ALIGN, Recipe, plan_of, recipes, schedule
 
@@ -418,7 +418,7 @@ def test_free_list_blocks_never_overlap(recipe: Recipe):
 @given(recipes())
 def test_offline_placement_passes_the_validator_and_never_grows_the_plan(recipe: Recipe):
     """Forced on every graph, the offline placement still yields valid plans, no larger than the walk's."""
-    import core.alloc as alloc
+    from ggrun.core import alloc
 
     _, sg, _ = schedule(recipe)
     walk = plan_of(sg)

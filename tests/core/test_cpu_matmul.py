@@ -12,12 +12,12 @@ import pytest
 from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import quantize as gguf_quantize
 
-from core import ops
-from core.backends.cpu import CPUBackend, jit
-from core.backends.cpu import backend as cpu_backend
-from core.backends.cpu import matmul
-from core.backends.cpu import quant as Q
-from core.dtypes import DType
+from ggrun.core import ops
+from ggrun.core.backends.cpu import CPUBackend, jit
+from ggrun.core.backends.cpu import backend as cpu_backend
+from ggrun.core.backends.cpu import matmul
+from ggrun.core.backends.cpu import quant as Q
+from ggrun.core.dtypes import DType
 from tests.core.backend_ops import Leafs, ReferenceBackend, compare, planned, run_on
 from tests.core.harness import f32_to_bf16
 

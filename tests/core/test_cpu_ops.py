@@ -10,10 +10,10 @@ from functools import partial
 import numpy as np
 import pytest
 
-from core import ops
-from core.backends.cpu import CPUBackend, jit, set_threads
-from core.backends.kernels import KERNELS
-from core.dtypes import DType
+from ggrun.core import ops
+from ggrun.core.backends.cpu import CPUBackend, jit, set_threads
+from ggrun.core.backends.kernels import KERNELS
+from ggrun.core.dtypes import DType
 from tests.core.backend_ops import compare, planned, run_on
 
 F32, F16, I32 = DType.F32, DType.F16, DType.I32

@@ -12,12 +12,12 @@ try:
 except Exception as err:  # cupy without a driver
     pytest.skip(f"no usable GPU ({err})", allow_module_level=True)
 
-from core.backends.cpu import CPUBackend  # noqa: E402
-from core.backends.cuda import CUDABackend  # noqa: E402
-from core.llm.batch import Batch  # noqa: E402
-from core.llm.model import Model  # noqa: E402
-from core.llm.session import Session, SessionParams  # noqa: E402
-from core.validate import validate_plan  # noqa: E402
+from ggrun.core.backends.cpu import CPUBackend  # noqa: E402
+from ggrun.core.backends.cuda import CUDABackend  # noqa: E402
+from ggrun.core.llm.batch import Batch  # noqa: E402
+from ggrun.core.llm.model import Model  # noqa: E402
+from ggrun.core.llm.session import Session, SessionParams  # noqa: E402
+from ggrun.core.validate import validate_plan  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_offloaded_model_matches_cpu(tiny_llama_factory, gpu, ngl):
 
 
 def test_cpu_cannot_read_gpu_memory(tiny_llama_factory, gpu):
-    from core.errors import RuntimeFailure
+    from ggrun.core.errors import RuntimeFailure
 
     path = tiny_llama_factory(n_layer=2)
     m = Model.load(path, [gpu, CPUBackend()], 3)

@@ -1,7 +1,7 @@
 """Error messages stay one readable line: bad values are quoted short, the CLI's last guard folds and cuts."""
 from __future__ import annotations
 
-from core.errors import MESSAGE_CHARS, QUOTE_BYTES, one_line, quote, quote_name
+from ggrun.core.errors import MESSAGE_CHARS, QUOTE_BYTES, one_line, quote, quote_name
 
 
 def test_quote_keeps_short_values_and_cuts_long_ones():

@@ -1,10 +1,10 @@
 """The graph walk: nodes in an order given only by data edges, leafs, outputs, and depth."""
 from __future__ import annotations
 
-from core import ops
-from core.dtypes import DType
-from core.graph import build_graph
-from core.tensor import Tensor, new_tensor
+from ggrun.core import ops
+from ggrun.core.dtypes import DType
+from ggrun.core.graph import build_graph
+from ggrun.core.tensor import Tensor, new_tensor
 
 
 def _x(name: str = "x", shape=(4, 8)) -> Tensor:

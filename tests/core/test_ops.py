@@ -9,10 +9,10 @@ import math
 import numpy as np
 import pytest
 
-from core import ops
-from core.dtypes import DType
-from core.errors import GraphError
-from core.tensor import new_tensor
+from ggrun.core import ops
+from ggrun.core.dtypes import DType
+from ggrun.core.errors import GraphError
+from ggrun.core.tensor import new_tensor
 from tests.core.harness import Runner, as_f64, f32_to_bf16
 
 F32, F16, BF16, I32 = DType.F32, DType.F16, DType.BF16, DType.I32

@@ -8,7 +8,7 @@ import pytest
 from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 
-from core.quants import SUPPORTED_TYPES, block_layout, dequantize, tensor_nbytes
+from ggrun.core.quants import SUPPORTED_TYPES, block_layout, dequantize, tensor_nbytes
 
 SMOLLM2 = Path.home() / ".cache/ggrun/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -111,7 +111,7 @@ def test_unsupported_type_is_rejected():
 @pytest.mark.slow
 @pytest.mark.skipif(not SMOLLM2.exists(), reason="SmolLM2 model not downloaded")
 def test_real_model_tensors_match_gguf():
-    from loaders.gguf_file import open_gguf
+    from ggrun.loaders.gguf_file import open_gguf
 
     with open_gguf(SMOLLM2) as model:
         for name in ["token_embd.weight", "blk.0.attn_q.weight", "blk.0.attn_norm.weight"]:

@@ -9,16 +9,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from core import ops
-from core.backends.cpu import CPUBackend
-from core.backends.sim import SimBackend
-from core.context import ImmediateContext
-from core.dtypes import DType
-from core.errors import GraphError
-from core.graph import build_graph
-from core.sched import Scheduler
-from core.tensor import Tensor, new_tensor
-from core.validate import validate_plan
+from ggrun.core import ops
+from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.backends.sim import SimBackend
+from ggrun.core.context import ImmediateContext
+from ggrun.core.dtypes import DType
+from ggrun.core.errors import GraphError
+from ggrun.core.graph import build_graph
+from ggrun.core.sched import Scheduler
+from ggrun.core.tensor import Tensor, new_tensor
+from ggrun.core.validate import validate_plan
 
 
 class Model:

@@ -13,17 +13,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from core import ops
-from core.backends.cpu import CPUBackend
-from core.backends.sim import SimBackend
-from core.context import ImmediateContext
-from core.dtypes import DType
-from core.errors import GraphError, RuntimeFailure
-from core.graph import build_graph
-from core.ops import OPS
-from core.sched import ScheduledGraph, Scheduler
-from core.tensor import Tensor, new_tensor
-from core.validate import validate_plan
+from ggrun.core import ops
+from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.backends.sim import SimBackend
+from ggrun.core.context import ImmediateContext
+from ggrun.core.dtypes import DType
+from ggrun.core.errors import GraphError, RuntimeFailure
+from ggrun.core.graph import build_graph
+from ggrun.core.ops import OPS
+from ggrun.core.sched import ScheduledGraph, Scheduler
+from ggrun.core.tensor import Tensor, new_tensor
+from ggrun.core.validate import validate_plan
 
 RNG = np.random.default_rng(7)
 X = RNG.standard_normal((4, 8)).astype(np.float32)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from core import ops
-from core.alloc import plan_graph
-from core.dtypes import DType
-from core.errors import RuntimeFailure
-from core.graph import build_graph
-from core.ops import OPS
-from core.tensor import Tensor, new_tensor
-from core.validate import validate_plan
+from ggrun.core import ops
+from ggrun.core.alloc import plan_graph
+from ggrun.core.dtypes import DType
+from ggrun.core.errors import RuntimeFailure
+from ggrun.core.graph import build_graph
+from ggrun.core.ops import OPS
+from ggrun.core.tensor import Tensor, new_tensor
+from ggrun.core.validate import validate_plan
 from tests.core.random_graphs import ALIGN, Recipe, plan_of, recipes, schedule
 
 ROW = 4 * 16 * 4  # bytes of one [4, 16] f32 tensor (a multiple of the alignment)

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from core.llm.generate import generate
-from core.llm.perplexity import Score, score_tokens
-from core.llm.sampling import Sampler, SamplingParams
-from core.llm.session import Session, SessionParams
+from ggrun.core.llm.generate import generate
+from ggrun.core.llm.perplexity import Score, score_tokens
+from ggrun.core.llm.sampling import Sampler, SamplingParams
+from ggrun.core.llm.session import Session, SessionParams
 
 
 @dataclass

@@ -7,11 +7,11 @@ import statistics
 
 import pytest
 
-from core.backends.cpu import CPUBackend
-from core.llm import bench
-from core.llm.bench import BenchResult, BenchTest, run_bench
-from core.llm.model import Model
-from core.llm.session import Session, SessionParams
+from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.llm import bench
+from ggrun.core.llm.bench import BenchResult, BenchTest, run_bench
+from ggrun.core.llm.model import Model
+from ggrun.core.llm.session import Session, SessionParams
 
 
 @pytest.fixture(scope="module")

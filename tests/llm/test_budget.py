@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from core.backends.cpu import CPUBackend
-from core.backends.host import HostArrayBackend, host_available_bytes
-from core.errors import BadInput
-from core.llm import session as session_module
-from core.llm.budget import GiB, Budget
-from core.llm.model import Model
-from core.llm.session import Session, SessionParams
+from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.backends.host import HostArrayBackend, host_available_bytes
+from ggrun.core.errors import BadInput
+from ggrun.core.llm import session as session_module
+from ggrun.core.llm.budget import GiB, Budget
+from ggrun.core.llm.model import Model
+from ggrun.core.llm.session import Session, SessionParams
 
 MiB = 2**20
 

@@ -9,9 +9,9 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
-from core.errors import BadInput
-from core.llm.model import Model
-from loaders.gguf_file import open_gguf
+from ggrun.core.errors import BadInput
+from ggrun.core.llm.model import Model
+from ggrun.loaders.gguf_file import open_gguf
 from tests.synth import Gemma3Config, LlamaConfig, tokenizer_metadata, write_variant
 
 TOK = tokenizer_metadata()

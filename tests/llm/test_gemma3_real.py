@@ -28,9 +28,9 @@ EXTRA_STEPS = 4
 @pytest.fixture(scope="module")
 def gemma3():
     """The real model on the CPU backend, loaded once for this module (about 4 s and 1.1 GB)."""
-    from core.backends.cpu import CPUBackend
-    from core.llm.model import Model
-    from loaders.download import KNOWN_MODELS, is_cached, model_path
+    from ggrun.core.backends.cpu import CPUBackend
+    from ggrun.core.llm.model import Model
+    from ggrun.loaders.download import KNOWN_MODELS, is_cached, model_path
 
     known = KNOWN_MODELS["gemma3-270m"]
     if not is_cached(known):

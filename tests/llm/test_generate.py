@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from core.backends.cpu import CPUBackend
-from core.llm.batch import Batch
-from core.llm.generate import STOP_CONTEXT_FULL, STOP_INTERRUPTED, STOP_N_PREDICT, generate, keep_for_shift
-from core.llm.model import Model
-from core.llm.sampling import Sampler, SamplingParams
-from core.llm.session import Session, SessionParams
+from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.llm.batch import Batch
+from ggrun.core.llm.generate import STOP_CONTEXT_FULL, STOP_INTERRUPTED, STOP_N_PREDICT, generate, keep_for_shift
+from ggrun.core.llm.model import Model
+from ggrun.core.llm.sampling import Sampler, SamplingParams
+from ggrun.core.llm.session import Session, SessionParams
 from tests.cli.runner import ggrun
 from tests.cli.test_cli_run import timings
 

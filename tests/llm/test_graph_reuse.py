@@ -11,14 +11,14 @@ import re
 import numpy as np
 import pytest
 
-from core.backends.cpu import CPUBackend
-from core.llm.batch import Batch
-from core.llm.generate import generate
-from core.llm.inputs import GraphParams
-from core.llm.kv_cache import KV_PAD
-from core.llm.model import Model
-from core.llm.sampling import Sampler, SamplingParams
-from core.llm.session import Session, SessionParams
+from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.llm.batch import Batch
+from ggrun.core.llm.generate import generate
+from ggrun.core.llm.inputs import GraphParams
+from ggrun.core.llm.kv_cache import KV_PAD
+from ggrun.core.llm.model import Model
+from ggrun.core.llm.sampling import Sampler, SamplingParams
+from ggrun.core.llm.session import Session, SessionParams
 
 PAD = 256  # llama.cpp's n_kv padding; the predictions below assume it
 GREEDY = SamplingParams(temp=0)
@@ -254,7 +254,7 @@ def test_reuse_off_by_env_and_by_parameter(tiny, monkeypatch):
 def test_cli_run_reports_graphs_reused(tiny_llama_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from cli.app import _register_commands, app
+    from ggrun.cli.app import _register_commands, app
 
     _register_commands()
     args = ["run", "-m", str(tiny_llama_path), "-p", "hello world", "-n", "8", "--temp", "0", "-c", "64",

@@ -7,19 +7,19 @@ import pytest
 from gguf import GGUFReader
 from gguf.constants import GGMLQuantizationType as QT
 
-from core.alloc import align_up
-from core.backends.cpu import CPUBackend
-from core.backends.cpu.matmul import repacked_bytes
-from core.dtypes import DType
-from core.backends.sim import SimBackend
-from core.errors import RuntimeFailure
-from core.llm import memory
-from core.llm.memory import MemoryRecord, measure, verify
-from core.llm.model import Model
-from core.llm.session import Session, SessionParams
-from core.ops import OPS
-from core.sched import Scheduler
-from core.validate import validate_plan
+from ggrun.core.alloc import align_up
+from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.backends.cpu.matmul import repacked_bytes
+from ggrun.core.dtypes import DType
+from ggrun.core.backends.sim import SimBackend
+from ggrun.core.errors import RuntimeFailure
+from ggrun.core.llm import memory
+from ggrun.core.llm.memory import MemoryRecord, measure, verify
+from ggrun.core.llm.model import Model
+from ggrun.core.llm.session import Session, SessionParams
+from ggrun.core.ops import OPS
+from ggrun.core.sched import Scheduler
+from ggrun.core.validate import validate_plan
 
 MiB = 2**20
 N_LAYER, N_EMBD, N_HEAD, N_HEAD_KV = 3, 64, 4, 2

@@ -8,14 +8,14 @@ import re
 import numpy as np
 import pytest
 
-from core.backends.cpu import CPUBackend
-from core.errors import RuntimeFailure
-from core.llm.batch import Batch
-from core.llm.generate import generate
-from core.llm.model import Model
-from core.llm.numerics import HINT, NonFiniteLogits, non_finite_kind
-from core.llm.sampling import Sampler, SamplingParams
-from core.llm.session import Session, SessionParams
+from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.errors import RuntimeFailure
+from ggrun.core.llm.batch import Batch
+from ggrun.core.llm.generate import generate
+from ggrun.core.llm.model import Model
+from ggrun.core.llm.numerics import HINT, NonFiniteLogits, non_finite_kind
+from ggrun.core.llm.sampling import Sampler, SamplingParams
+from ggrun.core.llm.session import Session, SessionParams
 from tests.synth import LlamaConfig, tokenizer_metadata, write_variant
 
 N_VOCAB = len(tokenizer_metadata()["tokenizer.ggml.tokens"])

@@ -25,16 +25,16 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
-from core.backends.cpu import CPUBackend
-from core.backends.sim import SimBackend
-from core.errors import GraphError
-from core.llm.batch import Batch
-from core.llm.blocks import FUSED_ADD_MAX_TOKENS
-from core.llm.kv_cache import KV_PAD
-from core.llm.model import Model, Placement
-from core.llm.session import Session, SessionParams
-from core.sched import ScheduledGraph
-from core.validate import validate_plan
+from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.backends.sim import SimBackend
+from ggrun.core.errors import GraphError
+from ggrun.core.llm.batch import Batch
+from ggrun.core.llm.blocks import FUSED_ADD_MAX_TOKENS
+from ggrun.core.llm.kv_cache import KV_PAD
+from ggrun.core.llm.model import Model, Placement
+from ggrun.core.llm.session import Session, SessionParams
+from ggrun.core.sched import ScheduledGraph
+from ggrun.core.validate import validate_plan
 
 F32, I32, F16 = 4, 4, 2
 PROMPT = [5, 17, 2, 44, 9, 120, 33]

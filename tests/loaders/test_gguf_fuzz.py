@@ -11,12 +11,12 @@ import pytest
 from gguf.constants import GGMLQuantizationType as QT
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from core.backends.cpu import CPUBackend
-from core.errors import BadInput
-from core.llm.batch import Batch
-from core.llm.model import Model
-from core.llm.numerics import NonFiniteLogits
-from core.llm.session import Session, SessionParams
+from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.errors import BadInput
+from ggrun.core.llm.batch import Batch
+from ggrun.core.llm.model import Model
+from ggrun.core.llm.numerics import NonFiniteLogits
+from ggrun.core.llm.session import Session, SessionParams
 from tests.gguf_mutations import FAMILIES, MAY_RUN, MUST_REJECT, Mutation, mutate, read_layout
 from tests.synth import write_tiny_gemma3, write_tiny_llama
 

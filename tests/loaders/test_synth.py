@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType as QT
 
-from loaders.gguf_file import open_gguf
+from ggrun.loaders.gguf_file import open_gguf
 from tests.synth import EOT, TINY_MERGES, WEIGHT_TYPES, bytes_to_unicode, write_sparse_big, write_tiny_llama
 
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",

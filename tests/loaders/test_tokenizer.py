@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.errors import BadInput
-from loaders.chat import render_chat
-from loaders.pretokenize import PRE_TOKENIZERS
-from loaders.tokenizer import StreamDecoder, Tokenizer
+from ggrun.core.errors import BadInput
+from ggrun.loaders.chat import render_chat
+from ggrun.loaders.pretokenize import PRE_TOKENIZERS
+from ggrun.loaders.tokenizer import StreamDecoder, Tokenizer
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 MODELS = ("smollm2", "gemma3")

@@ -17,12 +17,12 @@ import math
 import numpy as np
 from numba import prange
 
-from core.backends.cpu import jit
-from core.backends.cpu.dispatch import binds
-from core.backends.cpu.jit import kernel
-from core.backends.cpu.vecmath import as_f32, expf, f16_to_f32, f32_to_f16, fma
-from core.backends.cpu.warmup import warms
-from core.dtypes import DType
+from ggrun.core.backends.cpu import jit
+from ggrun.core.backends.cpu.dispatch import binds
+from ggrun.core.backends.cpu.jit import kernel
+from ggrun.core.backends.cpu.vecmath import as_f32, expf, f16_to_f32, f32_to_f16, fma
+from ggrun.core.backends.cpu.warmup import warms
+from ggrun.core.dtypes import DType
 
 CELLS = 64  # cache cells per tile: converted to f32 once per tile and KV head
 
@@ -270,8 +270,8 @@ def bind_flash_attn(node, out, srcs, scratch):
 def _warm_flash_attn(lf, dtype: DType, n_tokens: int):
     """Attention over a cache of `dtype` (f16 with q rounded, as llama numerics do); a prompt-sized
     graph compiles the threaded kernel too when there are threads."""
-    from core import ops
-    from core.tensor import new_tensor
+    from ggrun.core import ops
+    from ggrun.core.tensor import new_tensor
 
     n_kv, h, d = 64, 4, 16
     caches = []

@@ -9,11 +9,11 @@ from functools import partial
 
 import numpy as np
 
-from core.backends.cpu import ops as _ops  # noqa: F401  (registers the compiled kernels)
-from core.backends.cpu import dispatch, matmul
-from core.backends.host import HostArrayBackend
-from core.backends.kernels import KERNELS
-from core.tensor import Tensor
+from ggrun.core.backends.cpu import ops as _ops  # noqa: F401  (registers the compiled kernels)
+from ggrun.core.backends.cpu import dispatch, matmul
+from ggrun.core.backends.host import HostArrayBackend
+from ggrun.core.backends.kernels import KERNELS
+from ggrun.core.tensor import Tensor
 
 
 class CPUBackend(HostArrayBackend):

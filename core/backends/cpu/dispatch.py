@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from core.tensor import Tensor
+from ggrun.core.tensor import Tensor
 
 Call = Callable[[], None]
 Binder = Callable[[Tensor, Any, list, Any], "Call | None"]

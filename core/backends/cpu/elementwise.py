@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from core.backends.cpu.dispatch import binds
-from core.backends.cpu.jit import kernel
-from core.backends.cpu.vecmath import as_f32, expf, f16_to_f32, f32_to_f16, gelu, gelu_f16_table, gelu_table, silu
-from core.backends.cpu.warmup import readonly, warms
-from core.dtypes import DType
+from ggrun.core.backends.cpu.dispatch import binds
+from ggrun.core.backends.cpu.jit import kernel
+from ggrun.core.backends.cpu.vecmath import as_f32, expf, f16_to_f32, f32_to_f16, gelu, gelu_f16_table, gelu_table, silu
+from ggrun.core.backends.cpu.warmup import readonly, warms
+from ggrun.core.dtypes import DType
 
 
 @kernel
@@ -310,7 +310,7 @@ def bind_cont(node, out, srcs, scratch):
 # ---- first-run compilation: the signatures a model's graphs meet ---------------------------------
 
 def _f16_input(lf, name: str, data: np.ndarray):
-    from core.tensor import new_tensor
+    from ggrun.core.tensor import new_tensor
 
     t = new_tensor(name, DType.F16, data.shape, is_input=True)
     lf.feeds[t] = data.astype(np.float16)
@@ -319,7 +319,7 @@ def _f16_input(lf, name: str, data: np.ndarray):
 
 @warms
 def _warm_ffn(lf):
-    from core import ops
+    from ggrun.core import ops
 
     g, u = lf.input("g", np.ones((2, 32), np.float32)), lf.input("u", np.ones((2, 32), np.float32))
     x = ops.scale(ops.swiglu(g, u), 2.0)
@@ -330,7 +330,7 @@ def _warm_ffn(lf):
 @warms
 def _warm_attention_parts(lf):
     """The non-fused attention's softmax and head merge, the V cache write, output-row selection."""
-    from core import ops
+    from ggrun.core import ops
 
     kq = lf.input("kq", np.ones((2, 3, 8), np.float32))
     probs = ops.soft_max(kq, _f16_input(lf, "mask", np.zeros((3, 8), np.float32)), 0.5)
@@ -346,7 +346,7 @@ def _warm_attention_parts(lf):
 
 def _warm_embedding(lf, dtype: DType):
     """Embedding rows of a plain-typed weight, read-only as a memory map gives it."""
-    from core import ops
+    from ggrun.core import ops
 
     table = readonly(lf, "table", dtype, np.ones((4, 16), dtype.np_dtype))
     return ops.get_rows(table, lf.input("ids", np.array([0, 3], np.int32)))

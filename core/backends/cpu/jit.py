@@ -10,7 +10,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from core.cache import cache_dir
+from ggrun.core.cache import cache_dir
 
 
 # Files whose code kernels of other files compile in (helpers inlined across modules, and this

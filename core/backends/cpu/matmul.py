@@ -23,11 +23,11 @@ from functools import partial
 import numba
 import numpy as np
 
-from core.backends.cpu import jit
-from core.backends.cpu import quant as Q
-from core.backends.cpu.dispatch import binds
-from core.dtypes import DType
-from core.tensor import Tensor
+from ggrun.core.backends.cpu import jit
+from ggrun.core.backends.cpu import quant as Q
+from ggrun.core.backends.cpu.dispatch import binds
+from ggrun.core.dtypes import DType
+from ggrun.core.tensor import Tensor
 
 # Activation rounding that a weight's `act_quant` asks for (as the reference kernel reads it).
 _ROUNDING = {"q8_0": Q.ACT_Q8_0, "q8_k": Q.ACT_Q8_K}

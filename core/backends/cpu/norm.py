@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from core.backends.cpu.dispatch import binds
-from core.backends.cpu.jit import kernel
-from core.backends.cpu.warmup import readonly, warms
-from core.dtypes import DType
+from ggrun.core.backends.cpu.dispatch import binds
+from ggrun.core.backends.cpu.jit import kernel
+from ggrun.core.backends.cpu.warmup import readonly, warms
+from ggrun.core.dtypes import DType
 
 @kernel(inline="always")
 def inv_rms(x, eps):
@@ -116,7 +116,7 @@ def bind_add_rms_norm(node, out, srcs, scratch):
 
 @warms
 def _warm_norms(lf):
-    from core import ops
+    from ggrun.core import ops
 
     x = lf.input("x", np.ones((2, 64), np.float32))
     h = lf.input("h", np.ones((2, 64), np.float32))

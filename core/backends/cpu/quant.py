@@ -25,8 +25,8 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
-from core.backends.cpu.jit import kernel
-from core.dtypes import DType
+from ggrun.core.backends.cpu.jit import kernel
+from ggrun.core.dtypes import DType
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 
@@ -1714,7 +1714,7 @@ class RI64(NamedTuple):
 
 def repack_ri64(code: int, raw: np.ndarray) -> RI64:
     """ggml blocks [M, row bytes] (uint8) of a legacy type -> RI64, zero rows padding the last group."""
-    from core.quants import dequantize
+    from ggrun.core.quants import dequantize
 
     ts = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34}[code]
     m = raw.shape[0]

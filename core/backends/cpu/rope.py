@@ -12,13 +12,13 @@ import math
 
 import numpy as np
 
-from core.backends.cpu.dispatch import binds
-from core.backends.cpu.jit import kernel
-from core.backends.cpu.norm import inv_rms
-from core.backends.cpu.vecmath import to_stored
-from core.backends.cpu.warmup import readonly, warms
-from core.dtypes import DType
-from core.ops import ROPE_NEOX
+from ggrun.core.backends.cpu.dispatch import binds
+from ggrun.core.backends.cpu.jit import kernel
+from ggrun.core.backends.cpu.norm import inv_rms
+from ggrun.core.backends.cpu.vecmath import to_stored
+from ggrun.core.backends.cpu.warmup import readonly, warms
+from ggrun.core.dtypes import DType
+from ggrun.core.ops import ROPE_NEOX
 
 
 @kernel(inline="always")
@@ -139,7 +139,7 @@ def bind_rope_set_rows(node, out, srcs, scratch):
 # ---- first-run compilation: the signatures a model's graphs meet ---------------------------------
 
 def _warm_rope(lf, cache_dtype: DType, norm: bool):
-    from core import ops
+    from ggrun.core import ops
 
     x = lf.input("x", np.ones((2, 2, 8), np.float32))
     pos = lf.input("pos", np.arange(2, dtype=np.int32))

@@ -14,7 +14,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from core.backends.cpu.jit import kernel
+from ggrun.core.backends.cpu.jit import kernel
 
 _F32 = ir.FloatType()
 
@@ -150,7 +150,7 @@ def gelu_table(x, table):
 
 def gelu_f16_table() -> np.ndarray:
     """f32 [65536]: the reference GELU of every f16 value, rounded to f16 (ggml's table), by f16 bits."""
-    from core.backends.kernels import _gelu_exact_into
+    from ggrun.core.backends.kernels import _gelu_exact_into
 
     x = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
     y = np.empty_like(x)

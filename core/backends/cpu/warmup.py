@@ -14,9 +14,9 @@ from typing import Callable
 
 import numpy as np
 
-from core import ops
-from core.dtypes import DType
-from core.tensor import Tensor, new_tensor
+from ggrun.core import ops
+from ggrun.core.dtypes import DType
+from ggrun.core.tensor import Tensor, new_tensor
 
 Progress = Callable[[int, int], None]
 
@@ -71,7 +71,7 @@ def readonly(leafs, name: str, dtype: DType, data: np.ndarray) -> Tensor:
 
 
 def _product(leafs, dtype: DType, n_tokens: int, act_quant: bool, repacked: bool, large: bool) -> Tensor:
-    from core.backends.cpu.matmul import PARALLEL_MIN_BYTES
+    from ggrun.core.backends.cpu.matmul import PARALLEL_MIN_BYTES
 
     # a large weight has enough rows that the kernels split them over threads
     w = _weight(leafs, dtype, 8 * (PARALLEL_MIN_BYTES // (8 * dtype.row_bytes(K)) + 1) if large else 16)
@@ -87,7 +87,7 @@ class _Leafs:
     """Leafs on the CPU backend: weights in an immediate context, inputs fed after planning."""
 
     def __init__(self, backend) -> None:
-        from core.context import ImmediateContext
+        from ggrun.core.context import ImmediateContext
 
         self.ctx = ImmediateContext(backend)
         self.feeds: dict[Tensor, np.ndarray] = {}
@@ -101,8 +101,8 @@ class _Leafs:
 
 def compile_all(backend, progress: Progress | None = None) -> None:
     """Run every warm-up graph on `backend` (compiling its kernels), then write the marker."""
-    from core.graph import build_graph
-    from core.sched import Scheduler
+    from ggrun.core.graph import build_graph
+    from ggrun.core.sched import Scheduler
 
     builders = _graphs() + list(EXTRA)
     for i, build in enumerate(builders):

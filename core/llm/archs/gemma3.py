@@ -7,12 +7,12 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from core import ops
-from core.llm import blocks
-from core.llm.blocks import Build
-from core.llm.hparams import HParams
-from core.llm.weights import Weights
-from core.tensor import Tensor
+from ggrun.core import ops
+from ggrun.core.llm import blocks
+from ggrun.core.llm.blocks import Build
+from ggrun.core.llm.hparams import HParams
+from ggrun.core.llm.weights import Weights
+from ggrun.core.tensor import Tensor
 
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
                  "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm")

@@ -2,11 +2,11 @@
 attention over the KV cache, SwiGLU feed-forward, tied or separate output head."""
 from __future__ import annotations
 
-from core import ops
-from core.llm import blocks
-from core.llm.blocks import Build
-from core.llm.weights import Weights
-from core.tensor import Tensor
+from ggrun.core import ops
+from ggrun.core.llm import blocks
+from ggrun.core.llm.blocks import Build
+from ggrun.core.llm.weights import Weights
+from ggrun.core.tensor import Tensor
 
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
                  "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
