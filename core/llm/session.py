@@ -42,7 +42,8 @@ class SessionParams:
     n_batch: int = 2048
     n_ubatch: int = 512
     n_seq_max: int = 1
-    kv_type: DType = DType.F16
+    type_k: DType = DType.F16  # KV cache types (llama.cpp's -ctk / -ctv)
+    type_v: DType = DType.F16
     graph_reuse: bool = True
     reuse_memory: bool = True  # False: every intermediate gets its own bytes (a reference run)
     flash_attn: bool = True  # fused attention op (llama.cpp's -fa, on by default as its "auto" on the CPU)
@@ -109,8 +110,10 @@ class Session:
         model, p = self.model, self.params
         swa = model.arch.swa_layers(model.hp) if hasattr(model.arch, "swa_layers") else [False] * model.hp.n_layer
         window = model.hp.extra.get("swa_window")
-        llama_f16 = model.numerics == "llama" and p.kv_type is DType.F16
-        kw = dict(n_seq_max=p.n_seq_max, dtype=p.kv_type, virtual=self.virtual,
+        if p.type_k is not p.type_v:
+            raise BadInput(f"KV cache types -ctk {p.type_k.name.lower()} and -ctv {p.type_v.name.lower()} must be the same")
+        llama_f16 = model.numerics == "llama" and p.type_k is DType.F16
+        kw = dict(n_seq_max=p.n_seq_max, dtype=p.type_k, virtual=self.virtual,
                   act_quant="f16" if llama_f16 else None)
         layers = model.placement.layers
         if not any(swa):

@@ -47,7 +47,7 @@ def run_parallel(model: Model, prompts, n_clients: int = 3, n_predict: int = 6, 
                  record: bool = False, ignore_eos: bool = True, kv_type: DType = DType.F16):
     """(runner, session, {job: result}, summary, {job: logits rows}) of one parallel run."""
     s = Session(model, SessionParams(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_clients + 1,
-                                     kv_type=kv_type))
+                                     type_k=kv_type, type_v=kv_type))
     r = ParallelRunner(s, n_clients, n_predict, sampling, n_batch, ignore_eos=ignore_eos)
     if record:
         for c in r.clients:
@@ -70,7 +70,7 @@ def run_alone(model: Model, tokens: list[int], n_predict: int, n_ctx: int = 512,
               sampling: SamplingParams = GREEDY, ignore_eos: bool = True,
               kv_type: DType = DType.F16) -> tuple[list[int], list[np.ndarray]]:
     """Generation of one sequence on a fresh session: (tokens, logits of each step)."""
-    s = Session(model, SessionParams(n_ctx=n_ctx, n_batch=512, n_ubatch=512, kv_type=kv_type))
+    s = Session(model, SessionParams(n_ctx=n_ctx, n_batch=512, n_ubatch=512, type_k=kv_type, type_v=kv_type))
     sampler = RecordingSampler(sampling, n_ctx)
     out, _ = generate(s, tokens, n_predict, sampler, lambda t: None, ignore_eos=ignore_eos)
     return out, sampler.rows.get(0, [])

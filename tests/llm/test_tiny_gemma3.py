@@ -62,7 +62,7 @@ def want(ref) -> np.ndarray:
 
 def session(model: Model, n_ctx: int = 64, n_ubatch: int = 512, kv_type: DType = DType.F32,
             graph_reuse: bool = True) -> Session:
-    return Session(model, SessionParams(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ubatch, kv_type=kv_type,
+    return Session(model, SessionParams(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ubatch, type_k=kv_type, type_v=kv_type,
                                         graph_reuse=graph_reuse))
 
 
@@ -125,7 +125,7 @@ def test_micro_batch_size_does_not_change_logits(model, want, n_ubatch):
 @pytest.mark.parametrize("n_ubatch", [1, 32])
 def test_fused_attention_matches_reference(model, want, n_ubatch):
     """-fa takes the sliding-window mask too."""
-    s = Session(model, SessionParams(n_ctx=64, n_batch=64, n_ubatch=n_ubatch, kv_type=DType.F32, flash_attn=True))
+    s = Session(model, SessionParams(n_ctx=64, n_batch=64, n_ubatch=n_ubatch, type_k=DType.F32, type_v=DType.F32, flash_attn=True))
     np.testing.assert_allclose(all_logits(s, PROMPT), want, atol=ATOL, rtol=0)
 
 
@@ -231,7 +231,7 @@ def test_window_layers_get_a_cache_of_their_own(model, ref):
     """iSWA: with -c 1024 and -ub 8 the window layers' cache has 256 cells (window 8 + 8 tokens, padded),
     the others' 1024; 300 tokens decoded 8 at a time wrap around the small cache (cells no token can see
     are reused), and every logit still equals the reference's full-attention-with-window forward pass."""
-    s = Session(model, SessionParams(n_ctx=1024, n_batch=8, n_ubatch=8, kv_type=DType.F32))
+    s = Session(model, SessionParams(n_ctx=1024, n_batch=8, n_ubatch=8, type_k=DType.F32, type_v=DType.F32))
     assert (s.kv.n_ctx, s.kv_swa.n_ctx) == (1024, 256)
     assert sorted(s.kv.layers) == [5] and sorted(s.kv_swa.layers) == [0, 1, 2, 3, 4, 6]
     assert s.kv_bytes_by_backend()["CPU"] == (1024 * 1 + 256 * 6) * 2 * 32 * 4

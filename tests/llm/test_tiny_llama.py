@@ -35,7 +35,7 @@ def all_logits(session: Session, tokens: list[int]) -> np.ndarray:
 
 
 def session(model: Model, n_ctx: int = 64, n_ubatch: int = 512, kv_type: DType = DType.F32) -> Session:
-    return Session(model, SessionParams(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ubatch, kv_type=kv_type))
+    return Session(model, SessionParams(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ubatch, type_k=kv_type, type_v=kv_type))
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["separate-head", "tied-head"])
