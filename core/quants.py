@@ -1,5 +1,6 @@
-"""The quant tables: GGUF block layouts and their numpy decoders to float32 (the reference that
-every backend's compiled kernels are tested against), shared by the loader and the engine.
+"""The quant tables: GGUF block layouts, their numpy decoders to float32 (the reference that
+every backend's compiled kernels are tested against), shared by the loader and the engine, and
+encoders for the block types a KV cache stores (Q8_0, Q4_0, rounded as ggml's CPU does).
 
 Pure vectorized numpy over whole tensors; it never loops over blocks in Python and never copies F32
 data that can be viewed in place.
@@ -71,6 +72,55 @@ def dequantize(raw: np.ndarray, qtype: QT, shape: tuple[int, ...]) -> np.ndarray
     out = np.empty(n_elements, dtype=np.float32)
     _decode_blocks(raw, qtype, out)
     return out.reshape(shape)
+
+
+def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    """f32 values [..., n] (n whole blocks of 32) as Q8_0 bytes [..., n / 32 * 34], rounded as ggml's
+    CPU from_float for Q8_0 does on x86 (quantize_row_q8_0): d = amax / 127 stored as f16, and
+    q = round-half-even(x * (127 / amax)), 0 for a block of zeros."""
+    blocks = _blocks_of(x, QT.Q8_0)
+    amax = np.abs(blocks).max(axis=1)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    out = np.empty(len(blocks), dtype=_BLOCK_DTYPES[QT.Q8_0])
+    out["d"] = amax / np.float32(127)
+    out["qs"] = np.rint(blocks * inv[:, None])
+    return out.view(np.uint8).reshape(x.shape[:-1] + (-1,))
+
+
+def quantize_q4_0(x: np.ndarray) -> np.ndarray:
+    """f32 values [..., n] as Q4_0 bytes [..., n / 32 * 18], as ggml's quantize_row_q4_0_ref (the CPU's
+    from_float for Q4_0): d = (the first value of largest magnitude) / -8 stored as f16, and
+    q = min(15, trunc(x / d + 8.5)); element j of a block in the low nibble of byte j, j + 16 in its
+    high nibble."""
+    blocks = _blocks_of(x, QT.Q4_0)
+    signed_max = blocks[np.arange(len(blocks)), np.abs(blocks).argmax(axis=1)]
+    d = signed_max / np.float32(-8)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = np.minimum(15, (blocks * inv[:, None] + np.float32(8.5)).astype(np.int32)).astype(np.uint8)
+    out = np.empty(len(blocks), dtype=_BLOCK_DTYPES[QT.Q4_0])
+    out["d"] = d
+    out["qs"] = q[:, :16] | (q[:, 16:] << 4)
+    return out.view(np.uint8).reshape(x.shape[:-1] + (-1,))
+
+
+def quantize(values: np.ndarray, qtype) -> np.ndarray:
+    """f32 values [..., n] as qtype's blocks, bytes [..., row bytes], rounded as ggml's CPU rounds
+    them (the block types a KV cache may hold: Q8_0, Q4_0)."""
+    qtype = QT[qtype] if isinstance(qtype, str) else QT(qtype)
+    if qtype not in _ENCODERS:
+        raise ValueError(f"no encoder for {qtype.name}")
+    return _ENCODERS[qtype](values)
+
+
+def _blocks_of(x: np.ndarray, qtype: QT) -> np.ndarray:
+    """x as f32 rows of one block each; ValueError if its last axis is not whole blocks."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    block_size, _ = block_layout(qtype)
+    if x.ndim == 0 or x.shape[-1] % block_size:
+        raise ValueError(f"{qtype.name} rows need a multiple of {block_size} values, got shape {x.shape}")
+    return x.reshape(-1, block_size)
 
 
 def _as_f32(raw: np.ndarray) -> np.ndarray:
@@ -226,4 +276,9 @@ _DECODERS: dict[QT, Callable[[np.ndarray, np.ndarray], None]] = {
     QT.Q4_K: _decode_q4_k,
     QT.Q5_K: _decode_q5_k,
     QT.Q6_K: _decode_q6_k,
+}
+
+_ENCODERS: dict[QT, Callable[[np.ndarray], np.ndarray]] = {
+    QT.Q8_0: quantize_q8_0,
+    QT.Q4_0: quantize_q4_0,
 }
