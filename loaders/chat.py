@@ -1,4 +1,5 @@
-"""Render a model's Jinja chat template (tokenizer.chat_template) the way Hugging Face transformers does.
+"""Render a model's Jinja chat template (tokenizer.chat_template) the way Hugging Face transformers does;
+llama.cpp's built-in templates by name, and its handling of the BOS and EOS texts a template writes.
 
 Templates run in an immutable sandbox; a template error becomes one BadInput line, never a traceback.
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -59,3 +61,49 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
 
 def _one_line(text: str) -> str:
     return " ".join(text.split())
+
+
+# llama.cpp's built-in templates that --chat-template accepts by name (src/llama-chat.cpp), as Jinja
+BUILTIN_TEMPLATES = {
+    "chatml": "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+              "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
+    "gemma": "{% set ns = namespace(system='') %}{% for m in messages %}{% if m['role'] == 'system' %}"
+             "{% set ns.system = ns.system + m['content'] | trim %}{% else %}"
+             "{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}{{ '<start_of_turn>' + role + '\\n' }}"
+             "{% if ns.system and role != 'model' %}{{ ns.system + '\\n\\n' }}{% set ns.system = '' %}{% endif %}"
+             "{{ m['content'] | trim + '<end_of_turn>\\n' }}{% endif %}{% endfor %}"
+             "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}",
+    "llama3": "{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] | trim"
+              " + '<|eot_id|>' }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}",
+    "phi3": "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '<|end|>\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}",
+    "zephyr": "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '<|endoftext|>\\n' }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}",
+}
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A chat template with the tokenizer's BOS and EOS texts. When the tokenizer adds BOS (or EOS) to
+    the prompt itself, a rendered text that starts with it (ends with it) loses it, as in llama.cpp,
+    so that a prompt never holds two."""
+
+    source: str
+    bos_token: str = ""
+    eos_token: str = ""
+    strip_bos: bool = False
+    strip_eos: bool = False
+
+    @staticmethod
+    def named(name_or_source: str, **tokens: Any) -> "ChatTemplate":
+        """A built-in template by llama.cpp's name (BUILTIN_TEMPLATES), or the Jinja source given."""
+        return ChatTemplate(BUILTIN_TEMPLATES.get(name_or_source, name_or_source), **tokens)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        text = render_chat(self.source, messages, add_generation_prompt, self.bos_token, self.eos_token)
+        if self.strip_bos and self.bos_token and text.startswith(self.bos_token):
+            text = text[len(self.bos_token):]
+        if self.strip_eos and self.eos_token and text.endswith(self.eos_token):
+            text = text[:-len(self.eos_token)]
+        return text

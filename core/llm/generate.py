@@ -1,5 +1,8 @@
-"""Text generation for one sequence: evaluate the prompt in batches, then sample and decode
-one token at a time, handing each token to a callback as soon as it exists.
+"""Text generation for one sequence whose tokens stay in the session's KV cache between calls: a
+prompt is evaluated in batches, then tokens are sampled and decoded one at a time, each handed to a
+callback as soon as it exists. A conversation adds each turn's new tokens after the cached ones
+(`Generation.extend`), so the history is never evaluated twice; `Generation.set_tokens` replaces
+the sequence and keeps only the cached prefix it shares with the new one.
 
 When the context is full it stops and says so in its stats, or with context_shift keeps going as
 llama.cpp does: the first n_keep tokens stay, half of the rest is discarded, and the later half moves
@@ -9,8 +12,8 @@ interrupted session (Ctrl-C) ends generation with what exists so far, never an e
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, fields
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -20,22 +23,36 @@ from ggrun.core.llm.numerics import NonFiniteLogits
 from ggrun.core.llm.sampling import Sampler
 from ggrun.core.llm.session import Session
 
-
-@dataclass
-class GenerationStats:
-    n_prompt: int = 0
-    prompt_s: float = 0.0
-    n_eval: int = 0  # single-token decode runs after the prompt
-    eval_s: float = 0.0
-    stop_reason: str = ""  # STOP_* below
-    n_shifts: int = 0  # context shifts made
-    n_discarded: int = 0  # tokens those shifts discarded
-
-
 STOP_EOG = "end of generation token"
 STOP_N_PREDICT = "n_predict reached"
 STOP_CONTEXT_FULL = "context full"
 STOP_INTERRUPTED = "interrupted"
+STOP_REVERSE_PROMPT = "reverse prompt"
+
+N_PREDICT_INFINITE = -1  # llama.cpp's -n -1: until end of generation (or a full context without --context-shift)
+N_PREDICT_FILL = -2  # llama.cpp's -n -2: until the context is full, never shifting it
+
+
+@dataclass
+class GenerationStats:
+    n_prompt: int = 0  # tokens evaluated as a prompt (batches)
+    n_reused: int = 0  # tokens the prompt found already in the cache
+    prompt_s: float = 0.0
+    n_eval: int = 0  # single-token decode runs after the prompt
+    eval_s: float = 0.0
+    n_sampled: int = 0  # tokens the sampler chose (the last one of a reply is never decoded)
+    sample_s: float = 0.0
+    stop_reason: str = ""  # STOP_* above
+    n_shifts: int = 0  # context shifts made
+    n_discarded: int = 0  # tokens those shifts discarded
+
+    def add(self, other: GenerationStats) -> None:
+        """Sum another call's figures into these (the stop reason becomes the latest one)."""
+        for f in fields(self):
+            if f.name == "stop_reason":
+                self.stop_reason = other.stop_reason or self.stop_reason
+            else:
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 def keep_for_shift(n_keep: int, prompt: list[int], add_bos: bool) -> int:
@@ -46,9 +63,14 @@ def keep_for_shift(n_keep: int, prompt: list[int], add_bos: bool) -> int:
     return min(n_keep + int(add_bos), len(prompt))
 
 
+def check_n_predict(n_predict: int) -> None:
+    if n_predict < N_PREDICT_FILL:
+        raise BadInput(f"-n {n_predict}: give a number of tokens, -1 (until the end of text) or -2 (until the "
+                       "context is full)")
+
+
 def check_prompt(session: Session, prompt: list[int], n_predict: int) -> None:
-    if n_predict < 0:
-        raise BadInput(f"-n {n_predict}: the number of tokens to predict must not be negative")
+    check_n_predict(n_predict)
     if not prompt:
         raise BadInput("the prompt is empty (give -p TEXT or -f FILE)")
     if len(prompt) > session.n_ctx:
@@ -67,61 +89,151 @@ def eval_prompt(session: Session, prompt: list[int], n_batch: int, seq: int = 0,
     return logits
 
 
+class Generation:
+    """Sequence 0 of a session, kept between calls: `tokens` is the sequence in position order (after
+    context shifts, as the cache holds it), of which the first `n_cached` have their keys and values
+    in the cache; the token sampled last waits outside until the next decode needs it."""
+
+    def __init__(self, session: Session, sampler: Sampler, context_shift: bool = False, n_keep: int = 0) -> None:
+        self.session = session
+        self.sampler = sampler
+        self.context_shift = context_shift
+        self.n_keep = n_keep
+        self.tokens: list[int] = []
+        self.n_cached = 0
+        self.logits: np.ndarray | None = None  # after the last token of `tokens`, when it is cached
+        self.totals = GenerationStats()
+
+    def extend(self, new: Sequence[int]) -> GenerationStats:
+        """Append `new` (a prompt or a turn) and evaluate it with whatever waits before it."""
+        return self.set_tokens(self.tokens + list(new))
+
+    def set_tokens(self, tokens: Sequence[int]) -> GenerationStats:
+        """Make the sequence `tokens`: the cached prefix it shares with the current one stays, the rest of
+        the cache is dropped and the remainder is evaluated (its last token at least, for fresh logits).
+        Tokens that are new to the sequence join the sampler's penalty window. BadInput when they do not
+        fit in the context; a Ctrl-C ends with the stats' stop reason STOP_INTERRUPTED."""
+        tokens = list(tokens)
+        if not tokens:
+            raise BadInput("the prompt is empty (give -p TEXT or -f FILE)")
+        if len(tokens) > self.session.n_ctx:
+            raise BadInput(f"the prompt is {len(tokens)} tokens, longer than the context (-c {self.session.n_ctx})")
+        same = _common_prefix(self.tokens, tokens)
+        keep = min(same, self.n_cached, len(tokens) - 1)
+        for t in tokens[same:]:
+            self.sampler.accept(t)
+        if keep < self.n_cached:
+            self.session.seq_rm(0, keep, -1)
+        self.tokens, self.n_cached, self.logits = tokens, keep, None
+        st = GenerationStats(n_reused=keep)
+        t0 = time.perf_counter()
+        decoded_before = self.session.stats.n_tokens
+        todo = tokens[keep:]
+        try:
+            self.logits = eval_prompt(self.session, todo, self.session.params.n_batch, start_pos=keep)
+            st.n_prompt = len(todo)
+        except NonFiniteLogits as err:
+            raise NonFiniteLogits(err.kind, f"while evaluating the prompt ({len(todo)} token{'s' if len(todo) > 1 else ''})",
+                                  err.culprit) from None
+        except Interrupted:
+            st.n_prompt = self.session.stats.n_tokens - decoded_before
+            st.stop_reason = STOP_INTERRUPTED
+        self.n_cached = keep + st.n_prompt
+        st.prompt_s = time.perf_counter() - t0
+        self.totals.add(st)
+        return st
+
+    def generate(self, n_predict: int, on_token: Callable[[int], None], ignore_eos: bool = False,
+                 stop: Callable[[list[int]], bool] | None = None) -> tuple[list[int], GenerationStats]:
+        """Sample up to n_predict tokens (-1: no limit; -2: until the context is full) after the evaluated
+        sequence. Stops at an end-of-generation token (unless ignore_eos; the token joins the sequence but
+        is not passed on), when stop(sequence) says so after a token (a reverse prompt), when the session
+        is interrupted, or when the context is full: with context_shift (and n_predict not -2), a full
+        context discards half of what follows the first n_keep tokens and generation goes on."""
+        check_n_predict(n_predict)
+        st = GenerationStats()
+        out: list[int] = []
+        limit = n_predict if n_predict >= 0 else None
+        if self.logits is None or (limit is not None and limit == 0):
+            st.stop_reason = STOP_N_PREDICT if self.logits is not None else STOP_INTERRUPTED
+            return out, self._done(st)
+        tok = self.session.model.tokenizer
+        while True:
+            t0 = time.perf_counter()
+            token = self.sampler.sample(self.logits)
+            self.sampler.accept(token)
+            st.sample_s += time.perf_counter() - t0
+            st.n_sampled += 1
+            self.tokens.append(token)
+            self.logits = None
+            if not ignore_eos and tok.is_eog(token):
+                st.stop_reason = STOP_EOG
+                break
+            out.append(token)
+            on_token(token)
+            if limit is not None and len(out) == limit:
+                st.stop_reason = STOP_N_PREDICT
+                break
+            if stop is not None and stop(self.tokens):
+                st.stop_reason = STOP_REVERSE_PROMPT
+                break
+            if self.n_cached >= self.session.n_ctx and not self._shift(n_predict, st):
+                st.stop_reason = STOP_CONTEXT_FULL
+                break
+            if not self._decode_last(st):
+                st.stop_reason = STOP_INTERRUPTED
+                break
+        return out, self._done(st)
+
+    def _done(self, st: GenerationStats) -> GenerationStats:
+        self.totals.add(st)
+        return st
+
+    def _shift(self, n_predict: int, st: GenerationStats) -> bool:
+        """Make room at the end of a full context (llama.cpp's context shift); False when none is to be made."""
+        pos = self.n_cached
+        n_discard = (pos - self.n_keep) // 2 if self.context_shift and n_predict != N_PREDICT_FILL else 0
+        if n_discard < 1:  # no shift asked for, or --keep leaves nothing to discard
+            return False
+        self.session.seq_rm(0, self.n_keep, self.n_keep + n_discard)
+        self.session.seq_add(0, self.n_keep + n_discard, pos, -n_discard)
+        del self.tokens[self.n_keep:self.n_keep + n_discard]
+        self.n_cached -= n_discard
+        st.n_shifts += 1
+        st.n_discarded += n_discard
+        return True
+
+    def _decode_last(self, st: GenerationStats) -> bool:
+        """Decode the token sampled last; False when the session was interrupted first."""
+        pos = self.n_cached
+        t1 = time.perf_counter()
+        try:
+            self.logits = self.session.decode(Batch.of_sequence([self.tokens[pos]], pos))[-1]
+        except NonFiniteLogits as err:
+            raise NonFiniteLogits(err.kind, f"at generation step {st.n_sampled} (position {pos})", err.culprit) from None
+        except Interrupted:
+            return False
+        self.n_cached += 1
+        st.eval_s += time.perf_counter() - t1
+        st.n_eval += 1
+        return True
+
+
 def generate(session: Session, prompt: list[int], n_predict: int, sampler: Sampler,
              on_token: Callable[[int], None], ignore_eos: bool = False, context_shift: bool = False,
              n_keep: int = 0) -> tuple[list[int], GenerationStats]:
-    """Generate up to n_predict tokens after `prompt`; stops at an end-of-generation token (unless
-    ignore_eos), when the session is interrupted, or when the context is full: with context_shift, a
-    full context discards half of what follows the first n_keep tokens and generation goes on."""
+    """Generate up to n_predict tokens after `prompt` in a fresh sequence (see Generation.generate); the
+    stats cover the prompt's evaluation and the generation."""
     check_prompt(session, prompt, n_predict)
-    st = GenerationStats(n_prompt=len(prompt))
-    tok = session.model.tokenizer
-    t0 = time.perf_counter()
-    decoded_before = session.stats.n_tokens
-    try:
-        logits = eval_prompt(session, prompt, session.params.n_batch)
-    except NonFiniteLogits as err:
-        raise NonFiniteLogits(err.kind, f"while evaluating the prompt ({len(prompt)} token{'s' if len(prompt) > 1 else ''})", err.culprit) from None
-    except Interrupted:
-        st.prompt_s = time.perf_counter() - t0
-        st.n_prompt = session.stats.n_tokens - decoded_before
-        st.stop_reason = STOP_INTERRUPTED
-        return [], st
-    st.prompt_s = time.perf_counter() - t0
-    for t in prompt:
-        sampler.accept(t)
-    out: list[int] = []
-    pos = len(prompt)
-    while len(out) < n_predict:
-        token = sampler.sample(logits)
-        sampler.accept(token)
-        if not ignore_eos and tok.is_eog(token):
-            st.stop_reason = STOP_EOG
-            break
-        out.append(token)
-        on_token(token)
-        if len(out) == n_predict:
-            break
-        if pos >= session.n_ctx:
-            n_discard = (pos - n_keep) // 2 if context_shift else 0
-            if n_discard < 1:  # no shift asked for, or --keep leaves nothing to discard
-                st.stop_reason = STOP_CONTEXT_FULL
-                break
-            session.seq_rm(0, n_keep, n_keep + n_discard)
-            session.seq_add(0, n_keep + n_discard, pos, -n_discard)
-            pos -= n_discard
-            st.n_shifts += 1
-            st.n_discarded += n_discard
-        t1 = time.perf_counter()
-        try:
-            logits = session.decode(Batch.of_sequence([token], pos))[-1]
-        except NonFiniteLogits as err:
-            raise NonFiniteLogits(err.kind, f"at generation step {len(out)} (position {pos})", err.culprit) from None
-        except Interrupted:
-            st.stop_reason = STOP_INTERRUPTED
-            break
-        st.eval_s += time.perf_counter() - t1
-        st.n_eval += 1
-        pos += 1
-    st.stop_reason = st.stop_reason or STOP_N_PREDICT
-    return out, st
+    g = Generation(session, sampler, context_shift, n_keep)
+    g.extend(prompt)
+    out, _ = g.generate(n_predict, on_token, ignore_eos)
+    return out, g.totals
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -1,8 +1,12 @@
-"""Token sampling in llama.cpp's default order: repetition penalty, top-k, top-p, min-p,
-temperature, then a seeded draw (or argmax when the temperature is 0)."""
+"""Token sampling in llama.cpp's default order: logit bias, penalties (repetition, frequency,
+presence), top-k, top-p, min-p, temperature, then a seeded draw (or argmax when the temperature is 0).
+
+`--ignore-eos` is a logit bias of minus infinity on every end-of-generation token, as in llama.cpp,
+so such a token is never drawn. The sampler never hides a fault: non-finite logits raise.
+"""
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +24,9 @@ class SamplingParams:
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     seed: int = -1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); -inf bans it
 
     def check(self) -> None:
         if self.temp < 0:
@@ -35,20 +42,34 @@ class SamplingParams:
         if self.repeat_last_n < -1:
             raise BadInput(f"--repeat-last-n {self.repeat_last_n} must be -1 or more")
 
+    @property
+    def penalties_on(self) -> bool:
+        """llama.cpp skips the penalties sampler when every penalty is neutral."""
+        return self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def random_seed() -> int:
+    """A seed for `-s -1`: 32 random bits, printed so that a run can be repeated."""
+    return int(np.random.default_rng().integers(0, 2**32))
+
 
 class Sampler:
-    """Chooses the next token from a row of logits; remembers recent tokens for the penalty."""
+    """Chooses the next token from a row of logits; remembers the last tokens for the penalties."""
 
     def __init__(self, params: SamplingParams, n_ctx: int = 4096) -> None:
         params.check()
         self.p = params
-        seed = params.seed if params.seed >= 0 else None
-        self.rng = np.random.default_rng(seed)
+        self.seed = params.seed if params.seed >= 0 else random_seed()
+        self.rng = np.random.default_rng(self.seed)
         last_n = n_ctx if params.repeat_last_n == -1 else params.repeat_last_n
         self.recent: deque[int] = deque(maxlen=max(last_n, 0))
+        if params.logit_bias:
+            ids, bias = zip(*params.logit_bias)
+            self._bias_ids = np.asarray(ids, dtype=np.int64)
+            self._bias = np.asarray(bias, dtype=np.float32)
 
     def reset(self) -> None:
-        """Forget the recent tokens: a new sequence starts (the random stream goes on)."""
+        """Forget the recent tokens: a new sequence or a new turn starts (the random stream goes on)."""
         self.recent.clear()
 
     def accept(self, token: int) -> None:
@@ -56,12 +77,14 @@ class Sampler:
             self.recent.append(int(token))
 
     def sample(self, logits: np.ndarray) -> int:
-        logits = np.asarray(logits, dtype=np.float32)
+        logits = np.array(logits, dtype=np.float32)  # a copy: the steps below change it in place
         kind = non_finite_kind(logits)
         if kind:  # argmax would pick an arbitrary token and the draw would fail: never hide a fault
             raise RuntimeFailure(f"cannot sample from logits that hold {kind}")
-        if self.p.repeat_penalty != 1.0 and self.recent:
-            logits = self._penalize(logits)
+        if self.p.logit_bias:
+            np.add.at(logits, self._bias_ids, self._bias)
+        if self.p.penalties_on and self.recent:
+            self._penalize(logits)
         if self.p.temp <= 0:
             return int(np.argmax(logits))
         ids, vals = self._candidates(logits)
@@ -69,13 +92,16 @@ class Sampler:
         probs /= probs.sum()
         return int(ids[self.rng.choice(len(ids), p=probs)])
 
-    def _penalize(self, logits: np.ndarray) -> np.ndarray:
-        """llama.cpp's repetition penalty: divide positive logits of recent tokens, multiply negative ones."""
-        logits = logits.copy()
-        ids = np.fromiter(set(self.recent), dtype=np.int64)
+    def _penalize(self, logits: np.ndarray) -> None:
+        """llama.cpp's penalties over the recent tokens: a repeated token's logit is divided by the
+        repetition penalty when positive (multiplied when not), then lowered by its count times the
+        frequency penalty and, once, by the presence penalty."""
+        counts = Counter(self.recent)
+        ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+        n = np.fromiter(counts.values(), dtype=np.float32, count=len(counts))
         v = logits[ids]
-        logits[ids] = np.where(v > 0, v / self.p.repeat_penalty, v * self.p.repeat_penalty)
-        return logits
+        v = np.where(v <= 0, v * self.p.repeat_penalty, v / self.p.repeat_penalty)
+        logits[ids] = v - n * self.p.frequency_penalty - self.p.presence_penalty
 
     def _candidates(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Token ids and logits left after top-k, top-p and min-p, best first."""
