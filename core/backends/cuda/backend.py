@@ -1,0 +1,182 @@
+"""The CUDA backend: device arenas on one NVIDIA GPU, weights in their GGUF blocks, compiled
+kernels (core/backends/cuda/*.cu) bound once per plan and replayed as a CUDA graph while the
+engine reuses the graph, all on one stream; host copies go through pinned staging memory.
+
+Like every backend it reads and writes only its own buffers; host data and other backends'
+tensors arrive through explicit copies. Ops without a kernel here run the shared array
+kernels with cupy (outside any CUDA graph); the scheduler sends what that cannot run
+(block-quantized operands of an unknown type) to the CPU.
+"""
+from __future__ import annotations
+
+import os
+from functools import partial
+
+import cupy
+import numpy as np
+
+from ggrun.core.backends.array_backend import storage_dtype
+from ggrun.core.backends.base import Backend, Buffer, BufferType
+from ggrun.core.backends.cuda import matmul as _matmul  # noqa: F401  (registers kernels)
+from ggrun.core.backends.cuda import ops as _ops  # noqa: F401  (registers kernels)
+from ggrun.core.backends.cuda.binding import TABLE, Step
+from ggrun.core.backends.cuda.graphs import Prepared
+from ggrun.core.backends.cuda.module import TYPE_IDS
+from ggrun.core.backends.kernels import KERNELS
+from ggrun.core.tensor import Tensor
+
+STAGING_BYTES = 16 << 20  # pinned host memory for copies; larger copies go straight from pageable memory
+H2D, D2H, D2D = 1, 2, 3  # cudaMemcpyKind
+
+
+def describe_device(index: int) -> str:
+    props = cupy.cuda.runtime.getDeviceProperties(index)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    return f"{name} ({props['totalGlobalMem'] / 2**30:.0f} GiB), cupy {cupy.__version__}"
+
+
+def graphs_enabled() -> bool:
+    """CUDA graphs on unless GGRUN_CUDA_GRAPHS=0 (to compare)."""
+    return os.environ.get("GGRUN_CUDA_GRAPHS", "1") not in ("0", "false", "no")
+
+
+class CUDABackend(Backend):
+    name = "CUDA"
+    buffer_type = BufferType(alignment=256, max_size=1 << 40)
+    stores_blocks = True
+
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
+        self.device = describe_device(index)
+        self._dev = cupy.cuda.Device(index)
+        with self._dev:
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+            self._staging = cupy.cuda.alloc_pinned_memory(STAGING_BYTES)
+        self._host = np.frombuffer(self._staging, dtype=np.uint8, count=STAGING_BYTES)
+        self._staged = 0
+        self.use_graphs = graphs_enabled()
+
+    @property
+    def memory_pool(self) -> str:
+        return f"{self.name}{self.index}"
+
+    def free_memory(self) -> int | None:
+        """Free device memory plus what cupy's pool holds unused (it hands that out first)."""
+        with self._dev:
+            free, _ = cupy.cuda.runtime.memGetInfo()
+            return int(free) + int(cupy.get_default_memory_pool().free_bytes())
+
+    def alloc_buffer(self, size: int, usage: str) -> Buffer:
+        with self._dev:
+            return Buffer(self, cupy.empty(size, dtype=cupy.uint8), usage)
+
+    # ---- ops -----------------------------------------------------------------------------
+
+    def supports_op(self, node: Tensor) -> bool:
+        if any(s.dtype.is_quantized and s.dtype.name not in TYPE_IDS for s in node.srcs):
+            return False
+        if TABLE.handles(node.op):
+            return True
+        return node.op in KERNELS and not any(s.dtype.is_quantized for s in node.srcs)
+
+    def scratch_bytes(self, node: Tensor) -> int:
+        return TABLE.scratch_bytes(node)
+
+    def array(self, t: Tensor) -> "cupy.ndarray":
+        self.check_owned(t)
+        root = t.root
+        cached = t._array
+        if cached is not None and cached[0] is root.buffer and cached[1] == root.offset:
+            return cached[2]
+        storage = root.buffer.storage
+        if t.dtype.is_quantized:
+            arr = storage[t.data_offset:t.data_offset + t.nbytes]
+        else:
+            arr = cupy.ndarray(t.shape, dtype=storage_dtype(t), memptr=storage.data + t.data_offset,
+                               strides=t.strides)
+        t._array = (root.buffer, root.offset, arr)
+        return arr
+
+    def prepare(self, nodes: list[Tensor]) -> Prepared:
+        """One bound kernel launch per node (the shared array kernels where none binds)."""
+        steps = []
+        with self._dev:
+            for n in nodes:
+                out, srcs = self.array(n), [self.array(s) for s in n.srcs]
+                scratch = self.array(n.scratch) if n.scratch is not None else None
+                step = TABLE.bind(n, out, srcs, scratch, self)
+                steps.append(step if step is not None else
+                             Step(partial(KERNELS[n.op], cupy, n, out, srcs), capturable=False, name=n.op))
+        return Prepared(steps)
+
+    def run_prepared(self, prepared: Prepared) -> None:
+        with self._dev, self.stream:
+            prepared.run(self.stream, self.use_graphs)
+
+    def compute(self, nodes: list[Tensor]) -> None:
+        self.run_prepared(self.prepare(nodes))
+
+    # ---- copies ----------------------------------------------------------------------------
+
+    def _stage(self, nbytes: int) -> tuple[int, np.ndarray]:
+        """nbytes of pinned staging memory (device-visible address, host array); waits for the
+        copies still reading it before handing a region out again."""
+        if self._staged + nbytes > STAGING_BYTES:
+            self.stream.synchronize()
+            self._staged = 0
+        start = self._staged
+        self._staged += -(-nbytes // 256) * 256
+        return self._staging.ptr + start, self._host[start:start + nbytes]
+
+    def set_tensor(self, t: Tensor, data: np.ndarray) -> None:
+        dst = self.array(t)
+        src = np.ascontiguousarray(data)
+        with self._dev:
+            if not dst.flags.c_contiguous:
+                with self.stream:
+                    dst[...] = cupy.asarray(src).reshape(dst.shape)
+                return
+            if src.nbytes != dst.nbytes:
+                raise ValueError(f"set_tensor {t.describe()}: {src.nbytes} bytes given, {dst.nbytes} expected")
+            if src.nbytes > STAGING_BYTES:  # weights at load: straight from pageable memory
+                self.stream.synchronize()
+                cupy.cuda.runtime.memcpy(dst.data.ptr, src.ctypes.data, src.nbytes, H2D)
+                return
+            addr, host = self._stage(src.nbytes)
+            host[...] = src.reshape(-1).view(np.uint8)
+            cupy.cuda.runtime.memcpyAsync(dst.data.ptr, addr, src.nbytes, H2D, self.stream.ptr)
+
+    def get_tensor(self, t: Tensor) -> np.ndarray:
+        src = self.array(t)
+        with self._dev:
+            if not src.flags.c_contiguous:
+                with self.stream:
+                    src = cupy.ascontiguousarray(src)
+            out = np.empty(src.shape, dtype=src.dtype)
+            if out.nbytes > STAGING_BYTES:
+                self.stream.synchronize()
+                cupy.cuda.runtime.memcpy(out.ctypes.data, src.data.ptr, out.nbytes, D2H)
+                return out
+            addr, host = self._stage(out.nbytes)
+            cupy.cuda.runtime.memcpyAsync(addr, src.data.ptr, out.nbytes, D2H, self.stream.ptr)
+            self.stream.synchronize()
+            out.reshape(-1).view(np.uint8)[...] = host
+            return out
+
+    def copy_tensor(self, src: Tensor, dst: Tensor) -> None:
+        """A host tensor's bytes go up through staging; another GPU's, device to device."""
+        owner = src.root.buffer.backend
+        if isinstance(owner, CUDABackend):
+            a, b = owner.array(src), self.array(dst)
+            if not (a.flags.c_contiguous and b.flags.c_contiguous):
+                with self._dev, self.stream:
+                    b[...] = a
+                return
+            owner.stream.synchronize()
+            with self._dev:
+                cupy.cuda.runtime.memcpyAsync(b.data.ptr, a.data.ptr, b.nbytes, D2D, self.stream.ptr)
+            return
+        self.set_tensor(dst, owner.array(src) if owner.memory_pool == "CPU" else owner.get_tensor(src))
+
+    def address(self, arr) -> int:
+        return int(arr.data.ptr)

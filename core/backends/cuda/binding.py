@@ -1,0 +1,117 @@
+"""How CUDA kernels are bound to nodes: the backend's binder table, the Step a binder returns
+(a launch with every argument resolved, or a host-driven call such as a cuBLAS product), and the
+small helpers binders share to read shapes, strides and addresses off cupy arrays."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from ggrun.core.backends.binders import BinderTable
+
+TABLE = BinderTable()
+binds = TABLE.binds
+
+
+@dataclass
+class Step:
+    """One node's work: `run()` issues it on the current stream. Steps that call only ggrun's own
+    kernels can be captured into a CUDA graph; cuBLAS calls and cupy array code cannot."""
+
+    run: Callable[[], None]
+    capturable: bool = True
+    name: str = ""
+
+    def __call__(self) -> None:
+        self.run()
+
+
+@dataclass
+class Launch:
+    """A kernel launch with its grid, block, arguments and dynamic shared memory."""
+
+    kernel: Any
+    grid: tuple
+    block: tuple
+    args: tuple
+    smem: int = 0
+
+    def __call__(self) -> None:
+        self.kernel(self.grid, self.block, self.args, shared_mem=self.smem)
+
+
+@dataclass
+class Launches:
+    """Several launches run in order, as one step."""
+
+    items: list = field(default_factory=list)
+
+    def __call__(self) -> None:
+        for launch in self.items:
+            launch()
+
+
+def launch_step(name: str, *launches: Launch) -> Step:
+    return Step(launches[0] if len(launches) == 1 else Launches(list(launches)), True, name)
+
+
+def ptr(arr) -> np.uint64:
+    """Device address of an array's first element, as a kernel argument."""
+    return np.uint64(arr.data.ptr)
+
+
+NULL = np.uint64(0)
+
+
+def i64(x: int) -> np.int64:
+    return np.int64(x)
+
+
+def i32(x: int) -> np.int32:
+    return np.int32(x)
+
+
+def f32(x: float) -> np.float32:
+    return np.float32(x)
+
+
+def estrides(arr) -> tuple[int, ...]:
+    """Strides in elements."""
+    return tuple(s // arr.itemsize for s in arr.strides)
+
+
+def rows_of(arr) -> tuple[int, int, int] | None:
+    """(rows, n, row stride in elements) when arr is rows of n contiguous elements at a fixed
+    stride (its leading axes collapse into one), else None."""
+    if arr.ndim == 0 or (arr.strides[-1] != arr.itemsize and arr.shape[-1] > 1):
+        return None
+    n = arr.shape[-1]
+    if arr.ndim == 1:
+        return 1, n, n
+    strides = estrides(arr)
+    rows, ld = 1, strides[-2]
+    expect = ld
+    for size, stride in zip(reversed(arr.shape[:-1]), reversed(strides[:-1])):
+        if size > 1 and stride != expect:
+            return None
+        expect = expect * size
+        rows *= size
+    return rows, n, ld
+
+
+def pad4(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Shape and element strides padded in front to 4 axes, or None beyond 4."""
+    if len(shape) > 4:
+        return None
+    k = 4 - len(shape)
+    return (1,) * k + tuple(shape), (0,) * k + tuple(strides)
+
+
+def grid1d(n: int, block: int = 256) -> tuple[tuple, tuple]:
+    return (max(1, -(-n // block)),), (block,)
+
+
+def threads_for(n: int, most: int = 1024) -> int:
+    """A block size for a row of n elements: a multiple of 32 up to `most`."""
+    return max(32, min(most, -(-n // 32) * 32))

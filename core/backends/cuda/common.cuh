@@ -1,0 +1,166 @@
+// Shared by every ggrun CUDA kernel: scalar types, GGUF block layouts and their per-element decoders
+// (ggml's block_* structs, ggml-common.h), warp reductions. Type ids are ggml's type numbers.
+#include <cuda_fp16.h>
+
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+#define T_F32 0
+#define T_F16 1
+#define T_Q4_0 2
+#define T_Q4_1 3
+#define T_Q5_0 6
+#define T_Q5_1 7
+#define T_Q8_0 8
+#define T_Q2_K 10
+#define T_Q3_K 11
+#define T_Q4_K 12
+#define T_Q5_K 13
+#define T_Q6_K 14
+#define T_BF16 30
+
+// elements and bytes of one block of each type (a float type is a "block" of one element)
+template <int T> struct Block;
+template <> struct Block<T_F32>  { static const int QK = 1;   static const int BYTES = 4; };
+template <> struct Block<T_F16>  { static const int QK = 1;   static const int BYTES = 2; };
+template <> struct Block<T_BF16> { static const int QK = 1;   static const int BYTES = 2; };
+template <> struct Block<T_Q4_0> { static const int QK = 32;  static const int BYTES = 18; };
+template <> struct Block<T_Q4_1> { static const int QK = 32;  static const int BYTES = 20; };
+template <> struct Block<T_Q5_0> { static const int QK = 32;  static const int BYTES = 22; };
+template <> struct Block<T_Q5_1> { static const int QK = 32;  static const int BYTES = 24; };
+template <> struct Block<T_Q8_0> { static const int QK = 32;  static const int BYTES = 34; };
+template <> struct Block<T_Q2_K> { static const int QK = 256; static const int BYTES = 84; };
+template <> struct Block<T_Q3_K> { static const int QK = 256; static const int BYTES = 110; };
+template <> struct Block<T_Q4_K> { static const int QK = 256; static const int BYTES = 144; };
+template <> struct Block<T_Q5_K> { static const int QK = 256; static const int BYTES = 176; };
+template <> struct Block<T_Q6_K> { static const int QK = 256; static const int BYTES = 210; };
+
+__device__ __forceinline__ float ld_f16(const u8 *p) { return __half2float(*(const __half *)p); }
+__device__ __forceinline__ float bf16_to_f32(u16 b) { return __uint_as_float(((u32)b) << 16); }
+
+// 32 bits from a 2-byte aligned address (blocks of 18, 22 and 34 bytes align only to 2)
+__device__ __forceinline__ int ld_i32_a2(const u8 *p) {
+    const u16 *h = (const u16 *)p;
+    return (int)((u32)h[0] | ((u32)h[1] << 16));
+}
+
+// Q4_K / Q5_K: the six-bit scale and min of sub-block sb (ggml's get_scale_min_k4)
+__device__ __forceinline__ void k4_scale_min(const u8 *s, int sb, float &sc, float &m) {
+    if (sb < 4) {
+        sc = s[sb] & 63;
+        m = s[sb + 4] & 63;
+    } else {
+        sc = (s[sb + 4] & 0xF) | ((s[sb - 4] >> 6) << 4);
+        m = (s[sb + 4] >> 4) | ((s[sb] >> 6) << 4);
+    }
+}
+
+// element j of the block at b, as ggml's dequantize_row_* gives it
+template <int T> __device__ __forceinline__ float dq(const u8 *b, int j);
+template <> __device__ __forceinline__ float dq<T_F32>(const u8 *b, int j) { return *(const float *)b; }
+template <> __device__ __forceinline__ float dq<T_F16>(const u8 *b, int j) { return ld_f16(b); }
+template <> __device__ __forceinline__ float dq<T_BF16>(const u8 *b, int j) { return bf16_to_f32(*(const u16 *)b); }
+template <> __device__ __forceinline__ float dq<T_Q8_0>(const u8 *b, int j) { return ld_f16(b) * (float)(i8)b[2 + j]; }
+template <> __device__ __forceinline__ float dq<T_Q4_0>(const u8 *b, int j) {
+    int q = j < 16 ? (b[2 + j] & 0xF) : (b[2 + j - 16] >> 4);
+    return ld_f16(b) * (float)(q - 8);
+}
+template <> __device__ __forceinline__ float dq<T_Q4_1>(const u8 *b, int j) {
+    int q = j < 16 ? (b[4 + j] & 0xF) : (b[4 + j - 16] >> 4);
+    return ld_f16(b) * (float)q + ld_f16(b + 2);
+}
+template <> __device__ __forceinline__ float dq<T_Q5_0>(const u8 *b, int j) {
+    u32 qh = (u32)ld_i32_a2(b + 2);
+    int q = (j < 16 ? (b[6 + j] & 0xF) : (b[6 + j - 16] >> 4)) | (((qh >> j) & 1) << 4);
+    return ld_f16(b) * (float)(q - 16);
+}
+template <> __device__ __forceinline__ float dq<T_Q5_1>(const u8 *b, int j) {
+    u32 qh = *(const u32 *)(b + 4);
+    int q = (j < 16 ? (b[8 + j] & 0xF) : (b[8 + j - 16] >> 4)) | (((qh >> j) & 1) << 4);
+    return ld_f16(b) * (float)q + ld_f16(b + 2);
+}
+template <> __device__ __forceinline__ float dq<T_Q2_K>(const u8 *b, int j) {
+    int h = j >> 7, r = j & 127, k = r >> 5, l = r & 31;
+    int q = (b[16 + 32 * h + l] >> (2 * k)) & 3;
+    int sc = b[j >> 4];
+    return ld_f16(b + 80) * (float)(sc & 15) * (float)q - ld_f16(b + 82) * (float)(sc >> 4);
+}
+template <> __device__ __forceinline__ float dq<T_Q3_K>(const u8 *b, int j) {
+    int h = j >> 7, r = j & 127, k = r >> 5, l = r & 31;
+    int q = (b[32 + 32 * h + l] >> (2 * k)) & 3;
+    if (!((b[l] >> (4 * h + k)) & 1)) q -= 4;
+    int g = j >> 4;
+    const u8 *s = b + 96;
+    int lo = (s[g & 7] >> (4 * (g >> 3))) & 0xF;
+    int hi = (s[8 + (g & 3)] >> (2 * (g >> 2))) & 3;
+    return ld_f16(b + 108) * (float)((lo | (hi << 4)) - 32) * (float)q;
+}
+template <> __device__ __forceinline__ float dq<T_Q4_K>(const u8 *b, int j) {
+    int g = j >> 6, w = j & 63;
+    int q = w < 32 ? (b[16 + 32 * g + w] & 0xF) : (b[16 + 32 * g + w - 32] >> 4);
+    float sc, m;
+    k4_scale_min(b + 4, j >> 5, sc, m);
+    return ld_f16(b) * sc * (float)q - ld_f16(b + 2) * m;
+}
+template <> __device__ __forceinline__ float dq<T_Q5_K>(const u8 *b, int j) {
+    int g = j >> 6, w = j & 63, sb = j >> 5;
+    int q = w < 32 ? (b[48 + 32 * g + w] & 0xF) : (b[48 + 32 * g + w - 32] >> 4);
+    q |= ((b[16 + (j & 31)] >> sb) & 1) << 4;
+    float sc, m;
+    k4_scale_min(b + 4, sb, sc, m);
+    return ld_f16(b) * sc * (float)q - ld_f16(b + 2) * m;
+}
+template <> __device__ __forceinline__ float dq<T_Q6_K>(const u8 *b, int j) {
+    int half = j >> 7, r = j & 127, k = r >> 5, l = r & 31;
+    int byte = b[64 * half + l + 32 * (k & 1)];
+    int lo = k < 2 ? (byte & 0xF) : (byte >> 4);
+    int hi = (b[128 + 32 * half + l] >> (2 * k)) & 3;
+    return ld_f16(b + 208) * (float)(i8)b[192 + (j >> 4)] * (float)((lo | (hi << 4)) - 32);
+}
+
+// element `col` of a row of type T starting at `row`
+template <int T> __device__ __forceinline__ float dq_at(const u8 *row, int col) {
+    return dq<T>(row + (col / Block<T>::QK) * Block<T>::BYTES, col % Block<T>::QK);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    return v;
+}
+
+// the sum of v over a block of up to 1024 threads (every thread gets it); `sh` holds 32 floats
+__device__ __forceinline__ float block_sum(float v, float *sh) {
+    v = warp_sum(v);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    v = lane < (blockDim.x + 31) / 32 ? sh[lane] : 0.0f;
+    return warp_sum(v);
+}
+
+// load / store one element of a float tensor (T_F32, T_F16, T_BF16)
+template <int T> __device__ __forceinline__ float ld(const void *p, i64 i);
+template <> __device__ __forceinline__ float ld<T_F32>(const void *p, i64 i) { return ((const float *)p)[i]; }
+template <> __device__ __forceinline__ float ld<T_F16>(const void *p, i64 i) { return __half2float(((const __half *)p)[i]); }
+template <> __device__ __forceinline__ float ld<T_BF16>(const void *p, i64 i) { return bf16_to_f32(((const u16 *)p)[i]); }
+template <int T> __device__ __forceinline__ void st(void *p, i64 i, float v);
+template <> __device__ __forceinline__ void st<T_F32>(void *p, i64 i, float v) { ((float *)p)[i] = v; }
+template <> __device__ __forceinline__ void st<T_F16>(void *p, i64 i, float v) { ((__half *)p)[i] = __float2half(v); }
+template <> __device__ __forceinline__ void st<T_BF16>(void *p, i64 i, float v) {
+    u32 bits = __float_as_uint(v);
+    ((u16 *)p)[i] = (u16)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}

@@ -1,0 +1,89 @@
+// Element-wise ops over up to 4-d strided operands (strides in elements), results contiguous
+// unless said: copies and casts, broadcast add/mul, scale, activations, gated activations,
+// row writes into the KV cache, softmax rows.
+
+#define STRIDES4(p) i64 p##0, i64 p##1, i64 p##2, i64 p##3
+// offset of flat index i of a contiguous [*, n1, n2, n3] in an operand with strides s0..s3
+#define OFFSET4(i, s) ((i) / (n1 * n2 * n3) * s##0 + (i) / (n2 * n3) % n1 * s##1 + (i) / n3 % n2 * s##2 + (i) % n3 * s##3)
+
+// dst (strides d*) = src (strides s*), converting S to D
+template <int S, int D>
+__global__ void copy4(const void *src, void *dst, i64 n, i64 n1, i64 n2, i64 n3, STRIDES4(s), STRIDES4(d)) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    st<D>(dst, OFFSET4(i, d), ld<S>(src, OFFSET4(i, s)));
+}
+
+// out = a OP b, b broadcast by zero strides; OP 0 add, 1 mul
+template <int OP, int A, int B>
+__global__ void binary4(const void *a, const void *b, float *out, i64 n, i64 n1, i64 n2, i64 n3,
+                        STRIDES4(a), STRIDES4(b)) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float x = ld<A>(a, OFFSET4(i, a)), y = ld<B>(b, OFFSET4(i, b));
+    out[i] = OP == 0 ? x + y : x * y;
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float gelu(float x) {
+    const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+    return 0.5f * x * (1.0f + tanhf(c * x * (1.0f + 0.044715f * x * x)));
+}
+
+// out = f(a): 0 scale by s, 1 silu, 2 gelu
+template <int F>
+__global__ void unary4(const float *a, float *out, float s, i64 n, i64 n1, i64 n2, i64 n3, STRIDES4(a)) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float x = a[OFFSET4(i, a)];
+    out[i] = F == 0 ? x * s : F == 1 ? silu(x) : gelu(x);
+}
+
+// out[r, :] = act(g[r, :]) * u[r, :]: 1 silu (swiglu), 2 gelu (geglu)
+template <int F>
+__global__ void gated(const float *g, const float *u, float *out, int n, i64 rows, i64 ldg, i64 ldu) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * n) return;
+    i64 r = i / n, c = i % n;
+    float x = g[r * ldg + c];
+    out[i] = (F == 1 ? silu(x) : gelu(x)) * u[r * ldu + c];
+}
+
+// dst[idx[r], :] = src[r, :] (the KV cache write), converting f32 to D
+template <int D>
+__global__ void set_rows(const float *src, const int *idx, void *dst, int n, i64 rows, i64 lds, i64 ldd) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * n) return;
+    i64 r = i / n, c = i % n;
+    st<D>(dst, (i64)idx[r] * ldd + c, src[r * lds + c]);
+}
+
+// softmax(a * scale + mask) over rows of n; row r of the matrix uses mask row r % R (M: mask type, -1 none)
+template <int M>
+__global__ void soft_max(const float *a, const void *mask, float *out, int n, int R, i64 lda, i64 ldm, float scale) {
+    __shared__ float sh[32];
+    i64 r = blockIdx.x;
+    const float *x = a + r * lda;
+    float *o = out + r * (i64)n;
+    float mx = -INFINITY;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = x[i] * scale;
+        if constexpr (M >= 0) v += ld<M>(mask, (r % R) * ldm + i);
+        o[i] = v;
+        mx = fmaxf(mx, v);
+    }
+    mx = warp_max(mx);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = mx;
+    __syncthreads();
+    mx = -INFINITY;
+    for (int w = 0; w < (blockDim.x + 31) / 32; w++) mx = fmaxf(mx, sh[w]);
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float e = mx == -INFINITY ? 0.0f : expf(o[i] - mx);
+        o[i] = e;
+        s += e;
+    }
+    float inv = 1.0f / block_sum(s, sh);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) o[i] *= inv;
+}

@@ -1,0 +1,176 @@
+// Weight products. Few tokens (decode): activations quantized to q8_1 blocks and integer dot
+// products (__dp4a) against the legacy block types, as ggml's mmvq; other types decode their
+// blocks in the GEMV. Many tokens: weights decoded to f16 tiles for a cuBLAS GEMM (host side).
+
+struct block_q8_1 {
+    __half2 ds;  // scale d = amax / 127, and the sum of the block's original values
+    i8 qs[32];
+};
+
+// x [rows, ncols] (row stride ldx elements) -> y [rows, ncols / 32] q8_1 blocks; one warp per block
+extern "C" __global__ void quantize_q8_1(const float *x, block_q8_1 *y, int ncols, i64 ldx, int rows) {
+    i64 blk = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int nb = ncols / 32;
+    if (blk >= (i64)rows * nb) return;
+    int lane = threadIdx.x & 31;
+    i64 r = blk / nb, b = blk % nb;
+    float v = x[r * ldx + b * 32 + lane];
+    float amax = warp_max(fabsf(v));
+    float sum = warp_sum(v);
+    float d = amax / 127.0f;
+    y[blk].qs[lane] = amax == 0.0f ? 0 : (i8)roundf(v / d);
+    if (lane == 0) y[blk].ds = make_half2(__float2half(d), __float2half(sum));
+}
+
+// integer dot product of one weight block with one q8_1 block, scaled (ggml's vec_dot_*_q8_1)
+template <int T> __device__ __forceinline__ float vdot(const u8 *b, const block_q8_1 &y);
+
+template <> __device__ __forceinline__ float vdot<T_Q4_0>(const u8 *b, const block_q8_1 &y) {
+    const int *u = (const int *)y.qs;
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int v = ld_i32_a2(b + 2 + 4 * i);
+        s = __dp4a(v & 0x0F0F0F0F, u[i], s);
+        s = __dp4a((v >> 4) & 0x0F0F0F0F, u[i + 4], s);
+    }
+    float2 ds = __half22float2(y.ds);
+    return ld_f16(b) * ((float)s * ds.x - 8.0f * ds.y);
+}
+template <> __device__ __forceinline__ float vdot<T_Q4_1>(const u8 *b, const block_q8_1 &y) {
+    const int *u = (const int *)y.qs;
+    const int *q = (const int *)(b + 4);
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int v = q[i];
+        s = __dp4a(v & 0x0F0F0F0F, u[i], s);
+        s = __dp4a((v >> 4) & 0x0F0F0F0F, u[i + 4], s);
+    }
+    float2 ds = __half22float2(y.ds);
+    return ld_f16(b) * ds.x * (float)s + ld_f16(b + 2) * ds.y;
+}
+// the fifth bits of 4 consecutive elements starting at bit `from` of qh, placed at bit 4 of each byte
+__device__ __forceinline__ int q5_high(u32 qh, int from) {
+    u32 h = qh >> from;
+    return (int)(((h << 4) & 0x10) | ((h << 11) & 0x1000) | ((h << 18) & 0x100000) | ((h << 25) & 0x10000000));
+}
+template <> __device__ __forceinline__ float vdot<T_Q5_0>(const u8 *b, const block_q8_1 &y) {
+    const int *u = (const int *)y.qs;
+    u32 qh = (u32)ld_i32_a2(b + 2);
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int v = ld_i32_a2(b + 6 + 4 * i);
+        s = __dp4a((v & 0x0F0F0F0F) | q5_high(qh, 4 * i), u[i], s);
+        s = __dp4a(((v >> 4) & 0x0F0F0F0F) | q5_high(qh, 16 + 4 * i), u[i + 4], s);
+    }
+    float2 ds = __half22float2(y.ds);
+    return ld_f16(b) * ((float)s * ds.x - 16.0f * ds.y);
+}
+template <> __device__ __forceinline__ float vdot<T_Q5_1>(const u8 *b, const block_q8_1 &y) {
+    const int *u = (const int *)y.qs;
+    u32 qh = *(const u32 *)(b + 4);
+    const int *q = (const int *)(b + 8);
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int v = q[i];
+        s = __dp4a((v & 0x0F0F0F0F) | q5_high(qh, 4 * i), u[i], s);
+        s = __dp4a(((v >> 4) & 0x0F0F0F0F) | q5_high(qh, 16 + 4 * i), u[i + 4], s);
+    }
+    float2 ds = __half22float2(y.ds);
+    return ld_f16(b) * ds.x * (float)s + ld_f16(b + 2) * ds.y;
+}
+template <> __device__ __forceinline__ float vdot<T_Q8_0>(const u8 *b, const block_q8_1 &y) {
+    const int *u = (const int *)y.qs;
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) s = __dp4a(ld_i32_a2(b + 2 + 4 * i), u[i], s);
+    return ld_f16(b) * __low2float(y.ds) * (float)s;
+}
+
+// out[c, row] = W[row] . y[c] for NC token rows; a warp per weight row, its lanes over the blocks
+template <int T, int NC>
+__global__ void mmvq(const u8 *w, const block_q8_1 *y, float *out, int ncols, i64 row_bytes, int rows, i64 ldo) {
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (row >= rows) return;
+    int lane = threadIdx.x & 31, nb = ncols / 32;
+    const u8 *wr = w + row * row_bytes;
+    float acc[NC];
+#pragma unroll
+    for (int c = 0; c < NC; c++) acc[c] = 0.0f;
+    for (int b = lane; b < nb; b += 32) {
+        const u8 *blk = wr + (i64)b * Block<T>::BYTES;
+#pragma unroll
+        for (int c = 0; c < NC; c++) acc[c] += vdot<T>(blk, y[(i64)c * nb + b]);
+    }
+#pragma unroll
+    for (int c = 0; c < NC; c++) {
+        float v = warp_sum(acc[c]);
+        if (lane == 0) out[c * ldo + row] = v;
+    }
+}
+
+// the same product for any weight type against f32 activations x [NC, ncols] (row stride ldx):
+// the lanes decode consecutive elements
+template <int T, int NC>
+__global__ void gemv(const u8 *w, const float *x, float *out, int ncols, i64 row_bytes, i64 ldx, int rows, i64 ldo) {
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (row >= rows) return;
+    int lane = threadIdx.x & 31;
+    const u8 *wr = w + row * row_bytes;
+    float acc[NC];
+#pragma unroll
+    for (int c = 0; c < NC; c++) acc[c] = 0.0f;
+    for (int e = lane; e < ncols; e += 32) {
+        float v = dq_at<T>(wr, e);
+#pragma unroll
+        for (int c = 0; c < NC; c++) acc[c] += v * x[c * ldx + e];
+    }
+#pragma unroll
+    for (int c = 0; c < NC; c++) {
+        float v = warp_sum(acc[c]);
+        if (lane == 0) out[c * ldo + row] = v;
+    }
+}
+
+// rows [r0, r0 + n) of a weight decoded to f16, contiguous (a GEMM tile); thread per element
+template <int T>
+__global__ void dequant_f16(const u8 *w, __half *dst, int ncols, i64 row_bytes, i64 r0, i64 n) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n * ncols) return;
+    i64 r = r0 + i / ncols;
+    dst[i] = __float2half(dq_at<T>(w + r * row_bytes, (int)(i % ncols)));
+}
+
+// f32 rows [n, ncols] (row stride ldx) to contiguous f16 (the GEMM's activations)
+extern "C" __global__ void f32_to_f16(const float *x, __half *dst, int ncols, i64 ldx, i64 n) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n * ncols) return;
+    dst[i] = __float2half(x[(i / ncols) * ldx + i % ncols]);
+}
+
+// out[r, :] = row ids[r] of a (any type) as f32: embeddings
+template <int T>
+__global__ void get_rows(const u8 *a, const int *ids, float *out, int ncols, i64 row_bytes, i64 n, i64 ldo) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n * ncols) return;
+    i64 r = i / ncols;
+    int c = (int)(i % ncols);
+    out[r * ldo + c] = dq_at<T>(a + (i64)ids[r] * row_bytes, c);
+}
+
+// products of float operands with any strides (attention without the fused op):
+// out[b, n, m] = sum_k a[b / r, m, k] * b[b, n, k]; thread per output, k in a loop
+template <int TA, int TB>
+__global__ void mul_mat_float(const void *a, const void *bm, float *out, int M, int N, int K, int B, int r,
+                              i64 sa0, i64 sa1, i64 sa2, i64 sb0, i64 sb1, i64 sb2) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (i64)B * N * M) return;
+    int m = (int)(i % M), n = (int)((i / M) % N), b = (int)(i / ((i64)M * N));
+    i64 oa = (i64)(b / r) * sa0 + (i64)m * sa1, ob = (i64)b * sb0 + (i64)n * sb1;
+    float s = 0.0f;
+    for (int k = 0; k < K; k++) s += ld<TA>(a, oa + k * sa2) * ld<TB>(bm, ob + k * sb2);
+    out[i] = s;
+}

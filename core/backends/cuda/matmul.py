@@ -1,0 +1,167 @@
+"""Which CUDA kernels run `mul_mat` and `get_rows`.
+
+A weight (a 2-d tensor in any stored type) times up to GEMV_MAX_ROWS token rows: the legacy block
+types quantize the activations to q8_1 blocks in the node's scratch and take integer dot products
+(mmvq, as ggml's CUDA backend); other types decode their blocks inside the product (gemv). More
+token rows: the weight is decoded to f16 one tile of rows at a time into scratch and multiplied
+by cuBLAS (f32 accumulation), the activations converted to f16 once. Products of two float
+operands (attention without the fused op) run a plain strided kernel.
+"""
+from __future__ import annotations
+
+import numpy as np
+from cupy.cuda import cublas, device
+
+from ggrun.core.backends.cuda.binding import (Launch, Step, binds, estrides, grid1d, i32, i64, launch_step, ptr,
+                                              rows_of)
+from ggrun.core.backends.cuda.module import DP4A_TYPES, GEMV_COLS, TYPE_IDS, kernel
+from ggrun.core.dtypes import DType
+from ggrun.core.tensor import Tensor
+
+GEMV_MAX_ROWS = 8
+Q8_1_BYTES = 36  # one block of 32 activations: f16 scale and sum, 32 int8
+TILE_BYTES = 32 << 20  # f16 bytes of one decoded weight tile
+WARPS = 4
+CUDA_R_16F, CUDA_R_32F, CUBLAS_COMPUTE_32F = 2, 0, 68
+_ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)
+
+
+def _weight_case(node: Tensor) -> tuple[int, int, int] | None:
+    """(M, K, N) of a weight product this module runs, else None."""
+    a, b = node.srcs
+    if len(a.shape) != 2 or a.dtype.name not in TYPE_IDS or b.dtype is not DType.F32 or not a.is_contiguous:
+        return None
+    if a.dtype.is_quantized and a.shape[1] % a.dtype.block_size:
+        return None
+    m, k = a.shape
+    return m, k, int(np.prod(b.shape[:-1], dtype=np.int64))
+
+
+def _tile_rows(m: int, k: int) -> int:
+    return min(m, max(256, TILE_BYTES // (2 * k) // 256 * 256))
+
+
+def _scratch(node: Tensor) -> int:
+    case = _weight_case(node)
+    if case is None:
+        return 0
+    m, k, n = case
+    if n <= GEMV_MAX_ROWS:
+        return n * (k // 32) * Q8_1_BYTES if node.srcs[0].dtype.name in DP4A_TYPES and k % 32 == 0 else 0
+    return (_tile_rows(m, k) + n) * k * 2
+
+
+def _chunks(n: int) -> list[int]:
+    """n token rows as a sum of the row counts the product kernels are built for."""
+    out = []
+    for c in sorted(GEMV_COLS, reverse=True):
+        while n >= c:
+            out.append(c)
+            n -= c
+    return out
+
+
+@binds("mul_mat", scratch=_scratch)
+def _weight_product(node: Tensor, out, srcs, scratch, backend):
+    case = _weight_case(node)
+    b = rows_of(srcs[1])
+    if case is None or b is None or not out.flags.c_contiguous:
+        return None
+    m, k, n = case
+    if n <= GEMV_MAX_ROWS:
+        return _gemv(node, out, srcs, scratch, m, k, n, b[2])
+    return _gemm(node, out, srcs, scratch, backend, m, k, n, b[2])
+
+
+def _gemv(node: Tensor, out, srcs, scratch, m: int, k: int, n: int, ldb: int) -> Step:
+    a, b = srcs
+    qt = node.srcs[0].dtype
+    t = TYPE_IDS[qt.name]
+    row_bytes = qt.row_bytes(k)
+    grid = (-(-m // WARPS),)
+    launches = []
+    if qt.name in DP4A_TYPES and k % 32 == 0:
+        quantize = kernel("matmul.cu", "quantize_q8_1")
+        blocks = n * (k // 32)
+        launches.append(Launch(quantize, (-(-blocks // 8),), (256,), (ptr(b), ptr(scratch), i32(k), i64(ldb), i32(n))))
+        row0 = 0
+        for c in _chunks(n):
+            y = np.uint64(scratch.data.ptr + row0 * (k // 32) * Q8_1_BYTES)
+            o = np.uint64(out.data.ptr + row0 * m * 4)
+            launches.append(Launch(kernel("matmul.cu", f"mmvq<{t}, {c}>"), grid, (32 * WARPS,),
+                                   (ptr(a), y, o, i32(k), i64(row_bytes), i32(m), i64(m))))
+            row0 += c
+    else:
+        row0 = 0
+        for c in _chunks(n):
+            x = np.uint64(b.data.ptr + row0 * ldb * 4)
+            o = np.uint64(out.data.ptr + row0 * m * 4)
+            launches.append(Launch(kernel("matmul.cu", f"gemv<{t}, {c}>"), grid, (32 * WARPS,),
+                                   (ptr(a), x, o, i32(k), i64(row_bytes), i64(ldb), i32(m), i64(m))))
+            row0 += c
+    return launch_step("mul_mat", *launches)
+
+
+def _gemm(node: Tensor, out, srcs, scratch, backend, m: int, k: int, n: int, ldb: int) -> Step:
+    """Decode the weight tile by tile to f16 and multiply with cuBLAS: out [n, m] = b [n, k] a^T."""
+    a, b = srcs
+    qt = node.srcs[0].dtype
+    dequant = kernel("matmul.cu", f"dequant_f16<{TYPE_IDS[qt.name]}>")
+    to_f16 = kernel("matmul.cu", "f32_to_f16")
+    tile = _tile_rows(m, k)
+    w16 = scratch.data.ptr
+    b16 = scratch.data.ptr + tile * k * 2
+    row_bytes = qt.row_bytes(k)
+
+    def run() -> None:
+        handle = device.get_cublas_handle()
+        cublas.setStream(handle, backend.stream.ptr)
+        grid, block = grid1d(n * k)
+        to_f16(grid, block, (ptr(b), np.uint64(b16), i32(k), i64(ldb), i64(n)))
+        for r0 in range(0, m, tile):
+            rows = min(tile, m - r0)
+            grid, block = grid1d(rows * k)
+            dequant(grid, block, (ptr(a), np.uint64(w16), i32(k), i64(row_bytes), i64(r0), i64(rows)))
+            # column-major: C (rows x n, ld m) = W^T (rows x k) . B (k x n)
+            cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, rows, n, k, _ONE.ctypes.data,
+                          w16, CUDA_R_16F, k, b16, CUDA_R_16F, k, _ZERO.ctypes.data,
+                          out.data.ptr + r0 * 4, CUDA_R_32F, m, CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+    return Step(run, capturable=False, name="mul_mat (cuBLAS)")
+
+
+@binds("mul_mat")
+def _float_product(node: Tensor, out, srcs, scratch, backend):
+    """out[b, n, m] = sum_k a[b // r, m, k] * b[b, n, k] for float operands of up to 3 axes."""
+    a, b = srcs
+    ta, tb = node.srcs[0].dtype, node.srcs[1].dtype
+    if ta.is_quantized or a.ndim not in (2, 3) or b.ndim != a.ndim or not out.flags.c_contiguous:
+        return None
+    if ta.name not in ("F32", "F16", "BF16") or tb.name not in ("F32", "F16", "BF16"):
+        return None
+    sa, sb = estrides(a), estrides(b)
+    if a.ndim == 2:
+        sa, sb = (0,) + sa, (0,) + sb
+    nb = b.shape[0] if b.ndim == 3 else 1
+    na = a.shape[0] if a.ndim == 3 else 1
+    m, kk, n = a.shape[-2], a.shape[-1], b.shape[-2]
+    fn = kernel("matmul.cu", f"mul_mat_float<{TYPE_IDS[ta.name]}, {TYPE_IDS[tb.name]}>")
+    grid, block = grid1d(nb * n * m)
+    args = (ptr(a), ptr(b), ptr(out), i32(m), i32(n), i32(kk), i32(nb), i32(nb // na),
+            *map(i64, sa), *map(i64, sb))
+    return launch_step("mul_mat", Launch(fn, grid, block, args))
+
+
+@binds("get_rows")
+def _get_rows(node: Tensor, out, srcs, scratch, backend):
+    a, ids = srcs
+    at = node.srcs[0].dtype
+    if len(node.srcs[0].shape) != 2 or at.name not in TYPE_IDS or out.ndim != 2 or not out.flags.c_contiguous:
+        return None
+    if not node.srcs[0].is_contiguous or ids.ndim != 1:
+        return None
+    n, ncols = out.shape
+    row_bytes = at.row_bytes(ncols)
+    fn = kernel("matmul.cu", f"get_rows<{TYPE_IDS[at.name]}>")
+    grid, block = grid1d(n * ncols)
+    return launch_step("get_rows", Launch(fn, grid, block, (ptr(a), ptr(ids), ptr(out), i32(ncols), i64(row_bytes),
+                                                            i64(n), i64(ncols))))

@@ -1,0 +1,63 @@
+"""ggrun's CUDA C kernels: the .cu sources beside this file, each compiled once (with common.cuh
+in front) through cupy's RawModule, whose on-disk cache keeps the compiled code between runs.
+A source is compiled the first time one of its kernels is asked for, never per call.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import cupy
+
+HERE = Path(__file__).parent
+OPTIONS = ("-std=c++17", "--use_fast_math")
+
+# ggml's type numbers, as the kernels' template arguments spell them (common.cuh)
+TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10,
+            "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30}
+FLOATS = ("F32", "F16", "BF16")
+DP4A_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # decode products through q8_1 and __dp4a
+GEMV_COLS = (1, 2, 4, 8)  # token rows one product kernel serves; other counts are sums of these
+FA_EPL = (1, 2, 4, 8)  # head-dimension elements per lane of flash_attn (head dims up to 256)
+NO_WEIGHT = -1
+
+
+def _t(name: str) -> int:
+    return TYPE_IDS[name]
+
+
+def _instances() -> dict[str, list[str]]:
+    """The template instantiations each source provides (NVRTC compiles only what is named)."""
+    weights = list(TYPE_IDS)
+    norm_w = [NO_WEIGHT] + [_t(f) for f in FLOATS]
+    return {
+        "matmul.cu": [f"mmvq<{_t(q)}, {c}>" for q in DP4A_TYPES for c in GEMV_COLS]
+        + [f"gemv<{_t(q)}, {c}>" for q in weights for c in GEMV_COLS]
+        + [f"dequant_f16<{_t(q)}>" for q in weights] + [f"get_rows<{_t(q)}>" for q in weights]
+        + [f"mul_mat_float<{_t(a)}, {_t(b)}>" for a in FLOATS for b in FLOATS],
+        "norm.cu": [f"rms_norm<{w}>" for w in norm_w]
+        + [f"add_rms_norm<{_t(w)}, {p}>" for w in FLOATS for p in ("false", "true")],
+        "rope.cu": [f"rope<{w}>" for w in norm_w]
+        + [f"rope_set_rows<{w}, {_t(d)}>" for w in norm_w for d in FLOATS],
+        "elementwise.cu": [f"copy4<{_t(s)}, {_t(d)}>" for s in FLOATS for d in FLOATS]
+        + [f"binary4<{op}, {_t(a)}, {_t(b)}>" for op in (0, 1) for a in FLOATS for b in FLOATS]
+        + [f"unary4<{f}>" for f in (0, 1, 2)] + [f"gated<{f}>" for f in (1, 2)]
+        + [f"set_rows<{_t(d)}>" for d in FLOATS] + [f"soft_max<{m}>" for m in (NO_WEIGHT, 0, 1)],
+        "attention.cu": [f"flash_attn<{_t(k)}, {e}>" for k in FLOATS for e in FA_EPL],
+    }
+
+
+INSTANCES = _instances()
+
+
+@lru_cache(maxsize=None)
+def module(source: str) -> cupy.RawModule:
+    code = (HERE / "common.cuh").read_text() + "\n" + (HERE / source).read_text()
+    return cupy.RawModule(code=code, options=OPTIONS, name_expressions=INSTANCES.get(source, []))
+
+
+@lru_cache(maxsize=None)
+def kernel(source: str, name: str) -> cupy.RawKernel:
+    """Kernel `name` (a plain name, or a template instance spelled as in INSTANCES) of `source`."""
+    mod = module(source)
+    return mod.get_function(name)

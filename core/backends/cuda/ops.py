@@ -1,0 +1,302 @@
+"""Which CUDA kernel runs each node that is not a weight product: copies and casts, element-wise
+ops, norms (fused with their weight and residual add), RoPE (fused with per-head norms, output
+scale, the cache write), cache row writes, softmax, fused attention. Each binder returns None
+for a case its kernel does not cover, and the node then runs the shared array kernel."""
+from __future__ import annotations
+
+from ggrun.core.backends.cuda.binding import (NULL, Launch, binds, estrides, f32, grid1d, i32, i64, launch_step,
+                                              pad4, ptr, rows_of, threads_for)
+from ggrun.core.backends.cuda.module import FA_EPL, NO_WEIGHT, TYPE_IDS, kernel
+from ggrun.core.dtypes import DType
+from ggrun.core.ops import ROPE_NEOX
+from ggrun.core.tensor import Tensor
+
+FLOAT_TYPES = (DType.F32, DType.F16, DType.BF16)
+
+
+def _tid(dtype: DType) -> int:
+    return TYPE_IDS[dtype.name]
+
+
+def _is_float(*dtypes: DType) -> bool:
+    return all(d in FLOAT_TYPES for d in dtypes)
+
+
+def _weight_id(node: Tensor, i: int) -> int | None:
+    """Template id of an optional 1-d float weight source (NO_WEIGHT when absent), None if unusable."""
+    if i >= len(node.srcs):
+        return NO_WEIGHT
+    w = node.srcs[i]
+    return _tid(w.dtype) if _is_float(w.dtype) and len(w.shape) == 1 and w.is_contiguous else None
+
+
+# ---- copies and element-wise --------------------------------------------------------------------
+
+
+def _copy(node: Tensor, out, srcs, scratch, backend):
+    src = srcs[0]
+    if not _is_float(node.srcs[0].dtype, node.dtype):
+        return None
+    if src.shape != out.shape:
+        if not (src.flags.c_contiguous and out.flags.c_contiguous) or src.size != out.size:
+            return None
+        src, out = src.reshape(-1), out.reshape(-1)
+    sp, op = pad4(src.shape, estrides(src)), pad4(out.shape, estrides(out))
+    if sp is None or op is None:
+        return None
+    (_, n1, n2, n3), ss = sp
+    _, ds = op
+    k = kernel("elementwise.cu", f"copy4<{_tid(node.srcs[0].dtype)}, {_tid(node.dtype)}>")
+    grid, block = grid1d(out.size)
+    args = (ptr(src), ptr(out), i64(out.size), i64(n1), i64(n2), i64(n3), *map(i64, ss), *map(i64, ds))
+    return launch_step(node.op, Launch(k, grid, block, args))
+
+
+for _op in ("cont", "cast", "cpy", "copy"):
+    binds(_op)(_copy)
+
+
+def _binary(code: int):
+    def bind(node: Tensor, out, srcs, scratch, backend):
+        a, b = srcs
+        if not _is_float(node.srcs[0].dtype, node.srcs[1].dtype) or a.shape != out.shape:
+            return None
+        ap = pad4(a.shape, estrides(a))
+        if ap is None or b.ndim > a.ndim:
+            return None
+        (_, n1, n2, n3), sa = ap
+        bshape = (1,) * (4 - b.ndim) + b.shape
+        bstr = (0,) * (4 - b.ndim) + estrides(b)
+        sb = tuple(0 if size == 1 else s for size, s in zip(bshape, bstr))
+        if any(x != y and x != 1 for x, y in zip(bshape, (1,) * (4 - a.ndim) + a.shape)):
+            return None
+        k = kernel("elementwise.cu", f"binary4<{code}, {_tid(node.srcs[0].dtype)}, {_tid(node.srcs[1].dtype)}>")
+        grid, block = grid1d(out.size)
+        args = (ptr(a), ptr(b), ptr(out), i64(out.size), i64(n1), i64(n2), i64(n3), *map(i64, sa), *map(i64, sb))
+        return launch_step(node.op, Launch(k, grid, block, args))
+    return bind
+
+
+binds("add")(_binary(0))
+binds("mul")(_binary(1))
+
+UNARY = {"scale": 0, "silu": 1, "gelu": 2}
+
+
+def _unary(node: Tensor, out, srcs, scratch, backend):
+    a = srcs[0]
+    ap = pad4(a.shape, estrides(a))
+    if node.srcs[0].dtype is not DType.F32 or ap is None or a.shape != out.shape:
+        return None
+    (_, n1, n2, n3), sa = ap
+    k = kernel("elementwise.cu", f"unary4<{UNARY[node.op]}>")
+    grid, block = grid1d(out.size)
+    args = (ptr(a), ptr(out), f32(node.params.get("s", 1.0)), i64(out.size), i64(n1), i64(n2), i64(n3),
+            *map(i64, sa))
+    return launch_step(node.op, Launch(k, grid, block, args))
+
+
+for _op in UNARY:
+    binds(_op)(_unary)
+
+
+def _gated(act: int):
+    def bind(node: Tensor, out, srcs, scratch, backend):
+        g, u = (rows_of(x) for x in srcs)
+        if g is None or u is None or any(s.dtype is not DType.F32 for s in node.srcs) or not out.flags.c_contiguous:
+            return None
+        rows, n, ldg = g
+        k = kernel("elementwise.cu", f"gated<{act}>")
+        grid, block = grid1d(rows * n)
+        args = (ptr(srcs[0]), ptr(srcs[1]), ptr(out), i32(n), i64(rows), i64(ldg), i64(u[2]))
+        return launch_step(node.op, Launch(k, grid, block, args))
+    return bind
+
+
+binds("swiglu")(_gated(1))
+binds("geglu")(_gated(2))
+
+
+@binds("set_rows")
+def _set_rows(node: Tensor, out, srcs, scratch, backend):
+    _, rows, idx = srcs
+    src = rows_of(rows)
+    if src is None or node.srcs[1].dtype is not DType.F32 or not _is_float(node.dtype) or out.ndim != 2:
+        return None
+    n_rows, n, lds = src
+    if n != out.shape[1] or out.strides[1] != out.itemsize:
+        return None
+    k = kernel("elementwise.cu", f"set_rows<{_tid(node.dtype)}>")
+    grid, block = grid1d(n_rows * n)
+    args = (ptr(rows), ptr(idx), ptr(out), i32(n), i64(n_rows), i64(lds), i64(estrides(out)[0]))
+    return launch_step(node.op, Launch(k, grid, block, args))
+
+
+@binds("soft_max")
+def _soft_max(node: Tensor, out, srcs, scratch, backend):
+    a = rows_of(srcs[0])
+    if a is None or node.srcs[0].dtype is not DType.F32 or not out.flags.c_contiguous:
+        return None
+    rows, n, lda = a
+    mask, mid, ldm = NULL, NO_WEIGHT, 0
+    if len(srcs) > 1:
+        m = srcs[1]
+        if not _is_float(node.srcs[1].dtype) or m.strides[-1] != m.itemsize:
+            return None
+        mask, mid, ldm = ptr(m), _tid(node.srcs[1].dtype), estrides(m)[0]
+    k = kernel("elementwise.cu", f"soft_max<{mid}>")
+    args = (ptr(srcs[0]), mask, ptr(out), i32(n), i32(srcs[0].shape[-2] if srcs[0].ndim > 1 else 1), i64(lda),
+            i64(ldm), f32(node.params["scale"]))
+    return launch_step(node.op, Launch(k, (rows,), (threads_for(n, 256),), args))
+
+
+# ---- norms ------------------------------------------------------------------------------------
+
+
+def _rms_norm(node: Tensor, out, srcs, scratch, backend):
+    x, o = rows_of(srcs[0]), rows_of(out)
+    wid = _weight_id(node, 1)
+    if x is None or o is None or wid is None or node.srcs[0].dtype is not DType.F32:
+        return None
+    rows, n, ldx = x
+    if wid != NO_WEIGHT and node.srcs[1].shape[0] != n:
+        return None
+    k = kernel("norm.cu", f"rms_norm<{wid}>")
+    args = (ptr(srcs[0]), ptr(srcs[1]) if wid != NO_WEIGHT else NULL, ptr(out), i32(n), i64(ldx), i64(o[2]),
+            f32(node.params["eps"]))
+    return launch_step(node.op, Launch(k, (rows,), (threads_for(n, 512),), args))
+
+
+binds("rms_norm")(_rms_norm)
+binds("rms_norm_mul")(_rms_norm)
+
+
+@binds("norm")
+def _norm(node: Tensor, out, srcs, scratch, backend):
+    x, o = rows_of(srcs[0]), rows_of(out)
+    if x is None or o is None or node.srcs[0].dtype is not DType.F32:
+        return None
+    rows, n, ldx = x
+    k = kernel("norm.cu", "layer_norm")
+    args = (ptr(srcs[0]), ptr(out), i32(n), i64(ldx), i64(o[2]), f32(node.params["eps"]))
+    return launch_step(node.op, Launch(k, (rows,), (threads_for(n, 512),), args))
+
+
+@binds("add_rms_norm")
+def _add_rms_norm(node: Tensor, out, srcs, scratch, backend):
+    x, h = srcs[:2]
+    post = len(srcs) > 3
+    wid = _weight_id(node, 2)
+    if (not (x.flags.c_contiguous and h.flags.c_contiguous and out.flags.c_contiguous) or wid in (None, NO_WEIGHT)
+            or any(s.dtype is not DType.F32 for s in node.srcs[:2])):
+        return None
+    if post and (_weight_id(node, 3) != wid):
+        return None
+    n = x.shape[-1]
+    rows = x.size // n
+    k = kernel("norm.cu", f"add_rms_norm<{wid}, {'true' if post else 'false'}>")
+    args = (ptr(x), ptr(h), ptr(srcs[2]), ptr(srcs[3]) if post else NULL, ptr(out), i32(n), i64(rows),
+            f32(node.params["eps"]))
+    return launch_step(node.op, Launch(k, (rows,), (threads_for(n, 512),), args))
+
+
+# ---- RoPE ------------------------------------------------------------------------------------
+
+
+def _rope_params(node: Tensor, d: int, heads: int, out_scale: float) -> tuple:
+    p = node.params
+    n_dims = p["n_dims"]
+    theta_scale = p["freq_base"] ** (-2.0 / n_dims)
+    return (i32(n_dims), i32(d), i32(heads), i32(p["mode"] == ROPE_NEOX), f32(theta_scale), f32(p["freq_scale"]),
+            f32(out_scale), f32(p.get("eps", 0.0)))
+
+
+def _heads(a) -> tuple[int, int, int, int] | None:
+    """(tokens, heads, head dim, token stride) of a [tokens, heads, dim] whose heads lie back to back."""
+    if a.ndim != 3 or a.strides[2] != a.itemsize or (a.shape[1] > 1 and a.strides[1] != a.shape[2] * a.itemsize):
+        return None
+    return a.shape[0], a.shape[1], a.shape[2], estrides(a)[0]
+
+
+@binds("rope")
+def _rope(node: Tensor, out, srcs, scratch, backend):
+    a = _heads(srcs[0])
+    wid = _weight_id(node, 2)
+    if a is None or wid is None or node.srcs[0].dtype is not DType.F32 or not out.flags.c_contiguous:
+        return None
+    t, heads, d, lda = a
+    k = kernel("rope.cu", f"rope<{wid}>")
+    args = (ptr(srcs[0]), ptr(srcs[1]), ptr(srcs[2]) if wid != NO_WEIGHT else NULL, ptr(out), i64(lda),
+            *_rope_params(node, d, heads, node.params.get("out_scale", 1.0)))
+    return launch_step(node.op, Launch(k, (t * heads,), (threads_for(node.params["n_dims"] // 2, 512),), args))
+
+
+@binds("rope_set_rows")
+def _rope_set_rows(node: Tensor, out, srcs, scratch, backend):
+    dst, a_arr, idx, pos = srcs[:4]
+    a = _heads(a_arr)
+    wid = _weight_id(node, 4)
+    if (a is None or wid is None or node.srcs[1].dtype is not DType.F32 or not _is_float(node.dtype)
+            or out.ndim != 2 or out.strides[1] != out.itemsize):
+        return None
+    t, heads, d, lda = a
+    k = kernel("rope.cu", f"rope_set_rows<{wid}, {_tid(node.dtype)}>")
+    args = (ptr(a_arr), ptr(pos), ptr(idx), ptr(srcs[4]) if wid != NO_WEIGHT else NULL, ptr(out), i64(lda),
+            i64(estrides(out)[0]), *_rope_params(node, d, heads, 1.0))
+    return launch_step(node.op, Launch(k, (t * heads,), (threads_for(node.params["n_dims"] // 2, 512),), args))
+
+
+# ---- attention -------------------------------------------------------------------------------
+
+FA_ROWS, FA_KEYS, FA_THREADS = 8, 32, 128
+SM_TARGET = 264  # blocks that keep an H100's 132 multiprocessors busy
+
+
+def flash_split(node: Tensor) -> int:
+    """Key chunks of a fused attention (flash-decoding when few query rows fill few blocks)."""
+    hq, t, _ = node.srcs[0].shape
+    hk, n_kv, _ = node.srcs[1].shape
+    blocks = -(-t * (hq // hk) // FA_ROWS) * hk
+    if blocks >= SM_TARGET // 2:
+        return 1
+    return max(1, min(-(-n_kv // (2 * FA_KEYS)), -(-SM_TARGET // blocks)))
+
+
+def _fa_scratch(node: Tensor) -> int:
+    split = flash_split(node)
+    hq, t, d = node.srcs[0].shape
+    return 0 if split == 1 else split * t * hq * (d + 2) * 4
+
+
+@binds("flash_attn", scratch=_fa_scratch)
+def _flash_attn(node: Tensor, out, srcs, scratch, backend):
+    q, k, v, mask = srcs
+    hq, t, d = q.shape
+    hk, n_kv, _ = k.shape
+    epl = -(-d // 32)
+    kt = node.srcs[1].dtype
+    if (epl not in FA_EPL or node.srcs[0].dtype is not DType.F32 or node.srcs[2].dtype is not kt
+            or not _is_float(kt) or node.srcs[3].dtype is not DType.F16 or not out.flags.c_contiguous
+            or any(x.strides[-1] != x.itemsize for x in (q, k, v, mask))):
+        return None
+    r = hq // hk
+    split = flash_split(node)
+    chunk = -(-n_kv // split)
+    chunk = -(-chunk // FA_KEYS) * FA_KEYS
+    split = -(-n_kv // chunk)
+    fa = kernel("attention.cu", f"flash_attn<{_tid(kt)}, {epl}>")
+    smem = (2 * FA_KEYS + FA_ROWS) * (d + 1) * 4
+    fa.max_dynamic_shared_size_bytes = max(fa.max_dynamic_shared_size_bytes, smem)
+    part = ptr(scratch) if split > 1 else NULL
+    sq, sk, sv = estrides(q), estrides(k), estrides(v)
+    args = (ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), part, i32(d), i32(t), i32(r), i32(n_kv), i32(chunk),
+            i64(sq[0]), i64(sq[1]), i64(sk[0]), i64(sk[1]), i64(sv[0]), i64(sv[1]), i64(estrides(mask)[0]),
+            f32(node.params["scale"]))
+    grid = (-(-t * r // FA_ROWS), hk, split)
+    launches = [Launch(fa, grid, (FA_THREADS,), args, smem)]
+    if split > 1:
+        combine = kernel("attention.cu", "attn_combine")
+        launches.append(Launch(combine, (t * hq,), (threads_for(d, 256),), (part, ptr(out), i32(d), i32(t * hq),
+                                                                           i32(split))))
+    return launch_step(node.op, *launches)
+

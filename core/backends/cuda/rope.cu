@@ -1,0 +1,71 @@
+// Rotary position embedding, optionally after a per-head rms_norm (gemma3's q/k norms) and
+// before an output scale, or written straight into a KV-cache row. A block per (token, head),
+// a thread per rotated pair; angles in f32 as ggml's CUDA rope computes them.
+
+struct RopeArgs {
+    int n_dims, d, heads, neox;
+    float theta_scale, freq_scale, out_scale, eps;
+};
+
+#define ROPE_PARAMS int n_dims, int d, int heads, int neox, float theta_scale, float freq_scale, float out_scale, float eps
+#define ROPE_ARGS RopeArgs{n_dims, d, heads, neox, theta_scale, freq_scale, out_scale, eps}
+
+// rotate head (t, h) of a (row stride lda per token, d per head) at position pos[t]; the result's
+// element e goes to put(e, value). With W >= 0 the head is rms_norm'ed and multiplied by w first.
+// Launched with max(32, n_dims / 2) threads: thread i rotates pair i.
+template <int W, typename Put>
+__device__ __forceinline__ void rope_head(const float *a, const int *pos, const void *w, const RopeArgs &p,
+                                          i64 lda, Put put) {
+    __shared__ float sh[32];
+    int t = blockIdx.x / p.heads, h = blockIdx.x % p.heads;
+    const float *x = a + t * lda + (i64)h * p.d;
+    float inv = 1.0f;
+    if constexpr (W >= 0) {
+        float s = 0.0f;
+        for (int i = threadIdx.x; i < p.d; i += blockDim.x) s += x[i] * x[i];
+        inv = rsqrtf(block_sum(s, sh) / p.d + p.eps);
+    }
+    auto in = [&](int e) {
+        float v = x[e];
+        if constexpr (W >= 0) v = v * inv * ld<W>(w, e);
+        return v;
+    };
+    int i = threadIdx.x;
+    bool active = i < p.n_dims / 2;
+    int e0 = p.neox ? i : 2 * i, e1 = p.neox ? i + p.n_dims / 2 : 2 * i + 1;
+    float x0 = 0.0f, x1 = 0.0f, c = 0.0f, s = 0.0f;
+    if (active) {
+        float theta = p.freq_scale * (float)pos[t] * powf(p.theta_scale, (float)i);
+        sincosf(theta, &s, &c);
+        x0 = in(e0);
+        x1 = in(e1);
+    }
+    float pass[8];
+    int np = 0;
+    for (int e = p.n_dims + threadIdx.x; e < p.d && np < 8; e += blockDim.x) pass[np++] = in(e);
+    __syncthreads();  // every read of the head (the norm's too) before a write that may alias it
+    if (active) {
+        put(e0, (x0 * c - x1 * s) * p.out_scale);
+        put(e1, (x0 * s + x1 * c) * p.out_scale);
+    }
+    np = 0;
+    for (int e = p.n_dims + threadIdx.x; e < p.d && np < 8; e += blockDim.x) put(e, pass[np++] * p.out_scale);
+}
+
+template <int W>
+__global__ void rope(const float *a, const int *pos, const void *w, float *out, i64 lda, ROPE_PARAMS) {
+    RopeArgs p = ROPE_ARGS;
+    int t = blockIdx.x / p.heads, h = blockIdx.x % p.heads;
+    float *o = out + ((i64)t * p.heads + h) * p.d;
+    rope_head<W>(a, pos, w, p, lda, [&](int e, float v) { o[e] = v; });
+}
+
+// the keys' RoPE fused with the cache write: head h of token t goes to row idx[t] of dst (type D)
+template <int W, int D>
+__global__ void rope_set_rows(const float *a, const int *pos, const int *idx, const void *w, void *dst,
+                              i64 lda, i64 ldd, ROPE_PARAMS) {
+    RopeArgs p = ROPE_ARGS;
+    int t = blockIdx.x / p.heads, h = blockIdx.x % p.heads;
+    i64 base = (i64)idx[t] * ldd + (i64)h * p.d;
+    rope_head<W>(a, pos, w, p, lda, [&](int e, float v) { st<D>(dst, base + e, v); });
+}

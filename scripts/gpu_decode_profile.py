@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Where a CUDA decode step's time goes: tokens per second of decode steps with CUDA graphs on and
+off, and the GPU time of each kernel of one step (CUDA events around each bound step), summed by
+node kind. Run on the GPU machine:
+
+    python3 scripts/gpu_decode_profile.py -m MODEL.gguf [-n 64] [-p 32]
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cupy  # noqa: E402
+
+from ggrun.core.backends.cpu import CPUBackend  # noqa: E402
+from ggrun.core.backends.cuda import CUDABackend  # noqa: E402
+from ggrun.core.llm.batch import Batch  # noqa: E402
+from ggrun.core.llm.model import Model  # noqa: E402
+from ggrun.core.llm.session import Session, SessionParams  # noqa: E402
+
+
+def decode_rate(path: str, graphs: bool, n_prompt: int, n_gen: int) -> tuple[float, Session, CUDABackend]:
+    gpu = CUDABackend(0)
+    gpu.use_graphs = graphs
+    s = Session(Model.load(path, [gpu, CPUBackend()], 999), SessionParams(n_ctx=1024, n_ubatch=512))
+    s.decode(Batch.of_sequence(list(range(1, n_prompt + 1))))
+    for i in range(3):  # warm: compile, capture
+        s.decode(Batch.of_sequence([5], n_prompt + i))
+    t0 = time.perf_counter()
+    for i in range(n_gen):
+        s.decode(Batch.of_sequence([7], n_prompt + 3 + i))
+    return n_gen / (time.perf_counter() - t0), s, gpu
+
+
+def kernel_times(s: Session, gpu: CUDABackend) -> dict[str, list[float]]:
+    """GPU milliseconds of each node of the last decode graph's CUDA splits, by node kind."""
+    by_kind: dict[str, list[float]] = {}
+    with gpu._dev, gpu.stream:
+        for split in s.result.sg.splits:
+            if split.backend is not gpu or split.calls is None:
+                continue
+            for node, step in zip(split.nodes, split.calls.steps):
+                start, end = cupy.cuda.Event(), cupy.cuda.Event()
+                start.record(gpu.stream)
+                step()
+                end.record(gpu.stream)
+                end.synchronize()
+                kind = re.sub(r"-\d+", "", node.name)
+                by_kind.setdefault(kind, []).append(cupy.cuda.get_elapsed_time(start, end))
+    return by_kind
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-m", "--model", required=True)
+    ap.add_argument("-n", type=int, default=64)
+    ap.add_argument("-p", type=int, default=32)
+    a = ap.parse_args()
+    for graphs in (True, False):
+        rate, s, gpu = decode_rate(a.model, graphs, a.p, a.n)
+        print(f"decode with CUDA graphs {'on ' if graphs else 'off'}: {rate:8.1f} t/s ({1e3 / rate:.3f} ms/token)")
+    times = kernel_times(s, gpu)
+    total = sum(sum(v) for v in times.values())
+    print(f"GPU time of one step, kernel by kernel (eager, events between kernels): {total:.3f} ms")
+    for kind, ms in sorted(times.items(), key=lambda kv: -sum(kv[1])):
+        print(f"  {kind:28s} {len(ms):4d} x  {sum(ms):7.3f} ms  ({100 * sum(ms) / total:4.1f}%)")
+
+
+if __name__ == "__main__":
+    main()
