@@ -49,6 +49,7 @@ OPS: dict[str, OpInfo] = {
     "norm": OpInfo(inplace=True),
     "rope": OpInfo(inplace=True),
     "rope_set_rows": OpInfo(writes_into=True),
+    "rope_shift": OpInfo(writes_into=True),
     "soft_max": OpInfo(inplace=True),
     "flash_attn": OpInfo(),
     "copy": OpInfo(),  # a scheduler copy of a tensor into another backend's memory
@@ -284,9 +285,10 @@ def mul_mat(a: Tensor, b: Tensor, name: str | None = None) -> Tensor:
     """ggml's mul_mat: a [..., M, K], b [..., N, K] -> [..., N, M] = b @ a^T.
 
     a's batch dimensions may divide b's (grouped-query attention: b's head h reads a's head
-    h // (b_heads / a_heads)). A 2-d a may be block-quantized (a weight as its file stores it).
+    h // (b_heads / a_heads)). a may be block-quantized (a weight as its file stores it, or the heads
+    of a quantized K cache).
     """
-    if a.dtype.is_quantized and len(a.shape) == 2:
+    if a.dtype.is_quantized:
         _need_float("mul_mat", b)
     else:
         _need_float("mul_mat", a, b)
@@ -348,6 +350,24 @@ def rope_set_rows(dst: Tensor, a: Tensor, idx: Tensor, pos: Tensor, n_dims: int,
     return t
 
 
+def rope_shift(dst: Tensor, shift: Tensor, head_dim: int, n_dims: int, mode: int = ROPE_NORMAL,
+               freq_base: float = 10000.0, freq_scale: float = 1.0, name: str | None = None) -> Tensor:
+    """Re-rotate every row of a block-quantized K cache dst [rows, heads * head_dim] in place by its
+    position delta shift[row] (i32): decoded to f32, RoPE, quantized back (llama.cpp's K-shift of a
+    quantized cache). Returns dst's view for later readers, as set_rows does."""
+    if not dst.dtype.is_quantized or len(dst.shape) != 2 or dst.shape[1] % head_dim:
+        raise _fail("rope_shift", "expects a block-quantized cache [rows, heads * head_dim]", dst)
+    if shift.dtype is not DType.I32 or shift.shape != (dst.shape[0],):
+        raise _fail("rope_shift", "shifts must be i32 [rows]", dst, shift)
+    if n_dims % 2 or n_dims > head_dim:
+        raise _fail("rope_shift", f"n_dims {n_dims} must be even and at most the head size", dst)
+    t = _view_of("rope_shift", dst, dst.shape, dst.strides, 0, name)
+    t.srcs = (dst, shift)
+    t.params.update(head_dim=head_dim, n_dims=n_dims, mode=mode, freq_base=float(freq_base),
+                    freq_scale=float(freq_scale))
+    return t
+
+
 def soft_max(a: Tensor, mask: Tensor | None = None, scale: float = 1.0, name: str | None = None) -> Tensor:
     """softmax(a * scale + mask) over the last axis; mask [rows >= a's rows, cols] broadcasts over heads."""
     _need_float("soft_max", a)
@@ -363,10 +383,12 @@ def soft_max(a: Tensor, mask: Tensor | None = None, scale: float = 1.0, name: st
 def flash_attn(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, name: str | None = None) -> Tensor:
     """Fused attention: softmax(q k^T * scale + mask) v without materialising the scores.
 
-    q [heads, tokens, dim], k and v [heads_kv, n_kv, dim] (heads_kv divides heads), mask
-    [rows >= tokens, n_kv]; the result is [tokens, heads, dim], ready to merge heads.
+    q [heads, tokens, dim], k and v [heads_kv, n_kv, dim] (heads_kv divides heads; either may be a
+    block-quantized cache's heads), mask [rows >= tokens, n_kv]; the result is [tokens, heads, dim],
+    ready to merge heads.
     """
-    _need_float("flash_attn", q, k, v, mask)
+    _need_float("flash_attn", q, mask)
+    _need_float("flash_attn", *(t for t in (k, v) if not t.dtype.is_quantized))
     hq, t, d = q.shape
     hk, n_kv, dk = k.shape
     if len(q.shape) != 3 or k.shape != v.shape or d != dk or hq % hk:

@@ -69,6 +69,9 @@ def _cpy(xp, node, out, srcs):
 def _set_rows(xp, node, out, srcs):
     _, rows, idx = srcs
     rows = _f(xp, node, 1, rows)
+    if node.dtype.is_quantized:
+        out[idx] = cache_blocks(xp, node.srcs[0], rows)
+        return
     if node.dtype is DType.BF16:
         tmp = xp.empty(rows.shape, dtype=xp.uint16)
         narrow_into(xp, tmp, rows, node.dtype)
@@ -84,6 +87,51 @@ def dequantized(xp, a, dtype: DType):
     rows = a.reshape(-1, a.shape[-1])
     return dequantize(xp.ascontiguousarray(rows).reshape(-1), dtype.name,
                       (rows.shape[0], rows.shape[1] // dtype.type_size * dtype.block_size))
+
+
+def block_rows(xp, t: Tensor, a):
+    """A block-quantized tensor's stored bytes as an array [..., bytes of one row] with t's strides,
+    from the array a backend gives for it (flat bytes for a view that is not contiguous, such as
+    the heads of a quantized KV cache)."""
+    flat = a.reshape(-1)
+    shape = t.shape[:-1] + (t.dtype.row_bytes(t.shape[-1]),)
+    strides = t.strides[:-1] + (1,)
+    if sum((n - 1) * s for n, s in zip(shape, strides)) >= flat.size:
+        raise ValueError(f"{t.describe()}: its strides reach past its bytes")
+    return xp.lib.stride_tricks.as_strided(flat, shape, strides)
+
+
+def cache_values(xp, t: Tensor, a):
+    """A (view of a) KV cache as f32 values: blocks decoded, f16 and bf16 widened."""
+    if t.dtype.is_quantized:
+        return dequantized(xp, block_rows(xp, t, a), t.dtype).reshape(t.shape)
+    return widen(xp, a, t.dtype).astype(xp.float32)
+
+
+def walsh_hadamard(xp, x, n: int):
+    """x's last axis, in chunks of n (a power of two), turned by the orthonormal Walsh-Hadamard
+    transform, as ggml's CPU computes llama.cpp's rotation of quantized KV caches (attn_rot,
+    ggml_compute_forward_fwht): scaled by 1/sqrt(n) first, then butterflies (u + v, u - v) of
+    width 1, 2, 4, ... n/2. Returns a new f32 array; the transform is its own inverse."""
+    y = xp.ascontiguousarray(x, dtype=xp.float32) * (xp.float32(1) / xp.sqrt(xp.float32(n)))
+    width = 1
+    while width < n:
+        pairs = y.reshape(-1, n // (2 * width), 2, width)
+        u, v = pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]
+        pairs[:, :, 0], pairs[:, :, 1] = u, v
+        width *= 2
+    return y
+
+
+def cache_blocks(xp, cache: Tensor, rows):
+    """f32 rows [k, n] as a block-quantized cache stores them: turned by the cache's Walsh-Hadamard
+    rotation when it has one (param `hadamard`: its size), then quantized as ggml's CPU does."""
+    from ggrun.core.quants import quantize
+
+    n = cache.root.params.get("hadamard")
+    if n:
+        rows = walsh_hadamard(xp, rows, n)
+    return quantize(rows, cache.dtype.name)
 
 
 @kernel("get_rows")
@@ -242,12 +290,15 @@ ACT_QUANT_BLOCKS = {"q8_0": (32, True), "q8_k": (256, False)}  # block size, sca
 
 def round_q8_blocks(xp, x, block: int = 32, f16_scale: bool = True):
     """x as llama.cpp's 8-bit activation blocks hold it: each block of `block` values shares the
-    scale d = amax/127, stored as f16 (Q8_0, Q8_1) or f32 (Q8_K); values round to integers of d."""
+    scale d = amax/127, stored as f16 (Q8_0, Q8_1) or f32 (Q8_K); values round half to even to
+    integers q = x * (127/amax), as ggml's quantize_row_q8_0 on x86 computes them."""
     blocks = xp.ascontiguousarray(x, dtype=xp.float32).reshape(-1, block)
-    d = xp.abs(blocks).max(axis=-1, keepdims=True) / 127
+    amax = xp.abs(blocks).max(axis=-1, keepdims=True)
+    inv = xp.where(amax > 0, xp.float32(127) / xp.where(amax > 0, amax, 1), 0).astype(xp.float32)
+    q = xp.rint(blocks * inv)
+    d = amax / xp.float32(127)
     if f16_scale:
         d = d.astype(xp.float16).astype(xp.float32)
-    q = xp.rint(blocks * ((d > 0) / xp.where(d > 0, d, 1)))
     q *= d
     return q.reshape(x.shape)
 
@@ -255,8 +306,12 @@ def round_q8_blocks(xp, x, block: int = 32, f16_scale: bool = True):
 def _mul_mat_operand_b(xp, node, b):
     """The activations as llama.cpp's CPU kernels see them: rounded to 8-bit blocks against a
     block-quantized weight (`act_quant`: q8_0 blocks for the legacy types, q8_k for k-quants),
-    to f16 against the f16 KV cache (`act_quant` f16). Without `act_quant`, plain f32."""
+    to f16 against the f16 KV cache (`act_quant` f16), and first turned as a rotated quantized K
+    cache's rows were (`hadamard`). Without `act_quant`, plain f32."""
     act_quant = node.srcs[0].root.params.get("act_quant")
+    rotation = node.srcs[0].root.params.get("hadamard")
+    if rotation:
+        b = walsh_hadamard(xp, b, rotation)
     quant = ACT_QUANT_BLOCKS.get(act_quant)
     if quant is not None and b.shape[-1] % quant[0] == 0:
         return round_q8_blocks(xp, b, *quant)
@@ -269,7 +324,7 @@ def _mul_mat_operand_b(xp, node, b):
 def _mul_mat(xp, node, out, srcs):
     a = srcs[0]
     if node.srcs[0].dtype.is_quantized:
-        a = dequantized(xp, a, node.srcs[0].dtype)
+        a = cache_values(xp, node.srcs[0], a)
     elif a.dtype != xp.float32:
         a = widen(xp, a, node.srcs[0].dtype).astype(xp.float32)
     b = _mul_mat_operand_b(xp, node, _f(xp, node, 1, srcs[1]))
@@ -333,9 +388,27 @@ def _rope_set_rows(xp, node, out, srcs):
     a = _rope_input(xp, node, a, 1, srcs[4] if len(srcs) > 4 else None)
     rows = xp.empty(a.shape, dtype=xp.float32)
     _rope_into(xp, a, pos, node.params, rows)
+    if node.dtype.is_quantized:
+        out[idx] = cache_blocks(xp, node.srcs[0], rows.reshape(a.shape[0], -1))
+        return
     stored = xp.empty((a.shape[0], out.shape[1]), dtype=out.dtype)
     narrow_into(xp, stored, rows.reshape(stored.shape), node.dtype)
     out[idx] = stored
+
+
+@kernel("rope_shift")
+def _rope_shift(xp, node, out, srcs):
+    """Every row of a quantized K cache decoded, turned back from its rotation, RoPE'd by its
+    row's shift, turned again and quantized (llama.cpp's K-shift: cast, rope, cpy)."""
+    cache, shift = node.srcs[0], srcs[1]
+    p = node.params
+    rows = dequantized(xp, out, cache.dtype)
+    n = cache.root.params.get("hadamard")
+    if n:
+        rows = walsh_hadamard(xp, rows, n)
+    heads = rows.reshape(rows.shape[0], -1, p["head_dim"])
+    _rope_into(xp, heads, shift, p, heads)
+    out[...] = cache_blocks(xp, cache, rows)
 
 
 @kernel("soft_max")
@@ -359,21 +432,30 @@ FLASH_CHUNK_BYTES = 16 << 20  # bound on the score temporaries of one chunk of q
 def _flash_attn(xp, node, out, srcs):
     """Attention over chunks of query rows, so the scores of all rows never exist at once.
 
-    As llama.cpp's CPU path does, q meets an f16 cache as f16-rounded values.
+    As llama.cpp's CPU path does, q meets an f16 cache as f16-rounded values, and a quantized K
+    cache as Q8_0 blocks (its vec_dot type; `act_quant` on the cache), after the rotation the
+    cache's rows were given (`hadamard`); the result is turned back by V's rotation.
     """
+    from ggrun.core.quants import quantize
+
     q, k, v, mask = srcs
     hq, t, d = q.shape
-    hk, n_kv, _ = k.shape
+    hk, n_kv, _ = node.srcs[1].shape
     r = hq // hk
-    kf = widen(xp, k, node.srcs[1].dtype).astype(xp.float32)[:, None]  # [hk, 1, n_kv, d]
-    vf = widen(xp, v, node.srcs[2].dtype).astype(xp.float32)[:, None]
-    q_f16 = node.srcs[1].root.params.get("act_quant") == "f16"
+    kf = cache_values(xp, node.srcs[1], k)[:, None]  # [hk, 1, n_kv, d]
+    vf = cache_values(xp, node.srcs[2], v)[:, None]
+    k_root, v_root = node.srcs[1].root.params, node.srcs[2].root.params
+    q_round = k_root.get("act_quant")
     scale = xp.float32(node.params["scale"])
     rows = max(1, FLASH_CHUNK_BYTES // (4 * hq * max(n_kv, 1)))
     for i in range(0, t, rows):
         qc = widen(xp, q[:, i:i + rows], node.srcs[0].dtype).astype(xp.float32)
-        if q_f16:
+        if k_root.get("hadamard"):
+            qc = walsh_hadamard(xp, qc, k_root["hadamard"])
+        if q_round == "f16":
             qc = qc.astype(xp.float16).astype(xp.float32)
+        elif q_round == "q8_0":
+            qc = dequantized(xp, quantize(qc, "Q8_0"), DType.Q8_0).reshape(qc.shape)
         n = qc.shape[1]
         s = xp.matmul(qc.reshape(hk, r, n, d), xp.swapaxes(kf, -1, -2))  # [hk, r, n, n_kv]
         s *= scale
@@ -381,5 +463,5 @@ def _flash_attn(xp, node, out, srcs):
         s -= s.max(axis=-1, keepdims=True)
         xp.exp(s, out=s)
         s /= s.sum(axis=-1, keepdims=True)
-        o = xp.matmul(s, vf).reshape(hq, n, d)  # [hq, n, d]
-        out[i:i + n] = xp.swapaxes(o, 0, 1)
+        o = xp.swapaxes(xp.matmul(s, vf).reshape(hq, n, d), 0, 1)  # [n, hq, d]
+        out[i:i + n] = walsh_hadamard(xp, o, v_root["hadamard"]) if v_root.get("hadamard") else o

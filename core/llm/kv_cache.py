@@ -4,6 +4,11 @@ and the cells that record which position and sequences each row holds.
 Writes happen inside the graph (set_rows at row indices given as input data), so where a
 token lands is data, not graph structure. Any change that moves or re-positions cells
 bumps `version`, which invalidates a kept graph.
+
+K and V each have a type, as llama.cpp's -ctk / -ctv: f16, f32, or the blocks of Q8_0 / Q4_0
+(each row one token's heads, quantized as it is written). A quantized cache's rows are first
+turned by a Walsh-Hadamard rotation, as llama.cpp does (its attn_rot): queries meet the keys
+turned alike, and attention's result is turned back, so nothing changes but the rounding.
 """
 from __future__ import annotations
 
@@ -11,12 +16,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ggrun.core import ops
 from ggrun.core.context import ImmediateContext
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import BadInput
+from ggrun.core.graph import Graph, build_graph
+from ggrun.core.llm.hparams import HParams
+from ggrun.core.llm.inputs import InpKShift
 from ggrun.core.tensor import Tensor
 
 KV_PAD = 256
+CACHE_TYPES = (DType.F16, DType.F32, DType.Q8_0, DType.Q4_0)  # -ctk / -ctv
 
 
 @dataclass
@@ -27,14 +37,64 @@ class CacheRows:
     v: Tensor
 
 
-def planned_bytes(n_ctx: int, n_embd_kv: int, layer_backends: list, dtype: DType = DType.F16, **_) -> dict[str, int]:
-    """Bytes per backend name that a KVCache made with these arguments takes for its K and V rows,
-    known before it exists (so that a session can check they fit before allocating them)."""
+def planned_bytes(n_ctx: int, n_embd_kv: int, layer_backends: list, type_k: DType = DType.F16,
+                  type_v: DType = DType.F16, **_) -> dict[str, int]:
+    """Bytes per backend name that a KVCache made with these arguments takes for its K and V rows
+    (whole blocks for a quantized type), known before it exists (so that a session can check they
+    fit before allocating them)."""
+    layer = sum(max(n_ctx * t.row_bytes(n_embd_kv), 1) for t in (type_k, type_v))
     out: dict[str, int] = {}
     for backend in layer_backends:
         if backend is not None:
-            out[backend.name] = out.get(backend.name, 0) + 2 * max(n_ctx * n_embd_kv * dtype.itemsize, 1)
+            out[backend.name] = out.get(backend.name, 0) + layer
     return out
+
+
+def check_cache_types(type_k: DType, type_v: DType, head_dim: int, flash_attn: bool) -> None:
+    """llama.cpp's rules for the cache types: a known type each; a quantized type's blocks must divide
+    a head's size; without flash attention V must not be quantized (attention products read it
+    transposed, which blocks cannot be)."""
+    for flag, t in (("-ctk", type_k), ("-ctv", type_v)):
+        if t not in CACHE_TYPES:
+            raise BadInput(f"KV cache type {flag} {t} is not supported (use f16, f32, q8_0 or q4_0)")
+        if t.is_quantized and head_dim % t.block_size:
+            raise BadInput(f"KV cache type {flag} {t}: its blocks of {t.block_size} do not divide the "
+                           f"model's head size {head_dim}")
+    if type_v.is_quantized and not flash_attn:
+        raise BadInput(f"a quantized V cache (-ctv {type_v}) needs flash attention (-fa on)")
+
+
+def rotation_size(dtype: DType, head_dim: int, widest: bool) -> int:
+    """Size of the Walsh-Hadamard rotation llama.cpp gives the rows of a cache of `dtype` (its
+    attn_rot): none for f16 / f32, nor unless 64 divides the head size; then 64 for V, and for K
+    (`widest`) the largest power of two that divides the head size."""
+    if not dtype.is_quantized or head_dim % 64:
+        return 0
+    n = 64
+    while widest and head_dim % (2 * n) == 0:
+        n *= 2
+    return n
+
+
+def heads_view(rows: Tensor, n_kv: int, n_head: int, head_dim: int) -> Tensor:
+    """The first n_kv cells of a layer's K or V rows as [n_kv, n_head, head_dim] (any cache type)."""
+    elem = 0 if rows.dtype.is_quantized else rows.dtype.itemsize
+    return ops.view(rows, (n_kv, n_head, head_dim), (rows.strides[0], rows.dtype.row_bytes(head_dim), elem))
+
+
+def build_k_shift_blocks(hp: HParams, kv: "KVCache", mode: int, freq_base_of=lambda il: None) -> tuple[Graph, InpKShift]:
+    """The K-shift graph (core.llm.blocks.build_k_shift) of a quantized K cache: each layer's rows
+    re-rotated by their cells' position deltas in one node that decodes them, turns them back from
+    their Walsh-Hadamard rotation, applies RoPE, turns and quantizes them again (llama.cpp's cast,
+    rope and cpy). Like llama.cpp it requantizes every cell, those with a delta of 0 too."""
+    shift = InpKShift(kv.n_ctx)
+    outs = []
+    for il, rows in kv.layers.items():
+        base = freq_base_of(il)
+        outs.append(ops.rope_shift(rows.k, shift.tensor, hp.head_dim, hp.n_rot, mode,
+                                   hp.rope_freq_base if base is None else base, hp.rope_freq_scale,
+                                   name=f"k_shift-{il}"))
+    return build_graph(outs), shift
 
 
 def cell_record_bytes(n_seq_max: int) -> int:
@@ -52,25 +112,38 @@ class KVCache:
     """
 
     def __init__(self, n_ctx: int, n_embd_kv: int, layer_backends: list, n_seq_max: int = 1,
-                 dtype: DType = DType.F16, pad: int = KV_PAD, virtual: bool = False,
-                 act_quant: str | None = None, window: int | None = None, name: str = "cache") -> None:
-        if dtype not in (DType.F16, DType.F32):
-            raise BadInput(f"KV cache type {dtype} is not supported (use f16 or f32)")
+                 type_k: DType = DType.F16, type_v: DType = DType.F16, head_dim: int | None = None,
+                 pad: int = KV_PAD, virtual: bool = False, llama_numerics: bool = False,
+                 window: int | None = None, name: str = "cache") -> None:
+        head_dim = n_embd_kv if head_dim is None else head_dim
+        check_cache_types(type_k, type_v, head_dim, flash_attn=True)
+        for backend in layer_backends:
+            if backend is not None and (type_k.is_quantized or type_v.is_quantized) and not backend.stores_blocks:
+                raise BadInput(f"a quantized KV cache (-ctk {type_k} -ctv {type_v}) is not supported on "
+                               f"{backend.name}: keep its layers on the CPU (lower -ngl) or use f16")
         self.n_ctx = n_ctx
         self.window = window
         self.n_seq_max = n_seq_max
         self.pad = pad
-        self.dtype = dtype
+        self.type_k, self.type_v = type_k, type_v
         self.contexts: dict[str, ImmediateContext] = {}
         self.layers: dict[int, CacheRows] = {}
         for il, backend in enumerate(layer_backends):
             if backend is None:
                 continue
             ctx = self.contexts.setdefault(backend.name, ImmediateContext(backend, "kv", virtual=virtual))
-            k = ctx.new_tensor(f"{name}_k_l{il}", dtype, (n_ctx, n_embd_kv))
-            v = ctx.new_tensor(f"{name}_v_l{il}", dtype, (n_ctx, n_embd_kv))
-            if act_quant:  # how a product rounds the operand that meets the cache (llama numerics: f16)
-                k.params["act_quant"] = v.params["act_quant"] = act_quant
+            k = ctx.new_tensor(f"{name}_k_l{il}", type_k, (n_ctx, n_embd_kv))
+            v = ctx.new_tensor(f"{name}_v_l{il}", type_v, (n_ctx, n_embd_kv))
+            for t, widest in ((k, True), (v, False)):
+                rotation = rotation_size(t.dtype, head_dim, widest)
+                if rotation:
+                    t.params["hadamard"] = rotation
+                # llama numerics: what the operand that meets the cache is rounded to (ggml's vec_dot
+                # type: f16 against f16 rows, Q8_0 blocks against quantized keys)
+                if llama_numerics and t.dtype is DType.F16:
+                    t.params["act_quant"] = "f16"
+                elif llama_numerics and t is k and t.dtype.is_quantized:
+                    t.params["act_quant"] = "q8_0"
             self.layers[il] = CacheRows(k, v)
         for ctx in self.contexts.values():
             for buf in ctx.buffers:

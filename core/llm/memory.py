@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from ggrun.core.dtypes import DType
 from ggrun.core.errors import RuntimeFailure
 from ggrun.core.llm.batch import UBatch
 from ggrun.core.llm.inputs import UBatchState
@@ -52,10 +53,12 @@ def weights_file_bytes_by_backend(model: Model) -> dict[str, int]:
     return out
 
 
-def measure(model: Model, ctx: int, ubatch: int, n_batch: int, n_seq: int, flash_attn: bool = False) -> list[MemoryRecord]:
-    """Records for both reservation modes, every backend, for one (ctx, ubatch)."""
+def measure(model: Model, ctx: int, ubatch: int, n_batch: int, n_seq: int, flash_attn: bool = False,
+            type_k: DType = DType.F16, type_v: DType = DType.F16) -> list[MemoryRecord]:
+    """Records for both reservation modes, every backend, for one (ctx, ubatch); the KV cache holds
+    K and V as type_k and type_v (whole blocks of a quantized type)."""
     session = Session(model, SessionParams(n_ctx=ctx, n_batch=n_batch, n_ubatch=ubatch, n_seq_max=n_seq,
-                                           flash_attn=flash_attn))
+                                           flash_attn=flash_attn, type_k=type_k, type_v=type_v))
     file_bytes = weights_file_bytes_by_backend(model)
     resident = model.resident_bytes()
     kv = session.kv_bytes_by_backend()

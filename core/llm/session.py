@@ -26,7 +26,8 @@ from ggrun.core.llm.blocks import Build, build_k_shift
 from ggrun.core.llm.graph_result import GraphResult
 from ggrun.core.llm.inputs import GraphInputs, GraphParams, UBatchState
 from ggrun.core.llm.budget import Budget
-from ggrun.core.llm.kv_cache import cell_record_bytes, KV_PAD, KVCache, planned_bytes
+from ggrun.core.llm.kv_cache import (build_k_shift_blocks, cell_record_bytes, check_cache_types, KV_PAD, KVCache,
+                                     planned_bytes)
 from ggrun.core.llm.model import Model
 from ggrun.core.llm.numerics import NonFiniteLogits, first_non_finite, non_finite_kind
 from ggrun.core.sched import Scheduler
@@ -110,11 +111,9 @@ class Session:
         model, p = self.model, self.params
         swa = model.arch.swa_layers(model.hp) if hasattr(model.arch, "swa_layers") else [False] * model.hp.n_layer
         window = model.hp.extra.get("swa_window")
-        if p.type_k is not p.type_v:
-            raise BadInput(f"KV cache types -ctk {p.type_k.name.lower()} and -ctv {p.type_v.name.lower()} must be the same")
-        llama_f16 = model.numerics == "llama" and p.type_k is DType.F16
-        kw = dict(n_seq_max=p.n_seq_max, dtype=p.type_k, virtual=self.virtual,
-                  act_quant="f16" if llama_f16 else None)
+        check_cache_types(p.type_k, p.type_v, model.hp.head_dim, p.flash_attn)
+        kw = dict(n_seq_max=p.n_seq_max, type_k=p.type_k, type_v=p.type_v, head_dim=model.hp.head_dim,
+                  virtual=self.virtual, llama_numerics=model.numerics == "llama")
         layers = model.placement.layers
         if not any(swa):
             specs = [dict(n_ctx=p.n_ctx, n_embd_kv=model.hp.n_embd_kv, layer_backends=layers, **kw)]
@@ -337,7 +336,8 @@ class Session:
         """The graph that re-rotates a cache's keys by their cells' shifts, and its shift input."""
         arch = self.model.arch
         base_of = arch.rope_freq_base_of(self.model.hp) if hasattr(arch, "rope_freq_base_of") else lambda il: None
-        return build_k_shift(self.model.hp, cache, arch.ROPE_MODE, base_of)
+        build = build_k_shift_blocks if cache.type_k.is_quantized else build_k_shift
+        return build(self.model.hp, cache, arch.ROPE_MODE, base_of)
 
     def _apply_k_shift(self, cache: KVCache) -> None:
         """Re-rotate cached keys whose positions moved (seq_add), then clear the shift. The kept

@@ -20,8 +20,11 @@ from numba import prange
 from ggrun.core.backends.cpu import jit
 from ggrun.core.backends.cpu.dispatch import binds
 from ggrun.core.backends.cpu.jit import kernel
+from ggrun.core.backends.cpu.kv_quant import BLOCK, CACHE_TYPES, code_of, dot_blocks, hadamard, load_key, load_row, \
+    quantize_q8_0
 from ggrun.core.backends.cpu.vecmath import as_f32, expf, f16_to_f32, f32_to_f16, fma
 from ggrun.core.backends.cpu.warmup import warms
+from ggrun.core.backends.kernels import block_rows
 from ggrun.core.dtypes import DType
 
 CELLS = 64  # cache cells per tile: converted to f32 once per tile and KV head
@@ -265,6 +268,203 @@ def bind_flash_attn(node, out, srcs, scratch):
     return lambda: fn(q3, k3, v3, mask, scale, q_f16, *tiles, out)
 
 
+# ---- over a block-quantized cache (or K and V of two types): ggml's cell-by-cell order ----------
+#
+# As ggml's flash_attn_ext_f16_one_chunk computes it: each query row is turned by the rotation the
+# K cache's rows were given (llama.cpp's attn_rot) and converted to K's vec_dot type (Q8_0 blocks
+# for a Q8_0 or Q4_0 cache, f16 for an f16 one); each visible cell's score is ggml's dot product of
+# the two (integer block sums for quantized keys); values are decoded to f32 and summed cell by
+# cell in f32 (VKQ32), or in f16 for an f16 V cache (VKQ16); the result is turned back by V's
+# rotation. Tiles of cells are decoded once per KV head for all the query rows that share it.
+
+Q_PLAIN, Q_F16, Q_Q8_0 = 0, 1, 2  # how queries meet the keys: as they are, f16-rounded, Q8_0 blocks
+
+
+@kernel(inline="always")
+def _decode_cells(k, v, k_code, v_code, g, c0, lo, hi, Kq, Kd, Vf):
+    for c in range(lo, hi):
+        load_key(k_code, k[c0 + c, g], Kq[c], Kd[c])
+        load_row(v_code, v[c0 + c, g], Vf[c])
+
+
+@kernel(inline="always")
+def _prepare_query(q, t, h, q_round, k_rot, qq, qd):
+    """Query row q[t, h] as the keys meet it: rotated by k_rot (0: not), then rounded."""
+    for j in range(qq.shape[0]):
+        qq[j] = q[t, h, j]
+    if k_rot:
+        hadamard(qq, k_rot)
+    if q_round == Q_Q8_0:
+        quantize_q8_0(qq, qq, qd)
+        return
+    if q_round == Q_F16:
+        for j in range(qq.shape[0]):
+            qq[j] = f16_to_f32(f32_to_f16(qq[j]))
+    for b in range(qd.shape[0]):
+        qd[b] = np.float32(1.0)
+
+
+@kernel(inline="always")
+def _accumulate_f32(S, Vf, mask, scale, t, h, c0, lo, hi, M, L, out):
+    """ggml's VKQ32 order: cell by cell, a new maximum rescales the running sum of values
+    (ggml_vec_scale_f32), then each value row is added times its weight (ggml_vec_mad_f32)."""
+    d = out.shape[2]
+    for c in range(lo, hi):
+        mv = as_f32(mask[t, c0 + c])
+        if mv == -np.inf:
+            continue
+        s = S[c] * scale + mv
+        ms = np.float32(1.0)
+        vs = np.float32(1.0)
+        if s > M[t, h]:
+            ms = np.float32(math.exp(M[t, h] - s))
+            M[t, h] = s
+            for j in range(d):
+                out[t, h, j] *= ms
+        else:
+            vs = np.float32(math.exp(s - M[t, h]))
+        for j in range(d):
+            out[t, h, j] = fma(Vf[c, j], vs, out[t, h, j])
+        L[t, h] = L[t, h] * ms + vs
+
+
+@kernel
+def attend_cells(q, k, v, k_code, v_code, mask, scale, q_round, v_f16, k_rot, v_rot, g, t0, t1,
+                 Kq, Kd, Vf, S, Qq, Qd, M, L, out):
+    """out[t, h] for tokens t0..t1 and the query heads h sharing KV head g, over caches k and v
+    given as stored bytes [n_kv, heads_kv, row bytes] of types k_code and v_code."""
+    n_kv, d = k.shape[0], q.shape[2]
+    group = q.shape[1] // k.shape[1]
+    for t in range(t0, t1):
+        for h in range(g * group, (g + 1) * group):
+            M[t, h] = -np.inf
+            L[t, h] = 0.0
+            for j in range(d):
+                out[t, h, j] = 0.0
+            _prepare_query(q, t, h, q_round, k_rot, Qq[t, h], Qd[t, h])
+    for c0 in range(0, n_kv, CELLS):
+        nc = min(CELLS, n_kv - c0)
+        clo, chi = nc, nc  # cells of the tile decoded so far: [clo, chi)
+        for t in range(t0, t1):
+            lo, hi = _visible(mask, t, c0, nc)
+            if lo == hi:
+                continue
+            if clo == chi:
+                _decode_cells(k, v, k_code, v_code, g, c0, lo, hi, Kq, Kd, Vf)
+                clo, chi = lo, hi
+            else:
+                if lo < clo:
+                    _decode_cells(k, v, k_code, v_code, g, c0, lo, clo, Kq, Kd, Vf)
+                    clo = lo
+                if hi > chi:
+                    _decode_cells(k, v, k_code, v_code, g, c0, chi, hi, Kq, Kd, Vf)
+                    chi = hi
+            for h in range(g * group, (g + 1) * group):
+                for c in range(lo, hi):
+                    S[c] = dot_blocks(Kq[c], Kd[c], Qq[t, h], Qd[t, h])
+                if v_f16:
+                    _accumulate_f16(S, Vf, mask, scale, t, h, c0, lo, hi, M, L, out)
+                else:
+                    _accumulate_f32(S, Vf, mask, scale, t, h, c0, lo, hi, M, L, out)
+    for t in range(t0, t1):
+        for h in range(g * group, (g + 1) * group):
+            inv = np.float32(1.0) / L[t, h] if L[t, h] != 0 else np.float32(0.0)
+            for j in range(d):
+                out[t, h, j] *= inv
+            if v_rot:
+                hadamard(out[t, h], v_rot)
+
+
+@kernel
+def flash_attn_cells_serial(q, k, v, k_code, v_code, mask, scale, q_round, v_f16, k_rot, v_rot,
+                            Kq, Kd, Vf, S, Qq, Qd, ML, out):
+    for g in range(k.shape[1]):
+        attend_cells(q, k, v, k_code, v_code, mask, scale, q_round, v_f16, k_rot, v_rot, g, 0, q.shape[0],
+                     Kq[0], Kd[0], Vf[0], S[0], Qq, Qd, ML[0], ML[1], out)
+
+
+@kernel(parallel=True)
+def flash_attn_cells_parallel(q, k, v, k_code, v_code, mask, scale, q_round, v_f16, k_rot, v_rot,
+                              Kq, Kd, Vf, S, Qq, Qd, ML, out):
+    """flash_attn_cells_serial with (KV head, block of tokens) items dealt round-robin to workers."""
+    workers = Kq.shape[0]
+    n_tok = q.shape[0]
+    blocks = max(1, min(n_tok, (2 * workers + k.shape[1] - 1) // k.shape[1]))
+    per_block = (n_tok + blocks - 1) // blocks
+    items = k.shape[1] * blocks
+    for w in prange(workers):
+        for item in range(w, items, workers):
+            g = item // blocks
+            t0 = (item % blocks) * per_block
+            t1 = min(n_tok, t0 + per_block)
+            if t0 < t1:
+                attend_cells(q, k, v, k_code, v_code, mask, scale, q_round, v_f16, k_rot, v_rot, g, t0, t1,
+                             Kq[w], Kd[w], Vf[w], S[w], Qq, Qd, ML[0], ML[1], out)
+
+
+def _cells_case(node) -> bool:
+    """Attention the cell-by-cell kernel takes: a quantized cache, or K and V of two types."""
+    k, v = node.srcs[1].dtype, node.srcs[2].dtype
+    return k in CACHE_TYPES and v in CACHE_TYPES and (k.is_quantized or v.is_quantized or k is not v) \
+        and node.srcs[0].shape[2] % BLOCK == 0
+
+
+def flash_attn_cells_scratch(node) -> int:
+    if not _cells_case(node):
+        return 0
+    q = node.srcs[0]
+    d, rows = q.shape[2], q.shape[0] * q.shape[1]
+    per_worker = 2 * CELLS * d + CELLS * (d // BLOCK) + CELLS
+    return 4 * (_workers(node) * per_worker + rows * (d + d // BLOCK) + 2 * rows)
+
+
+def _cache_bytes(node, i: int, a: np.ndarray) -> np.ndarray | None:
+    """A cache operand [heads_kv, n_kv, d] as its stored bytes [n_kv, heads_kv, row bytes]."""
+    t = node.srcs[i]
+    if t.dtype.is_quantized:
+        return block_rows(np, t, a).transpose(1, 0, 2)
+    if a.strides[-1] != a.itemsize:
+        return None
+    return a.transpose(1, 0, 2).view(np.uint8)
+
+
+def _query_rounding(node) -> int:
+    act_quant = node.srcs[1].root.params.get("act_quant")
+    return {"f16": Q_F16, "q8_0": Q_Q8_0}.get(act_quant, Q_PLAIN)
+
+
+@binds("flash_attn", scratch=flash_attn_cells_scratch)
+def bind_flash_attn_cells(node, out, srcs, scratch):
+    q, k, v, mask = srcs
+    if node.srcs[0].dtype is not DType.F32 or not _cells_case(node):
+        return None
+    q3 = q.transpose(1, 0, 2)
+    k3, v3 = _cache_bytes(node, 1, k), _cache_bytes(node, 2, v)
+    if k3 is None or v3 is None or not q3.flags.c_contiguous or not out.flags.c_contiguous:
+        return None
+    mdt = node.srcs[3].dtype
+    if mdt not in (DType.F16, DType.F32) or mask.strides[-1] != mask.itemsize:
+        return None
+    mask = mask.view(np.uint16) if mdt is DType.F16 else mask
+    if scratch is None or scratch.size < flash_attn_cells_scratch(node):
+        return None
+    d, n_tok, n_head = q3.shape[2], q3.shape[0], q3.shape[1]
+    workers = _workers(node)
+    f32 = scratch.view(np.float32)
+    tiles, at = [], 0
+    for shape in ((workers, CELLS, d), (workers, CELLS, d // BLOCK), (workers, CELLS, d), (workers, CELLS),
+                  (n_tok, n_head, d), (n_tok, n_head, d // BLOCK), (2, n_tok, n_head)):
+        n = int(np.prod(shape))
+        tiles.append(f32[at:at + n].reshape(shape))
+        at += n
+    k_type, v_type = node.srcs[1], node.srcs[2]
+    args = (q3, k3, v3, code_of(k_type.dtype), code_of(v_type.dtype), mask, np.float32(node.params["scale"]),
+            _query_rounding(node), v_type.dtype is DType.F16 and v_type.root.params.get("act_quant") == "f16",
+            int(k_type.root.params.get("hadamard", 0)), int(v_type.root.params.get("hadamard", 0)))
+    fn = flash_attn_cells_parallel if workers > 1 else flash_attn_cells_serial
+    return lambda: fn(*args, *tiles, out)
+
+
 # ---- first-run compilation: the signatures a model's graphs meet ---------------------------------
 
 def _warm_flash_attn(lf, dtype: DType, n_tokens: int):
@@ -287,6 +487,27 @@ def _warm_flash_attn(lf, dtype: DType, n_tokens: int):
     return ops.flash_attn(q, caches[0], caches[1], mask, 0.25)
 
 
+def _warm_flash_attn_cells(lf, n_tokens: int):
+    """Attention over a quantized cache (one signature serves every pair of cache types); the
+    prompt-sized graph has enough work to compile the threaded kernel where there are threads."""
+    from ggrun.core import ops
+    from ggrun.core.tensor import new_tensor
+
+    n_kv, h, d = 64, 16, 32
+    caches = []
+    for name in ("k", "v"):
+        c = lf.ctx.new_tensor(name, DType.Q8_0, (n_kv, h * d))
+        lf.ctx.backend.set_tensor(c, np.zeros((n_kv, DType.Q8_0.row_bytes(h * d)), np.uint8))
+        caches.append(ops.permute(ops.view(c, (n_kv, h, d), (c.strides[0], DType.Q8_0.row_bytes(d), 0)), (1, 0, 2)))
+    caches[0].root.params["act_quant"] = "q8_0"
+    mask = new_tensor("mask", DType.F16, (n_tokens, n_kv), is_input=True)
+    lf.feeds[mask] = np.zeros((n_tokens, n_kv), np.float16)
+    q = ops.permute(lf.input("q", np.ones((n_tokens, h, d), np.float32)), (1, 0, 2))
+    return ops.flash_attn(q, caches[0], caches[1], mask, 0.25)
+
+
 for _dtype in (DType.F16, DType.F32):
     for _n in (1, 64):
         warms(lambda lf, d=_dtype, n=_n: _warm_flash_attn(lf, d, n))
+for _n in (1, 64):
+    warms(lambda lf, n=_n: _warm_flash_attn_cells(lf, n))

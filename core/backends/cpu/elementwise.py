@@ -1,6 +1,7 @@
 """Compiled element-wise and data-movement kernels: the gated feed-forward activations (swiglu,
 geglu with ggml's f16 GELU table), add, mul, scale, softmax rows, f32/f16 row gathers
-(get_rows), KV cache row writes (set_rows) and strided copies (cont).
+(get_rows), KV cache row writes (set_rows; Q8_0 and Q4_0 caches through kv_quant) and strided
+copies (cont).
 
 Binders take only the layouts they were written for (contiguous f32 rows, mostly) and return
 None otherwise, so the reference kernel runs; element-wise kernels are written to be right when
@@ -12,6 +13,7 @@ import numpy as np
 
 from ggrun.core.backends.cpu.dispatch import binds
 from ggrun.core.backends.cpu.jit import kernel
+from ggrun.core.backends.cpu.kv_quant import CACHE_TYPES, code_of, hadamard, store_row
 from ggrun.core.backends.cpu.vecmath import as_f32, expf, f16_to_f32, f32_to_f16, gelu, gelu_f16_table, gelu_table, silu
 from ggrun.core.backends.cpu.warmup import readonly, warms
 from ggrun.core.dtypes import DType
@@ -136,6 +138,21 @@ def scatter_f32(rows, idx, dst):
         d = dst[idx[r]]
         for i in range(rows.shape[1]):
             d[i] = rows[r, i]
+
+
+@kernel
+def scatter_blocks(rows, idx, code, rot, dst):
+    """dst[idx[r]] = rows[r] as a block-quantized cache stores it (bytes of type `code`), turned
+    first by the cache's Walsh-Hadamard rotation of size rot (0: none)."""
+    row = np.empty(rows.shape[1], dtype=np.float32)
+    for r in range(rows.shape[0]):
+        if idx[r] < 0 or idx[r] >= dst.shape[0]:
+            raise IndexError("set_rows: row index out of range")
+        for i in range(rows.shape[1]):
+            row[i] = rows[r, i]
+        if rot:
+            hadamard(row, rot)
+        store_row(code, row, dst[idx[r]])
 
 
 @kernel
@@ -289,6 +306,9 @@ def bind_set_rows(node, out, srcs, scratch):
         return lambda: scatter_f16(rows, idx, dst)
     if node.dtype is DType.F32:
         return lambda: scatter_f32(rows, idx, out)
+    if node.dtype.is_quantized and node.dtype in CACHE_TYPES and out.flags.c_contiguous:
+        code, rot = code_of(node.dtype), int(node.srcs[0].root.params.get("hadamard", 0))
+        return lambda: scatter_blocks(rows, idx, code, rot, out)
     return None
 
 
@@ -342,6 +362,17 @@ def _warm_attention_parts(lf):
         lf.ctx.backend.set_tensor(cache, np.zeros((4, 16), dtype.np_dtype))
         caches.append(ops.set_rows(cache, rows, lf.input("idx", np.array([1, 3], np.int32))))
     return ops.add(ops.cast(caches[0], DType.F32), caches[1])
+
+
+@warms
+def _warm_block_cache_write(lf):
+    """The V cache write into a quantized cache (one signature serves Q8_0 and Q4_0)."""
+    from ggrun.core import ops
+
+    cache = lf.ctx.new_tensor("cache", DType.Q4_0, (4, 64))
+    lf.ctx.backend.set_tensor(cache, np.zeros((4, DType.Q4_0.row_bytes(64)), np.uint8))
+    rows = ops.scale(lf.input("rows", np.ones((2, 64), np.float32)), 1.0)
+    return ops.set_rows(cache, rows, lf.input("idx", np.array([1, 3], np.int32)))
 
 
 def _warm_embedding(lf, dtype: DType):

@@ -1,6 +1,7 @@
 """Compiled RoPE: rope (queries, optionally scaled after) and rope_set_rows (keys rotated and
-written straight into the KV cache rows, f16 or f32); either may first RMS-normalise each head
-by a weight (gemma3's q/k norms).
+written straight into the KV cache rows, f16, f32, or Q8_0 / Q4_0 blocks); either may first
+RMS-normalise each head by a weight (gemma3's q/k norms). rope_shift re-rotates the rows of a
+quantized K cache in place (the K-shift after a context shift).
 
 Angles are computed in f32 inside the kernel as ggml's rope cache does: theta starts at the
 position and is multiplied by theta_scale = base^(-2/n_dims) for each next pair; each pair
@@ -14,6 +15,7 @@ import numpy as np
 
 from ggrun.core.backends.cpu.dispatch import binds
 from ggrun.core.backends.cpu.jit import kernel
+from ggrun.core.backends.cpu.kv_quant import CACHE_TYPES, code_of, hadamard, load_row, store_row
 from ggrun.core.backends.cpu.norm import inv_rms
 from ggrun.core.backends.cpu.vecmath import to_stored
 from ggrun.core.backends.cpu.warmup import readonly, warms
@@ -88,6 +90,47 @@ def rope_store(x, pos, idx, n_dims, neox, theta_scale, freq_scale, w, eps, use_n
                 dst[h * d + j] = to_stored(row[j], cache)
 
 
+@kernel
+def rope_store_blocks(x, pos, idx, n_dims, neox, theta_scale, freq_scale, w, eps, use_norm, code, rot, cache):
+    """rope_store into a block-quantized cache (bytes of type `code`): each token's row of heads,
+    rotated, is turned by the cache's Walsh-Hadamard rotation (rot, 0: none) and quantized."""
+    cos = np.empty(n_dims // 2, dtype=np.float32)
+    sin = np.empty(n_dims // 2, dtype=np.float32)
+    d = x.shape[2]
+    head = np.empty(d, dtype=np.float32)
+    row = np.empty(x.shape[1] * d, dtype=np.float32)
+    for t in range(x.shape[0]):
+        _angles(pos[t], n_dims, theta_scale, freq_scale, cos, sin)
+        if idx[t] < 0 or idx[t] >= cache.shape[0]:
+            raise IndexError("rope_set_rows: row index out of range")
+        for h in range(x.shape[1]):
+            _rotate(_source(x[t, h], w, eps, use_norm, head), cos, sin, n_dims, neox, np.float32(1.0),
+                    row[h * d:(h + 1) * d])
+        if rot:
+            hadamard(row, rot)
+        store_row(code, row, cache[idx[t]])
+
+
+@kernel
+def rope_shift_rows(cache, shift, code, n_embd, head_dim, n_dims, neox, theta_scale, freq_scale, rot):
+    """Every row of a block-quantized K cache decoded, turned back from its rotation (rot, 0:
+    none), rotated by its shift, turned again and quantized back in place."""
+    cos = np.empty(n_dims // 2, dtype=np.float32)
+    sin = np.empty(n_dims // 2, dtype=np.float32)
+    row = np.empty(n_embd, dtype=np.float32)
+    for r in range(cache.shape[0]):
+        load_row(code, cache[r], row)
+        if rot:
+            hadamard(row, rot)
+        _angles(shift[r], n_dims, theta_scale, freq_scale, cos, sin)
+        for h in range(n_embd // head_dim):
+            head = row[h * head_dim:(h + 1) * head_dim]
+            _rotate(head, cos, sin, n_dims, neox, np.float32(1.0), head)
+        if rot:
+            hadamard(row, rot)
+        store_row(code, row, cache[r])
+
+
 def _params(node) -> tuple:
     p = node.params
     n_dims = int(p["n_dims"])
@@ -130,10 +173,25 @@ def bind_rope_set_rows(node, out, srcs, scratch):
     if not (_f32_rows(node, 1, x) and out.flags.c_contiguous) or norm is None:
         return None
     n_dims, neox, theta_scale, freq_scale = _params(node)
+    if node.dtype.is_quantized and node.dtype in CACHE_TYPES:
+        code, rot = code_of(node.dtype), int(node.srcs[0].root.params.get("hadamard", 0))
+        return lambda: rope_store_blocks(x, pos, idx, n_dims, neox, theta_scale, freq_scale, *norm, code, rot, out)
     if node.dtype not in (DType.F16, DType.F32):
         return None
     cache = out.view(np.uint16) if node.dtype is DType.F16 else out
     return lambda: rope_store(x, pos, idx, n_dims, neox, theta_scale, freq_scale, *norm, cache)
+
+
+@binds("rope_shift")
+def bind_rope_shift(node, out, srcs, scratch):
+    cache = node.srcs[0]
+    if cache.dtype not in CACHE_TYPES or not out.flags.c_contiguous:
+        return None
+    shift = srcs[1]
+    n_dims, neox, theta_scale, freq_scale = _params(node)
+    args = (code_of(cache.dtype), cache.shape[1], int(node.params["head_dim"]), n_dims, neox, theta_scale,
+            freq_scale, int(cache.root.params.get("hadamard", 0)))
+    return lambda: rope_shift_rows(out, shift, *args)
 
 
 # ---- first-run compilation: the signatures a model's graphs meet ---------------------------------
@@ -150,6 +208,22 @@ def _warm_rope(lf, cache_dtype: DType, norm: bool):
     return ops.rope_set_rows(cache, q, pos, pos, 8, norm=w, eps=1e-6)
 
 
+def _warm_rope_blocks(lf, norm: bool):
+    """Keys rotated into a quantized cache (one signature serves Q8_0 and Q4_0), then its K-shift."""
+    from ggrun.core import ops
+
+    x = lf.input("x", np.ones((2, 2, 32), np.float32))
+    pos = lf.input("pos", np.arange(2, dtype=np.int32))
+    w = readonly(lf, "w", DType.F32, np.ones(32, np.float32)) if norm else None
+    cache = lf.ctx.new_tensor("cache", DType.Q8_0, (4, 64))
+    lf.ctx.backend.set_tensor(cache, np.zeros((4, DType.Q8_0.row_bytes(64)), np.uint8))
+    cache.params["hadamard"] = 64
+    stored = ops.rope_set_rows(cache, x, pos, pos, 32, norm=w, eps=1e-6)
+    return ops.rope_shift(stored, lf.input("shift", np.zeros(4, np.int32)), 32, 32, ROPE_NEOX)
+
+
 for _cache_dtype in (DType.F16, DType.F32):
     for _with_norm in (False, True):
         warms(lambda lf, d=_cache_dtype, n=_with_norm: _warm_rope(lf, d, n))
+for _with_norm in (False, True):
+    warms(lambda lf, n=_with_norm: _warm_rope_blocks(lf, n))
