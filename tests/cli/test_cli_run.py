@@ -4,7 +4,6 @@ on stdout and llama.cpp-style timings on stderr. Most cases run main() in-proces
 in a fresh interpreter to check the real process (exit status, streams)."""
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 from gguf.constants import GGMLQuantizationType as QT
 
 from tests.cli.runner import ggrun, ggrun_process
-from tests.llm.llama_reference import ReferenceLlama, perplexity
+from tests.llm.llama_reference import ReferenceLlama
 from tests.synth import EOT, LlamaConfig, QuantizedTensor, tiny_bpe_vocab, tokenizer_metadata, write_gguf
 
 REPO = Path(__file__).resolve().parents[2]
@@ -187,27 +186,6 @@ def test_run_with_zero_predict_only_evaluates_the_prompt(capsys, monkeypatch, ti
     assert t["graphs reused"].startswith("0 (built 1)")
 
 
-def test_perplexity_json(capsys, monkeypatch, tiny_llama_path, tmp_path):
-    text = "hello world, the world is in the hello. on the other hand, hello again"
-    path = tmp_path / "text.txt"
-    path.write_text(text, encoding="utf-8")
-    code, out, err = ggrun(capsys, monkeypatch, "perplexity", "-m", tiny_llama_path, "-f", path, "-o", "json")
-    assert code == 0, err
-    result = json.loads(out)
-    tokens = _tokenize_tiny(tiny_llama_path, text)
-    assert result["n_tokens"] == len(tokens) - 1
-    want, _ = perplexity(ReferenceLlama.load(tiny_llama_path).logits(tokens), tokens)
-    assert result["perplexity"] == pytest.approx(want, rel=1e-2)  # f16 KV cache, as the CLI uses
-
-
-def test_perplexity_text_output(capsys, monkeypatch, tiny_llama_path, tmp_path):
-    path = tmp_path / "text.txt"
-    path.write_text("hello world, hello", encoding="utf-8")
-    code, out, err = ggrun(capsys, monkeypatch, "perplexity", "-m", tiny_llama_path, "-f", path)
-    assert code == 0, err
-    assert re.fullmatch(r"perplexity: [\d.]+ over \d+ tokens\n", out)
-
-
 def test_run_in_a_real_process(tiny_llama_path):
     proc = ggrun_process("run", "-m", tiny_llama_path, "-p", "hi", "-n", "4", "--temp", "0", "--ignore-eos")
     assert proc.returncode == 0, proc.stderr
@@ -227,14 +205,6 @@ def _text_of(tokens: list[int]) -> str:
     to_byte = {c: b for b, c in bytes_to_unicode().items()}
     vocab = tiny_bpe_vocab()[0]
     return b"".join(bytes(to_byte[c] for c in vocab[t]) for t in tokens).decode("utf-8", "replace")
-
-
-def _tokenize_tiny(path: Path, text: str) -> list[int]:
-    from ggrun.loaders.gguf_file import open_gguf
-    from ggrun.loaders.tokenizer import Tokenizer
-
-    with open_gguf(path) as f:
-        return Tokenizer.from_metadata(f.metadata).tokenize(text, add_special=True, parse_special=False)
 
 
 @pytest.mark.parametrize("numerics", ["llama", "f32"])

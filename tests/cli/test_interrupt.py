@@ -180,18 +180,18 @@ def test_bench_interrupted_before_any_row_prints_no_table(capsys, monkeypatch, t
 
 
 def test_perplexity_prints_the_estimate_so_far(capsys, monkeypatch, tiny_llama_path, tmp_path):
-    from ggrun.core.llm import perplexity
+    from ggrun.cli import cmd_perplexity
 
     text = tmp_path / "text.txt"
     text.write_text("the world is in the hello world of the tiny model " * 8, encoding="utf-8")
-    monkeypatch.setattr(perplexity, "log_softmax", _raise_sigint_after(2, perplexity.log_softmax))
+    monkeypatch.setattr(cmd_perplexity, "token_nll", _raise_sigint_after(2, cmd_perplexity.token_nll))
     code, out, err = ggrun(capsys, monkeypatch, "perplexity", "-m", tiny_llama_path, "-f", text, "-c", "16",
                            "-o", "json")
     assert code == 130, err
     assert err.splitlines()[-1] == "interrupted"
     record = json.loads(out)
-    assert record["interrupted"] and record["windows"] == 2 and record["windows_total"] > 2
-    assert record["n_tokens"] == 2 * 15 and record["perplexity"] > 1
+    assert record["interrupted"] and record["n_chunks"] == 2 and record["chunks_total"] > 2
+    assert record["n_tokens"] == 2 * 7 and record["perplexity"] > 1  # chunks of 16 score tokens 9..15
 
 
 def test_ctrl_c_in_a_conversation_ends_the_reply_and_returns_to_the_prompt(capsys, monkeypatch, tmp_path):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ggrun.core.llm.generate import generate
-from ggrun.core.llm.perplexity import Score, score_tokens
+from ggrun.core.llm.perplexity import Score, score_window
 from ggrun.core.llm.sampling import Sampler, SamplingParams
 from ggrun.core.llm.session import Session, SessionParams
 
@@ -26,7 +26,7 @@ def compare_score(model, ref: dict, record_property, label: str, flash_attn: boo
     assert tokens == ref["tokens"]
     session = Session(model, SessionParams(n_ctx=256, n_batch=256, n_ubatch=512, flash_attn=flash_attn))
     assert session.kv.n_ctx >= len(tokens)
-    score = score_tokens(session, tokens, model.tokenizer.bos_id if model.tokenizer.add_bos else None)
+    score = score_window(session, tokens)
     positions = ref["positions"]
     assert score.n_tokens == len(positions) == len(tokens) - 1
     assert [p["next"] for p in positions] == tokens[1:]

@@ -12,7 +12,7 @@ from ggrun.core.dtypes import DType
 from ggrun.core.llm.batch import Batch
 from ggrun.core.llm.generate import generate
 from ggrun.core.llm.model import Model
-from ggrun.core.llm.perplexity import score_tokens
+from ggrun.core.llm.perplexity import score_window
 from ggrun.core.llm.sampling import Sampler, SamplingParams
 from ggrun.core.llm.session import Session, SessionParams
 from tests.llm.llama_reference import ReferenceLlama, perplexity
@@ -165,32 +165,13 @@ def test_generation_stops_when_context_is_full(tiny_llama_path):
 
 def test_perplexity_one_window_matches_reference(tiny_llama_path):
     model = load(tiny_llama_path)
-    score = score_tokens(session(model, n_ctx=len(PROMPT)), PROMPT)
+    score = score_window(session(model, n_ctx=len(PROMPT)), PROMPT)
     logits = ReferenceLlama.load(tiny_llama_path).logits(PROMPT)
     ppl, nll = perplexity(logits, PROMPT)
     assert score.n_tokens == len(PROMPT) - 1
     np.testing.assert_allclose(score.nll, nll, atol=1e-4)
     assert score.perplexity == pytest.approx(ppl, rel=1e-4)
     assert list(score.argmax) == list(logits[:-1].argmax(-1))
-
-
-def test_perplexity_windows_restart_with_bos(tiny_llama_path):
-    """With n_ctx 8, 20 tokens make windows [0, 8), [8, 16), [16, 20); each later window starts with BOS
-    in place of its first token and is scored from scratch."""
-    model = load(tiny_llama_path)
-    bos = model.tokenizer.bos_id
-    score = score_tokens(session(model, n_ctx=8), PROMPT, bos_id=bos)
-    ref = ReferenceLlama.load(tiny_llama_path)
-    nlls = []
-    for start in (0, 8, 16):
-        window = PROMPT[start:start + 8]
-        if start:
-            window = [bos] + window[1:]
-        nlls.append(perplexity(ref.logits(window), window)[1])
-    nll = np.concatenate(nlls)
-    assert score.n_tokens == 7 + 7 + 3
-    np.testing.assert_allclose(score.nll, nll, atol=1e-4)
-    assert score.perplexity == pytest.approx(float(np.exp(nll.mean())), rel=1e-4)
 
 
 def test_tiny_model_whole_path(tiny_llama_path):
@@ -205,6 +186,6 @@ def test_tiny_model_whole_path(tiny_llama_path):
     again, _ = generate(Session(model, SessionParams(n_ctx=64)), tokens, 6,
                         Sampler(SamplingParams(temp=0.8, seed=42)), lambda t: None, ignore_eos=True)
     assert again == out  # seeded sampling is reproducible
-    score = score_tokens(Session(model, SessionParams(n_ctx=64)), tokens)
+    score = score_window(Session(model, SessionParams(n_ctx=64)), tokens)
     want, _ = perplexity(ReferenceLlama.load(tiny_llama_path).logits(tokens), tokens)
     assert score.perplexity == pytest.approx(want, rel=1e-2)
