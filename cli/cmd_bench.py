@@ -1,256 +1,304 @@
-"""`ggrun bench`: llama-bench's tests, options and output formats, from Python.
+"""`ggrun bench`: llama-bench's tests, options and output formats (cli/bench_output.py), from Python.
 
-Comma lists expand to the cartesian product of configurations; each model is loaded
-once per -ngl value. Results go to stdout, progress to stderr. Ctrl-C prints the rows already
-measured (a test cut short is left out), then `interrupted`, exit 130.
+Every option takes llama-bench's lists: repeated (`-n 0 -n 16`), comma-separated, and integer ranges
+(`-t 1-4`, `-p 64-512*2`); the configurations are their cartesian product in llama-bench's order, each
+model loaded once per -ngl value. Rows go to stdout as each test finishes, progress to stderr
+(`--progress`: llama-bench's lines). Ctrl-C prints the rows already measured (a test cut short is left
+out), then `interrupted`, exit 130.
 """
 from __future__ import annotations
 
-import csv
-import io
+import functools
 import itertools
-import json
-import sys
+import subprocess
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
 
 import typer
 from rich.progress import Progress
 
+from ggrun.cli import options as o
 from ggrun.cli.app import app
-from ggrun.cli.cmd_measure import parse_int_list
+from ggrun.cli.bench_output import FORMATS, Printer
 from ggrun.cli.cmd_version import ggrun_version
+from ggrun.cli.cmdline import command_from
 from ggrun.cli.common import err_console, list_devices, load_model
 from ggrun.cli.interrupt import Interrupt
+from ggrun.cli.value_lists import int_values, str_values
+from ggrun.core.backends.cpu import set_threads
+from ggrun.core.backends.cpu.jit import threads as current_threads
+from ggrun.core.backends.registry import probe
+from ggrun.core.dtypes import DType
 from ggrun.core.errors import BadInput, Interrupted
-from ggrun.core.llm.bench import BenchResult, BenchTest, run_bench
+from ggrun.core.llm.bench import BenchResult, BenchTest, cpu_description, run_bench
 from ggrun.core.llm.model import Model
+from ggrun.core.llm.model_desc import model_description
 from ggrun.core.llm.session import Session, SessionParams
 from ggrun.loaders.download import resolve_model
 from ggrun.loaders.gguf_file import open_gguf
 
-FORMATS = ("md", "csv", "json", "jsonl")
+FLASH_ATTN = {"on": 1, "off": 0, "auto": -1}  # llama-bench's flash_attn field: 1, 0, -1 (auto)
 
 
 @dataclass(frozen=True)
 class Config:
+    """One row: a model and one value of every option, and the test run with them."""
+
     model: str
-    n_gpu_layers: int
+    n_gpu_layers: int  # -1: every layer (llama-bench's default spelling)
     n_batch: int
-    n_ubatch: int
+    n_ubatch: int  # as given; a session uses at most n_batch, as llama.cpp's context does
+    type_k: DType
+    type_v: DType
+    flash_attn: int  # 1, 0 or -1 (auto: fused, as llama.cpp chooses on the CPU)
+    n_threads: int | None  # None: ggrun's default
     graph_reuse: bool
     test: BenchTest
     n_ctx: int
-    flash_attn: bool = False
 
 
-def parse_pg(values: list[str]) -> list[BenchTest]:
-    tests = []
-    for v in values:
-        try:
-            pp, tg = (int(x) for x in v.split(","))
-        except ValueError:
-            raise BadInput(f"-pg {v}: expected PP,TG (two integers)") from None
-        if pp < 1 or tg < 1:
-            raise BadInput(f"-pg {v}: both counts must be positive")
-        tests.append(BenchTest(pp, tg))
-    return tests
+@dataclass(frozen=True)
+class BenchSettings:
+    """What a `ggrun bench` command line asks for; every tuple is one option's list of values."""
+
+    models: tuple[str, ...] = ("smollm2",)
+    n_prompt: tuple[int, ...] = (512,)
+    n_gen: tuple[int, ...] = (128,)
+    pg: tuple[tuple[int, int], ...] = ()
+    n_depth: tuple[int, ...] = (0,)
+    n_batch: tuple[int, ...] = (2048,)
+    n_ubatch: tuple[int, ...] = (512,)
+    type_k: tuple[DType, ...] = (DType.F16,)
+    type_v: tuple[DType, ...] = (DType.F16,)
+    flash_attn: tuple[int, ...] = (-1,)
+    n_threads: tuple[int | None, ...] = (None,)
+    n_gpu_layers: tuple[int, ...] = (0,)
+    graph_reuse: tuple[bool, ...] = (True,)
+    n_ctx: int | None = None  # None: what each test needs
+    repetitions: int = 5
+    numerics: str = "llama"
+    output: str = "md"
+    progress: bool = False
+    warmup: bool = True
+    verbose: bool = False
+    list_devices: bool = False
+
+    def tests(self) -> list[BenchTest]:
+        """llama-bench's order: the pp tests, the tg tests, then the pg pairs (a 0 count is no test)."""
+        return ([BenchTest(p, 0) for p in self.n_prompt if p > 0] + [BenchTest(0, n) for n in self.n_gen if n > 0]
+                + [BenchTest(p, n) for p, n in self.pg])
+
+    def configs(self) -> list[Config]:
+        """The cartesian product of every list, in llama-bench's nesting (the model outermost, so each is
+        loaded once), checked before anything is loaded."""
+        if not self.tests():
+            raise BadInput("no test to run: give -p, -n or -pg with positive counts")
+        out = []
+        for m, ngl, b, ub, tk, tv, fa, reuse, t, d in itertools.product(
+                self.models, self.n_gpu_layers, self.n_batch, self.n_ubatch, self.type_k, self.type_v,
+                self.flash_attn, self.graph_reuse, self.n_threads, self.n_depth):
+            for test in self.tests():
+                test = BenchTest(test.n_prompt, test.n_gen, d)
+                n_ctx = self.n_ctx if self.n_ctx is not None else test.n_ctx
+                if test.n_ctx > n_ctx:
+                    raise BadInput(f"test {test.label} needs {test.n_ctx} tokens, more than the context (-c {n_ctx})")
+                out.append(Config(m, ngl, b, ub, tk, tv, fa, t, reuse, test, n_ctx))
+        return out
+
+    def md_columns(self, device: bool) -> tuple[str, ...]:
+        """llama-bench's rule: threads always on a CPU, ngl where a device exists, any other option's
+        column when it was given more than one value or a value other than its default."""
+        d = BenchSettings()
+        cols = ["n_gpu_layers"] if device else []
+        cols.append("n_threads")
+        for name in ("n_batch", "n_ubatch", "type_k", "type_v", "flash_attn", "graph_reuse"):
+            if getattr(self, name) != getattr(d, name):
+                cols.append(name)
+        return tuple(cols)
 
 
-def plan_configs(models: list[str], prompts: list[int], gens: list[int], pgs: list[BenchTest], batches: list[int],
-                 ubatches: list[int], ngls: list[int], reuse: list[bool], ctx: int | None,
-                 flash_attn: tuple[bool, ...] = (False,)) -> list[Config]:
-    """The cartesian product of every option list, checked before anything is loaded."""
-    tests = [BenchTest(p, 0) for p in prompts if p > 0] + [BenchTest(0, n) for n in gens if n > 0] + pgs
-    if not tests:
-        raise BadInput("no test to run: give -p, -n or -pg with positive counts")
-    configs = []
-    for m, ngl, b, ub, r, fa, t in itertools.product(models, ngls, batches, ubatches, reuse, flash_attn, tests):
-        if ub > b:
-            raise BadInput(f"-ub {ub} is larger than -b {b}")
-        n_ctx = ctx if ctx is not None else t.n_tokens
-        if t.n_tokens > n_ctx:
-            raise BadInput(f"test {t.label} needs {t.n_tokens} tokens, more than the context (-c {n_ctx})")
-        configs.append(Config(m, ngl, b, ub, r, t, n_ctx, fa))
-    return configs
-
-
-def _split_models(values: list[str]) -> list[str]:
-    return [m for v in values for m in v.split(",") if m]
-
-
-@app.command("bench")
-def bench_command(
-    model: list[str] = typer.Option(None, "-m", "--model", help="Model file(s) or known names; repeat or comma-separate"),
-    n_prompt: str = typer.Option("512", "-p", "--n-prompt", help="Prompt lengths (comma list)"),
-    n_gen: str = typer.Option("128", "-n", "--n-gen", help="Generation lengths (comma list)"),
-    pg: list[str] = typer.Option(None, "-pg", help="Prompt then generation: PP,TG (repeatable)"),
-    batch_size: str = typer.Option("2048", "-b", "--batch-size", help="Batch sizes (comma list)"),
-    ubatch_size: str = typer.Option("512", "-ub", "--ubatch-size", help="Micro-batch sizes (comma list)"),
-    ctx_size: int = typer.Option(None, "-c", "--ctx-size", help="Context size (default: what each test needs)"),
-    n_gpu_layers: str = typer.Option("0", "-ngl", "--n-gpu-layers", help="Layers offloaded (comma list)"),
+def settings(
+    model: Optional[list[str]] = typer.Option(None, "-m", "--model", help="Model file(s) or known names; repeat or comma-separate"),
+    n_prompt: Optional[list[str]] = typer.Option(None, "-p", "--n-prompt", help="Prompt lengths (default 512)"),
+    n_gen: Optional[list[str]] = typer.Option(None, "-n", "--n-gen", help="Generation lengths (default 128; 0: none)"),
+    pg: Optional[list[str]] = typer.Option(None, "-pg", help="Prompt then generation: PP,TG (repeatable)"),
+    n_depth: Optional[list[str]] = typer.Option(None, "-d", "--n-depth", help="Tokens already in the KV cache (default 0)"),
+    batch_size: Optional[list[str]] = typer.Option(None, "-b", "--batch-size", help="Batch sizes (default 2048)"),
+    ubatch_size: Optional[list[str]] = typer.Option(None, "-ub", "--ubatch-size", help="Micro-batch sizes (default 512)"),
+    cache_type_k: Optional[list[str]] = typer.Option(None, "-ctk", "--cache-type-k", help="KV cache types for K (default f16)"),
+    cache_type_v: Optional[list[str]] = typer.Option(None, "-ctv", "--cache-type-v", help="KV cache types for V (default f16)"),
+    threads: Optional[list[str]] = typer.Option(None, "-t", "--threads", help="CPU thread counts (default: ggrun's)"),
+    n_gpu_layers: Optional[list[str]] = typer.Option(None, "-ngl", "--n-gpu-layers", help="Layers offloaded (default 0; -1: all)"),
+    flash_attn: Optional[list[str]] = typer.Option(None, "-fa", "--flash-attn", help="Fused attention: on|off|auto or 1|0|-1 (default auto: on)"),
+    graph_reuse: Optional[list[str]] = typer.Option(None, "--graph-reuse", help="Graph reuse off/on: 0,1 (default 1)"),
+    ctx_size: Optional[int] = typer.Option(None, "-c", "--ctx-size", help="Context size (default: what each test needs)"),
     repetitions: int = typer.Option(5, "-r", "--repetitions", help="Timed repetitions per test"),
-    threads: int = typer.Option(None, "-t", "--threads", help="CPU threads for matrix products (default: all cores)"),
-    numerics: str = typer.Option("llama", "--numerics", help="llama (llama.cpp's operand rounding) or f32"),
-    graph_reuse: str = typer.Option("1", "--graph-reuse", help="Graph reuse off/on (comma list of 0,1)"),
-    flash_attn: str = typer.Option("1", "-fa", "--flash-attn", help="Fused attention off/on (comma list of 0,1)"),
-    output: str = typer.Option("md", "-o", "--output", help="md, csv, json or jsonl"),
+    numerics: o.Numerics = "llama",
+    output: str = typer.Option("md", "-o", "--output", help="md, csv, json, jsonl or sql"),
+    progress: bool = typer.Option(False, "--progress", help="Print llama-bench's progress lines on stderr"),
+    no_warmup: bool = typer.Option(False, "--no-warmup", help="Skip the untimed warm-up run of each test"),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="Log each repetition on stderr"),
-    list_devices_: bool = typer.Option(False, "--list-devices", help="List the usable backends and exit"),
-) -> None:
+    list_devices_: o.ListDevices = False,
+) -> BenchSettings:
     """Benchmark prompt processing and generation (like llama-bench)."""
     if list_devices_:
-        list_devices()
-        return
+        return BenchSettings(list_devices=True)
     if output not in FORMATS:
         raise BadInput(f"-o {output}: choose one of {', '.join(FORMATS)}")
     if repetitions < 1:
         raise BadInput(f"-r {repetitions} must be positive")
     if ctx_size is not None and ctx_size < 1:
         raise BadInput(f"-c {ctx_size} must be positive")
-    prompts = _nonneg_list(n_prompt, "-p")
-    gens = _nonneg_list(n_gen, "-n")
-    ngls = _nonneg_list(n_gpu_layers, "-ngl")
-    reuse = _switch_list(graph_reuse, "--graph-reuse")
-    fa = tuple(_switch_list(flash_attn, "-fa"))
-    models = _split_models(model or ["smollm2"])
-    configs = plan_configs(models, prompts, gens, parse_pg(pg or []), parse_int_list(batch_size, "-b"),
-                           parse_int_list(ubatch_size, "-ub"), ngls, reuse, ctx_size, fa)
-    paths = {m: resolve_model(m) for m in models}
+    reuse = int_values(graph_reuse, "--graph-reuse", [1])
+    if any(x not in (0, 1) for x in reuse):
+        raise BadInput(f"--graph-reuse {','.join(graph_reuse)}: values must be 0 or 1")
+    n_threads = int_values(threads, "-t", [], minimum=1) or (None,)
+    s = BenchSettings(
+        models=str_values(model, ["smollm2"]), n_prompt=int_values(n_prompt, "-p", [512]),
+        n_gen=int_values(n_gen, "-n", [128]), pg=tuple(_pg(v) for v in pg or ()),
+        n_depth=int_values(n_depth, "-d", [0]), n_batch=int_values(batch_size, "-b", [2048], minimum=1),
+        n_ubatch=int_values(ubatch_size, "-ub", [512], minimum=1),
+        type_k=tuple(_cache_type(v, "-ctk") for v in str_values(cache_type_k, ["f16"])),
+        type_v=tuple(_cache_type(v, "-ctv") for v in str_values(cache_type_v, ["f16"])),
+        flash_attn=tuple(_flash_attn(v) for v in str_values(flash_attn, ["auto"])), n_threads=n_threads,
+        n_gpu_layers=int_values(n_gpu_layers, "-ngl", [0], allow_negative=True, minimum=-1),
+        graph_reuse=tuple(bool(x) for x in reuse), n_ctx=ctx_size, repetitions=repetitions, numerics=numerics,
+        output=output, progress=progress, warmup=not no_warmup, verbose=verbose)
+    s.configs()  # every combination is checked before a model is read
+    return s
+
+
+def _pg(value: str) -> tuple[int, int]:
+    try:
+        pp, tg = (int(x) for x in value.split(","))
+    except ValueError:
+        raise BadInput(f"-pg {value}: expected PP,TG (two integers)") from None
+    if pp < 1 or tg < 1:
+        raise BadInput(f"-pg {value}: both counts must be positive")
+    return pp, tg
+
+
+def _flash_attn(value: str) -> int:
+    try:
+        return FLASH_ATTN[o.parse_on_off_auto(value)]
+    except typer.BadParameter as err:
+        raise BadInput(f"-fa {err}") from None
+
+
+def _cache_type(value: str, flag: str) -> DType:
+    try:
+        return o.parse_cache_type(value)
+    except typer.BadParameter as err:
+        raise BadInput(f"{flag} {err}") from None
+
+
+def run(s: BenchSettings) -> None:
+    if s.list_devices:
+        list_devices()
+        return
+    configs = s.configs()
+    paths = {m: resolve_model(m) for m in s.models}
     for p in paths.values():  # a model that cannot be read fails now, before any other is loaded or timed
         with open_gguf(p) as gf:
             Model.read_hparams(gf)
-    if threads is not None and threads < 1:
-        raise BadInput(f"-t {threads} must be positive")
-    results: list[dict] = []
+    device = any(i.available and i.name != "CPU" for i in probe())
+    printer = Printer(s.output, s.md_columns(device))
     with Interrupt() as stop:
         try:
-            _run_all(configs, paths, repetitions, verbose, threads, numerics, results, stop)
+            _run_all(s, configs, paths, printer, stop)
         except Interrupted:
             pass
-    if results or not stop.requested:
-        sys.stdout.write(render(results, output))
+    printer.footer(f"{build_commit()} (ggrun {ggrun_version()})")
     if stop.requested:
         raise Interrupted()
 
 
-def _switch_list(text: str, flag: str) -> list[bool]:
-    """'0,1' -> [False, True]."""
-    values = _nonneg_list(text, flag)
-    if any(x not in (0, 1) for x in values):
-        raise BadInput(f"{flag} {text}: values must be 0 or 1")
-    return [bool(x) for x in values]
+app.command("bench")(command_from(settings, run))
 
 
-def _nonneg_list(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise BadInput(f"{flag} {text}: expected a comma-separated list of integers") from None
-    if any(v < 0 for v in values):
-        raise BadInput(f"{flag} {text}: values must not be negative")
-    return values
-
-
-def _run_all(configs: list[Config], paths: dict, repetitions: int, verbose: bool, threads: int | None,
-             numerics: str, out: list[dict], stop: Interrupt) -> None:
-    """Run every configuration, appending its row to `out` as soon as it is measured."""
+def _run_all(s: BenchSettings, configs: list[Config], paths: dict, printer: Printer, stop: Interrupt) -> None:
+    """Run every configuration, printing its row as soon as it is measured."""
     loaded: tuple[tuple[str, int], Model] | None = None
-    with Progress(console=err_console, transient=True) as progress:
-        task = progress.add_task("benchmarking", total=len(configs) * repetitions)
-        for cfg in configs:
+    with Progress(console=err_console, transient=True, disable=s.progress) as bar:
+        task = bar.add_task("benchmarking", total=len(configs) * s.repetitions)
+        for idx, cfg in enumerate(configs, 1):
             if stop.requested:  # Ctrl-C while loading: no session polled it yet
                 raise Interrupted()
+
+            def say(what: str, idx=idx) -> None:
+                if s.progress:
+                    err_console.print(f"ggrun bench: benchmark {idx}/{len(configs)}: {what}", markup=False)
+
+            say("starting")
             key = (cfg.model, cfg.n_gpu_layers)
             if loaded is None or loaded[0] != key:
-                m = load_model(cfg.model, cfg.n_gpu_layers, quiet=True, threads=threads, numerics=numerics)
+                m = load_model(cfg.model, _gpu_layers(cfg.n_gpu_layers), quiet=True, threads=cfg.n_threads,
+                               numerics=s.numerics)
                 loaded = (key, m)
             m = loaded[1]
-            params = SessionParams(n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch,
-                                   graph_reuse=cfg.graph_reuse, flash_attn=cfg.flash_attn)
+            set_threads(cfg.n_threads)
+            params = SessionParams(n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch, type_k=cfg.type_k,
+                                   type_v=cfg.type_v, graph_reuse=cfg.graph_reuse, flash_attn=cfg.flash_attn != 0)
             session = stop.watch(Session(m, params))
-            progress.update(task, description=f"{paths[cfg.model].name} {cfg.test.label}")
+            bar.update(task, description=f"{paths[cfg.model].name} {cfg.test.label}")
 
             def tick(i: int, cfg=cfg) -> None:
-                progress.advance(task)
-                if verbose:
-                    err_console.print(f"{cfg.test.label}: repetition {i + 1}/{repetitions} done", markup=False)
+                bar.advance(task)
+                if s.verbose:
+                    err_console.print(f"{cfg.test.label}: repetition {i + 1}/{s.repetitions} done", markup=False)
 
-            res = run_bench(session, cfg.test, repetitions, on_rep=tick)
-            out.append(record(cfg, m, paths[cfg.model], res))
+            res = run_bench(session, cfg.test, s.repetitions, warmup=s.warmup, on_rep=tick, on_event=say)
+            printer.row(record(cfg, m, paths[cfg.model], res, s.numerics))
 
 
-def record(cfg: Config, m: Model, path, res: BenchResult) -> dict:
-    """One result with llama-bench's field names where the same thing is meant."""
+def _gpu_layers(n: int) -> int:
+    return o.GPU_LAYERS_ALL if n < 0 else n
+
+
+def record(cfg: Config, m: Model, path: Path, res: BenchResult, numerics: str) -> dict:
+    """One result with llama-bench's field names and values where the same thing is meant."""
+    devices = [b for b in m.backends if b.name != "CPU"]
     return {
-        "ggrun_version": ggrun_version(),
-        "backends": ",".join(b.name for b in m.backends),
+        "build_commit": build_commit(),
+        "cpu_info": cpu_description(),
+        "gpu_info": ", ".join(b.device for b in devices),
+        "backends": ",".join(b.name for b in devices) or "CPU",
         "model_filename": str(path),
-        "model_type": model_type(m),
+        "model_type": model_description(m.gguf, m.hp.n_layer, m.hp.n_vocab, m.hp.n_head, m.hp.n_head_kv),
         "model_size": m.file_bytes,
         "model_n_params": m.n_params,
         "n_batch": cfg.n_batch,
         "n_ubatch": cfg.n_ubatch,
-        "n_ctx": cfg.n_ctx,
+        "n_threads": current_threads(),
+        "type_k": cfg.type_k.label,
+        "type_v": cfg.type_v.label,
         "n_gpu_layers": cfg.n_gpu_layers,
-        "graph_reuse": int(cfg.graph_reuse),
-        "flash_attn": int(cfg.flash_attn),
+        "flash_attn": cfg.flash_attn,
         "n_prompt": cfg.test.n_prompt,
         "n_gen": cfg.test.n_gen,
-        "test": cfg.test.label,
+        "n_depth": cfg.test.n_depth,
         "test_time": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "avg_ns": int(res.avg_ns),
         "stddev_ns": int(res.stddev_ns),
         "avg_ts": res.avg_ts,
         "stddev_ts": res.stddev_ts,
+        "ggrun_version": ggrun_version(),
+        "n_ctx": cfg.n_ctx,
+        "graph_reuse": int(cfg.graph_reuse),
+        "numerics": numerics,
         "samples_ns": res.samples_ns,
         "samples_ts": res.samples_ts,
     }
 
 
-def model_type(m: Model) -> str:
-    """llama-bench's model description: architecture, size label, stored type."""
-    label = m.gguf.get("general.size_label") or _size_label(m.n_params)
-    return f"{m.hp.arch} {label} {m.type_label}"
-
-
-def _size_label(n: int) -> str:
-    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{round(n / 1e6)}M"
-
-
-def render(results: list[dict], fmt: str) -> str:
-    if fmt == "json":
-        return json.dumps(results, indent=2) + "\n"
-    if fmt == "jsonl":
-        return "".join(json.dumps(r) + "\n" for r in results)
-    if fmt == "csv":
-        buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=list(results[0]) if results else [])
-        w.writeheader()
-        for r in results:
-            w.writerow({k: (json.dumps(v) if isinstance(v, list) else v) for k, v in r.items()})
-        return buf.getvalue()
-    return markdown(results)
-
-
-def markdown(results: list[dict]) -> str:
-    """llama-bench's table: fixed columns, then the options that vary across rows, test, t/s."""
-    varying = [k for k in ("n_batch", "n_ubatch", "flash_attn", "graph_reuse") if len({r[k] for r in results}) > 1]
-    cols = ["model", "size", "params", "backend", "ngl", *varying, "test", "t/s"]
-    right = {"size", "params", "ngl", "n_batch", "n_ubatch", "flash_attn", "graph_reuse", "test", "t/s"}
-    rows = []
-    for r in results:
-        cells = {
-            "model": r["model_type"], "size": f"{r['model_size'] / 2**20:.2f} MiB",
-            "params": f"{r['model_n_params'] / 1e6:.2f} M", "backend": r["backends"].replace(",CPU", "") or "CPU",
-            "ngl": str(r["n_gpu_layers"]), "test": r["test"], "t/s": f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}",
-        }
-        cells.update({k: str(r[k]) for k in varying})
-        rows.append([cells[c] for c in cols])
-    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
-    def line(vals):
-        return "| " + " | ".join(v.rjust(w) if c in right else v.ljust(w) for v, w, c in zip(vals, widths, cols)) + " |"
-    sep = "| " + " | ".join(("-" * (w - 1) + ":") if c in right else "-" * w for w, c in zip(widths, cols)) + " |"
-    # llama-bench ends its table with the build that produced it
-    build = f"\nbuild: ggrun {results[0]['ggrun_version']}\n" if results else ""
-    return "\n".join([line(cols), sep, *(line(r) for r in rows)]) + "\n" + build
+@functools.cache
+def build_commit() -> str:
+    """The git commit ggrun runs from (llama-bench's build_commit), or its version outside a checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return ggrun_version()
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else ggrun_version()

@@ -120,3 +120,34 @@ def test_runs_never_re_reserve(tiny_model, test, caplog):
     run_bench(session, test, 1)
     assert session.sched.allocators["CPU"].reserves == before
     assert "re-reserving" not in caplog.text
+
+
+def test_depth_in_label_and_context():
+    t = BenchTest(512, 0, 512)
+    assert (t.label, t.n_tokens, t.n_ctx) == ("pp512 @ d512", 512, 1024)
+    assert BenchTest(8, 4, 16).label == "pp8+tg4 @ d16"
+
+
+def test_depth_is_evaluated_once_and_kept(tiny_model, monkeypatch):
+    """-d 6: six tokens enter the cache once, untimed; each repetition then removes only its own tokens, so
+    the depth's cells stay and the prompt always starts at position 6 (llama-bench restores a saved state)."""
+    evaluated: list[tuple[int, int]] = []
+    real = bench.eval_prompt
+
+    def logged(session, prompt, n_batch, seq=0, start_pos=0):
+        evaluated.append((len(prompt), start_pos))
+        return real(session, prompt, n_batch, seq, start_pos)
+
+    monkeypatch.setattr(bench, "eval_prompt", logged)
+    test = BenchTest(4, 2, 6)
+    session = _session(tiny_model, n_ctx=test.n_ctx)
+    run_bench(session, test, 3, clock=iter(range(100)).__next__)
+    assert evaluated == [(6, 0)] + [(4, 6)] * 4  # the depth, the warm-up's prompt, three timed prompts
+    assert session.kv.n_used == 12
+
+
+def test_progress_events_are_llama_bench_phrases(tiny_model):
+    said: list[str] = []
+    run_bench(_session(tiny_model, n_ctx=9), BenchTest(4, 2, 3), 2, on_event=said.append)
+    assert said == ["depth run 1/2", "warmup prompt run", "warmup generation run", "prompt run 1/2",
+                    "generation run 1/2", "depth run 2/2 (cached)", "prompt run 2/2", "generation run 2/2"]
