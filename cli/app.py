@@ -19,16 +19,21 @@ app = typer.Typer(
 )
 
 
-def _register_commands() -> None:
-    """Import the command modules; each one adds its command(s) to `app`."""
+def _register_commands(argv: list[str] | None = None) -> None:
+    """Import the command modules; each one, `cmd_<name>.py`, adds the command `<name>` to `app`.
+
+    Given the command line (`argv`) that names a command, only its module is imported: a run does not
+    pay for the imports of every other command. Help, no command or an unknown one imports them all."""
     import importlib
     import pkgutil
 
     from ggrun import cli
 
-    for info in pkgutil.iter_modules(cli.__path__):
-        if info.name.startswith("cmd_"):
-            importlib.import_module(f"ggrun.cli.{info.name}")
+    names = [info.name for info in pkgutil.iter_modules(cli.__path__) if info.name.startswith("cmd_")]
+    words = [a for a in argv or () if not a.startswith("-")]
+    wanted = f"cmd_{words[0]}" if words else None
+    for name in [wanted] if wanted in names else names:
+        importlib.import_module(f"ggrun.cli.{name}")
 
 
 @app.callback()
@@ -40,7 +45,7 @@ def main() -> None:
     """Console entry point: one clear line and exit 2 for bad input (ggrun's own checks and
     malformed options alike), 1 for runtime failures; never a traceback for either. Ctrl-C is
     `interrupted` and exit 130: a command that armed cli.interrupt has shown what it had first."""
-    _register_commands()
+    _register_commands(sys.argv[1:])
     try:
         code = app(standalone_mode=False)
     except Interrupted:
@@ -72,3 +77,9 @@ def _interrupted() -> None:
 def _is_usage_error(err: Exception) -> bool:
     """Click's bad-option errors (Typer vendors click, so match by shape, not by class)."""
     return hasattr(err, "format_message") and getattr(err, "exit_code", None) == 2
+
+
+if __name__ == "__main__":  # python -m ggrun.cli.app: the commands register on the imported module's app
+    from ggrun.cli.app import main as _main
+
+    _main()

@@ -26,8 +26,10 @@ MODELS = "llama-1b:q4_0,llama-1b:q8_0,llama-135m:q4_0"
 
 
 def prepare(anchor: Path, models: list[str]) -> None:
-    """Build llama-bench and write the synthetic models (cuda_anchor.sh does both; it also runs
-    llama-bench once per model, which serves as the warm-up)."""
+    """Build llama-bench and write the synthetic models where missing (cuda_anchor.sh does both; it
+    also runs llama-bench once per model, which serves as the warm-up)."""
+    if LLAMA_BENCH.exists() and all((SYNTH / f"{m.replace(':', '-')}.gguf").exists() for m in models):
+        return
     subprocess.run(["bash", str(anchor / "cuda_anchor.sh"), "device", *models], check=True,
                    stdout=subprocess.DEVNULL)
 
@@ -48,10 +50,15 @@ def llama_cpp(model: Path) -> dict[str, float]:
 
 
 def ggrun(model: Path) -> dict[str, float]:
-    cmd = [sys.executable, "-m", "ggrun.cli.app", "bench", "-m", str(model), "-ngl", "99", "-p", "512", "-n", "128",
+    cmd = [sys.executable, "-c", "from ggrun.cli.app import main; main()", "bench", "-m", str(model), "-ngl", "99", "-p", "512", "-n", "128",
            "-r", "3", "-o", "json"]
-    res = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
-    return _tests(json.loads(res.stdout))
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if res.returncode:
+        raise SystemExit(f"ggrun bench failed ({res.returncode}): {res.stderr.strip()[-2000:]}")
+    try:
+        return _tests(json.loads(res.stdout))
+    except json.JSONDecodeError:
+        raise SystemExit(f"ggrun bench printed no JSON: {res.stdout[-1000:]!r} {res.stderr[-2000:]!r}") from None
 
 
 def main() -> None:

@@ -4,6 +4,8 @@ off, and the GPU time of each kernel of one step (CUDA events around each bound 
 node kind. Run on the GPU machine:
 
     python3 scripts/gpu_decode_profile.py -m MODEL.gguf [-n 64] [-p 32]
+    ncu --metrics gpu__time_duration.sum --print-summary per-kernel \
+        python3 scripts/gpu_decode_profile.py -m MODEL.gguf --steps-only   # each kernel's GPU time
 """
 from __future__ import annotations
 
@@ -37,6 +39,52 @@ def decode_rate(path: str, graphs: bool, n_prompt: int, n_gen: int) -> tuple[flo
     return n_gen / (time.perf_counter() - t0), s, gpu
 
 
+def step_times(s: Session, gpu: CUDABackend, n_prompt: int, n: int = 20) -> tuple[float, float]:
+    """(host ms, GPU ms) of a decode step: wall time of Session.decode, and device time between
+    events around the whole step on the stream."""
+    host, dev = [], []
+    for i in range(n):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(gpu.stream)
+        t0 = time.perf_counter()
+        s.decode(Batch.of_sequence([9], n_prompt + 100 + i))
+        host.append(time.perf_counter() - t0)
+        end.record(gpu.stream)
+        end.synchronize()
+        dev.append(cupy.cuda.get_elapsed_time(start, end))
+    return 1e3 * sorted(host)[n // 2], sorted(dev)[n // 2]
+
+
+def replay_ms(s: Session, gpu: CUDABackend, n: int = 50) -> float:
+    """GPU milliseconds of one replay of the decode graph's captured CUDA splits and their input copies."""
+    splits = [sp for sp in s.result.sg.splits if sp.backend is gpu and sp.calls is not None]
+    if not splits or any(sp.calls.graph is None for sp in splits):
+        return float("nan")
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record(gpu.stream)
+    for _ in range(n):
+        for sp in splits:  # the inputs' copies too: later nodes reuse their memory
+            for c in sp.copies:
+                gpu.copy_tensor(c.srcs[0], c)
+            sp.calls.graph.launch(gpu.stream)
+    end.record(gpu.stream)
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end) / n
+
+
+def host_profile(s: Session, n_prompt: int, n: int = 64) -> None:
+    """cProfile of decode steps: where the host's time per token goes."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(n):
+        s.decode(Batch.of_sequence([11], n_prompt + 200 + i))
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
 def kernel_times(s: Session, gpu: CUDABackend) -> dict[str, list[float]]:
     """GPU milliseconds of each node of the last decode graph's CUDA splits, by node kind."""
     by_kind: dict[str, list[float]] = {}
@@ -44,6 +92,8 @@ def kernel_times(s: Session, gpu: CUDABackend) -> dict[str, list[float]]:
         for split in s.result.sg.splits:
             if split.backend is not gpu or split.calls is None:
                 continue
+            for c in split.copies:  # inputs again: their copies' memory may serve later nodes meanwhile
+                gpu.copy_tensor(c.srcs[0], c)
             for node, step in zip(split.nodes, split.calls.steps):
                 start, end = cupy.cuda.Event(), cupy.cuda.Event()
                 start.record(gpu.stream)
@@ -60,10 +110,22 @@ def main() -> None:
     ap.add_argument("-m", "--model", required=True)
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("-p", type=int, default=32)
+    ap.add_argument("--cprofile", action="store_true", help="profile the host side of decode steps")
+    ap.add_argument("--steps-only", action="store_true",
+                    help="only a prompt and three eager decode steps, for a kernel profiler (ncu)")
     a = ap.parse_args()
+    if a.steps_only:
+        decode_rate(a.model, False, a.p, 3)
+        return
     for graphs in (True, False):
         rate, s, gpu = decode_rate(a.model, graphs, a.p, a.n)
-        print(f"decode with CUDA graphs {'on ' if graphs else 'off'}: {rate:8.1f} t/s ({1e3 / rate:.3f} ms/token)")
+        host, dev = step_times(s, gpu, a.p + a.n)
+        print(f"decode with CUDA graphs {'on ' if graphs else 'off'}: {rate:8.1f} t/s ({1e3 / rate:.3f} ms/token;"
+              f" median step {host:.3f} ms on the host, {dev:.3f} ms between stream events)")
+        if graphs:
+            print(f"  GPU time of the captured decode graph alone: {replay_ms(s, gpu):.3f} ms")
+            if a.cprofile:
+                host_profile(s, a.p + a.n)
     times = kernel_times(s, gpu)
     total = sum(sum(v) for v in times.values())
     print(f"GPU time of one step, kernel by kernel (eager, events between kernels): {total:.3f} ms")

@@ -59,7 +59,7 @@ def test_cpu_cannot_read_gpu_memory(tiny_llama_factory, gpu):
         CPUBackend().array(m.weights["blk.0.attn_q.weight"])
 
 
-CONFIDENT = 0.05  # logit gap: a few times the rounding difference between the CPU's and GPU's products
+CONFIDENT = 0.1  # logit gap: a few times the rounding difference between the CPU's and GPU's products
 
 
 def _greedy_agreement(path, gpu, n_tokens: int = 160) -> tuple[float, float]:
@@ -128,6 +128,7 @@ def test_cuda_graph_replay_and_invalidation(tiny_llama_factory, gpu, monkeypatch
         results[graphs] = _steps(s, script)
         if graphs:
             captured = [sp.calls for sp in s.result.sg.splits if sp.backend is backend]
-            assert captured and all(p.graph is not None for p in captured)
+            assert captured and all(p.graph is not None for p in captured), \
+                [(p.runs, p.blocker) for p in captured]
     for eager, replayed in zip(results[False], results[True]):
         np.testing.assert_allclose(replayed, eager, rtol=0, atol=1e-5)

@@ -197,3 +197,18 @@ def test_flash_attn(gpu, kv_dtype, t, n_kv, hq, hk, d):
         v = ops.permute(ops.view(lf.weight("v", kv_dtype, (n_kv, hk * d), vd), (n_kv, hk, d)), (1, 0, 2))
         return ops.flash_attn(lf.input("q", F32, qd), k, v, lf.input("mask", F16, md), scale=d ** -0.5)
     check(gpu, build, NMSE_ATTENTION)
+
+
+@pytest.mark.parametrize("n_tokens", [1, 7, 64])
+def test_mul_mat_multi(gpu, n_tokens):
+    """q, k and v (or gate and up) from one activation: weights of different types and heights."""
+    k = 256
+    kinds = [(DType.Q4_0, 96), (DType.Q6_K, 32), (DType.F16, 40)]
+    data = [weight_data(dt, m, k, seed=i) for i, (dt, m) in enumerate(kinds)]
+    x = values(n_tokens, k)
+
+    def build(lf):
+        ws = tuple(lf.weight(f"w{i}", dt, (m, k), d) for i, ((dt, m), d) in enumerate(zip(kinds, data)))
+        views = ops.mul_mat_multi(ws, lf.input("x", F32, x), ("q", "k", "v"))
+        return ops.add(ops.cont(views[1]), ops.cont(views[1]))  # reads a view in the middle
+    check(gpu, build, NMSE_MUL_MAT)

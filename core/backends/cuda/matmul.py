@@ -1,6 +1,7 @@
-"""Which CUDA kernels run `mul_mat` and `get_rows`.
+"""Which CUDA kernels run `mul_mat`, `mul_mat_multi` and `get_rows`.
 
-A weight (a 2-d tensor in any stored type) times up to GEMV_MAX_ROWS token rows: the legacy block
+A weight (a 2-d tensor in any stored type; `mul_mat_multi`: several weights, one after another in
+the result) times up to GEMV_MAX_ROWS token rows: the legacy block
 types quantize the activations to q8_1 blocks in the node's scratch and take integer dot products
 (mmvq, as ggml's CUDA backend); other types decode their blocks inside the product (gemv). More
 token rows: the weight is decoded to f16 one tile of rows at a time into scratch and multiplied
@@ -26,29 +27,43 @@ CUDA_R_16F, CUDA_R_32F, CUBLAS_COMPUTE_32F = 2, 0, 68
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)
 
 
-def _weight_case(node: Tensor) -> tuple[int, int, int] | None:
-    """(M, K, N) of a weight product this module runs, else None."""
-    a, b = node.srcs
-    if len(a.shape) != 2 or a.dtype.name not in TYPE_IDS or b.dtype is not DType.F32 or not a.is_contiguous:
+def _weights(node: Tensor) -> list[Tensor]:
+    """The weights a product node multiplies the activations (its last source) by."""
+    return list(node.srcs[:-1])
+
+
+def _weight_case(node: Tensor) -> tuple[list[int], int, int] | None:
+    """([M of each weight], K, N) of a weight product this module runs, else None."""
+    b = node.srcs[-1]
+    ws = _weights(node)
+    if b.dtype is not DType.F32:
         return None
-    if a.dtype.is_quantized and a.shape[1] % a.dtype.block_size:
-        return None
-    m, k = a.shape
-    return m, k, int(np.prod(b.shape[:-1], dtype=np.int64))
+    for w in ws:
+        if len(w.shape) != 2 or w.dtype.name not in TYPE_IDS or not w.is_contiguous:
+            return None
+        if w.dtype.is_quantized and w.shape[1] % w.dtype.block_size:
+            return None
+    k = b.shape[-1]
+    return [w.shape[0] for w in ws], k, int(np.prod(b.shape[:-1], dtype=np.int64))
 
 
 def _tile_rows(m: int, k: int) -> int:
     return min(m, max(256, TILE_BYTES // (2 * k) // 256 * 256))
 
 
+def _quantizes(node: Tensor, k: int) -> bool:
+    """Whether the decode path reads q8_1 activations (some weight takes the __dp4a product)."""
+    return k % 32 == 0 and any(w.dtype.name in DP4A_TYPES for w in _weights(node))
+
+
 def _scratch(node: Tensor) -> int:
     case = _weight_case(node)
     if case is None:
         return 0
-    m, k, n = case
+    ms, k, n = case
     if n <= GEMV_MAX_ROWS:
-        return n * (k // 32) * Q8_1_BYTES if node.srcs[0].dtype.name in DP4A_TYPES and k % 32 == 0 else 0
-    return (_tile_rows(m, k) + n) * k * 2
+        return n * (k // 32) * Q8_1_BYTES if _quantizes(node, k) else 0
+    return (max(_tile_rows(m, k) for m in ms) + n) * k * 2
 
 
 def _chunks(n: int) -> list[int]:
@@ -61,77 +76,84 @@ def _chunks(n: int) -> list[int]:
     return out
 
 
-@binds("mul_mat", scratch=_scratch)
-def _weight_product(node: Tensor, out, srcs, scratch, backend):
+def _bind_products(node: Tensor, out, srcs, scratch, backend):
+    """out holds each weight's product [N, M_i] with the activations, one after another."""
     case = _weight_case(node)
-    b = rows_of(srcs[1])
+    b = rows_of(srcs[-1])
     if case is None or b is None or not out.flags.c_contiguous:
         return None
-    m, k, n = case
+    ms, k, n = case
+    parts, at = [], out.data.ptr
+    for w, arr, m in zip(_weights(node), srcs[:-1], ms):
+        parts.append((w.dtype, arr, m, at))
+        at += n * m * 4
     if n <= GEMV_MAX_ROWS:
-        return _gemv(node, out, srcs, scratch, m, k, n, b[2])
-    return _gemm(node, out, srcs, scratch, backend, m, k, n, b[2])
+        return _gemv(node, parts, srcs[-1], b[2], scratch, k, n)
+    return _gemm(parts, srcs[-1], b[2], scratch, backend, k, n)
 
 
-def _gemv(node: Tensor, out, srcs, scratch, m: int, k: int, n: int, ldb: int) -> Step:
-    a, b = srcs
-    qt = node.srcs[0].dtype
-    t = TYPE_IDS[qt.name]
-    row_bytes = qt.row_bytes(k)
-    grid = (-(-m // WARPS),)
+binds("mul_mat", scratch=_scratch)(_bind_products)
+binds("mul_mat_multi", scratch=_scratch)(_bind_products)
+
+
+def _gemv(node: Tensor, parts: list, b, ldb: int, scratch, k: int, n: int) -> Step:
+    """Decode products: the activations quantized once to q8_1 (when a weight takes __dp4a), then a
+    product launch per weight and chunk of token rows."""
     launches = []
-    if qt.name in DP4A_TYPES and k % 32 == 0:
-        quantize = kernel("matmul.cu", "quantize_q8_1")
+    quantized = _quantizes(node, k)
+    if quantized:
         blocks = n * (k // 32)
-        launches.append(Launch(quantize, (-(-blocks // 8),), (256,), (ptr(b), ptr(scratch), i32(k), i64(ldb), i32(n))))
-        row0 = 0
+        launches.append(Launch(kernel("matmul.cu", "quantize_q8_1"), (-(-blocks // 8),), (256,),
+                               (ptr(b), ptr(scratch), i32(k), i64(ldb), i32(n))))
+    for qt, a, m, out_at in parts:
+        t = TYPE_IDS[qt.name]
+        grid, row_bytes, row0 = (-(-m // WARPS),), qt.row_bytes(k), 0
+        dp4a = quantized and qt.name in DP4A_TYPES
         for c in _chunks(n):
-            y = np.uint64(scratch.data.ptr + row0 * (k // 32) * Q8_1_BYTES)
-            o = np.uint64(out.data.ptr + row0 * m * 4)
-            launches.append(Launch(kernel("matmul.cu", f"mmvq<{t}, {c}>"), grid, (32 * WARPS,),
-                                   (ptr(a), y, o, i32(k), i64(row_bytes), i32(m), i64(m))))
+            o = np.uint64(out_at + row0 * m * 4)
+            if dp4a:
+                y = np.uint64(scratch.data.ptr + row0 * (k // 32) * Q8_1_BYTES)
+                args = (ptr(a), y, o, i32(k), i64(row_bytes), i32(m), i64(m))
+                launches.append(Launch(kernel("matmul.cu", f"mmvq<{t}, {c}>"), grid, (32 * WARPS,), args))
+            else:
+                x = np.uint64(b.data.ptr + row0 * ldb * 4)
+                args = (ptr(a), x, o, i32(k), i64(row_bytes), i64(ldb), i32(m), i64(m))
+                launches.append(Launch(kernel("matmul.cu", f"gemv<{t}, {c}>"), grid, (32 * WARPS,), args))
             row0 += c
-    else:
-        row0 = 0
-        for c in _chunks(n):
-            x = np.uint64(b.data.ptr + row0 * ldb * 4)
-            o = np.uint64(out.data.ptr + row0 * m * 4)
-            launches.append(Launch(kernel("matmul.cu", f"gemv<{t}, {c}>"), grid, (32 * WARPS,),
-                                   (ptr(a), x, o, i32(k), i64(row_bytes), i64(ldb), i32(m), i64(m))))
-            row0 += c
-    return launch_step("mul_mat", *launches)
+    return launch_step(node.op, *launches)
 
 
-def _gemm(node: Tensor, out, srcs, scratch, backend, m: int, k: int, n: int, ldb: int) -> Step:
-    """Decode the weight tile by tile to f16 and multiply with cuBLAS: out [n, m] = b [n, k] a^T."""
-    a, b = srcs
-    qt = node.srcs[0].dtype
-    dequant = kernel("matmul.cu", f"dequant_f16<{TYPE_IDS[qt.name]}>")
+def _gemm(parts: list, b, ldb: int, scratch, backend, k: int, n: int) -> Step:
+    """Prompt products: the activations converted to f16 once, each weight decoded to f16 tile by
+    tile and multiplied by cuBLAS: out [n, m] = b [n, k] w^T."""
     to_f16 = kernel("matmul.cu", "f32_to_f16")
-    tile = _tile_rows(m, k)
+    tile = max(_tile_rows(m, k) for _, _, m, _ in parts)
     w16 = scratch.data.ptr
     b16 = scratch.data.ptr + tile * k * 2
-    row_bytes = qt.row_bytes(k)
+    dequants = [kernel("matmul.cu", f"dequant_f16<{TYPE_IDS[qt.name]}>") for qt, _, _, _ in parts]
 
     def run() -> None:
         handle = device.get_cublas_handle()
         cublas.setStream(handle, backend.stream.ptr)
         grid, block = grid1d(n * k)
         to_f16(grid, block, (ptr(b), np.uint64(b16), i32(k), i64(ldb), i64(n)))
-        for r0 in range(0, m, tile):
-            rows = min(tile, m - r0)
-            grid, block = grid1d(rows * k)
-            dequant(grid, block, (ptr(a), np.uint64(w16), i32(k), i64(row_bytes), i64(r0), i64(rows)))
-            # column-major: C (rows x n, ld m) = W^T (rows x k) . B (k x n)
-            cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, rows, n, k, _ONE.ctypes.data,
-                          w16, CUDA_R_16F, k, b16, CUDA_R_16F, k, _ZERO.ctypes.data,
-                          out.data.ptr + r0 * 4, CUDA_R_32F, m, CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+        for dequant, (qt, a, m, out_at) in zip(dequants, parts):
+            for r0 in range(0, m, tile):
+                rows = min(tile, m - r0)
+                grid, block = grid1d(rows * k)
+                dequant(grid, block, (ptr(a), np.uint64(w16), i32(k), i64(qt.row_bytes(k)), i64(r0), i64(rows)))
+                # column-major: C (rows x n, ld m) = W^T (rows x k) . B (k x n)
+                cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, rows, n, k, _ONE.ctypes.data,
+                              w16, CUDA_R_16F, k, b16, CUDA_R_16F, k, _ZERO.ctypes.data,
+                              out_at + r0 * 4, CUDA_R_32F, m, CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
     return Step(run, capturable=False, name="mul_mat (cuBLAS)")
 
 
 @binds("mul_mat")
 def _float_product(node: Tensor, out, srcs, scratch, backend):
     """out[b, n, m] = sum_k a[b // r, m, k] * b[b, n, k] for float operands of up to 3 axes."""
+    if len(srcs) != 2:
+        return None
     a, b = srcs
     ta, tb = node.srcs[0].dtype, node.srcs[1].dtype
     if ta.is_quantized or a.ndim not in (2, 3) or b.ndim != a.ndim or not out.flags.c_contiguous:

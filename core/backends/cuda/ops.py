@@ -248,7 +248,7 @@ def _rope_set_rows(node: Tensor, out, srcs, scratch, backend):
 
 # ---- attention -------------------------------------------------------------------------------
 
-FA_ROWS, FA_KEYS, FA_THREADS = 8, 32, 128
+FA_ROWS, FA_KEYS, FA_THREADS = 4, 32, 128  # rows per block: a warp each
 SM_TARGET = 264  # blocks that keep an H100's 132 multiprocessors busy
 
 
