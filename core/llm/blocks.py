@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ggrun.core import ops
 from ggrun.core.llm.hparams import HParams
 from ggrun.core.llm.inputs import GraphInputs, GraphParams
-from ggrun.core.llm.kv_cache import KVCache
+from ggrun.core.llm.kv_cache import heads_view, KVCache
 from ggrun.core.tensor import Tensor
 
 
@@ -91,18 +91,15 @@ def attention(b: Build, il: int, q: Tensor, k: Tensor, v: Tensor, wo: Tensor, ro
                               hp.rope_freq_base if freq_base is None else freq_base, hp.rope_freq_scale,
                               name=f"k_store-{il}", norm=k_norm, eps=hp.norm_eps)
     v_all = ops.set_rows(rows.v, ops.reshape(v, (n_tokens, hp.n_embd_kv)), idx, name=f"v_store-{il}")
-    row = rows.k.strides[0]
-    elem = rows.k.dtype.itemsize
-    kv_view = ((n_kv, hp.n_head_kv, hp.head_dim), (row, hp.head_dim * elem, elem))
-    keys = ops.permute(ops.view(k_all, *kv_view), (1, 0, 2))  # [heads_kv, n_kv, head_dim]
+    keys = ops.permute(heads_view(k_all, n_kv, hp.n_head_kv, hp.head_dim), (1, 0, 2))  # [heads_kv, n_kv, head_dim]
     qh = ops.permute(q, (1, 0, 2))  # [heads, tokens, head_dim]
     scale = kq_scale if kq_scale is not None else 1.0 / math.sqrt(hp.head_dim)
     kq_mask = b.inp.kq_mask.tensor if mask is None else mask
     if b.flash_attn:
-        vals = ops.permute(ops.view(v_all, *kv_view), (1, 0, 2))  # [heads_kv, n_kv, head_dim]
+        vals = ops.permute(heads_view(v_all, n_kv, hp.n_head_kv, hp.head_dim), (1, 0, 2))  # [heads_kv, n_kv, head_dim]
         merged = ops.flash_attn(qh, keys, vals, kq_mask, scale, name=f"fattn-{il}")  # [tokens, heads, head_dim]
     else:
-        vals = ops.permute(ops.view(v_all, *kv_view), (1, 2, 0))  # [heads_kv, head_dim, n_kv]
+        vals = ops.permute(heads_view(v_all, n_kv, hp.n_head_kv, hp.head_dim), (1, 2, 0))  # [heads_kv, head_dim, n_kv]
         kq = ops.mul_mat(keys, qh, name=f"kq-{il}")  # [heads, tokens, n_kv]
         kq = ops.soft_max(kq, kq_mask, scale, name=f"kq_soft_max-{il}")
         kqv = ops.mul_mat(vals, kq, name=f"kqv-{il}")  # [heads, tokens, head_dim]
