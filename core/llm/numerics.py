@@ -21,16 +21,30 @@ HINT = "GGRUN_GRAPH_DEBUG=1 (or `run --check-numerics`) names the graph node tha
 
 
 class NonFiniteLogits(RuntimeFailure):
-    """The model computed NaN or infinite logits: corrupt weights or a numeric fault in a kernel."""
+    """The model computed NaN or infinite logits: corrupt weights or a numeric fault in a kernel.
 
-    def __init__(self, kind: str, where: str, culprit: str | None = None) -> None:
+    The line names the model file (`source`), as every error about a model does. A caller that catches
+    one to say where it happened in its own terms (generate: 'at generation step 3') raises a new one
+    while handling it, and that keeps the source of the one it replaces (its __context__)."""
+
+    def __init__(self, kind: str, where: str, culprit: str | None = None, source: str | None = None) -> None:
         self.kind = kind
+        self.where = where
         self.culprit = culprit
-        super().__init__(self.message(where))
+        self._source = source
+        super().__init__(kind, where, culprit, source)
 
-    def message(self, where: str) -> str:
-        """The one-line message with `where` (e.g. 'at generation step 3 (position 9)')."""
-        return f"non-finite logits ({self.kind}) {where}; {self.culprit or HINT}"
+    @property
+    def source(self) -> str | None:
+        """The model file, given or inherited from the fault this one re-words."""
+        if self._source is None and isinstance(self.__context__, NonFiniteLogits):
+            return self.__context__.source
+        return self._source
+
+    def __str__(self) -> str:
+        """One line: the file, the kind, where (e.g. 'at generation step 3 (position 9)'), the culprit or a hint."""
+        head = f"{self.source}: " if self.source else ""
+        return f"{head}non-finite logits ({self.kind}) {self.where}; {self.culprit or HINT}"
 
 
 def non_finite_kind(values) -> str | None:

@@ -55,7 +55,7 @@ def nan_model(tmp_path_factory):
 @pytest.mark.parametrize("sampling", [["--temp", "0"], ["--temp", "0.8", "-s", "1"]])
 def test_non_finite_logits_stop_with_exit_1(capsys, monkeypatch, nan_model, sampling):
     code, out, err = ggrun(capsys, monkeypatch, "run", "-m", nan_model, "-p", "hello", "-n", "4", *sampling)
-    one_error_line(code, err, 1, "non-finite logits (", "while evaluating the prompt", "--check-numerics")
+    one_error_line(code, err, 1, f"{nan_model}: non-finite logits (", "while evaluating the prompt", "--check-numerics")
     assert out == ""
 
 

@@ -56,7 +56,7 @@ def test_non_finite_kind():
 def test_decode_stops_at_non_finite_logits(nan_model):
     with pytest.raises(NonFiniteLogits) as info:
         session(nan_model).decode(Batch.of_sequence([1, 2, 3], 0))
-    assert str(info.value) == f"non-finite logits (NaN) at positions 0..2; {HINT}"
+    assert str(info.value) == f"{nan_model.path}: non-finite logits (NaN) at positions 0..2; {HINT}"
 
 
 @pytest.mark.parametrize("debug_env", [False, True])
@@ -66,7 +66,8 @@ def test_check_numerics_names_the_first_node_and_its_weight(nan_model, monkeypat
     with pytest.raises(NonFiniteLogits) as info:
         session(nan_model, check=not debug_env).decode(Batch.of_sequence([7], 4))
     # the node is the norm (alone, or fused with the residual add before it) that multiplies by the weight
-    assert re.fullmatch(r"non-finite logits \(NaN\) at position 4; the first non-finite value \(NaN\) comes from "
+    assert re.fullmatch(re.escape(f"{nan_model.path}: ") +
+                        r"non-finite logits \(NaN\) at position 4; the first non-finite value \(NaN\) comes from "
                         r"node \S*ffn_norm-1 f32\[[\d, ]+\] \(\w+\), whose weight blk\.1\.ffn_norm\.weight holds NaN",
                         str(info.value)), str(info.value)
 
@@ -80,7 +81,8 @@ def test_an_overflow_is_named_without_a_bad_weight(tmp_path):
 
 
 def test_generate_names_the_prompt(nan_model):
-    with pytest.raises(NonFiniteLogits, match=r"^non-finite logits \(NaN\) while evaluating the prompt \(3 tokens\); "):
+    prefix = re.escape(f"{nan_model.path}: ")
+    with pytest.raises(NonFiniteLogits, match=rf"^{prefix}non-finite logits \(NaN\) while evaluating the prompt \(3 tokens\); "):
         generate(session(nan_model), [1, 2, 3], 4, Sampler(SamplingParams(temp=0)), lambda t: None)
 
 
@@ -100,7 +102,7 @@ def test_generate_names_the_step(good_model, monkeypatch):
     with pytest.raises(NonFiniteLogits) as info:
         generate(s, [1, 2, 3], 8, Sampler(SamplingParams(temp=0)), tokens.append, ignore_eos=True)
     assert len(tokens) == 2
-    assert str(info.value) == ("non-finite logits (NaN) at generation step 2 (position 4); "
+    assert str(info.value) == (f"{good_model.path}: non-finite logits (NaN) at generation step 2 (position 4); "
                                "no graph node holds one when recomputed")
 
 
