@@ -1,56 +1,114 @@
-"""`ggrun parallel`: many clients decoding at once over one model, one KV cache and one
-batched graph per step (like llama-parallel). Ctrl-C prints the summary of the sequences finished so
-far (each was printed when it finished), then `interrupted`, exit 130."""
+"""`ggrun parallel`: many clients decoding at once over one model, one KV cache and one batched graph
+per step, serving llama-parallel's requests (cli/parallel_prompts.py) with its options and its report:
+a block per finished sequence, then its summary lines (prompt and generated tokens with their speeds
+over the whole run, total speed, cache misses) and ggrun's graph reuse count.
+
+As llama-parallel, the system prompt is part of every request unless -pps shares it (evaluated once,
+its cells shared by every client); a response ends at "User:" (the next turn), an end-of-generation
+token or -n tokens. Results go to stdout (llama-parallel logs them to stderr), logs to stderr. Ctrl-C
+prints the summary of the sequences finished so far (each was printed when it finished), then
+`interrupted`, exit 130.
+"""
 from __future__ import annotations
 
 import json
-import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import typer
 
 from ggrun.cli import options as o
 from ggrun.cli.app import app
-from ggrun.cli.common import check_positive, err_console, list_devices, load_model
+from ggrun.cli.cmdline import command_from
+from ggrun.cli.common import err_console, list_devices, load_model
 from ggrun.cli.interrupt import Interrupt
+from ggrun.cli.parallel_prompts import QUESTIONS, STOP_TEXT, SYSTEM_PROMPT, make_requests
+from ggrun.core.dtypes import DType
 from ggrun.core.errors import BadInput, Interrupted
 from ggrun.core.llm.parallel import ParallelRunner, ParallelSummary, SequenceResult
 from ggrun.core.llm.sampling import SamplingParams
 from ggrun.core.llm.session import Session, SessionParams
 
-SYSTEM_PROMPT = (
-    "Transcript of a never ending dialog, where the User interacts with an Assistant.\n"
-    "The Assistant is helpful, kind, honest, good at writing, and never fails to answer the User's "
-    "requests immediately and with precision.\n\n"
-    "User: Recommend a nice restaurant in the area.\n"
-    "Assistant: I recommend the restaurant \"The Golden Duck\". It is a 5 star restaurant with a great view "
-    "of the city. The food is delicious and the service is excellent.\n"
-    "User: Who is the richest man in the world?\n"
-    "Assistant: The richest people in the world change from year to year; business magazines publish "
-    "their lists every spring.\n"
-)
 
-QUESTIONS = [
-    "What is the meaning of life?",
-    "Tell me an interesting fact about llamas.",
-    "What is the best way to cook a steak?",
-    "Are you familiar with the Special Theory of Relativity and can you explain it to me?",
-    "Recommend some interesting books to read.",
-    "What is the best way to learn a new language?",
-    "How to get a job at Google?",
-    "If you could have any superpower, what would it be?",
-    "I want to learn how to play the piano.",
-    "How do I keep houseplants alive in winter?",
-    "What should I pack for a weekend hiking trip?",
-    "Why is the sky blue?",
-]
+@dataclass(frozen=True)
+class ParallelSettings:
+    """What a `ggrun parallel` command line asks for (llama-parallel's defaults)."""
+
+    model: str | None = None
+    n_parallel: int = 1
+    n_sequences: int = 1
+    n_predict: int = 128  # 0 or -1: until the response ends, within a share of the context
+    n_ctx: int = 0  # 0: the model's training context
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    n_gpu_layers: int = 0
+    threads: int | None = None
+    numerics: str = "llama"
+    type_k: DType = DType.F16
+    type_v: DType = DType.F16
+    flash_attn: bool = True
+    file: str | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    shared_system: bool = False  # -pps: the system prompt evaluated once and shared
+    system: bool = True  # False: --no-system-prompt
+    n_junk: int = 1
+    cont_batching: bool = True
+    ignore_eos: bool = False
+    json: bool = False
+    graph_reuse: bool = True
+    list_devices: bool = False
 
 
-def format_prompt(question: str) -> str:
-    return f"User: {question}\nAssistant:"
+def settings(
+    model: o.Model = None,
+    n_parallel: int = typer.Option(1, "-np", "--parallel", help="Concurrent clients"),
+    n_sequences: int = typer.Option(1, "-ns", "--sequences", help="Sequences to serve in total"),
+    n_predict: int = typer.Option(128, "-n", "--n-predict", "--predict",
+                                  help="Most tokens per response (0 or -1: until it ends by itself, within an "
+                                       "equal share of the context per client)"),
+    ctx_size: o.Ctx = 0, batch_size: o.BatchSize = 2048, ubatch_size: o.UBatchSize = 512,
+    n_gpu_layers: o.GpuLayers = 0, threads: o.Threads = None, numerics: o.Numerics = "llama",
+    cache_type_k: o.CacheTypeK = DType.F16, cache_type_v: o.CacheTypeV = DType.F16,
+    flash_attn: o.FlashAttnMode = "auto", no_flash_attn: o.NoFlashAttn = False,
+    file: Optional[str] = typer.Option(None, "-f", "--file", help="Questions, one per line (default: llama-parallel's)"),
+    seed: o.Seed = -1, temp: o.Temp = 0.8, top_k: o.TopK = 40, top_p: o.TopP = 0.95, min_p: o.MinP = 0.05,
+    repeat_penalty: o.RepeatPenalty = 1.0, repeat_last_n: o.RepeatLastN = 64,
+    shared_system: bool = typer.Option(False, "-pps", help="Evaluate the system prompt once and share it (default: "
+                                                             "part of every request, as llama-parallel)"),
+    no_system: bool = typer.Option(False, "--no-system-prompt", help="Serve the requests without the system prompt"),
+    junk: int = typer.Option(1, "--junk", help="Up to N-1 earlier question-and-answer turns before each question"),
+    cont_batching: bool = typer.Option(True, "-cb/-nocb", "--cont-batching/--no-cont-batching",
+                                       help="Start a new sequence as soon as a client is free (default), or only "
+                                            "when all are"),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Generate past end-of-generation tokens"),
+    as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout: one per sequence, then a summary"),
+    list_devices_: o.ListDevices = False, no_graph_reuse: o.NoGraphReuse = False,
+) -> ParallelSettings:
+    """Serve many sequences at once with continuous batching (like llama-parallel)."""
+    if list_devices_:
+        return ParallelSettings(list_devices=True)
+    for flag, v in (("-np", n_parallel), ("-ns", n_sequences), ("-b", batch_size), ("-ub", ubatch_size)):
+        if v < 1:
+            raise BadInput(f"{flag} {v} must be positive")
+    if n_predict < -1:
+        raise BadInput(f"-n {n_predict}: give a number of tokens, or 0 / -1 for no limit")
+    if ctx_size < 0:
+        raise BadInput(f"-c {ctx_size} must not be negative (0: the model's training context)")
+    if junk < 0:
+        raise BadInput(f"--junk {junk} must not be negative")
+    sampling = SamplingParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed)
+    sampling.check()
+    return ParallelSettings(
+        model=model, n_parallel=n_parallel, n_sequences=n_sequences, n_predict=max(n_predict, 0), n_ctx=ctx_size,
+        n_batch=batch_size, n_ubatch=ubatch_size, n_gpu_layers=n_gpu_layers, threads=threads, numerics=numerics,
+        type_k=cache_type_k, type_v=cache_type_v, flash_attn=flash_attn != "off" and not no_flash_attn, file=file,
+        sampling=sampling, shared_system=shared_system, system=not no_system, n_junk=junk,
+        cont_batching=cont_batching, ignore_eos=ignore_eos, json=as_json, graph_reuse=not no_graph_reuse)
 
 
 def read_questions(file: str | None) -> list[str]:
+    """-f: one question per non-empty line (llama-parallel would also keep empty lines as questions)."""
     if file is None:
         return QUESTIONS
     path = Path(file)
@@ -63,55 +121,45 @@ def read_questions(file: str | None) -> list[str]:
     return lines
 
 
-@app.command("parallel")
-def parallel_command(
-    model: o.Model = None,
-    n_parallel: int = typer.Option(4, "-np", "--parallel", help="Concurrent clients"),
-    n_sequences: int = typer.Option(16, "-ns", "--sequences", help="Sequences to serve in total"),
-    n_predict: o.NPredict = 64, ctx_size: o.Ctx = 4096, batch_size: o.BatchSize = 512,
-    ubatch_size: o.UBatchSize = 512, n_gpu_layers: o.GpuLayers = 0, threads: o.Threads = None,
-    numerics: o.Numerics = "llama", file: o.File = None,
-    seed: o.Seed = -1, temp: o.Temp = 0.8, top_k: o.TopK = 40, top_p: o.TopP = 0.95, min_p: o.MinP = 0.05,
-    repeat_penalty: o.RepeatPenalty = 1.0, repeat_last_n: o.RepeatLastN = 64,
-    no_system: bool = typer.Option(False, "--no-system-prompt", help="Serve the prompts without the shared system prompt"),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Generate n tokens even past end-of-generation"),
-    as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout: one per sequence, then a summary"),
-    list_devices_: o.ListDevices = False, no_graph_reuse: o.NoGraphReuse = False, flash_attn: o.FlashAttn = True,
-) -> None:
-    """Serve many sequences at once with continuous batching (like llama-parallel)."""
-    if list_devices_:
+def run(s: ParallelSettings) -> None:
+    if s.list_devices:
         list_devices()
         return
-    check_positive(**{"-np": n_parallel, "-ns": n_sequences, "-n": n_predict, "-c": ctx_size,
-                      "-b": batch_size, "-ub": ubatch_size})
-    sampling = SamplingParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed)
-    sampling.check()
-    questions = read_questions(file)
-    m = load_model(model, n_gpu_layers, threads=threads, numerics=numerics)
+    questions = read_questions(s.file)
+    m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics)
+    n_ctx = s.n_ctx or m.hp.n_ctx_train
     tok = m.tokenizer
-    system = [] if no_system else tok.tokenize(SYSTEM_PROMPT, add_special=True, parse_special=False)
-    if len(system) >= ctx_size:
-        raise BadInput(f"the system prompt is {len(system)} tokens, it does not fit the context (-c {ctx_size})")
-    jobs = []
-    for i in range(n_sequences):
-        q = questions[i % len(questions)]
-        jobs.append((q, tok.tokenize(format_prompt(q), add_special=not system, parse_special=False)))
-    session = Session(m, SessionParams(n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size,
-                                       n_seq_max=n_parallel + 1, graph_reuse=not no_graph_reuse,
-                                       flash_attn=flash_attn))
-    runner = ParallelRunner(session, n_parallel, n_predict, sampling, batch_size, ignore_eos)
-    err_console.print(f"serving {n_sequences} sequences with {n_parallel} clients; system prompt "
-                      f"{len(system)} tokens", markup=False)
+    shared = s.system and s.shared_system
+    system = tok.tokenize(SYSTEM_PROMPT, add_special=True, parse_special=False) if shared else []
+    if len(system) >= n_ctx:
+        raise BadInput(f"the system prompt is {len(system)} tokens, it does not fit the context (-c {n_ctx})")
+    requests = make_requests(s.n_sequences, questions, s.n_junk, SYSTEM_PROMPT if s.system and not shared else "")
+    # llama-parallel adds no BOS to a request: with a system prompt in it or shared, it comes after that
+    jobs = [(r.question, tok.tokenize(r.text, add_special=not s.system, parse_special=False)) for r in requests]
+    session = Session(m, SessionParams(n_ctx=n_ctx, n_batch=s.n_batch, n_ubatch=s.n_ubatch,
+                                       n_seq_max=s.n_parallel + 1, type_k=s.type_k, type_v=s.type_v,
+                                       graph_reuse=s.graph_reuse, flash_attn=s.flash_attn))
+    runner = ParallelRunner(session, s.n_parallel, s.n_predict, s.sampling, s.n_batch, s.ignore_eos,
+                            stop_text=STOP_TEXT, cont_batching=s.cont_batching)
+    n_system = len(tok.tokenize(SYSTEM_PROMPT, add_special=True, parse_special=False)) if s.system else 0
+    err_console.print(f"parallel: n_parallel = {s.n_parallel}, n_sequences = {s.n_sequences}, cont_batching = "
+                      f"{int(s.cont_batching)}, system tokens = {n_system}", markup=False)
     with Interrupt() as stop:
         stop.watch(session)
-        summary = runner.run(system, jobs, lambda r: _print_result(r, as_json))
-    _print_summary(summary, as_json)
+        summary = runner.run(system, jobs, lambda r: _print_result(r, s, runner.summary.cache_misses))
+    if not s.json:
+        err_console.print(f"External prompt file: {s.file or 'used built-in defaults'}\n"
+                          f"Model and path used:  {m.path}", markup=False)
+    _print_summary(summary, s.json)
     if summary.interrupted or stop.requested:
         raise Interrupted()
 
 
-def _print_result(r: SequenceResult, as_json: bool) -> None:
-    if as_json:
+app.command("parallel")(command_from(settings, run))
+
+
+def _print_result(r: SequenceResult, s: ParallelSettings, cache_misses: int) -> None:
+    if s.json:
         rec = {"client": r.client, "seq": r.seq, "input": r.input, "response": r.response,
                "response_tokens": r.response_tokens, "n_prompt": r.n_prompt, "n_response": r.n_response,
                "seconds": r.seconds}
@@ -120,27 +168,27 @@ def _print_result(r: SequenceResult, as_json: bool) -> None:
         print(json.dumps(rec), flush=True)
         return
     if r.skipped:
-        print(f"Client {r.client:3d}, seq {r.seq:4d}: skipped: {r.skipped}\nInput:    {r.input}\n", flush=True)
+        print(f"Client {r.client:3d}, seq {r.seq:3d}/{s.n_sequences:3d}, skipped: {r.skipped}\n\n"
+              f"Input:    {r.input.strip()}\n", flush=True)
         return
-    speed = r.n_response / r.seconds if r.seconds else 0.0
-    print(f"Client {r.client:3d}, seq {r.seq:4d}, prompt {r.n_prompt:4d} t, response {r.n_response:4d} t, "
-          f"time {r.seconds:5.2f} s, speed {speed:6.2f} t/s\n"
-          f"Input:    {r.input}\nResponse: {r.response.strip()}\n", flush=True)
+    speed = (r.n_prompt + r.n_response) / r.seconds if r.seconds else 0.0
+    print(f"Client {r.client:3d}, seq {r.seq:3d}/{s.n_sequences:3d}, prompt {r.n_prompt:4d} t, response "
+          f"{r.n_response:4d} t, time {r.seconds:5.2f} s, speed {speed:5.2f} t/s, cache miss {cache_misses}\n\n"
+          f"Input:    {r.input.strip()}\nResponse: {r.response.strip()}\n", flush=True)
 
 
 def _print_summary(s: ParallelSummary, as_json: bool) -> None:
     if as_json:
         print(json.dumps({"prompt_tps": s.prompt_tps, "gen_tps": s.gen_tps, "total_tps": s.total_tps,
                           "cache_misses": s.cache_misses, "graphs_reused": s.graphs_reused,
-                          "n_prompt": s.n_prompt, "n_gen": s.n_gen, "seconds": s.total_s,
+                          "n_prompt": s.n_prompt, "n_gen": s.n_gen, "n_system": s.n_system, "seconds": s.total_s,
                           "sequences_done": s.n_done, "sequences": s.n_sequences,
                           "interrupted": s.interrupted}), flush=True)
         return
     if s.interrupted:
         print(f"Interrupted after {s.n_done} of {s.n_sequences} sequences", flush=True)
-    print(f"Total prompt tokens: {s.n_prompt:6d}, speed: {s.prompt_tps:7.2f} t/s\n"
-          f"Total gen tokens:    {s.n_gen:6d}, speed: {s.gen_tps:7.2f} t/s\n"
-          f"Total speed (AVG):           speed: {s.total_tps:7.2f} t/s\n"
+    print(f"Total prompt tokens: {s.n_prompt:6d}, speed: {s.prompt_tps:5.2f} t/s\n"
+          f"Total gen tokens:    {s.n_gen:6d}, speed: {s.gen_tps:5.2f} t/s\n"
+          f"Total speed (AVG):   {'':6s}  speed: {s.total_tps:5.2f} t/s\n"
           f"Cache misses:        {s.cache_misses:6d}\n"
           f"Graphs reused:       {s.graphs_reused:6d}", flush=True)
-    sys.stdout.flush()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ggrun.cli.cmd_parallel import QUESTIONS, SYSTEM_PROMPT, format_prompt  # noqa: E402
+from ggrun.cli.parallel_prompts import QUESTIONS, SYSTEM_PROMPT, format_turn  # noqa: E402
 from ggrun.core.backends.cpu import set_threads  # noqa: E402
 from ggrun.core.backends.registry import usable_backends  # noqa: E402
 from ggrun.core.llm.model import Model  # noqa: E402
@@ -55,7 +55,7 @@ def main() -> None:
     model = Model.load(resolve_model(a.model), usable_backends())
     tok = model.tokenizer
     system = tok.tokenize(SYSTEM_PROMPT, add_special=True, parse_special=False)
-    jobs = [(q, tok.tokenize(format_prompt(q), add_special=False, parse_special=False))
+    jobs = [(q, tok.tokenize(format_turn(q), add_special=False, parse_special=False))
             for q in (QUESTIONS[i % len(QUESTIONS)] for i in range(a.sequences))]
     sampling = SamplingParams(temp=a.temp, seed=a.seed)
     print(f"{Path(model.weights.source).name}: {a.sequences} sequences, -n {a.n_predict}, -c {a.ctx_size}, "

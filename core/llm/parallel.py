@@ -3,9 +3,12 @@
 A shared system prompt is evaluated once as sequence 0; each client's sequence shares
 those cells (seq_cp, no re-evaluation). Every step decodes one batch holding one token of
 each generating client and the prompt tokens of newly started ones. A finished sequence
-frees its cells and the client starts the next one at once. A sequence that cannot get
-cells yet waits; one that could never fit is reported and skipped. An interrupted session (Ctrl-C)
-ends the run with the sequences already finished and the totals so far.
+frees its cells and the client starts the next one at once (without continuous batching, new
+sequences start only when every client is idle). A response ends at an end-of-generation token, at
+n_predict tokens, or where its text shows `stop_text` (llama-parallel's "User:", the next turn; the
+text is cut there). A sequence that cannot get cells yet waits; one that could never fit is reported
+and skipped. An interrupted session (Ctrl-C) ends the run with the sequences already finished and the
+totals so far.
 """
 from __future__ import annotations
 
@@ -46,10 +49,11 @@ class SequenceResult:
 
 @dataclass
 class ParallelSummary:
-    n_prompt: int = 0
+    """Totals as llama-parallel reports them: tokens of the clients' prompts (a shared system prompt is
+    counted apart) and responses, each speed over the whole run's time."""
+
+    n_prompt: int = 0  # prompt tokens of finished sequences
     n_gen: int = 0  # response tokens of finished sequences
-    prompt_s: float = 0.0  # decode time of steps that carried prompt tokens, shared by token count
-    gen_s: float = 0.0
     total_s: float = 0.0
     cache_misses: int = 0  # times a ready sequence had to wait for free KV cells
     graphs_reused: int = 0
@@ -60,11 +64,11 @@ class ParallelSummary:
 
     @property
     def prompt_tps(self) -> float:
-        return self.n_prompt / self.prompt_s if self.prompt_s else 0.0
+        return self.n_prompt / self.total_s if self.total_s else 0.0
 
     @property
     def gen_tps(self) -> float:
-        return self.n_gen / self.gen_s if self.gen_s else 0.0
+        return self.n_gen / self.total_s if self.total_s else 0.0
 
     @property
     def total_tps(self) -> float:
@@ -82,23 +86,28 @@ class _Client:
     response: list[int] = field(default_factory=list)
     pos: int = 0
     next_token: int = -1  # sampled, to be decoded in the next step
+    limit: int = 0  # response tokens this sequence may generate
     t0: float = 0.0
 
-    def cells_still_needed(self, n_predict: int) -> int:
+    def cells_still_needed(self) -> int:
         """Cells this sequence may still take: its undecoded prompt and the response tokens still to be
-        decoded (the last of n_predict tokens is sampled, never decoded; k sampled so far leave n_predict - k)."""
-        return len(self.pending) + n_predict - max(len(self.response), 1)
+        decoded (the last of `limit` tokens is sampled, never decoded; k sampled so far leave limit - k)."""
+        return len(self.pending) + self.limit - max(len(self.response), 1)
 
 
 class ParallelRunner:
-    """Serves `prompts` with n_clients concurrent sequences on one session."""
+    """Serves `prompts` with n_clients concurrent sequences on one session. n_predict 0 or less lets a
+    response run until it ends by itself, within an equal share of the cache per client."""
 
     def __init__(self, session: Session, n_clients: int, n_predict: int, sampling: SamplingParams,
-                 n_batch: int, ignore_eos: bool = False) -> None:
+                 n_batch: int, ignore_eos: bool = False, stop_text: str | None = None,
+                 cont_batching: bool = True) -> None:
         self.s = session
         self.n_predict = n_predict
         self.n_batch = n_batch
         self.ignore_eos = ignore_eos
+        self.stop_text = stop_text
+        self.cont_batching = cont_batching
         self.clients = [_Client(i, i + 1, Sampler(_seeded(sampling, i), session.n_ctx)) for i in range(n_clients)]
         self.n_system = 0
         self.system: list[int] = []
@@ -128,8 +137,9 @@ class ParallelRunner:
             on_done(r)
 
         while self.summary.n_done < len(prompts):
+            may_start = self.cont_batching or not any(c.job >= 0 for c in self.clients)
             for c in self.clients:
-                if c.job < 0 and queue:
+                if c.job < 0 and queue and may_start:
                     verdict = self._try_start(c, queue[0], prompts)
                     if verdict == "skip":
                         done(self._skipped(c, queue.pop(0), prompts))
@@ -150,13 +160,10 @@ class ParallelRunner:
         self.system = list(tokens)
         self.summary.n_system = len(tokens)
         if tokens:
-            t0 = time.perf_counter()
             eval_prompt(self.s, tokens, self.n_batch, seq=SYSTEM_SEQ)
-            self.summary.prompt_s += time.perf_counter() - t0
-            self.summary.n_prompt += len(tokens)
 
     def _free_cells(self) -> int:
-        return self.s.kv.n_free() - sum(c.cells_still_needed(self.n_predict) for c in self.clients if c.job >= 0)
+        return self.s.kv.n_free() - sum(c.cells_still_needed() for c in self.clients if c.job >= 0)
 
     def _try_start(self, c: _Client, job: int, prompts) -> str:
         """Start `job` on client c when the cache can hold its worst case; 'skip' if it never can."""
@@ -172,6 +179,7 @@ class ParallelRunner:
             self.s.seq_cp(SYSTEM_SEQ, c.seq_id)
         c.job, c.prompt, c.pending = job, list(tokens), list(tokens)
         c.response, c.pos, c.next_token = [], self.n_system, -1
+        c.limit = self._limit(tokens)
         c.t0 = time.perf_counter()
         # the repetition penalty sees this sequence's tokens only, as generating it alone would
         c.sampler.reset()
@@ -179,9 +187,16 @@ class ParallelRunner:
             c.sampler.accept(t)
         return "started"
 
+    def _limit(self, tokens: list[int]) -> int:
+        """Response tokens a sequence may generate: n_predict, or without one an equal share of the cells
+        beside the system prompt, less its prompt."""
+        if self.n_predict > 0:
+            return self.n_predict
+        return max(1, (self.s.n_ctx - self.n_system) // len(self.clients) - len(tokens))
+
     def _cells_needed(self, tokens: list[int]) -> int:
-        """Cells a sequence takes beside the system prompt: its prompt and n_predict - 1 decoded tokens."""
-        return len(tokens) + max(self.n_predict - 1, 0)
+        """Cells a sequence takes beside the system prompt: its prompt and limit - 1 decoded tokens."""
+        return len(tokens) + max(self._limit(tokens) - 1, 0)
 
     def _step(self, prompts) -> list[SequenceResult]:
         """One decode: a token of every generating client, then prompt tokens within n_batch."""
@@ -192,7 +207,6 @@ class ParallelRunner:
             batch.add(c.next_token, c.pos, c.seq_id, True)
             rows.append(c)
             c.pos += 1
-        n_prompt = 0
         for c in self.clients:
             if c.job < 0 or not c.pending:
                 continue
@@ -206,14 +220,7 @@ class ParallelRunner:
                 c.pos += 1
                 if last:
                     rows.append(c)
-            n_prompt += len(chunk)
-        t0 = time.perf_counter()
         logits = self.s.decode(batch)
-        dt = time.perf_counter() - t0
-        share = n_prompt / len(batch) if len(batch) else 0.0
-        self.summary.prompt_s += dt * share
-        self.summary.gen_s += dt * (1 - share)
-        self.summary.n_prompt += n_prompt
         order = {id(c): i for i, c in enumerate(rows)}
         finished = []
         for c in rows:
@@ -223,22 +230,30 @@ class ParallelRunner:
         return finished
 
     def _advance(self, c: _Client, logits: np.ndarray, prompts) -> list[SequenceResult]:
-        """Sample the client's next token; finish the sequence at EOG or n_predict."""
+        """Sample the client's next token; finish the sequence at EOG, at its limit, or where its text
+        shows stop_text (looked for from the third token on, as llama-parallel does)."""
         tok = c.sampler.sample(logits)
         c.sampler.accept(tok)
         if not self.ignore_eos and self.s.model.tokenizer.is_eog(tok):
             return [self._finish(c, prompts)]
         c.response.append(tok)
-        if len(c.response) >= self.n_predict:
+        if len(c.response) >= c.limit or self._stopped(c):
             return [self._finish(c, prompts)]
         c.next_token = tok
         return []
 
+    def _stopped(self, c: _Client) -> bool:
+        return (self.stop_text is not None and len(c.response) > 2
+                and self.stop_text in self.s.model.tokenizer.detokenize(c.response))
+
     def _finish(self, c: _Client, prompts) -> SequenceResult:
-        tok = self.s.model.tokenizer
-        res = SequenceResult(c.id, c.job, prompts[c.job][0], c.prompt, list(c.response),
-                             tok.detokenize(c.response), time.perf_counter() - c.t0)
+        text = self.s.model.tokenizer.detokenize(c.response)
+        if self.stop_text is not None and self.stop_text in text:
+            text = text[:text.index(self.stop_text)]
+        res = SequenceResult(c.id, c.job, prompts[c.job][0], c.prompt, list(c.response), text,
+                             time.perf_counter() - c.t0)
         self.s.seq_rm(c.seq_id)
+        self.summary.n_prompt += len(c.prompt)
         self.summary.n_gen += len(c.response)
         c.job, c.pending = -1, []
         return res

@@ -138,7 +138,7 @@ def test_parallel_prints_finished_sequences_and_the_summary_so_far(capsys, monke
 
     monkeypatch.setattr(cmd_parallel, "_print_result", _raise_sigint_after(1, cmd_parallel._print_result))
     code, out, err = ggrun(capsys, monkeypatch, "parallel", "-m", tiny_llama_path, "-np", "2", "-ns", "6",
-                           "-n", "8", "-c", "1024", "--temp", "0", "--json")
+                           "-n", "8", "-c", "1024", "--temp", "0", "--json", "--no-system-prompt")
     assert code == 130, err
     assert err.splitlines()[-1] == "interrupted" and "Traceback" not in err
     lines = [json.loads(line) for line in out.splitlines()]
@@ -153,7 +153,7 @@ def test_parallel_text_summary_says_interrupted(capsys, monkeypatch, tiny_llama_
 
     monkeypatch.setattr(cmd_parallel, "_print_result", _raise_sigint_after(1, cmd_parallel._print_result))
     code, out, err = ggrun(capsys, monkeypatch, "parallel", "-m", tiny_llama_path, "-np", "2", "-ns", "6",
-                           "-n", "8", "-c", "1024", "--temp", "0")
+                           "-n", "8", "-c", "1024", "--temp", "0", "--no-system-prompt")
     assert code == 130, err
     assert "Interrupted after " in out and " of 6 sequences" in out and "Total gen tokens:" in out
 

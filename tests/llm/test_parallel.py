@@ -130,7 +130,7 @@ def test_system_prompt_is_evaluated_once_and_shared(tiny, monkeypatch):
     client_rows = [(p, q) for pos, seq in batches for p, q in zip(pos, seq) if q != SYSTEM_SEQ]
     assert min(p for p, _ in client_rows) == n_sys
     assert len(client_rows) == sum(len(t) for _, t in PROMPTS) + 3 * len(PROMPTS)  # prompt + n_predict - 1
-    assert summary.n_prompt == n_sys + sum(len(t) for _, t in PROMPTS)
+    assert summary.n_prompt == sum(len(t) for _, t in PROMPTS)  # llama-parallel: the clients' prompts
     assert summary.n_system == n_sys
     assert_cache_holds_only_system(s, n_sys)
 
@@ -232,16 +232,85 @@ def test_more_clients_than_prompts(tiny):
     assert_cache_holds_only_system(s, len(SYSTEM))
 
 
+class ScriptedSampler(Sampler):
+    """Samples the bytes of `text` in turn (the tiny vocabulary's ids 0..255 are the bytes), then 'x'."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(GREEDY, 512)
+        self.script = list(text.encode())
+
+    def sample(self, logits: np.ndarray) -> int:
+        return self.script.pop(0) if self.script else ord("x")
+
+
+def scripted_runner(model: Model, replies: list[str], n_predict: int, stop_text: str | None = "User:",
+                    cont_batching: bool = True, n_clients: int = 2, n_ctx: int = 512):
+    """(session, runner, starts): each new sequence samples the next of `replies`; `starts` logs, as each
+    sequence starts, its job and the jobs of all clients then."""
+    s = Session(model, SessionParams(n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_seq_max=n_clients + 1))
+    r = ParallelRunner(s, n_clients, n_predict, GREEDY, 512, ignore_eos=True, stop_text=stop_text,
+                       cont_batching=cont_batching)
+    scripts = iter(replies)
+    starts: list[tuple[int, list[int]]] = []
+    real_start = r._try_start
+
+    def start(c, job, prompts):
+        verdict = real_start(c, job, prompts)
+        if verdict == "started":
+            starts.append((job, [o.job for o in r.clients]))
+            c.sampler = ScriptedSampler(next(scripts))
+        return verdict
+
+    r._try_start = start
+    return s, r, starts
+
+
+def test_response_stops_at_the_next_user_turn(tiny):
+    """As llama-parallel: the response ends once its text holds 'User:' (from the third token on), and the
+    text is cut there; the tokens decoded up to that point are counted."""
+    s, r, _ = scripted_runner(tiny, ["Paris is.\nUser: and", "no turn here at all"], n_predict=30)
+    done: list[SequenceResult] = []
+    summary = r.run(list(SYSTEM), PROMPTS[:2], done.append)
+    by_job = {d.seq: d for d in done}
+    assert by_job[0].response == "Paris is.\n"
+    assert by_job[0].n_response == len("Paris is.\nUser:")
+    assert by_job[1].n_response == 30 and by_job[1].response.startswith("no turn here at all")
+    assert summary.n_gen == len("Paris is.\nUser:") + 30
+    assert_cache_holds_only_system(s, len(SYSTEM))
+
+
+def test_without_continuous_batching_new_sequences_wait_for_all(tiny):
+    """-nocb: a client that finishes early stays idle until every client has finished."""
+    replies = ["abUser:", "abcdefghUser:", "abUser:", "abcdefghUser:"]
+    s, r, starts = scripted_runner(tiny, replies, n_predict=0, cont_batching=False)
+    done: list[SequenceResult] = []
+    r.run(list(SYSTEM), PROMPTS[:4], done.append)
+    assert [j for j, _ in starts] == [0, 1, 2, 3]
+    assert starts[2][1] == [2, -1] and starts[3][1] == [2, 3]  # 2 and 3 started together, after 0 and 1 ended
+    assert [d.seq for d in done] == [0, 1, 2, 3]
+    assert [d.response for d in done] == ["ab", "abcdefgh", "ab", "abcdefgh"]
+
+
+def test_without_n_predict_a_response_gets_a_share_of_the_cache(tiny):
+    """-n 0: no token limit but the cache: each of 2 clients may use half of the cells beside the system
+    prompt, less its prompt."""
+    s, r, _ = scripted_runner(tiny, ["x" * 1000, "x" * 1000], n_predict=0, stop_text=None, n_ctx=256)
+    done: list[SequenceResult] = []
+    r.run(list(SYSTEM), PROMPTS[:2], done.append)
+    share = (256 - len(SYSTEM)) // 2
+    assert {d.seq: d.n_response for d in done} == {j: share - len(PROMPTS[j][1]) for j in (0, 1)}
+
+
 # ---- SmolLM2 ------------------------------------------------------------------------------------
 
 
 def smollm2_jobs(model: Model, n: int) -> tuple[list[int], list[tuple[str, list[int]]]]:
-    """The system prompt and the first n prompts exactly as `ggrun parallel` tokenizes them."""
-    from ggrun.cli.cmd_parallel import QUESTIONS, SYSTEM_PROMPT, format_prompt
+    """The system prompt and the first n questions as `ggrun parallel -pps` tokenizes them."""
+    from ggrun.cli.parallel_prompts import QUESTIONS, SYSTEM_PROMPT, format_turn
 
     tok = model.tokenizer
     system = tok.tokenize(SYSTEM_PROMPT, add_special=True, parse_special=False)
-    return system, [(q, tok.tokenize(format_prompt(q), add_special=False, parse_special=False)) for q in QUESTIONS[:n]]
+    return system, [(q, tok.tokenize(format_turn(q), add_special=False, parse_special=False)) for q in QUESTIONS[:n]]
 
 
 def compare_with_alone(model: Model, system, prompts, results, rows, n_predict: int):
