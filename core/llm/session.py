@@ -194,7 +194,8 @@ class Session:
         beside their sources, so logits for all tokens but one can need more than logits for all
         (or for one). The K-shift graph (after seq_add) holds a rotated copy of one layer's keys
         over all cells, the largest of all when n_ubatch is small. Each is measured, and the
-        largest reserved first, so that one allocation per backend is the usual case."""
+        largest reserved first, so that one allocation per backend is the usual case; a graph that
+        fits in what is reserved already is not planned a second time (it would allocate nothing)."""
         worst = self.worst_case_params()
         n = worst.n_tokens
         graphs = [self.build(GraphParams(n, k, worst.n_kv, worst.n_kv_swa)).sg
@@ -210,6 +211,8 @@ class Session:
             self.budget.check({"KV cache": self.kv_need, "compute buffers": compute})
         plans: dict = {}
         for i in sorted(range(len(graphs)), key=lambda i: -need[i]):
+            if plans and all(name in plans and m.size <= plans[name].size for name, m in measured[i].items()):
+                continue
             for name, plan in self.sched.reserve(graphs[i]).items():
                 if name not in plans or plan.size > plans[name].size:
                     plans[name] = plan
@@ -294,7 +297,7 @@ class Session:
         if self.check_numerics:
             with np.errstate(all="ignore"):
                 culprit = first_non_finite(res.sg, set_inputs) or "no graph node holds one when recomputed"
-        return NonFiniteLogits(non_finite_kind(logits), where, culprit)
+        return NonFiniteLogits(non_finite_kind(logits), where, culprit, source=str(self.model.path))
 
     def _graph_for(self, p: GraphParams) -> GraphResult:
         """The kept graph when it can serve p, else a newly built and planned one."""
