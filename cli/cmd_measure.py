@@ -1,6 +1,11 @@
 """`ggrun measure`: worst-case memory per backend for a model and configurations, from tensor
 metadata alone (no weight data is read, no compute buffer is allocated); `--verify` runs
-one worst-case micro-batch to prove the plan holds."""
+one worst-case micro-batch to prove the plan holds.
+
+The table fits 100 columns: where the memory goes (weights as resident, KV cache, logits, compute
+buffer) and their total; `-v` adds the planner's details (the weights' file bytes, the window cache,
+the buffer without reuse and the lower bound, nodes, splits, planning time). `-o json` has everything.
+"""
 from __future__ import annotations
 
 import json
@@ -13,80 +18,82 @@ from rich.table import Table
 from ggrun.cli import options as o
 from ggrun.cli.app import app
 from ggrun.cli.common import check_positive, err_console, list_devices
+from ggrun.cli.value_lists import int_values
 from ggrun.core.backends.registry import usable_backends
+from ggrun.core.dtypes import DType
 from ggrun.core.errors import BadInput
-from ggrun.loaders.download import resolve_model
-from ggrun.core.llm.memory import measure, verify
+from ggrun.core.llm.memory import MemoryRecord, measure, verify
 from ggrun.core.llm.model import Model
+from ggrun.loaders.download import resolve_model
 
 MiB = 2**20
-
-
-def parse_int_list(text: str, flag: str) -> list[int]:
-    """'512,2048' -> [512, 2048]; every value positive."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise BadInput(f"{flag} {text}: expected a comma-separated list of integers") from None
-    if not values:
-        raise BadInput(f"{flag}: no values given")
-    check_positive(**{f"{flag} value": min(values)})
-    return values
+TABLE_WIDTH = 100
 
 
 @app.command("measure")
 def measure_command(
     model: o.Model = None,
-    ctx_size: str = typer.Option("2048", "-c", "--ctx-size", help="Context sizes (comma list)"),
+    ctx_size: list[str] = typer.Option(["2048"], "-c", "--ctx-size", help="Context sizes (comma list, ranges as bench)"),
     batch_size: int = typer.Option(2048, "-b", "--batch-size", help="Logical batch size"),
-    ubatch_size: str = typer.Option("512", "-ub", "--ubatch-size", help="Micro-batch sizes (comma list)"),
+    ubatch_size: list[str] = typer.Option(["512"], "-ub", "--ubatch-size", help="Micro-batch sizes (comma list)"),
     n_parallel: int = typer.Option(1, "-np", "--parallel", help="Sequences sharing the KV cache"),
     n_gpu_layers: o.GpuLayers = 0,
+    cache_type_k: o.CacheTypeK = DType.F16, cache_type_v: o.CacheTypeV = DType.F16,
     output: str = typer.Option("table", "-o", "--output", help="table or json"),
     verify_: bool = typer.Option(False, "--verify", help="Also run one worst-case micro-batch and check the plan held"),
-    flash_attn: o.FlashAttn = True,
+    flash_attn: o.FlashAttnMode = "auto", no_flash_attn: o.NoFlashAttn = False,
+    verbose: o.Verbose = False,
     list_devices_: o.ListDevices = False,
 ) -> None:
     """Plan worst-case memory per backend without running the model."""
     if list_devices_:
         list_devices()
         return
-    ctxs = parse_int_list(ctx_size, "-c")
-    ubs = parse_int_list(ubatch_size, "-ub")
+    ctxs = int_values(ctx_size, "-c", [], minimum=1)
+    ubs = int_values(ubatch_size, "-ub", [], minimum=1)
     check_positive(**{"-b": batch_size, "-np": n_parallel})
-    if n_gpu_layers < 0:
-        raise BadInput(f"-ngl {n_gpu_layers} must not be negative")
     if output not in ("table", "json"):
         raise BadInput(f"-o {output}: choose table or json")
+    fa = flash_attn != "off" and not no_flash_attn
     path = resolve_model(model)
     m = Model.load(path, usable_backends(), n_gpu_layers, metadata_only=True)
     records = [r for c in ctxs for ub in ubs
-               for r in measure(m, c, min(ub, batch_size), batch_size, n_parallel, flash_attn)]
+               for r in measure(m, c, min(ub, batch_size), batch_size, n_parallel, fa, cache_type_k, cache_type_v)]
     if output == "json":
         typer.echo(json.dumps([r.to_json() for r in records], indent=1))
     else:
-        _print_table(m, records)
+        Console(width=TABLE_WIDTH if not verbose else 200).print(table(m.path.name, records, verbose))
     if verify_:
-        _verify(path, n_gpu_layers, ctxs, ubs, batch_size, flash_attn)
+        _verify(path, n_gpu_layers, ctxs, ubs, batch_size, fa)
 
 
-def _print_table(m: Model, records) -> None:
-    t = Table(title=f"{m.path.name}: worst-case memory per backend (MiB)")
-    for col in ("ctx", "ub", "logits", "backend", "weights file", "weights resident", "KV", "KV window", "output",
-                "compute planned", "no reuse", "lower bound", "planned/lb", "nodes", "splits", "plan ms"):
-        t.add_column(col, justify="right")
+def table(name: str, records: list[MemoryRecord], verbose: bool = False) -> Table:
+    """The memory table: one row per configuration and backend, in MiB; -v adds the planner's columns."""
+    t = Table(title=f"{name}: worst-case memory per backend (MiB)")
+    cols = ["ctx", "ub", "logits", "backend", "weights", "KV", "output", "compute", "total"]
+    if verbose:
+        cols += ["weights file", "KV window", "no reuse", "lower bound", "planned/lb", "nodes", "splits", "plan ms"]
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("logits", "backend") else "right")
     for r in records:
-        ratio = r.compute_planned_bytes / r.compute_lower_bound_bytes if r.compute_lower_bound_bytes else 1.0
-        t.add_row(str(r.ctx), str(r.ubatch), r.logits, r.backend, f"{r.weights_file_bytes / MiB:.2f}",
-                  f"{r.weights_resident_bytes / MiB:.2f}", f"{r.kv_bytes / MiB:.2f}",
-                  f"{r.kv_swa_bytes / MiB:.2f}", f"{r.output_bytes / MiB:.2f}",
-                  f"{r.compute_planned_bytes / MiB:.2f}", f"{r.compute_no_reuse_bytes / MiB:.2f}",
-                  f"{r.compute_lower_bound_bytes / MiB:.2f}", f"{ratio:.4f}", str(r.nodes), str(r.splits),
-                  f"{r.plan_ms:.1f}")
-    Console(width=200).print(t)
+        total = r.weights_resident_bytes + r.kv_bytes + r.output_bytes + r.compute_planned_bytes
+        cells = [str(r.ctx), str(r.ubatch), r.logits, r.backend, _mib(r.weights_resident_bytes), _mib(r.kv_bytes),
+                 _mib(r.output_bytes), _mib(r.compute_planned_bytes), _mib(total)]
+        if verbose:
+            lb = r.compute_lower_bound_bytes
+            cells += [_mib(r.weights_file_bytes), _mib(r.kv_swa_bytes), _mib(r.compute_no_reuse_bytes), _mib(lb),
+                      f"{r.compute_planned_bytes / lb if lb else 1.0:.4f}", str(r.nodes), str(r.splits),
+                      f"{r.plan_ms:.1f}"]
+        t.add_row(*cells)
+    return t
 
 
-def _verify(path, n_gpu_layers: int, ctxs: list[int], ubs: list[int], batch_size: int, flash_attn: bool) -> None:
+def _mib(n: int) -> str:
+    return f"{n / MiB:.2f}"
+
+
+def _verify(path, n_gpu_layers: int, ctxs: tuple[int, ...], ubs: tuple[int, ...], batch_size: int,
+            flash_attn: bool) -> None:
     m = Model.load(path, usable_backends(), n_gpu_layers)
     for c in ctxs:
         for ub in ubs:

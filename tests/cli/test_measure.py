@@ -74,6 +74,21 @@ def test_table_has_a_row_per_configuration(app, tiny_llama_path):
     assert [(r[0], r[1], r[2], r[3]) for r in body] == \
         [("64", "8", "all", "CPU"), ("64", "8", "last", "CPU"), ("128", "8", "all", "CPU"), ("128", "8", "last", "CPU")]
     assert tiny_llama_path.name in result.stdout
+    assert max(len(line) for line in result.stdout.splitlines()) <= 100
+    header = [c.strip() for c in next(line for line in result.stdout.splitlines() if "ctx" in line).split("┃")[1:-1]]
+    assert header == ["ctx", "ub", "logits", "backend", "weights", "KV", "output", "compute", "total"]
+    for r in body:  # the total is the sum of the parts (each rounded to 0.01 MiB)
+        assert float(r[8]) == pytest.approx(sum(float(x) for x in r[4:8]), abs=0.03)
+
+
+def test_verbose_table_adds_the_planner_columns(app, tiny_llama_path):
+    result = CliRunner().invoke(app, ["measure", "-m", str(tiny_llama_path), "-c", "64-128*2", "-ub", "8", "-v"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in result.stdout.splitlines() if "│" in line]
+    header = [c.strip() for c in next(line for line in result.stdout.splitlines() if "ctx" in line).split("┃")[1:-1]]
+    assert header[9:] == ["weights file", "KV window", "no reuse", "lower bound", "planned/lb", "nodes", "splits",
+                          "plan ms"]
+    assert [r[0] for r in rows if r and r[0].isdigit()] == ["64", "64", "128", "128"]  # -c 64-128*2
 
 
 @pytest.fixture
@@ -85,9 +100,9 @@ def nothing_loads(monkeypatch):
 
 
 BAD = [
-    (["-c", "0"], "-c value 0 must be positive"),
-    (["-c", "512,x"], "-c 512,x: expected a comma-separated list of integers"),
-    (["-ub", "0,8"], "-ub value 0 must be positive"),
+    (["-c", "0"], "-c 0: values must be at least 1"),
+    (["-c", "512,x"], "-c 512,x: expected integers or ranges (first-last, first-last+step, first-last*mult)"),
+    (["-ub", "0,8"], "-ub 0,8: values must be at least 1"),
     (["-o", "xml"], "-o xml: choose table or json"),
     (["-np", "0"], "-np 0 must be positive"),
 ]
