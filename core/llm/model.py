@@ -18,6 +18,7 @@ from ggrun.core.context import ImmediateContext
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import BadInput
 from ggrun.core.llm import checks
+from ggrun.core.llm.budget import Budget
 from ggrun.core.llm.hparams import HParams
 from ggrun.core.llm.weights import Weights
 from ggrun.loaders.gguf_file import GGUFFile, open_gguf
@@ -127,6 +128,8 @@ class Model:
         def ctx_for(backend: Backend) -> ImmediateContext:
             return contexts.setdefault(backend.name, ImmediateContext(backend, "weights", virtual=metadata_only))
 
+        if not metadata_only:
+            _check_device_weights(gf, placement, backends)
         tensors = {}
         total = gf.file_bytes
         done = 0
@@ -166,6 +169,19 @@ def _weight(ctx: ImmediateContext, gf: GGUFFile, name: str, source: str, numeric
     if numerics == "llama" and qtype not in ("F32", "F16", "BF16"):
         t.params["act_quant"] = "q8_k" if qtype.endswith("_K") else "q8_0"
     return t
+
+
+def _check_device_weights(gf: GGUFFile, placement: Placement, backends: list[Backend]) -> None:
+    """The weights a GPU is given must fit in its free memory before any is copied (BadInput naming
+    the need and what is free; lower -ngl). Host weights are a memory map of the file: not counted."""
+    need: dict[str, int] = {}
+    for name, info in gf.tensors.items():
+        backend = _backend_for(name, placement)
+        if backend.memory_pool != "CPU":
+            nbytes = info.n_bytes if backend.stores_blocks else 4 * info.n_elements
+            need[backend.name] = need.get(backend.name, 0) + nbytes
+    if need:
+        Budget.now(backends).check({"weights": need}, advice="lower -ngl")
 
 
 def _backend_for(name: str, placement: Placement) -> Backend:

@@ -85,3 +85,33 @@ def test_needs_are_summed_per_pool():
     with pytest.raises(BadInput, match=r"needs 1\.50 GiB on CUDA0 \(compute buffers 1\.50 GiB\), 1\.00 GiB free"):
         budget.check({"compute buffers": {"CUDA": 3 * GiB // 2}})
     Budget.now([_Device("X", "X", None)]).check({"KV cache": {"X": 1 << 60}})  # unknown free memory: no check
+
+
+class _SmallDevice(HostArrayBackend):
+    """A stand-in GPU with its own memory pool and little of it free."""
+
+    name = "SMALLGPU"
+    memory_pool = "SMALLGPU0"
+    wrap = None
+
+    def __init__(self, free: int) -> None:
+        self.device = "stand-in device"
+        self.free = free
+        self.allocated = 0
+
+    def free_memory(self) -> int:
+        return self.free
+
+    def alloc_buffer(self, size: int, usage: str):
+        self.allocated += size
+        return super().alloc_buffer(size, usage)
+
+
+def test_device_weights_are_checked_before_they_are_copied(tiny_llama_path):
+    small = _SmallDevice(free=1000)
+    with pytest.raises(BadInput, match=r"needs .* GiB on SMALLGPU0 \(weights .*free; lower -ngl"):
+        Model.load(tiny_llama_path, [small, CPUBackend()], n_gpu_layers=99)
+    assert small.allocated == 0
+    roomy = _SmallDevice(free=1 << 40)
+    Model.load(tiny_llama_path, [roomy, CPUBackend()], n_gpu_layers=99)
+    assert roomy.allocated > 0

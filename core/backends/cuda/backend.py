@@ -27,6 +27,7 @@ from ggrun.core.tensor import Tensor
 
 STAGING_BYTES = 16 << 20  # pinned host memory for copies; larger copies go straight from pageable memory
 H2D, D2H, D2D = 1, 2, 3  # cudaMemcpyKind
+BLOCK_OPS = ("mul_mat", "mul_mat_multi", "get_rows")  # the ops whose kernels read GGUF blocks
 
 
 def describe_device(index: int) -> str:
@@ -73,11 +74,15 @@ class CUDABackend(Backend):
     # ---- ops -----------------------------------------------------------------------------
 
     def supports_op(self, node: Tensor) -> bool:
-        if any(s.dtype.is_quantized and s.dtype.name not in TYPE_IDS for s in node.srcs):
+        """Block-quantized data only as the weights of products and embedding lookups (2-d, of a type
+        the kernels decode); a quantized KV cache's reads and writes stay on the CPU."""
+        quantized = [s for s in node.srcs if s.dtype.is_quantized]
+        if node.dtype.is_quantized:
             return False
-        if TABLE.handles(node.op):
-            return True
-        return node.op in KERNELS and not any(s.dtype.is_quantized for s in node.srcs)
+        if quantized:
+            return node.op in BLOCK_OPS and all(
+                s.dtype.name in TYPE_IDS and len(s.shape) == 2 and s.is_contiguous for s in quantized)
+        return TABLE.handles(node.op) or node.op in KERNELS
 
     def scratch_bytes(self, node: Tensor) -> int:
         return TABLE.scratch_bytes(node)
