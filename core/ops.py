@@ -36,6 +36,7 @@ OPS: dict[str, OpInfo] = {
     "get_rows": OpInfo(),
     "concat": OpInfo(),
     "mul_mat": OpInfo(),
+    "mul_mat_multi": OpInfo(),
     "add": OpInfo(inplace=True),
     "mul": OpInfo(inplace=True),
     "scale": OpInfo(inplace=True),
@@ -298,6 +299,32 @@ def mul_mat(a: Tensor, b: Tensor, name: str | None = None) -> Tensor:
     if len(ab) > len(bb) or any(y % x for x, y in zip(reversed(ab), reversed(bb))):
         raise _fail("mul_mat", "batch dimensions of the first do not divide the second's", a, b)
     return _node("mul_mat", DType.F32, bb + (b.shape[-2], a.shape[-2]), (a, b), name)
+
+
+def mul_mat_multi(ws: tuple[Tensor, ...], b: Tensor, names: tuple[str, ...], name: str | None = None) -> list[Tensor]:
+    """mul_mat(w, b) of one b [N, K] with each 2-d weight w [M_i, K] of ws, in one node; returns the
+    products [N, M_i] as views named `names`.
+
+    The node's result holds the products one after another (flat f32 [N * sum M_i]), so that each
+    view is contiguous whatever N is. It serves a layer that reads one activation with several
+    matrices (attention's q, k and v; a feed-forward's gate and up): one kernel call instead of
+    several, and the CPU quantizes b to 8-bit blocks once for all of them.
+    """
+    if len(b.shape) != 2 or not ws or len(names) != len(ws):
+        raise _fail("mul_mat_multi", "expects b [N, K] and one name per weight", b, *ws)
+    _need_float("mul_mat_multi", b)
+    for w in ws:
+        if len(w.shape) != 2 or w.shape[1] != b.shape[1]:
+            raise _fail("mul_mat_multi", "each weight must be [M, K] with b's K", w, b)
+        if not w.dtype.is_quantized:
+            _need_float("mul_mat_multi", w)
+    n = b.shape[0]
+    node = _node("mul_mat_multi", DType.F32, (n * sum(w.shape[0] for w in ws),), tuple(ws) + (b,), name)
+    views, at = [], 0
+    for w, part in zip(ws, names):
+        views.append(view(node, (n, w.shape[0]), offset=at, name=part))
+        at += n * w.shape[0] * 4
+    return views
 
 
 def _check_rope(op: str, a: Tensor, pos: Tensor, n_dims: int) -> None:

@@ -303,13 +303,13 @@ def round_q8_blocks(xp, x, block: int = 32, f16_scale: bool = True):
     return q.reshape(x.shape)
 
 
-def _mul_mat_operand_b(xp, node, b):
+def _mul_mat_operand_b(xp, a_t: Tensor, b):
     """The activations as llama.cpp's CPU kernels see them: rounded to 8-bit blocks against a
     block-quantized weight (`act_quant`: q8_0 blocks for the legacy types, q8_k for k-quants),
     to f16 against the f16 KV cache (`act_quant` f16), and first turned as a rotated quantized K
     cache's rows were (`hadamard`). Without `act_quant`, plain f32."""
-    act_quant = node.srcs[0].root.params.get("act_quant")
-    rotation = node.srcs[0].root.params.get("hadamard")
+    act_quant = a_t.root.params.get("act_quant")
+    rotation = a_t.root.params.get("hadamard")
     if rotation:
         b = walsh_hadamard(xp, b, rotation)
     quant = ACT_QUANT_BLOCKS.get(act_quant)
@@ -322,12 +322,28 @@ def _mul_mat_operand_b(xp, node, b):
 
 @kernel("mul_mat")
 def _mul_mat(xp, node, out, srcs):
-    a = srcs[0]
-    if node.srcs[0].dtype.is_quantized:
-        a = cache_values(xp, node.srcs[0], a)
+    _product(xp, node.srcs[0], srcs[0], _f(xp, node, 1, srcs[1]), out)
+
+
+@kernel("mul_mat_multi")
+def _mul_mat_multi(xp, node, out, srcs):
+    """Each weight's product with the last source, one after another in out."""
+    b = _f(xp, node, len(srcs) - 1, srcs[-1])
+    at = 0
+    for w_t, w in zip(node.srcs[:-1], srcs[:-1]):
+        size = b.shape[0] * w_t.shape[0]
+        _product(xp, w_t, w, b, out[at:at + size].reshape(b.shape[0], w_t.shape[0]))
+        at += size
+
+
+def _product(xp, a_t: Tensor, a, b, out) -> None:
+    """out = b @ a^T as mul_mat computes it: a_t (a weight or the KV cache) stored as array a,
+    b the f32 activations."""
+    if a_t.dtype.is_quantized:
+        a = cache_values(xp, a_t, a)
     elif a.dtype != xp.float32:
-        a = widen(xp, a, node.srcs[0].dtype).astype(xp.float32)
-    b = _mul_mat_operand_b(xp, node, _f(xp, node, 1, srcs[1]))
+        a = widen(xp, a, a_t.dtype).astype(xp.float32)
+    b = _mul_mat_operand_b(xp, a_t, b)
     a_batch, b_batch = a.shape[:-2], b.shape[:-2]
     if all(x == y or x == 1 for x, y in zip(reversed(a_batch), reversed(b_batch))):
         xp.matmul(b, xp.swapaxes(a, -1, -2), out=out)

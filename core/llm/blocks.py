@@ -63,9 +63,25 @@ def add_norm(b: Build, x: Tensor, h: Tensor | None, w: Tensor, name: str, stream
     return ops.view(both, x.shape, name=stream), ops.view(both, x.shape, offset=half, name=name)
 
 
-def project_heads(x: Tensor, w: Tensor, n_head: int, head_dim: int, name: str) -> Tensor:
-    """x [tokens, n_embd] through weight w, split into heads: [tokens, n_head, head_dim]."""
-    return ops.reshape(ops.mul_mat(w, x, name=name), (x.shape[0], n_head, head_dim))
+def products(x: Tensor, ws: tuple[Tensor, ...], names: tuple[str, ...], name: str) -> list[Tensor]:
+    """x [tokens, K] through each weight of ws, named `names`: one mul_mat_multi node `name` where
+    the weights' backend runs that op (on the CPU one kernel call, x quantized once), else one
+    mul_mat node per weight."""
+    fused = ops.mul_mat_multi(ws, x, names, name=name)
+    homes = {w.root.buffer.backend for w in ws if w.root.buffer is not None}
+    if len(homes) == 1 and homes.pop().supports_op(fused[0].view_src):
+        return fused
+    return [ops.mul_mat(w, x, name=n) for w, n in zip(ws, names)]
+
+
+def project_qkv(b: Build, x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, il: int) -> tuple[Tensor, Tensor, Tensor]:
+    """x [tokens, n_embd] through the query, key and value weights, split into heads:
+    q [tokens, n_head, head_dim], k and v [tokens, n_head_kv, head_dim]."""
+    hp = b.hp
+    q, k, v = products(x, (wq, wk, wv), (f"q-{il}", f"k-{il}", f"v-{il}"), name=f"qkv-{il}")
+    n = x.shape[0]
+    return (ops.reshape(q, (n, hp.n_head, hp.head_dim)), ops.reshape(k, (n, hp.n_head_kv, hp.head_dim)),
+            ops.reshape(v, (n, hp.n_head_kv, hp.head_dim)))
 
 
 def rope(b: Build, x: Tensor, mode: int, freq_base: float | None = None, out_scale: float = 1.0,
@@ -107,15 +123,17 @@ def attention(b: Build, il: int, q: Tensor, k: Tensor, v: Tensor, wo: Tensor, ro
     return ops.mul_mat(wo, ops.reshape(merged, (n_tokens, hp.n_head * hp.head_dim)), name=f"attn_out-{il}")
 
 
+def _gate_up(x: Tensor, gate: Tensor, up: Tensor, il: int) -> list[Tensor]:
+    return products(x, (gate, up), (f"ffn_gate-{il}", f"ffn_up-{il}"), name=f"ffn_gate_up-{il}")
+
+
 def ffn_swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor, il: int) -> Tensor:
-    g = ops.mul_mat(gate, x, name=f"ffn_gate-{il}")
-    u = ops.mul_mat(up, x, name=f"ffn_up-{il}")
+    g, u = _gate_up(x, gate, up, il)
     return ops.mul_mat(down, ops.swiglu(g, u, name=f"ffn_swiglu-{il}"), name=f"ffn_out-{il}")
 
 
 def ffn_geglu(b: Build, x: Tensor, gate: Tensor, up: Tensor, down: Tensor, il: int) -> Tensor:
-    g = ops.mul_mat(gate, x, name=f"ffn_gate-{il}")
-    u = ops.mul_mat(up, x, name=f"ffn_up-{il}")
+    g, u = _gate_up(x, gate, up, il)
     h = ops.geglu(g, u, name=f"ffn_geglu-{il}", f16_table=b.llama_numerics)
     return ops.mul_mat(down, h, name=f"ffn_out-{il}")
 

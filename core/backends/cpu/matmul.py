@@ -106,11 +106,10 @@ def _round64(n: int) -> int:
     return (n + 63) // 64 * 64
 
 
-def _plan(node: Tensor) -> _Plan | None:
-    """How a mul_mat node runs here, or None where the reference kernel must (attention over
-    the KV cache, f16/bf16 activations, unknown rounding)."""
-    a, b = node.srcs
-    if a.dtype not in Q.CODES or len(a.shape) != 2 or b.dtype is not DType.F32 or node.dtype is not DType.F32:
+def _plan(a: Tensor, b: Tensor) -> _Plan | None:
+    """How the product of weight a with activation rows b runs here, or None where the reference
+    kernel must (attention over the KV cache, f16/bf16 activations, unknown rounding)."""
+    if a.dtype not in Q.CODES or len(a.shape) != 2 or b.dtype is not DType.F32:
         return None
     m, k = a.shape
     n = math.prod(b.shape[:-1])
@@ -177,9 +176,8 @@ def repacked_bytes(dtype: DType, shape: tuple[int, int]) -> int:
     return sum(a.nbytes for a in Q.repack_ri64(code, np.zeros((1, dtype.row_bytes(k)), np.uint8))) * groups
 
 
-def _repacked(node: Tensor, plan: _Plan):
-    """The weight's repacked rows when the engine made them in this host's layout for its shape."""
-    a = node.srcs[0]
+def _repacked(a: Tensor, plan: _Plan):
+    """Weight a's repacked rows when the engine made them in this host's layout for its shape."""
     packed = a.params.get(REPACKED) if a.view_src is None else None
     blocks = plan.k // plan.dtype.block_size
     if isinstance(packed, np.ndarray) and Q.SIMD == "avx2" and plan.code in Q.R8_TYPES:
@@ -199,7 +197,7 @@ def _work_bytes() -> int:
 
 
 def _scratch(node: Tensor) -> int:
-    plan = _plan(node)
+    plan = _plan(*node.srcs) if node.dtype is DType.F32 else None
     return plan.scratch_bytes() if plan is not None else 0
 
 
@@ -219,34 +217,40 @@ def _stored_rows(w: np.ndarray, dtype: DType, m: int, k: int) -> np.ndarray | No
     return w.view(np.uint8)
 
 
-def _chunks(plan: _Plan) -> int:
-    """Threads for a row kernel: all of them where the weight is large enough to pay for waking them."""
+def _chunks(plan: _Plan, weight_bytes: int | None = None) -> int:
+    """Threads for a row kernel: all of them where the weights are large enough to pay for waking them."""
     threads = jit.threads()
-    return threads if threads > 1 and plan.weight_bytes * plan.n >= PARALLEL_MIN_BYTES else 1
+    weight_bytes = plan.weight_bytes if weight_bytes is None else weight_bytes
+    return threads if threads > 1 and weight_bytes * plan.n >= PARALLEL_MIN_BYTES else 1
 
 
 @binds("mul_mat", scratch=_scratch)
 def bind_mul_mat(node: Tensor, out, srcs: list, scratch):
-    plan = _plan(node)
+    plan = _plan(*node.srcs) if node.dtype is DType.F32 else None
     if plan is None:
         return None
     x = _rows2d(srcs[1], plan.n, plan.k)
     out2 = _rows2d(out, plan.n, plan.m)
     if x is None or out2 is None or not out2.flags.c_contiguous or x.dtype != np.float32:
         return None
+    return _bind_product(plan, node.srcs[0], srcs[0], x, out2, scratch)
+
+
+def _bind_product(plan: _Plan, a: Tensor, w, x, out2, scratch):
+    """The call computing out2 = x @ w^T as `plan` says (w: weight a's stored array), or None."""
     need = plan.scratch_bytes()
     if need and (scratch is None or scratch.nbytes < need):  # planned without this binder's sizes
         return None
     if plan.path == "blas":
-        return _bind_blas(plan, srcs[0], x, out2, scratch)
-    w = _stored_rows(srcs[0], plan.dtype, plan.m, plan.k)
+        return _bind_blas(plan, w, x, out2, scratch)
+    w = _stored_rows(w, plan.dtype, plan.m, plan.k)
     if w is None:
         return None
     chunks = _chunks(plan)
     avx2 = Q.SIMD == "avx2"
     if plan.path == "q8":
         qs, d, s, sums = Q.act_arrays(scratch, plan.n, plan.k)
-        packed = _repacked(node, plan)
+        packed = _repacked(a, plan)
         if isinstance(packed, Q.RI64):
             at = Q.act_arrays_bytes(plan.n, plan.k)
             work = scratch[at:at + _work_bytes()].view(np.float32).reshape(-1, 2, Q.RI)
@@ -256,10 +260,7 @@ def bind_mul_mat(node: Tensor, out, srcs: list, scratch):
                 return partial(Q.mul_mat_ri_portable_par, *args, chunks)
             return partial(Q.mul_mat_ri_portable, *args)
         if packed is not None:
-            chunks = min(chunks, packed.shape[0])
-            if chunks > 1:
-                return partial(Q.mul_mat_r8_avx2_par, plan.code, plan.act, packed, x, qs, d, s, sums, out2, chunks)
-            return partial(Q.mul_mat_r8_avx2, plan.code, plan.act, packed, x, qs, d, s, sums, out2)
+            return _bind_r8([plan], [packed], x, [out2], scratch)
         if chunks > 1:
             fn = Q.mul_mat_q8_avx2_par if avx2 else Q.mul_mat_q8_portable_par
             return partial(fn, plan.code, plan.act, w, x, qs, d, s, sums, out2, chunks)
@@ -272,6 +273,77 @@ def bind_mul_mat(node: Tensor, out, srcs: list, scratch):
         return partial(fn, plan.code, w, x, bufs, out2, min(chunks, n_bufs))
     fn = Q.mul_mat_f32_avx2 if avx2 else Q.mul_mat_f32_portable
     return partial(fn, plan.code, w, x, bufs, out2)
+
+
+def _bind_r8(plans: list[_Plan], packs: list, x, outs: list, scratch):
+    """One call of the r8 kernel for one to Q.MAX_PARTS weights that read the same activation
+    blocks: x is quantized once, then each weight's rows are dotted with it into its own result."""
+    plan = plans[0]
+    qs, d, s, sums = Q.act_arrays(scratch, plan.n, plan.k)
+    n = len(plans)
+    codes = _slots([p.code for p in plans])
+    packs, outs = _slots(packs), _slots(outs)
+    chunks = min(_chunks(plan, sum(p.weight_bytes for p in plans)), sum(p.shape[0] for p in packs[:n]))
+    if chunks > 1:
+        return partial(Q.mul_mat_r8_avx2_par, codes, plan.act, packs, n, x, qs, d, s, sums, outs, chunks)
+    return partial(Q.mul_mat_r8_avx2, codes, plan.act, packs, n, x, qs, d, s, sums, outs)
+
+
+def _slots(items: list) -> tuple:
+    """items padded to the kernel's Q.MAX_PARTS slots by repeating the first."""
+    return tuple(items) + (items[0],) * (Q.MAX_PARTS - len(items))
+
+
+def _multi_plans(node: Tensor) -> list[_Plan] | None:
+    *ws, b = node.srcs
+    plans = [_plan(w, b) for w in ws]
+    return None if node.dtype is not DType.F32 or None in plans else plans
+
+
+def _fused(plans: list[_Plan], ws: list[Tensor]) -> list | None:
+    """The weights' r8 arrays when one kernel call can serve them all (each repacked, read with
+    the same activation blocks), else None."""
+    if len(plans) > Q.MAX_PARTS or any(p.path != "q8" or p.act != plans[0].act for p in plans):
+        return None
+    packs = [_repacked(w, p) for w, p in zip(ws, plans)]
+    return packs if all(isinstance(p, np.ndarray) for p in packs) else None
+
+
+def _multi_scratch(node: Tensor) -> int:
+    plans = _multi_plans(node)
+    return max(p.scratch_bytes() for p in plans) if plans else 0
+
+
+@binds("mul_mat_multi", scratch=_multi_scratch)
+def bind_mul_mat_multi(node: Tensor, out, srcs: list, scratch):
+    """Several weights' products with one input: one r8 kernel call that quantizes the input
+    once where every weight allows it, else each product's own call, one after another."""
+    plans = _multi_plans(node)
+    if plans is None:
+        return None
+    n, k = plans[0].n, plans[0].k
+    x = _rows2d(srcs[-1], n, k)
+    flat = out.reshape(-1) if out.flags.c_contiguous else None
+    if x is None or flat is None or x.dtype != np.float32:
+        return None
+    outs, at = [], 0
+    for p in plans:
+        outs.append(flat[at:at + n * p.m].reshape(n, p.m))
+        at += n * p.m
+    ws = list(node.srcs[:-1])
+    packs = _fused(plans, ws)
+    if packs is not None:
+        if scratch is None or scratch.nbytes < plans[0].scratch_bytes():
+            return None
+        return _bind_r8(plans, packs, x, outs, scratch)
+    calls = [_bind_product(p, w, arr, x, o, scratch) for p, w, arr, o in zip(plans, ws, srcs, outs)]
+    if None in calls:
+        return None
+
+    def call() -> None:
+        for one in calls:
+            one()
+    return call
 
 
 def _bind_blas(plan: _Plan, w, x, out2, scratch):

@@ -54,9 +54,7 @@ def build(b: Build, w: Weights) -> Tensor:
         L = w.layer(il)
         post = w.layer(il - 1).post_ffw_norm if il else None
         x, h = blocks.add_norm(b, x, ffn, L.attn_norm, f"attn_norm-{il}", stream=f"l_out-{il - 1}", post=post)
-        q = blocks.project_heads(h, L.attn_q, hp.n_head, hp.head_dim, f"q-{il}")
-        k = blocks.project_heads(h, L.attn_k, hp.n_head_kv, hp.head_dim, f"k-{il}")
-        v = blocks.project_heads(h, L.attn_v, hp.n_head_kv, hp.head_dim, f"v-{il}")
+        q, k, v = blocks.project_qkv(b, h, L.attn_q, L.attn_k, L.attn_v, il)
         q = blocks.rope(b, q, ROPE_MODE, base_of(il), out_scale=hp.extra["attn_scale"], norm=L.attn_q_norm,
                         name=f"q_scaled-{il}")  # q_norm, RoPE and the query scale in one node
         mask = b.inp.kq_mask_swa.tensor if is_swa(hp, il) else None

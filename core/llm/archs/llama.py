@@ -21,9 +21,8 @@ def build(b: Build, w: Weights) -> Tensor:
     for il in range(hp.n_layer):
         L = w.layer(il)
         x, h = blocks.add_norm(b, x, ffn, L.attn_norm, f"attn_norm-{il}", stream=f"l_out-{il - 1}")
-        q = blocks.rope(b, blocks.project_heads(h, L.attn_q, hp.n_head, hp.head_dim, f"q-{il}"), ROPE_MODE)
-        k = blocks.project_heads(h, L.attn_k, hp.n_head_kv, hp.head_dim, f"k-{il}")
-        v = blocks.project_heads(h, L.attn_v, hp.n_head_kv, hp.head_dim, f"v-{il}")
+        q, k, v = blocks.project_qkv(b, h, L.attn_q, L.attn_k, L.attn_v, il)
+        q = blocks.rope(b, q, ROPE_MODE)
         attn = blocks.attention(b, il, q, k, v, L.attn_output, ROPE_MODE)
         if il == hp.n_layer - 1:
             attn, x = blocks.select_outputs(b, attn, x)
