@@ -90,9 +90,8 @@ class Printer:
             values = ", ".join("'" + str(csv_value(f, r[f])).replace("'", "''") + "'" for f in FIELDS)
             return f"INSERT INTO ggrun_bench ({', '.join(FIELDS)}) VALUES ({values});\n"
         cells = [md_value(c, r) for c in self.md_columns()]
-        # t/s holds '±', one character that llama-bench counts as two bytes: its column is one wider
-        return "|" + "".join(f" {_pad(v, WIDTHS[c] + (1 if c == 't/s' else 0))} |"
-                             for c, v in zip(self.md_columns(), cells)) + "\n"
+        # widths count characters ('±' is one; llama-bench pads its two bytes by one more, to the same look)
+        return "|" + "".join(f" {_pad(v, WIDTHS[c])} |" for c, v in zip(self.md_columns(), cells)) + "\n"
 
     def md_columns(self) -> list[str]:
         return ["model", "size", "params", "backend", *self.columns, "test", "t/s"]
