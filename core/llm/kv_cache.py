@@ -1,9 +1,10 @@
 """The KV cache: per-layer K and V tensors in immediate contexts on each layer's backend,
 and the cells that record which position and sequences each row holds.
 
-Writes happen inside the graph (set_rows at row indices given as input data), so where a
-token lands is data, not graph structure. Any change that moves or re-positions cells
-bumps `version`, which invalidates a kept graph.
+Writes happen inside the graph (set_rows at row indices given as input data), and which cells a
+token sees is the mask, also input data: so freeing cells (seq_rm, clear) leaves a kept graph
+valid, as llama.cpp reuses its graph after a memory clear. Re-positioning cells (seq_add) bumps
+`version`, which invalidates a kept graph: their keys are re-rotated first.
 
 K and V each have a type, as llama.cpp's -ctk / -ctv: f16, f32, or the blocks of Q8_0 / Q4_0
 (each row one token's heads, quantized as it is written). A quantized cache's rows are first
@@ -231,7 +232,6 @@ class KVCache:
         emptied = sel & ~self.seqs.any(axis=1)
         self.pos[emptied] = -1
         self.shift[emptied] = 0
-        self.version += 1
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Let sequence dst share src's cells in [p0, p1): no data moves."""
@@ -255,4 +255,3 @@ class KVCache:
         self.seqs[:] = False
         self.shift[:] = 0
         self.has_shift = False
-        self.version += 1

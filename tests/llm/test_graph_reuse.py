@@ -265,9 +265,9 @@ def test_cli_run_reports_graphs_reused(tiny_llama_path, monkeypatch):
     env_off = CliRunner().invoke(app, args)
     for r in (on, off, env_off):
         assert r.exit_code == 0, r.output
-    assert "graphs reused = 6 (built 2)" in on.stderr
-    assert "graphs reused = 0 (built 8)" in off.stderr
-    assert "graphs reused = 0 (built 8)" in env_off.stderr
+    assert re.search(r"graphs reused = +6 \(built 2\)", on.stderr)
+    assert re.search(r"graphs reused = +0 \(built 8\)", off.stderr)
+    assert re.search(r"graphs reused = +0 \(built 8\)", env_off.stderr)
     assert on.stdout == off.stdout == env_off.stdout
 
 
@@ -280,10 +280,10 @@ def decode_history(s: Session, steps: list[tuple[list[int], int]]) -> list[np.nd
 HISTORY = [(TINY_PROMPT[:12], 0), ([65], 12), ([66], 13)]
 
 
-def test_seq_rm_forces_a_rebuild(tiny):
-    """Removing positions 8.. frees cells 8..13. Decoding from 8 again has the kept graph's shapes but
-    rebuilds (the layout changed); its logits equal reuse off bitwise and a session that never saw the
-    removed tokens within 1e-4."""
+def test_seq_rm_keeps_the_graph(tiny):
+    """Removing positions 8.. frees cells 8..13. Decoding from 8 again has the kept graph's shapes and
+    reuses it (which cells a token sees is the mask, input data); its logits equal reuse off bitwise
+    and a session that never saw the removed tokens within 1e-4."""
     after = [([70], 8), ([71], 9)]
     got, sessions = {}, {}
     for reuse in (True, False):
@@ -292,9 +292,9 @@ def test_seq_rm_forces_a_rebuild(tiny):
         kept = s.result
         s.seq_rm(0, 8, -1)
         got[reuse] = decode_history(s, after)
-        assert s.result is not kept
+        assert (s.result is kept) == reuse
     log = sessions[True].stats.reuse_log
-    assert log[-2:] == [(False, "rebuilt: KV cache layout changed"), (True, "reused")]
+    assert log[-2:] == [(True, "reused"), (True, "reused")]
     assert all(np.array_equal(a, b) for a, b in zip(got[True], got[False]))
     want = decode_history(make_session(tiny, 64), [(TINY_PROMPT[:8], 0)] + after)[1:]
     for g, w in zip(got[True], want):
@@ -343,13 +343,15 @@ def test_seq_add_shifts_keys_and_forces_a_rebuild(tiny):
     assert all(np.isfinite(x).all() for x in logits)
 
 
-def test_clear_forces_a_rebuild(tiny):
+def test_clear_keeps_the_graph(tiny):
+    """After a clear (llama-bench between repetitions, perplexity between chunks) the kept graph serves
+    again, and computes what a fresh session computes."""
     s = make_session(tiny, 64)
     decode_history(s, HISTORY)
     kept = s.result
     s.clear()
     got = s.decode(Batch.of_sequence([65], 0))
-    assert s.stats.reuse_log[-1] == (False, "rebuilt: KV cache layout changed") and s.result is not kept
+    assert s.stats.reuse_log[-1] == (True, "reused") and s.result is kept
     assert np.array_equal(got, make_session(tiny, 64).decode(Batch.of_sequence([65], 0)))
 
 
