@@ -20,11 +20,10 @@ from numba import prange
 from ggrun.core.backends.cpu import jit
 from ggrun.core.backends.cpu.dispatch import binds
 from ggrun.core.backends.cpu.jit import kernel
-from ggrun.core.backends.cpu.kv_quant import BLOCK, CACHE_TYPES, code_of, dot_blocks, hadamard, load_key, load_row, \
-    quantize_q8_0
+from ggrun.core.backends.cpu.kv_quant import BLOCK, CACHE_TYPES, code_of, hadamard, load_key, load_row, \
+    quantize_q8_0, score_cells
 from ggrun.core.backends.cpu.vecmath import as_f32, expf, f16_to_f32, f32_to_f16, fma
 from ggrun.core.backends.cpu.warmup import warms
-from ggrun.core.backends.kernels import block_rows
 from ggrun.core.dtypes import DType
 
 CELLS = 64  # cache cells per tile: converted to f32 once per tile and KV head
@@ -281,10 +280,12 @@ Q_PLAIN, Q_F16, Q_Q8_0 = 0, 1, 2  # how queries meet the keys: as they are, f16-
 
 
 @kernel(inline="always")
-def _decode_cells(k, v, k_code, v_code, g, c0, lo, hi, Kq, Kd, Vf):
+def _decode_cells(k, v, k_code, v_code, k_at, v_at, c0, lo, hi, Kq, Kd, Vf):
+    """Cells [lo, hi) of the tile at c0 (their KV head's bytes from k_at, v_at of each row): keys
+    into the columns of Kq, Kd, values into the rows of Vf."""
     for c in range(lo, hi):
-        load_key(k_code, k[c0 + c, g], Kq[c], Kd[c])
-        load_row(v_code, v[c0 + c, g], Vf[c])
+        load_key(k_code, k[c0 + c], k_at, Kq, Kd, c)
+        load_row(v_code, v[c0 + c], v_at, Vf[c])
 
 
 @kernel(inline="always")
@@ -328,13 +329,16 @@ def _accumulate_f32(S, Vf, mask, scale, t, h, c0, lo, hi, M, L, out):
         L[t, h] = L[t, h] * ms + vs
 
 
-@kernel
-def attend_cells(q, k, v, k_code, v_code, mask, scale, q_round, v_f16, k_rot, v_rot, g, t0, t1,
-                 Kq, Kd, Vf, S, Qq, Qd, M, L, out):
+@kernel(_nrt=False)
+def attend_cells(q, k, v, k_code, v_code, n_head_kv, mask, scale, q_round, v_f16, k_rot, v_rot, g, t0, t1,
+                 Kq, Kd, Vf, S, lanes, Qq, Qd, M, L, out):
     """out[t, h] for tokens t0..t1 and the query heads h sharing KV head g, over caches k and v
-    given as stored bytes [n_kv, heads_kv, row bytes] of types k_code and v_code."""
+    given as their stored rows (bytes [n_kv, row bytes] of types k_code and v_code, n_head_kv heads
+    side by side). A tile's keys are decoded across cells (Kq [d, cells], Kd [d / 32, cells]), its
+    values along them (Vf [cells, d])."""
     n_kv, d = k.shape[0], q.shape[2]
-    group = q.shape[1] // k.shape[1]
+    group = q.shape[1] // n_head_kv
+    k_at, v_at = g * (k.shape[1] // n_head_kv), g * (v.shape[1] // n_head_kv)
     for t in range(t0, t1):
         for h in range(g * group, (g + 1) * group):
             M[t, h] = -np.inf
@@ -350,18 +354,17 @@ def attend_cells(q, k, v, k_code, v_code, mask, scale, q_round, v_f16, k_rot, v_
             if lo == hi:
                 continue
             if clo == chi:
-                _decode_cells(k, v, k_code, v_code, g, c0, lo, hi, Kq, Kd, Vf)
+                _decode_cells(k, v, k_code, v_code, k_at, v_at, c0, lo, hi, Kq, Kd, Vf)
                 clo, chi = lo, hi
             else:
                 if lo < clo:
-                    _decode_cells(k, v, k_code, v_code, g, c0, lo, clo, Kq, Kd, Vf)
+                    _decode_cells(k, v, k_code, v_code, k_at, v_at, c0, lo, clo, Kq, Kd, Vf)
                     clo = lo
                 if hi > chi:
-                    _decode_cells(k, v, k_code, v_code, g, c0, chi, hi, Kq, Kd, Vf)
+                    _decode_cells(k, v, k_code, v_code, k_at, v_at, c0, chi, hi, Kq, Kd, Vf)
                     chi = hi
             for h in range(g * group, (g + 1) * group):
-                for c in range(lo, hi):
-                    S[c] = dot_blocks(Kq[c], Kd[c], Qq[t, h], Qd[t, h])
+                score_cells(Kq, Kd, Qq[t, h], Qd[t, h], lo, hi, lanes, S)
                 if v_f16:
                     _accumulate_f16(S, Vf, mask, scale, t, h, c0, lo, hi, M, L, out)
                 else:
@@ -376,30 +379,30 @@ def attend_cells(q, k, v, k_code, v_code, mask, scale, q_round, v_f16, k_rot, v_
 
 
 @kernel
-def flash_attn_cells_serial(q, k, v, k_code, v_code, mask, scale, q_round, v_f16, k_rot, v_rot,
-                            Kq, Kd, Vf, S, Qq, Qd, ML, out):
-    for g in range(k.shape[1]):
-        attend_cells(q, k, v, k_code, v_code, mask, scale, q_round, v_f16, k_rot, v_rot, g, 0, q.shape[0],
-                     Kq[0], Kd[0], Vf[0], S[0], Qq, Qd, ML[0], ML[1], out)
+def flash_attn_cells_serial(q, k, v, k_code, v_code, n_head_kv, mask, scale, q_round, v_f16, k_rot, v_rot,
+                            Kq, Kd, Vf, S, lanes, Qq, Qd, ML, out):
+    for g in range(n_head_kv):
+        attend_cells(q, k, v, k_code, v_code, n_head_kv, mask, scale, q_round, v_f16, k_rot, v_rot, g, 0, q.shape[0],
+                     Kq[0], Kd[0], Vf[0], S[0], lanes[0], Qq, Qd, ML[0], ML[1], out)
 
 
 @kernel(parallel=True)
-def flash_attn_cells_parallel(q, k, v, k_code, v_code, mask, scale, q_round, v_f16, k_rot, v_rot,
-                              Kq, Kd, Vf, S, Qq, Qd, ML, out):
+def flash_attn_cells_parallel(q, k, v, k_code, v_code, n_head_kv, mask, scale, q_round, v_f16, k_rot, v_rot,
+                              Kq, Kd, Vf, S, lanes, Qq, Qd, ML, out):
     """flash_attn_cells_serial with (KV head, block of tokens) items dealt round-robin to workers."""
     workers = Kq.shape[0]
     n_tok = q.shape[0]
-    blocks = max(1, min(n_tok, (2 * workers + k.shape[1] - 1) // k.shape[1]))
+    blocks = max(1, min(n_tok, (2 * workers + n_head_kv - 1) // n_head_kv))
     per_block = (n_tok + blocks - 1) // blocks
-    items = k.shape[1] * blocks
+    items = n_head_kv * blocks
     for w in prange(workers):
         for item in range(w, items, workers):
             g = item // blocks
             t0 = (item % blocks) * per_block
             t1 = min(n_tok, t0 + per_block)
             if t0 < t1:
-                attend_cells(q, k, v, k_code, v_code, mask, scale, q_round, v_f16, k_rot, v_rot, g, t0, t1,
-                             Kq[w], Kd[w], Vf[w], S[w], Qq, Qd, ML[0], ML[1], out)
+                attend_cells(q, k, v, k_code, v_code, n_head_kv, mask, scale, q_round, v_f16, k_rot, v_rot, g, t0, t1,
+                             Kq[w], Kd[w], Vf[w], S[w], lanes[w], Qq, Qd, ML[0], ML[1], out)
 
 
 def _cells_case(node) -> bool:
@@ -414,18 +417,22 @@ def flash_attn_cells_scratch(node) -> int:
         return 0
     q = node.srcs[0]
     d, rows = q.shape[2], q.shape[0] * q.shape[1]
-    per_worker = 2 * CELLS * d + CELLS * (d // BLOCK) + CELLS
+    per_worker = 2 * CELLS * d + CELLS * (d // BLOCK) + CELLS + 8 * CELLS
     return 4 * (_workers(node) * per_worker + rows * (d + d // BLOCK) + 2 * rows)
 
 
-def _cache_bytes(node, i: int, a: np.ndarray) -> np.ndarray | None:
-    """A cache operand [heads_kv, n_kv, d] as its stored bytes [n_kv, heads_kv, row bytes]."""
+def _cache_rows(node, i: int, a: np.ndarray) -> np.ndarray | None:
+    """A cache operand [heads_kv, n_kv, d] as the stored rows it reads, bytes [n_kv, row bytes]
+    (C-contiguous, so the kernels read them with unit strides), when its heads fill whole rows."""
     t = node.srcs[i]
-    if t.dtype.is_quantized:
-        return block_rows(np, t, a).transpose(1, 0, 2)
-    if a.strides[-1] != a.itemsize:
+    n_head, n_kv, d = t.shape
+    head_bytes = t.dtype.row_bytes(d)
+    if t.strides[0] != head_bytes or t.strides[1] != n_head * head_bytes:
         return None
-    return a.transpose(1, 0, 2).view(np.uint8)
+    if t.dtype.is_quantized:
+        return a.reshape(-1)[:n_kv * n_head * head_bytes].reshape(n_kv, n_head * head_bytes)
+    rows = a.transpose(1, 0, 2)
+    return rows.reshape(n_kv, -1).view(np.uint8) if rows.flags.c_contiguous else None
 
 
 def _query_rounding(node) -> int:
@@ -439,8 +446,8 @@ def bind_flash_attn_cells(node, out, srcs, scratch):
     if node.srcs[0].dtype is not DType.F32 or not _cells_case(node):
         return None
     q3 = q.transpose(1, 0, 2)
-    k3, v3 = _cache_bytes(node, 1, k), _cache_bytes(node, 2, v)
-    if k3 is None or v3 is None or not q3.flags.c_contiguous or not out.flags.c_contiguous:
+    k2, v2 = _cache_rows(node, 1, k), _cache_rows(node, 2, v)
+    if k2 is None or v2 is None or not q3.flags.c_contiguous or not out.flags.c_contiguous:
         return None
     mdt = node.srcs[3].dtype
     if mdt not in (DType.F16, DType.F32) or mask.strides[-1] != mask.itemsize:
@@ -452,14 +459,15 @@ def bind_flash_attn_cells(node, out, srcs, scratch):
     workers = _workers(node)
     f32 = scratch.view(np.float32)
     tiles, at = [], 0
-    for shape in ((workers, CELLS, d), (workers, CELLS, d // BLOCK), (workers, CELLS, d), (workers, CELLS),
-                  (n_tok, n_head, d), (n_tok, n_head, d // BLOCK), (2, n_tok, n_head)):
+    for shape in ((workers, d, CELLS), (workers, d // BLOCK, CELLS), (workers, CELLS, d), (workers, CELLS),
+                  (workers, 8, CELLS), (n_tok, n_head, d), (n_tok, n_head, d // BLOCK), (2, n_tok, n_head)):
         n = int(np.prod(shape))
         tiles.append(f32[at:at + n].reshape(shape))
         at += n
     k_type, v_type = node.srcs[1], node.srcs[2]
-    args = (q3, k3, v3, code_of(k_type.dtype), code_of(v_type.dtype), mask, np.float32(node.params["scale"]),
-            _query_rounding(node), v_type.dtype is DType.F16 and v_type.root.params.get("act_quant") == "f16",
+    v_f16 = v_type.dtype is DType.F16 and v_type.root.params.get("act_quant") == "f16"
+    args = (q3, k2, v2, code_of(k_type.dtype), code_of(v_type.dtype), k_type.shape[0], mask,
+            np.float32(node.params["scale"]), _query_rounding(node), v_f16,
             int(k_type.root.params.get("hadamard", 0)), int(v_type.root.params.get("hadamard", 0)))
     fn = flash_attn_cells_parallel if workers > 1 else flash_attn_cells_serial
     return lambda: fn(*args, *tiles, out)

@@ -88,6 +88,24 @@ def _rint(x):
     return np.float32(np.rint(np.float64(x)))
 
 
+# Block bytes become values in f32 arithmetic (exact for bytes): numba would widen integer
+# arithmetic on them to int64, which AVX2 cannot convert to floats a vector at a time. Row slices
+# are indexed from 0, so LLVM sees non-negative indices and vectorizes the loops.
+
+@kernel(inline="always")
+def _s8(byte):
+    """A stored byte as the signed value it holds (Q8_0), as f32."""
+    return np.float32(np.int8(byte))
+
+
+@kernel(inline="always")
+def _nibbles(byte):
+    """A stored byte's low and high nibbles (Q4_0), as f32."""
+    f = np.float32(byte)
+    hi = np.floor(f * np.float32(0.0625))
+    return f - np.float32(16.0) * hi, hi
+
+
 @kernel(inline="always")
 def hadamard(x, n):
     """x turned in place, in chunks of n (a power of two), by the orthonormal Walsh-Hadamard
@@ -148,50 +166,63 @@ def store_row(code, x, b):
 
 
 @kernel(inline="always")
-def load_row(code, b, x):
-    """The stored row b (bytes) of a cache of type `code` decoded into f32 x (ggml's to_float)."""
+def load_row(code, b, at, x):
+    """The row stored from byte `at` of b (bytes of a cache of type `code`) decoded into f32 x
+    (ggml's to_float)."""
     n = x.shape[0]
+    m = min(BLOCK, n)  # BLOCK, as a value LLVM cannot unroll the loops on: it vectorizes them instead
     if code == F32:
         for j in range(n):
-            x[j] = _f32_at(b, 4 * j)
+            x[j] = _f32_at(b, at + 4 * j)
     elif code == F16:
         for j in range(n):
-            x[j] = f16_at(b, 2 * j)
+            x[j] = f16_at(b, at + 2 * j)
     elif code == Q8_0:
         for blk in range(n // BLOCK):
-            d = f16_at(b, 34 * blk)
-            for j in range(BLOCK):
-                x[BLOCK * blk + j] = np.float32(np.int8(b[34 * blk + 2 + j])) * d
+            o = at + 34 * blk
+            d = f16_at(b, o)
+            qs, xs = b[o + 2:o + 34], x[BLOCK * blk:BLOCK * (blk + 1)]
+            for j in range(m):
+                xs[j] = _s8(qs[j]) * d
     else:
         for blk in range(n // BLOCK):
-            d = f16_at(b, 18 * blk)
-            for j in range(BLOCK // 2):
-                v = np.int32(b[18 * blk + 2 + j])
-                x[BLOCK * blk + j] = np.float32((v & 15) - 8) * d
-                x[BLOCK * blk + BLOCK // 2 + j] = np.float32((v >> 4) - 8) * d
+            o = at + 18 * blk
+            d = f16_at(b, o)
+            qs, xs = b[o + 2:o + 18], x[BLOCK * blk:BLOCK * (blk + 1)]
+            for j in range(m // 2):
+                lo, hi = _nibbles(qs[j])
+                xs[j] = (lo - np.float32(8.0)) * d
+                xs[BLOCK // 2 + j] = (hi - np.float32(8.0)) * d
 
 
 @kernel(inline="always")
-def load_key(code, b, kq, kd):
-    """A cached key row b as a dot product reads it: for Q8_0 / Q4_0 its integer values in kq (as
-    f32) and its block scales in kd; for f16 / f32 its values in kq and scales of 1."""
+def load_key(code, b, at, kq, kd, c):
+    """The key row stored from byte `at` of b as the dot products read it, into column c of the
+    tiles kq [d, cells] and kd [d / 32, cells]: for Q8_0 / Q4_0 its integer values (as f32) and
+    block scales; for f16 / f32 its values and scales of 1."""
     n = kq.shape[0]
+    m = min(BLOCK, n)
     if code == Q8_0:
         for blk in range(n // BLOCK):
-            kd[blk] = f16_at(b, 34 * blk)
-            for j in range(BLOCK):
-                kq[BLOCK * blk + j] = np.float32(np.int8(b[34 * blk + 2 + j]))
+            o = at + 34 * blk
+            kd[blk, c] = f16_at(b, o)
+            qs, ks = b[o + 2:o + 34], kq[BLOCK * blk:BLOCK * (blk + 1), c]
+            for j in range(m):
+                ks[j] = _s8(qs[j])
     elif code == Q4_0:
         for blk in range(n // BLOCK):
-            kd[blk] = f16_at(b, 18 * blk)
-            for j in range(BLOCK // 2):
-                v = np.int32(b[18 * blk + 2 + j])
-                kq[BLOCK * blk + j] = np.float32((v & 15) - 8)
-                kq[BLOCK * blk + BLOCK // 2 + j] = np.float32((v >> 4) - 8)
+            o = at + 18 * blk
+            kd[blk, c] = f16_at(b, o)
+            qs, ks = b[o + 2:o + 18], kq[BLOCK * blk:BLOCK * (blk + 1), c]
+            for j in range(m // 2):
+                lo, hi = _nibbles(qs[j])
+                ks[j] = lo - np.float32(8.0)
+                ks[BLOCK // 2 + j] = hi - np.float32(8.0)
     else:
-        load_row(code, b, kq)
+        for j in range(n):
+            kq[j, c] = _f32_at(b, at + 4 * j) if code == F32 else f16_at(b, at + 2 * j)
         for blk in range(n // BLOCK):
-            kd[blk] = np.float32(1.0)
+            kd[blk, c] = np.float32(1.0)
 
 
 @kernel(inline="always")
@@ -209,25 +240,25 @@ def quantize_q8_0(x, qq, qd):
 
 
 @kernel(inline="always")
-def dot_blocks(kq, kd, qq, qd):
-    """ggml's AVX2 block dot product of a key (kq, kd) and a query (qq, qd): per block, eight
-    lanes of four products each (exact integers when both sides are quantized) accumulate
-    fma(kd * qd, lane, acc) over the blocks; then the lanes are summed as hsum_float_8 does."""
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
+def score_cells(kq, kd, qq, qd, lo, hi, lanes, out):
+    """out[c] for cells c in [lo, hi): ggml's AVX2 block dot product of key c (column c of the tiles
+    kq, kd from load_key) with a query (qq, qd): per block, eight lanes of four products each (exact
+    integers when both sides are quantized) accumulate fma(kd * qd, lane, acc) over the blocks, and
+    the lanes are summed as hsum_float_8 sums them. The loops run across cells (lanes [8, cells] is
+    work space), so they vectorize: with unsigned cell indices, as numba then leaves out the
+    negative-index wrap-around that keeps LLVM from it."""
+    lo, hi = np.uint64(lo), np.uint64(hi)
+    for lane in range(8):
+        for c in range(lo, hi):
+            lanes[lane, c] = np.float32(0.0)
     for blk in range(kd.shape[0]):
-        d = kd[blk] * qd[blk]
-        o = BLOCK * blk
-        a0 = fma(d, _lane(kq, qq, o), a0)
-        a1 = fma(d, _lane(kq, qq, o + 4), a1)
-        a2 = fma(d, _lane(kq, qq, o + 8), a2)
-        a3 = fma(d, _lane(kq, qq, o + 12), a3)
-        a4 = fma(d, _lane(kq, qq, o + 16), a4)
-        a5 = fma(d, _lane(kq, qq, o + 20), a5)
-        a6 = fma(d, _lane(kq, qq, o + 24), a6)
-        a7 = fma(d, _lane(kq, qq, o + 28), a7)
-    return ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
-
-
-@kernel(inline="always")
-def _lane(k, q, o):
-    return (k[o] * q[o] + k[o + 1] * q[o + 1]) + (k[o + 2] * q[o + 2] + k[o + 3] * q[o + 3])
+        d = qd[blk]
+        for lane in range(8):
+            o = BLOCK * blk + 4 * lane
+            q0, q1, q2, q3 = qq[o], qq[o + 1], qq[o + 2], qq[o + 3]
+            for c in range(lo, hi):
+                s = (kq[o, c] * q0 + kq[o + 1, c] * q1) + (kq[o + 2, c] * q2 + kq[o + 3, c] * q3)
+                lanes[lane, c] = fma(kd[blk, c] * d, s, lanes[lane, c])
+    for c in range(lo, hi):
+        out[c] = ((lanes[0, c] + lanes[4, c]) + (lanes[2, c] + lanes[6, c])) \
+            + ((lanes[1, c] + lanes[5, c]) + (lanes[3, c] + lanes[7, c]))

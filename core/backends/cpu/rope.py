@@ -119,7 +119,7 @@ def rope_shift_rows(cache, shift, code, n_embd, head_dim, n_dims, neox, theta_sc
     sin = np.empty(n_dims // 2, dtype=np.float32)
     row = np.empty(n_embd, dtype=np.float32)
     for r in range(cache.shape[0]):
-        load_row(code, cache[r], row)
+        load_row(code, cache[r], 0, row)
         if rot:
             hadamard(row, rot)
         _angles(shift[r], n_dims, theta_scale, freq_scale, cos, sin)
