@@ -1,8 +1,13 @@
 """Quantized KV caches (Q8_0, Q4_0) op by op: the reference encoders and rotation against independent
-formulas, and the CPU backend's compiled kernels against the reference array kernels (tests/core/
-backend_ops.py): cache writes bit for bit (set_rows, rope_set_rows, the K-shift's rope_shift),
-attention over quantized and mixed caches by NMSE, the unfused product against quantized keys."""
+formulas and against ggml itself (tests/data/ggml_kv_quant.json, from scripts/ggml_kv_reference.py),
+and the CPU backend's compiled kernels against the reference array kernels (tests/core/
+backend_ops.py): cache writes bit for bit (set_rows; rope_set_rows and the K-shift's rope_shift
+within a rounding step), attention over quantized and mixed caches by NMSE and against ggml's
+flash_attn_ext, the unfused product against quantized keys."""
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +26,7 @@ NMSE_VKQ16 = 5e-4  # an f16 V cache: the CPU sums values in f16 as ggml does, th
 NMSE_REQUANTIZED = 1e-6  # a cache written from RoPE's output: a value may land one rounding step apart
 
 rng = np.random.default_rng(20250101)
+GGML = json.loads((Path(__file__).parents[1] / "data" / "ggml_kv_quant.json").read_text(encoding="utf-8"))
 
 
 def values(*shape: int, scale: float = 1.0) -> np.ndarray:
@@ -54,6 +60,14 @@ def test_q4_0_takes_the_signed_largest_value_and_packs_halves():
 
 # largest error over a block's largest magnitude: half a step of amax/127 plus the f16 scale's rounding
 # times 127 steps (Q8_0); a full step of amax/8 (Q4_0: the extreme opposite the signed max clips to 7)
+@pytest.mark.parametrize("dtype", [Q8_0, Q4_0], ids=["q8_0", "q4_0"])
+def test_encoders_store_what_ggml_stores(dtype):
+    """Rows with a block of zeros, Q8_0's ties and Q4_0's signed maximum: the bytes ggml's CPU from_float
+    writes."""
+    x = np.array(GGML["from_float"]["x"], dtype=np.float32)
+    assert [row.tobytes().hex() for row in quantize(x, dtype.name)] == GGML["from_float"][dtype.label]
+
+
 @pytest.mark.parametrize("dtype,bound", [(Q8_0, 1 / 254 + 2.0 ** -11), (Q4_0, 1 / 8)], ids=["q8_0", "q4_0"])
 def test_encoders_round_trip_within_their_step(dtype, bound):
     x = values(64, 96) * rng.uniform(0.01, 30, size=(64, 1)).astype(np.float32)
@@ -199,6 +213,31 @@ def check_attention(build, threshold: float) -> None:
 @pytest.mark.parametrize("n,h,h_kv,n_kv", [(1, 9, 3, 256), (7, 4, 2, 77), (33, 4, 1, 300)])
 def test_flash_attn(n, h, h_kv, n_kv, type_k, type_v, rot_k, rot_v, threshold):
     check_attention(attention_graph(n, h, h_kv, 128, n_kv, type_k, type_v, rot_k, rot_v), threshold)
+
+
+def test_flash_attn_matches_ggml():
+    """Over a Q4_0 K and a Q8_0 V cache, the compiled attention gives what ggml_flash_attn_ext gives on
+    the same bytes, within f32's last bits (expf's rounding); the reference within its float sums."""
+    f = GGML["flash_attn"]
+    n, h, h_kv, d, n_kv = f["shape"]
+    q = np.array(f["q"], dtype=np.float32).reshape(n, h, d)
+    mask = np.array(f["mask"], dtype=np.float32).reshape(n, n_kv).astype(np.float16)
+    rows = {name: np.array([np.frombuffer(bytes.fromhex(r), np.uint8) for r in f[name]]) for name in ("k", "v")}
+    want = np.array(f["out"], dtype=np.float32).reshape(n, h, d)
+
+    def build(lf):
+        caches = []
+        for name, dtype in (("k", Q4_0), ("v", Q8_0)):
+            t = lf.ctx.new_tensor(name, dtype, (n_kv, h_kv * d))
+            lf.ctx.backend.array(t)[...] = rows[name]
+            caches.append(t)
+        caches[0].params["act_quant"] = "q8_0"
+        q_heads = ops.permute(lf.input("q", F32, q), (1, 0, 2))
+        return ops.flash_attn(q_heads, cache_heads(caches[0], n_kv, h_kv, d), cache_heads(caches[1], n_kv, h_kv, d),
+                              lf.input("mask", F16, mask), f["scale"])
+
+    np.testing.assert_allclose(run_on(CPUBackend(), build), want, rtol=0, atol=2e-6)
+    assert nmse(run_on(ReferenceBackend(), build), want) < NMSE_EXACT
 
 
 def test_flash_attn_in_f32_numerics():
