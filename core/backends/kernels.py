@@ -290,15 +290,12 @@ ACT_QUANT_BLOCKS = {"q8_0": (32, True), "q8_k": (256, False)}  # block size, sca
 
 def round_q8_blocks(xp, x, block: int = 32, f16_scale: bool = True):
     """x as llama.cpp's 8-bit activation blocks hold it: each block of `block` values shares the
-    scale d = amax/127, stored as f16 (Q8_0, Q8_1) or f32 (Q8_K); values round half to even to
-    integers q = x * (127/amax), as ggml's quantize_row_q8_0 on x86 computes them."""
+    scale d = amax/127, stored as f16 (Q8_0, Q8_1) or f32 (Q8_K); values round to integers of d."""
     blocks = xp.ascontiguousarray(x, dtype=xp.float32).reshape(-1, block)
-    amax = xp.abs(blocks).max(axis=-1, keepdims=True)
-    inv = xp.where(amax > 0, xp.float32(127) / xp.where(amax > 0, amax, 1), 0).astype(xp.float32)
-    q = xp.rint(blocks * inv)
-    d = amax / xp.float32(127)
+    d = xp.abs(blocks).max(axis=-1, keepdims=True) / 127
     if f16_scale:
         d = d.astype(xp.float16).astype(xp.float32)
+    q = xp.rint(blocks * ((d > 0) / xp.where(d > 0, d, 1)))
     q *= d
     return q.reshape(x.shape)
 

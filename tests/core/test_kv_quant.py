@@ -14,7 +14,7 @@ import pytest
 
 from ggrun.core import ops
 from ggrun.core.backends.cpu import CPUBackend, jit, set_threads
-from ggrun.core.backends.kernels import walsh_hadamard
+from ggrun.core.backends.kernels import round_q8_blocks, walsh_hadamard
 from ggrun.core.dtypes import DType
 from ggrun.core.quants import dequantize, quantize, quantize_q4_0, quantize_q8_0
 from tests.core.backend_ops import ReferenceBackend, compare, nmse, run_on
@@ -269,7 +269,8 @@ def test_flash_attn_on_several_threads():
 
 def test_unfused_scores_against_quantized_keys():
     """-no-fa: q @ K^T against a rotated Q8_0 cache's heads (the reference kernel) equals the product of
-    the query turned and rounded to Q8_0 with the decoded keys."""
+    the query turned and rounded to 8-bit blocks (as the reference rounds activations) with the decoded
+    keys."""
     n, h, h_kv, d, n_kv = 3, 4, 2, 64, 20
     qd = values(n, h, d)
 
@@ -281,7 +282,6 @@ def test_unfused_scores_against_quantized_keys():
     got = run_on(CPUBackend(), build)  # [h, n, n_kv]
     keys = dequantize(quantize(np.random.default_rng(5).standard_normal((n_kv, h_kv * d)).astype(np.float32),
                                "Q8_0").reshape(-1), "Q8_0", (n_kv, h_kv, d))
-    q = walsh_hadamard(np, qd.transpose(1, 0, 2), 64)
-    q = dequantize(quantize(q, "Q8_0").reshape(-1), "Q8_0", q.shape)
+    q = round_q8_blocks(np, walsh_hadamard(np, qd.transpose(1, 0, 2), 64))
     want = np.einsum("hnd,khd->hnk", q.astype(np.float64), np.repeat(keys, h // h_kv, axis=1).astype(np.float64))
     np.testing.assert_allclose(got, want, atol=1e-4)
