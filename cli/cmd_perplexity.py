@@ -21,12 +21,12 @@ from typing import Optional
 import typer
 
 from ggrun.cli import options as o
+from ggrun.cli import perplexity_report as report
 from ggrun.cli.app import app
 from ggrun.cli.cmd_run import read_prompt
 from ggrun.cli.cmdline import command_from
 from ggrun.cli.common import check_positive, err_console, list_devices, load_model
 from ggrun.cli.interrupt import Interrupt
-from ggrun.cli import perplexity_report as report
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import BadInput, Interrupted
 from ggrun.core.llm.kl_divergence import KLStats, LogProbReader, LogProbWriter
@@ -76,9 +76,11 @@ def settings(
     list_devices_: o.ListDevices = False,
 ) -> PerplexitySettings:
     """Perplexity of a text, scored as llama-perplexity scores it (chunks of -c tokens, second halves)."""
-    s = PerplexitySettings(model, file, ctx_size, batch_size, ubatch_size, chunks, n_gpu_layers, threads, numerics,
-                           flash_attn != "off" and not no_flash_attn, cache_type_k, cache_type_v, output,
-                           kl_divergence_base, kl_divergence, list_devices_)
+    s = PerplexitySettings(
+        model=model, file=file, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, n_chunks=chunks,
+        n_gpu_layers=n_gpu_layers, threads=threads, numerics=numerics,
+        flash_attn=flash_attn != "off" and not no_flash_attn, type_k=cache_type_k, type_v=cache_type_v,
+        output=output, kl_divergence_base=kl_divergence_base, kl_divergence=kl_divergence, list_devices=list_devices_)
     if list_devices_:
         return s
     if output not in ("text", "json"):
