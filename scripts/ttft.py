@@ -104,7 +104,8 @@ def main() -> None:
     common = ["-m", str(path), "-p", args.prompt, "-n", str(args.n), "--temp", "0"]
     if args.threads is not None:
         common += ["-t", str(args.threads)]
-    tools = {"ggrun run": [*(shlex.split(args.ggrun) if args.ggrun else ggrun_cmd()), "run", *common]}
+    # -no-cnv: both continue the prompt (a model with a chat template would otherwise start a conversation)
+    tools = {"ggrun run": [*(shlex.split(args.ggrun) if args.ggrun else ggrun_cmd()), "run", "-no-cnv", *common]}
     llama = Path(args.llama_bin) / "llama-completion"
     if llama.exists():
         tools = {"llama-completion": [str(llama), "-no-cnv", *common], **tools}
