@@ -24,7 +24,7 @@ from ggrun.core.errors import BadInput
 from ggrun.core.graph import Graph, build_graph
 from ggrun.core.llm.hparams import HParams
 from ggrun.core.llm.inputs import InpKShift
-from ggrun.core.tensor import Tensor
+from ggrun.core.tensor import Tensor, new_tensor
 
 KV_PAD = 256
 CACHE_TYPES = (DType.F16, DType.F32, DType.Q8_0, DType.Q4_0)  # -ctk / -ctv
@@ -77,6 +77,14 @@ def rotation_size(dtype: DType, head_dim: int, widest: bool) -> int:
     return n
 
 
+def writes_cache(backend, dtype: DType) -> bool:
+    """Whether `backend` runs the row writes into a cache of `dtype` that lives in its memory (a
+    backend that leaves them to another would write into a copy)."""
+    cache = new_tensor("cache", dtype, (1, dtype.block_size))
+    rows = new_tensor("rows", DType.F32, (1, dtype.block_size))
+    return backend.supports_op(ops.set_rows(cache, rows, new_tensor("idx", DType.I32, (1,))))
+
+
 def heads_view(rows: Tensor, n_kv: int, n_head: int, head_dim: int) -> Tensor:
     """The first n_kv cells of a layer's K or V rows as [n_kv, n_head, head_dim] (any cache type)."""
     elem = 0 if rows.dtype.is_quantized else rows.dtype.itemsize
@@ -118,10 +126,11 @@ class KVCache:
                  window: int | None = None, name: str = "cache") -> None:
         head_dim = n_embd_kv if head_dim is None else head_dim
         check_cache_types(type_k, type_v, head_dim, flash_attn=True)
-        for backend in layer_backends:
-            if backend is not None and (type_k.is_quantized or type_v.is_quantized) and not backend.stores_blocks:
-                raise BadInput(f"a quantized KV cache (-ctk {type_k} -ctv {type_v}) is not supported on "
-                               f"{backend.name}: keep its layers on the CPU (lower -ngl) or use f16")
+        for backend in {b.name: b for b in layer_backends if b is not None}.values():
+            for flag, t in (("-ctk", type_k), ("-ctv", type_v)):
+                if t.is_quantized and not writes_cache(backend, t):
+                    raise BadInput(f"a {t} KV cache ({flag} {t}) cannot live on {backend.name}, which does not "
+                                   f"write quantized caches: keep those layers on the CPU (lower -ngl) or use f16")
         self.n_ctx = n_ctx
         self.window = window
         self.n_seq_max = n_seq_max

@@ -161,12 +161,17 @@ def test_llama_cpps_rules_for_cache_types(models, tiny_llama_path):
         make_session(small_heads, Q8_0, Q8_0)
     make_session(small_heads, F32, F16)  # plain types of two kinds are fine
 
-    class NoBlocks(CPUBackend):
-        name = "GPU-like"
-        stores_blocks = False
+    class NoCacheWrites(CPUBackend):
+        """A device that leaves quantized cache writes to the CPU (as the CUDA backend does)."""
 
-    with pytest.raises(BadInput, match="not supported on GPU-like"):
-        KVCache(64, 128, [NoBlocks()], type_k=Q8_0, type_v=F16, head_dim=64)
+        name = "GPU-like"
+
+        def supports_op(self, node):
+            return not node.dtype.is_quantized
+
+    with pytest.raises(BadInput, match="q8_0 KV cache .-ctk q8_0. cannot live on GPU-like"):
+        KVCache(64, 128, [NoCacheWrites()], type_k=Q8_0, type_v=F16, head_dim=64)
+    KVCache(64, 128, [NoCacheWrites()], type_k=F16, type_v=F16, head_dim=64)
 
 
 def test_warm_up_compiles_every_kernel_quantized_caches_use(models):
