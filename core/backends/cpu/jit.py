@@ -16,7 +16,7 @@ from ggrun.core.cache import cache_dir
 # Files whose code kernels of other files compile in (helpers inlined across modules, and this
 # file's compile flags). numba revalidates a cached kernel against its own source file only, so
 # the cache lives in a directory named by a digest of these: editing one compiles afresh.
-SHARED_SOURCES = ("jit.py", "vecmath.py", "norm.py")
+SHARED_SOURCES = ("jit.py", "vecmath.py", "norm.py", "kv_quant.py")
 
 
 def sources_digest() -> str:
