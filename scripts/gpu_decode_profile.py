@@ -85,6 +85,36 @@ def host_profile(s: Session, n_prompt: int, n: int = 64) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
+def prompt_profile(path: str, n_prompt: int = 512) -> None:
+    """Wall and GPU time of prompt micro-batches of n_prompt tokens, and where the host's time goes."""
+    import cProfile
+    import pstats
+
+    gpu = CUDABackend(0)
+    s = Session(Model.load(path, [gpu, CPUBackend()], 999), SessionParams(n_ctx=2048, n_ubatch=512))
+    tokens = list(range(1, n_prompt + 1))
+    for _ in range(2):  # warm: compile, cuBLAS heuristics
+        s.seq_rm(0)
+        s.decode(Batch.of_sequence(tokens))
+    prof = cProfile.Profile()
+    walls, gpus = [], []
+    for _ in range(3):
+        s.seq_rm(0)
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(gpu.stream)
+        t0 = time.perf_counter()
+        prof.enable()
+        s.decode(Batch.of_sequence(tokens))
+        prof.disable()
+        walls.append(time.perf_counter() - t0)
+        end.record(gpu.stream)
+        end.synchronize()
+        gpus.append(cupy.cuda.get_elapsed_time(start, end))
+    print(f"prompt of {n_prompt}: {n_prompt / min(walls):.0f} t/s; {1e3 * min(walls):.2f} ms wall, "
+          f"{min(gpus):.2f} ms between stream events")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+
+
 def kernel_times(s: Session, gpu: CUDABackend) -> dict[str, list[float]]:
     """GPU milliseconds of each node of the last decode graph's CUDA splits, by node kind."""
     by_kind: dict[str, list[float]] = {}
@@ -111,11 +141,15 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("-p", type=int, default=32)
     ap.add_argument("--cprofile", action="store_true", help="profile the host side of decode steps")
+    ap.add_argument("--prompt", action="store_true", help="profile a 512-token prompt micro-batch instead")
     ap.add_argument("--steps-only", action="store_true",
                     help="only a prompt and three eager decode steps, for a kernel profiler (ncu)")
     a = ap.parse_args()
     if a.steps_only:
         decode_rate(a.model, False, a.p, 3)
+        return
+    if a.prompt:
+        prompt_profile(a.model)
         return
     for graphs in (True, False):
         rate, s, gpu = decode_rate(a.model, graphs, a.p, a.n)
