@@ -118,7 +118,7 @@ class Generation:
             raise BadInput("the prompt is empty (give -p TEXT or -f FILE)")
         if len(tokens) > self.session.n_ctx:
             raise BadInput(f"the prompt is {len(tokens)} tokens, longer than the context (-c {self.session.n_ctx})")
-        same = _common_prefix(self.tokens, tokens)
+        same = common_prefix(self.tokens, tokens)
         keep = min(same, self.n_cached, len(tokens) - 1)
         for t in tokens[same:]:
             self.sampler.accept(t)
@@ -142,6 +142,20 @@ class Generation:
         st.prompt_s = time.perf_counter() - t0
         self.totals.add(st)
         return st
+
+    def make_room(self, n_new: int) -> GenerationStats:
+        """With context_shift, shift the context (as when generating) until n_new more tokens fit after
+        the sequence, as llama.cpp does before it evaluates new input; the stats count the shifts."""
+        st = GenerationStats()
+        while len(self.tokens) + n_new > self.session.n_ctx and self._shift(N_PREDICT_INFINITE, st):
+            pass
+        return self._done(st)
+
+    def reset(self) -> None:
+        """Forget the sequence: the cache drops it, and the next prompt starts at position 0."""
+        if self.n_cached:
+            self.session.seq_rm(0, -1, -1)
+        self.tokens, self.n_cached, self.logits = [], 0, None
 
     def generate(self, n_predict: int, on_token: Callable[[int], None], ignore_eos: bool = False,
                  stop: Callable[[list[int]], bool] | None = None) -> tuple[list[int], GenerationStats]:
@@ -231,9 +245,34 @@ def generate(session: Session, prompt: list[int], n_predict: int, sampler: Sampl
     return out, g.totals
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:
             return i
     return n
+
+
+class ReversePrompts:
+    """llama.cpp's reverse prompts (-r): generation stops once the text of the sequence's last 32
+    tokens ends with one of them (searched in its last len + 2 bytes when not interactive, where the
+    prompt text may be tokenized with a following character), or when the last token is a reverse
+    prompt that is one token by itself (a control token such as "<|im_end|>")."""
+
+    N_PREV = 32
+
+    def __init__(self, tokenizer, prompts: Sequence[str], interactive: bool) -> None:
+        self.tok = tokenizer
+        self.prompts = [p.encode("utf-8") for p in prompts if p]
+        self.padding = 0 if interactive else 2
+        single = [tokenizer.tokenize(p, add_special=False, parse_special=True) for p in prompts if p]
+        self.single_tokens = {ids[0] for ids in single if len(ids) == 1}
+
+    def __call__(self, sequence: list[int]) -> bool:
+        if not sequence:
+            return False
+        tail = b"".join(self.tok.token_to_piece(t) for t in sequence[-self.N_PREV:])
+        for prompt in self.prompts:
+            if tail.find(prompt, max(len(tail) - len(prompt) - self.padding, 0)) >= 0:
+                return True
+        return sequence[-1] in self.single_tokens

@@ -22,7 +22,6 @@ from ggrun.core.llm.model import Model
 from ggrun.core.llm.session import Session, SessionParams
 from tests.cli.runner import ENTRY, REPO, ggrun
 from tests.cli.test_cli_run import TIMING_LABELS, timings
-from tests.synth import write_tiny_llama
 
 
 def test_run_process_interrupted_by_sigint_mid_generation(tiny_llama_path):
@@ -192,46 +191,3 @@ def test_perplexity_prints_the_estimate_so_far(capsys, monkeypatch, tiny_llama_p
     record = json.loads(out)
     assert record["interrupted"] and record["n_chunks"] == 2 and record["chunks_total"] > 2
     assert record["n_tokens"] == 2 * 7 and record["perplexity"] > 1  # chunks of 16 score tokens 9..15
-
-
-def test_ctrl_c_in_a_conversation_ends_the_reply_and_returns_to_the_prompt(capsys, monkeypatch, tmp_path):
-    """--chat on a terminal: Ctrl-C during the first reply ends it; the prompt comes back and takes the
-    second message, whose reply is not interrupted (the request was cleared)."""
-    import builtins
-    import sys
-
-    from ggrun.cli import cmd_run
-
-    messages = iter(["Tell me a long story.", "Say hi."])
-
-    def fake_input(prompt: str = "") -> str:
-        try:
-            return next(messages)
-        except StopIteration:
-            raise EOFError from None
-
-    replies: list[int] = []
-    generate = cmd_run.generate
-
-    def counting_generate(session, tokens, n_predict, sampler, emit, *args, **kwargs):
-        tokens_out: list[int] = []
-
-        def emit_then_interrupt(tid: int) -> None:
-            emit(tid)
-            tokens_out.append(tid)
-            if not replies and len(tokens_out) == 3:
-                signal.raise_signal(signal.SIGINT)
-
-        out, st = generate(session, tokens, n_predict, sampler, emit_then_interrupt, *args, **kwargs)
-        replies.append(len(out))
-        return out, st
-
-    monkeypatch.setattr(builtins, "input", fake_input)
-    monkeypatch.setattr(sys.stdin, "isatty", lambda: True, raising=False)
-    monkeypatch.setattr(cmd_run, "generate", counting_generate)
-    model = write_tiny_llama(tmp_path / "chat.gguf", extra_metadata={
-        "tokenizer.chat_template": "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"})
-    code, out, err = ggrun(capsys, monkeypatch, "run", "-m", model, "--chat", "-n", "12", "--temp", "0",
-                           "--ignore-eos")
-    assert code == 0, err
-    assert replies == [3, 12]
