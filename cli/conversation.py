@@ -220,8 +220,9 @@ class Conversation:
             self.out.write(" [end of text]\n" if st.stop_reason == STOP_EOG else "\n" if self.written else "")
             self.out.flush()
             return
-        self.out.write("\n")
-        self.out.flush()
+        if self.conversation or st.stop_reason in (STOP_EOG, STOP_INTERRUPTED):  # -i: input goes on the text's line
+            self.out.write("\n")
+            self.out.flush()
         if self.conversation or self.s.verbose:
             self._turn_figures(st)
         if self.chat is not None:

@@ -170,3 +170,18 @@ def test_conversation_without_a_template_falls_back_to_chatml(capsys, monkeypatc
     assert "no chat template; conversation mode uses chatml" in err
     pieces = "".join(re.findall(r"^\s*\d+ -> '(.*)'$", err, flags=re.M))
     assert pieces.startswith("<|im_start|>user")  # chatml's markers, as text: the tiny vocabulary lacks them
+
+
+@pytest.mark.slow
+def test_smollm2_chatml_prompt_gives_llama_cpps_ids_and_the_training_context(capsys, monkeypatch, smollm2_path):
+    r"""A ChatML-formatted -p (escapes in it, as typed in a shell) gives SmolLM2's control tokens: the ids
+    llama-tokenize prints for it (15, where spelling the markers out as text would give 30); the default
+    -c 0 is the model's training context, 8192, as llama-completion's n_ctx."""
+    prompt = r"<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+    code, out, err = ggrun(capsys, monkeypatch, "run", "-m", smollm2_path, "-no-cnv", "-p", prompt, "-n", "0",
+                           "--verbose-prompt", "-t", "1")
+    assert code == 0, err
+    ids = [int(i) for i in re.findall(r"^\s*(\d+) -> '", err, flags=re.M)]
+    assert ids == [1, 9690, 198, 2683, 359, 5356, 30, 2, 198, 1, 4093, 198, 26843, 2, 198]  # llama-tokenize
+    assert "generate: n_ctx = 8192," in err
+    assert out == "system\nYou are helpful.\nuser\nHi\n\n"  # echoed without the control tokens, as llama.cpp
