@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Compiled CPU kernels against the numpy reference kernels, op by op, on SmolLM2-135M's shapes
-(n_embd 576, 9 heads over 3 KV heads, head_dim 64, n_ff 1536, 30 layers): one node per graph,
-each prepared once and replayed as a reused graph does; medians in microseconds and the ratio,
-for a decode step (1 token) and a prompt micro-batch (512 tokens), and per token of a decode
-step the total over a layer's nodes times 30.
+(n_embd 576, 9 heads over 3 KV heads, head_dim 64, n_ff 1536, 30 layers, Q4_1 weights repacked
+as at load): one node per graph, each prepared once and replayed as a reused graph does; medians
+in microseconds and the ratio, for a decode step (1 token) and a prompt micro-batch (512
+tokens), the weight products' rate in 8-bit multiply-adds per second, and the total over a
+layer's nodes times 30.
 
     .venv/bin/python scripts/bench_kernels.py            # -t 1
     .venv/bin/python scripts/bench_kernels.py -t 2 --reps 50
@@ -27,6 +28,7 @@ from ggrun.core.dtypes import DType  # noqa: E402
 from ggrun.core.graph import build_graph  # noqa: E402
 from ggrun.core.sched import Scheduler  # noqa: E402
 from tests.core.backend_ops import Leafs, ReferenceBackend  # noqa: E402
+from tests.core.test_cpu_matmul import weight_data  # noqa: E402
 
 N_EMBD, N_HEAD, N_HEAD_KV, HEAD_DIM, N_FF, N_LAYER = 576, 9, 3, 64, 1536, 30
 N_CTX = 1024
@@ -54,6 +56,35 @@ def causal_mask(n, n_kv, used):
 def kv_views(lf, k, v, n_kv):
     view = ((n_kv, N_HEAD_KV, HEAD_DIM), (N_HEAD_KV * HEAD_DIM * 2, HEAD_DIM * 2, 2))
     return ops.permute(ops.view(k, *view), (1, 0, 2)), ops.permute(ops.view(v, *view), (1, 0, 2))
+
+
+WEIGHT_TYPE = DType.Q4_1
+WEIGHTS = {name: (rows, cols, weight_data(WEIGHT_TYPE, rows, cols, seed)) for seed, (name, rows, cols) in enumerate(
+    (("q", N_HEAD * HEAD_DIM, N_EMBD), ("k", N_HEAD_KV * HEAD_DIM, N_EMBD), ("v", N_HEAD_KV * HEAD_DIM, N_EMBD),
+     ("o", N_EMBD, N_HEAD * HEAD_DIM), ("gate", N_FF, N_EMBD), ("up", N_FF, N_EMBD), ("down", N_EMBD, N_FF)))}
+
+
+def weight(lf, name):
+    """A layer weight as the model loader leaves it: stored blocks, 8-bit activations, repacked."""
+    rows, cols, data = WEIGHTS[name]
+    w = lf.weight(name, WEIGHT_TYPE, (rows, cols), data)
+    w.params["act_quant"] = "q8_0"
+    lf.ctx.prepare_weight(w)
+    return w
+
+
+def products(n: int) -> dict:
+    """name -> (graph builder, multiply-adds) of a layer's weight products for n tokens."""
+    def of(*names):
+        def build(lf):
+            x = lf.input("x", DType.F32, f32(n, WEIGHTS[names[0]][1]))
+            ws = tuple(weight(lf, name) for name in names)
+            if len(ws) == 1:
+                return ops.mul_mat(ws[0], x)
+            return ops.mul_mat_multi(ws, x, names)[0].view_src
+        return build, n * sum(WEIGHTS[name][0] * WEIGHTS[name][1] for name in names)
+    return {"q/k/v (multi)": of("q", "k", "v"), "attn out": of("o"), "gate/up (multi)": of("gate", "up"),
+            "ffn down": of("down")}
 
 
 def cases(n: int, n_kv: int, used: int) -> dict:
@@ -123,19 +154,22 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args()
     set_threads(args.threads)
-    per_layer = {"add_rms_norm": 2, "rope (q)": 1, "rope_set_rows (k)": 1, "set_rows (v)": 1, "flash_attn": 1, "swiglu": 1}
+    per_layer = {"add_rms_norm": 2, "rope (q)": 1, "rope_set_rows (k)": 1, "set_rows (v)": 1, "flash_attn": 1, "swiglu": 1,
+                 "q/k/v (multi)": 1, "attn out": 1, "gate/up (multi)": 1, "ffn down": 1}
     for label, (n, n_kv, used) in {"decode, 1 token, n_kv 256 (100 used)": (1, 256, 100),
                                    "prompt, 512 tokens, n_kv 512": (512, 512, 512)}.items():
         print(f"{label} (-t {args.threads}): median us per call")
-        print(f"  {'op':<20}{'numba':>10}{'numpy':>10}{'ratio':>8}")
+        print(f"  {'op':<20}{'numba':>10}{'numpy':>10}{'ratio':>8}{'numba GMAC/s':>14}")
         tot_c = tot_r = 0.0
-        for name, build in cases(n, n_kv, used).items():
+        work = {name: (build, None) for name, build in cases(n, n_kv, used).items()} | products(n)
+        for name, (build, macs) in work.items():
             reps = args.reps if n == 1 else max(5, args.reps // 5)
             c = median_us(prepared(CPUBackend(), build), reps)
             r = median_us(prepared(ReferenceBackend(), build), reps)
             tot_c += per_layer.get(name, 0) * c
             tot_r += per_layer.get(name, 0) * r
-            print(f"  {name:<20}{c:>10.1f}{r:>10.1f}{r / c:>8.1f}")
+            rate = f"{macs / c / 1e3:>14.1f}" if macs else ""
+            print(f"  {name:<20}{c:>10.1f}{r:>10.1f}{r / c:>8.1f}{rate}")
         print(f"  per step, {N_LAYER} layers of these nodes: numba {N_LAYER * tot_c / 1e3:.2f} ms, "
               f"numpy {N_LAYER * tot_r / 1e3:.2f} ms")
 

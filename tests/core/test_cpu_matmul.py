@@ -194,9 +194,9 @@ def test_activation_batch_dims_are_rows():
 @pytest.mark.parametrize("dtype", REPACKED_TYPES, ids=str)
 def test_repacked_rows_do_not_depend_on_the_batch(dtype):
     """A batch's rows go through the r8 kernels four at a time (the weights unpacked once for
-    four rows) and the rest one at a time; each row's result is the same, bit for bit, as that
-    row alone gives (what makes prompt splits and batch sizes invisible in the logits)."""
-    n, k = 11, k_for(dtype)
+    four rows) and the last few one at a time; each row's result is the same, bit for bit, as
+    that row alone gives (what makes prompt splits and batch sizes invisible in the logits)."""
+    n, k = 23, k_for(dtype)
     data = weight_data(dtype, 37, k, 0)
     x = np.random.default_rng(5).standard_normal((n, k)).astype(np.float32)
 
@@ -208,8 +208,8 @@ def test_repacked_rows_do_not_depend_on_the_batch(dtype):
             return ops.mul_mat(w, lf.input("x", DType.F32, rows))
         return one
     batch = run_on(CPUBackend(), build(x))
-    alone = np.concatenate([run_on(CPUBackend(), build(x[i:i + 1])) for i in range(n)])
-    np.testing.assert_array_equal(batch, alone)
+    for i in (0, 5, 19, 20, n - 1):
+        np.testing.assert_array_equal(batch[i:i + 1], run_on(CPUBackend(), build(x[i:i + 1])), err_msg=f"row {i}")
 
 
 @pytest.mark.parametrize("dtype", [DType.Q4_0, DType.Q4_1, DType.Q6_K], ids=str)

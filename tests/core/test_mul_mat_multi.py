@@ -125,7 +125,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("numerics", ["llama", "f32"])
-@pytest.mark.parametrize("n", [1, 6, 33])
+@pytest.mark.parametrize("n", [1, 6, 33, 135])
 @pytest.mark.parametrize("types,rows", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_cpu_equals_its_single_products_and_the_reference(types, rows, n, numerics):
     got = run_on(CPUBackend(), fused(types, rows, n, numerics))

@@ -1,5 +1,6 @@
 """CPU binders for products with stored weights (mul_mat of a 2-d block-quantized, f16, bf16 or
-f32 weight with activation rows) and for get_rows from them; the compiled kernels are in quant.py.
+f32 weight with activation rows; mul_mat_multi, several such weights with one input) and for
+get_rows from them; the compiled kernels are in quant.py.
 
 Three ways to compute out[N, M] = x[N, K] @ w[M, K]^T, chosen per node when it is bound:
 - "q8": with llama numerics (the weight's `act_quant`), x's rows are quantized once to the 8-bit
@@ -12,7 +13,9 @@ Every work array is a view of the node's planned scratch; results are written in
 
 Decode-step products read a weight fastest in a repacked layout made once at load: the engine
 calls `repack(dtype, raw)` for each 2-d weight kept in its GGUF blocks and, where it returns an
-array, keeps it in the weight tensor's params under REPACKED; the "q8" path then reads it.
+array, keeps it in the weight tensor's params under REPACKED; the "q8" path then reads it, for
+batches too (four activation rows at a time). A mul_mat_multi whose weights are all repacked and
+read the same activation blocks is one such call: x is quantized once for all of them.
 """
 from __future__ import annotations
 

@@ -1521,8 +1521,8 @@ def _prefetch_rows(p, g0, g1):
 
 
 @kernel(_nrt=False)
-def _rows_r8_avx2(code, p, qs, d, s, sums, out, g0, g1, n0):
-    """Groups g0..g1 of an r8 weight against quantized activation rows n0.. one at a time."""
+def _rows_r8_avx2(code, p, qs, d, s, sums, out, g0, g1, n0, n1):
+    """Groups g0..g1 of an r8 weight against quantized activation rows n0..n1, one at a time."""
     k = qs.shape[1]
     m = out.shape[1]
     size, q_at = _r8_block(code)
@@ -1531,7 +1531,7 @@ def _rows_r8_avx2(code, p, qs, d, s, sums, out, g0, g1, n0):
     m16 = vset8(16)
     ones = vset16x2(1, 1)
     for g in range(g0, g1):
-        for n in range(n0, qs.shape[0]):
+        for n in range(n0, n1):
             acc = vzero()
             acc_m = vzero()
             for b in range(k // 32):
@@ -1583,7 +1583,7 @@ def _fifth_bit(hb, bit):
 
 
 @kernel(_nrt=False)
-def _rows_r8_q45_k_avx2(five, p, qs, d, sums, out, g0, g1, n0):
+def _rows_r8_q45_k_avx2(five, p, qs, d, sums, out, g0, g1, n0, n1):
     k = qs.shape[1]
     m = out.shape[1]
     size = 1440 if five else 1184
@@ -1592,7 +1592,7 @@ def _rows_r8_q45_k_avx2(five, p, qs, d, sums, out, g0, g1, n0):
     m15 = vset8(15)
     m16 = vset8(16)
     for g in range(g0, g1):
-        for n in range(n0, qs.shape[0]):
+        for n in range(n0, n1):
             acc = vzero()
             acc_min = vzero()
             for b in range(k // 256):
@@ -1628,7 +1628,7 @@ def _rows_r8_q45_k_avx2(five, p, qs, d, sums, out, g0, g1, n0):
 
 
 @kernel(_nrt=False)
-def _rows_r8_q6_k_avx2(p, qs, d, sums, out, g0, g1, n0):
+def _rows_r8_q6_k_avx2(p, qs, d, sums, out, g0, g1, n0, n1):
     k = qs.shape[1]
     m = out.shape[1]
     size = 1680
@@ -1636,7 +1636,7 @@ def _rows_r8_q6_k_avx2(p, qs, d, sums, out, g0, g1, n0):
     m15 = vset8(15)
     m48 = vset8(48)
     for g in range(g0, g1):
-        for n in range(n0, qs.shape[0]):
+        for n in range(n0, n1):
             acc = vzero()
             for b in range(k // 256):
                 o = g * gs + size * b
@@ -1694,8 +1694,8 @@ def _scaled(wd, d, n, b, lanes, acc):
 
 
 @kernel(_nrt=False)
-def _rows_r8_x4_avx2(code, p, qs, d, s, sums, out, g0, g1, n1):
-    """Groups g0..g1 of an r8 weight (legacy types) against activation rows 0..n1 (a multiple of 4)."""
+def _rows_r8_x4_avx2(code, p, qs, d, s, sums, out, g0, g1, n0, n1):
+    """Groups g0..g1 of an r8 weight (legacy types) against activation rows n0..n1 (a multiple of 4 rows)."""
     k = qs.shape[1]
     m = out.shape[1]
     size, q_at = _r8_block(code)
@@ -1705,7 +1705,7 @@ def _rows_r8_x4_avx2(code, p, qs, d, s, sums, out, g0, g1, n1):
     ones = vset16x2(1, 1)
     for g in range(g0, g1):
         _prefetch_rows(p, g + 1, g + 2)
-        for n in range(0, n1, TOKENS):
+        for n in range(n0, n1, TOKENS):
             acc0 = vzero()
             acc1 = vzero()
             acc2 = vzero()
@@ -1819,8 +1819,8 @@ def _one_sum(sums, n, at):
 
 
 @kernel(_nrt=False)
-def _rows_r8_x4_q45_k_avx2(five, p, qs, d, sums, out, g0, g1, n1):
-    """Q4_K / Q5_K groups g0..g1 against activation rows 0..n1 (a multiple of 4), as
+def _rows_r8_x4_q45_k_avx2(five, p, qs, d, sums, out, g0, g1, n0, n1):
+    """Q4_K / Q5_K groups g0..g1 against activation rows n0..n1 (a multiple of 4 rows), as
     `_rows_r8_q45_k_avx2` computes each row."""
     k = qs.shape[1]
     m = out.shape[1]
@@ -1831,7 +1831,7 @@ def _rows_r8_x4_q45_k_avx2(five, p, qs, d, sums, out, g0, g1, n1):
     m16 = vset8(16)
     for g in range(g0, g1):
         _prefetch_rows(p, g + 1, g + 2)
-        for n in range(0, n1, TOKENS):
+        for n in range(n0, n1, TOKENS):
             acc0 = vzero()
             acc1 = vzero()
             acc2 = vzero()
@@ -1856,7 +1856,8 @@ def _rows_r8_x4_q45_k_avx2(five, p, qs, d, sums, out, g0, g1, n1):
                         hi2 = vzero()
                         lo3 = vzero()
                         hi3 = vzero()
-                        for j in range(4 * half, 4 * half + 4):
+                        for jj in range(4):  # a constant trip count: LLVM unrolls it
+                            j = 4 * half + jj
                             q = vload(p, o + q_at + 32 * (8 * i + j))
                             lo = vand(q, m15)
                             hi = vand(vsrl16(q, 4), m15)
@@ -1909,8 +1910,8 @@ def _rows_r8_x4_q45_k_avx2(five, p, qs, d, sums, out, g0, g1, n1):
 
 
 @kernel(_nrt=False)
-def _rows_r8_x4_q6_k_avx2(p, qs, d, sums, out, g0, g1, n1):
-    """Q6_K groups g0..g1 against activation rows 0..n1 (a multiple of 4), as `_rows_r8_q6_k_avx2`
+def _rows_r8_x4_q6_k_avx2(p, qs, d, sums, out, g0, g1, n0, n1):
+    """Q6_K groups g0..g1 against activation rows n0..n1 (a multiple of 4 rows), as `_rows_r8_q6_k_avx2`
     computes each row."""
     k = qs.shape[1]
     m = out.shape[1]
@@ -1920,7 +1921,7 @@ def _rows_r8_x4_q6_k_avx2(p, qs, d, sums, out, g0, g1, n1):
     m48 = vset8(48)
     for g in range(g0, g1):
         _prefetch_rows(p, g + 1, g + 2)
-        for n in range(0, n1, TOKENS):
+        for n in range(n0, n1, TOKENS):
             acc0 = vzero()
             acc1 = vzero()
             acc2 = vzero()
@@ -1985,22 +1986,19 @@ def _rows_r8_x4_q6_k_avx2(p, qs, d, sums, out, g0, g1, n1):
 
 
 @kernel(_nrt=False)
-def _rows_r8_any_avx2(code, p, qs, d, s, sums, out, g0, g1):
-    """Groups g0..g1 of an r8 weight against every activation row: four rows at a time, the
-    last few one at a time."""
-    n1 = qs.shape[0] // TOKENS * TOKENS
+def _rows_r8_any_avx2(code, p, qs, d, s, sums, out, g0, g1, n0, n1):
+    """Groups g0..g1 of an r8 weight against activation rows n0..n1: four at a time, the last
+    (n1 - n0) % 4 one at a time."""
+    n4 = n0 + (n1 - n0) // TOKENS * TOKENS
     if code == Q4_K or code == Q5_K:
-        if n1:
-            _rows_r8_x4_q45_k_avx2(code == Q5_K, p, qs, d, sums, out, g0, g1, n1)
-        _rows_r8_q45_k_avx2(code == Q5_K, p, qs, d, sums, out, g0, g1, n1)
+        _rows_r8_x4_q45_k_avx2(code == Q5_K, p, qs, d, sums, out, g0, g1, n0, n4)
+        _rows_r8_q45_k_avx2(code == Q5_K, p, qs, d, sums, out, g0, g1, n4, n1)
     elif code == Q6_K:
-        if n1:
-            _rows_r8_x4_q6_k_avx2(p, qs, d, sums, out, g0, g1, n1)
-        _rows_r8_q6_k_avx2(p, qs, d, sums, out, g0, g1, n1)
+        _rows_r8_x4_q6_k_avx2(p, qs, d, sums, out, g0, g1, n0, n4)
+        _rows_r8_q6_k_avx2(p, qs, d, sums, out, g0, g1, n4, n1)
     else:
-        if n1:
-            _rows_r8_x4_avx2(code, p, qs, d, s, sums, out, g0, g1, n1)
-        _rows_r8_avx2(code, p, qs, d, s, sums, out, g0, g1, n1)
+        _rows_r8_x4_avx2(code, p, qs, d, s, sums, out, g0, g1, n0, n4)
+        _rows_r8_avx2(code, p, qs, d, s, sums, out, g0, g1, n4, n1)
 
 
 # Several weights read with the same activation blocks (a fused mul_mat_multi) run in one call:
@@ -2021,7 +2019,7 @@ def _r8_parts(codes, packs, n_parts, qs, d, s, sums, outs, g0, g1):
         hi = min(g1 - base, p.shape[0])
         if lo < hi:
             _prefetch_rows(p, lo, lo + PF_GROUPS)
-            _rows_r8_any_avx2(codes[i], p, qs, d, s, sums, outs[i], lo, hi)
+            _rows_r8_any_avx2(codes[i], p, qs, d, s, sums, outs[i], lo, hi, 0, qs.shape[0])
         base += p.shape[0]
 
 
