@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Iterator, TextIO
+from typing import Callable, Iterator, TextIO
 
 from ggrun.cli.interrupt import Interrupt
 from ggrun.cli.run_settings import RunSettings, process_escapes
@@ -89,10 +89,8 @@ class Conversation:
         if s.verbose_prompt and tokens:
             self._print_tokens(tokens)
         self._print_header()
-        if tokens:
-            self._show_prompt(tokens, prompt)
-            if not self._turn(tokens, answer=answer_first):
-                return
+        if tokens and not self._turn(tokens, answer=answer_first, shown=lambda: self._show_prompt(tokens, prompt)):
+            return
         if self.interactive:
             self._take_turns()
 
@@ -160,13 +158,16 @@ class Conversation:
         if tokens:
             self._turn(tokens, answer=False)
 
-    def _turn(self, tokens: list[int], answer: bool = True) -> bool:
-        """Evaluate `tokens` and, with `answer`, generate the reply, in one armed stretch: a Ctrl-C during
-        the prompt's last micro-batch still stops what follows. False when the run must end here."""
+    def _turn(self, tokens: list[int], answer: bool = True, shown: Callable[[], None] | None = None) -> bool:
+        """Evaluate `tokens`, then echo them (`shown`: as llama-completion, once they are evaluated) and,
+        with `answer`, generate the reply, in one armed stretch: a Ctrl-C during the prompt's last
+        micro-batch still stops what follows. False when the run must end here."""
         with self._interruptible() as stop:
-            if not self._evaluate(tokens, stop) or not answer:
+            if not self._evaluate(tokens, stop):
                 return True
-            return self._reply(stop)
+            if shown is not None:
+                shown()
+            return self._reply(stop) if answer else True
 
     def _evaluate(self, tokens: list[int], stop: Interrupt) -> bool:
         """Make the sequence `tokens` (only what the cache lacks is computed); False when Ctrl-C came first

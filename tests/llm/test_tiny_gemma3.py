@@ -214,8 +214,8 @@ def test_llama_numerics_end_to_end(gemma_path, want):
 
 
 def test_cli_run(capsys, monkeypatch, tmp_path, gemma_path, ref):
-    """`ggrun run` on a gemma3 file: "hi" is two byte tokens, and the 3 greedy tokens are the reference's
-    (its smallest top-2 margin there is 0.19, far above the default numerics' drift)."""
+    """`ggrun run` on a gemma3 file: "hi" (echoed) is two byte tokens, and the 3 greedy tokens are the
+    reference's (its smallest top-2 margin there is 0.19, far above the default numerics' drift)."""
     path = tmp_path / "tiny_gemma3.gguf"
     path.write_bytes(gemma_path.read_bytes())
     code, out, err = ggrun(capsys, monkeypatch, "run", "-m", path, "-p", "hi", "-n", "3", "--temp", "0")
@@ -224,7 +224,8 @@ def test_cli_run(capsys, monkeypatch, tmp_path, gemma_path, ref):
     to_byte = {c: b for b, c in bytes_to_unicode().items()}
     vocab = tiny_bpe_vocab()[0]
     expected = ref.greedy([ord("h"), ord("i")], 3)
-    assert out == b"".join(bytes(to_byte[c] for c in vocab[t]) for t in expected).decode("utf-8", "replace") + "\n"
+    text = b"".join(bytes(to_byte[c] for c in vocab[t]) for t in expected).decode("utf-8", "replace")
+    assert out == "hi" + text + "\n"
 
 
 def test_window_layers_get_a_cache_of_their_own(model, ref):
