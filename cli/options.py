@@ -84,7 +84,6 @@ ListDevices = Annotated[bool, typer.Option("--list-devices", help="List the back
 NoGraphReuse = Annotated[bool, typer.Option("--no-graph-reuse", help="Rebuild and replan the graph for every micro-batch")]
 Verbose = Annotated[bool, typer.Option("-v", "--verbose", help="More logging on stderr")]
 Threads = Annotated[Optional[int], typer.Option("-t", "--threads", help="CPU threads for matrix products (default: all cores)")]
-FlashAttn = Annotated[bool, typer.Option("--flash-attn/--no-flash-attn", "-fa/-no-fa", help="Fused attention (default): no score matrix in the compute buffer, and on the CPU faster; --no-flash-attn computes the scores")]
 Numerics = Annotated[str, typer.Option("--numerics", help="llama: round operands as llama.cpp's CPU kernels do (agrees with its numbers); f32: plain f32 (results independent of batching)")]
 CheckNumerics = Annotated[bool, typer.Option("--check-numerics", help="On NaN or infinite logits, recompute the graph node by node and name the first node that produced one (also GGRUN_GRAPH_DEBUG=1)")]
 
