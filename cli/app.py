@@ -4,11 +4,17 @@ No model logic lives here; commands parse options, call the runtime and render r
 """
 from __future__ import annotations
 
+import os
 import sys
 
-import typer
+# OpenBLAS's idle threads spin after each product, holding the cores the compiled kernels' threads need;
+# with this they sleep at once. OpenBLAS reads it when numpy loads it, which the commands' imports do, so
+# it is set first; a user's own setting wins (core/backends/cpu/threads.py says why waiting threads sleep).
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
-from ggrun.core.errors import GGRunError, Interrupted, one_line
+import typer  # noqa: E402
+
+from ggrun.core.errors import GGRunError, Interrupted, one_line  # noqa: E402
 
 app = typer.Typer(
     name="ggrun",

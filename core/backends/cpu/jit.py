@@ -1,5 +1,6 @@
-"""numba set-up for the CPU kernels: the on-disk compile cache under ggrun's cache directory
-and the thread count (`-t`). Every compiled CPU kernel is declared with `kernel` from here.
+"""numba set-up for the CPU kernels: the on-disk compile cache under ggrun's cache directory and the
+compile flags. Every compiled CPU kernel is declared with `kernel` from here; the thread count (`-t`)
+lives in threads.py, and kernels ask it as jit.threads().
 
 Kernels compile once per machine (numba's `cache=True`, in a directory named by a digest of the
 sources other kernels inline, SHARED_SOURCES); a later process loads them from disk.
@@ -28,9 +29,13 @@ def sources_digest() -> str:
 
 os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_dir() / "numba" / sources_digest()))
 
-import numba  # noqa: E402  (the cache directory must be set before numba is imported)
+import numba  # noqa: E402
 
-_threads = 1
+# numba reads NUMBA_CACHE_DIR when it is first imported; a program that imported it before ggrun would
+# otherwise cache the kernels beside their sources (and the warm-up's marker in its working directory)
+numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
+
+from ggrun.core.backends.cpu.threads import set_threads, threads  # noqa: E402,F401  (kernels call jit.threads())
 
 
 def kernel(*args, parallel: bool = False, **kw):
@@ -41,24 +46,3 @@ def kernel(*args, parallel: bool = False, **kw):
     kw.setdefault("nogil", True)
     kw.setdefault("error_model", "numpy")
     return numba.njit(*args, parallel=parallel, **kw)
-
-
-def set_threads(n: int | None) -> None:
-    """Threads the compiled kernels (numba) and numpy's BLAS may use (llama.cpp's -t).
-
-    None keeps the default: every core for numba, the library's default for BLAS. An
-    oversubscribed machine makes multi-threaded kernels many times slower, so users need this.
-    """
-    global _threads
-    if n is None:
-        n = numba.config.NUMBA_NUM_THREADS
-    n = max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
-    _threads = n
-    numba.set_num_threads(n)
-    from threadpoolctl import threadpool_limits
-
-    threadpool_limits(limits=n, user_api="blas")
-
-
-def threads() -> int:
-    return _threads
