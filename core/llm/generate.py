@@ -119,7 +119,7 @@ class Generation:
         if len(tokens) > self.session.n_ctx:
             raise BadInput(f"the prompt is {len(tokens)} tokens, longer than the context (-c {self.session.n_ctx})")
         same = common_prefix(self.tokens, tokens)
-        keep = min(same, self.n_cached, len(tokens) - 1)
+        keep = self._reusable(min(same, self.n_cached, len(tokens) - 1))
         for t in tokens[same:]:
             self.sampler.accept(t)
         if keep < self.n_cached:
@@ -142,6 +142,16 @@ class Generation:
         st.prompt_s = time.perf_counter() - t0
         self.totals.add(st)
         return st
+
+    def _reusable(self, keep: int) -> int:
+        """How much of a cached prefix of `keep` tokens can stay: all of it, unless a sliding-window cache
+        (gemma3's) has already dropped keys that tokens right after the prefix would see; then none, and
+        the sequence is evaluated again from the start (as llama.cpp does for such caches)."""
+        swa = self.session.kv_swa
+        if swa is None or keep >= self.n_cached or keep == 0:
+            return keep
+        held = swa.pos[swa.seqs[:, 0] & (swa.pos >= 0)]
+        return keep if held.size and held.min() <= max(0, keep - swa.window + 1) else 0
 
     def make_room(self, n_new: int) -> GenerationStats:
         """With context_shift, shift the context (as when generating) until n_new more tokens fit after

@@ -154,3 +154,45 @@ def test_run_with_context_shift_keeps_going(capsys, monkeypatch, tiny_llama_path
 def test_run_rejects_a_negative_keep(capsys, monkeypatch, tiny_llama_path):
     code, out, err = ggrun(capsys, monkeypatch, "run", "-m", tiny_llama_path, "-p", "hi", "--keep", "-2")
     assert code == 2 and err.startswith("error: --keep -2") and out == ""
+
+
+# ---- a sequence kept between calls (conversation turns) ------------------------------------------------
+
+
+def test_extend_evaluates_only_the_new_tokens_and_matches_a_fresh_run(model):
+    """Two turns through Generation.extend: the second decodes only its own tokens (and the token sampled
+    last), and its logits equal those of one session that evaluates the whole sequence at once."""
+    from ggrun.core.llm.generate import Generation
+
+    s = session(model, 64)
+    g = Generation(s, Sampler(SamplingParams(temp=0)))
+    st = g.extend(PROMPT)
+    out, _ = g.generate(4, lambda t: None, ignore_eos=True)
+    st2 = g.extend([119, 111, 114])
+    assert (st.n_prompt, st.n_reused) == (len(PROMPT), 0)
+    assert (st2.n_prompt, st2.n_reused) == (1 + 3, len(PROMPT) + 3)
+    fresh = Generation(session(model, 64), Sampler(SamplingParams(temp=0)))
+    fresh.extend(g.tokens)
+    np.testing.assert_allclose(g.logits, fresh.logits, atol=2e-2)
+
+
+@pytest.mark.parametrize("back_to, reused", [(34, True), (33, False), (20, False)])
+def test_going_back_over_a_sliding_window_starts_again(tmp_path, back_to, reused):
+    """gemma3's window cache (window 8) drops keys no later token can see: after decoding position 34,
+    positions up to 26 are gone. Keeping a prefix of 34 is fine (its next token sees 27..34); keeping 33
+    or 20 would need dropped keys, so the sequence is evaluated from the start. Either way the logits
+    are those of a fresh evaluation."""
+    from ggrun.core.llm.generate import Generation
+    from tests.synth import write_tiny_gemma3
+
+    m = Model.load(write_tiny_gemma3(tmp_path / "g.gguf", sliding_window=8), [CPUBackend()])
+    prompt = [97 + i % 26 for i in range(30)]
+    g = Generation(Session(m, SessionParams(n_ctx=64)), Sampler(SamplingParams(temp=0)))
+    g.extend(prompt)
+    g.generate(6, lambda t: None, ignore_eos=True)  # decodes positions 30..34
+    tokens = g.tokens[:back_to] + [120, 121]
+    st = g.set_tokens(tokens)
+    assert st.n_reused == (back_to if reused else 0)
+    fresh = Generation(Session(m, SessionParams(n_ctx=64)), Sampler(SamplingParams(temp=0)))
+    fresh.extend(tokens)
+    np.testing.assert_allclose(g.logits, fresh.logits, atol=2e-2)
