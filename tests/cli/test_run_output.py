@@ -185,3 +185,14 @@ def test_smollm2_chatml_prompt_gives_llama_cpps_ids_and_the_training_context(cap
     assert ids == [1, 9690, 198, 2683, 359, 5356, 30, 2, 198, 1, 4093, 198, 26843, 2, 198]  # llama-tokenize
     assert "generate: n_ctx = 8192," in err
     assert out == "system\nYou are helpful.\nuser\nHi\n\n"  # echoed without the control tokens, as llama.cpp
+
+
+def test_threads_batch_is_used_for_prompts_and_threads_for_generation(capsys, monkeypatch, tiny_llama_path):
+    from ggrun.cli import conversation
+
+    calls: list[int | None] = []
+    monkeypatch.setattr(conversation, "set_threads", calls.append)
+    code, out, err = ggrun(capsys, monkeypatch, "run", "-m", tiny_llama_path, "-p", "hi", "-n", "2", "-t", "1",
+                           "-tb", "2")
+    assert code == 0, err
+    assert calls == [2, 1]
