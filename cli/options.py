@@ -68,7 +68,7 @@ def parse_logit_bias(value: str) -> tuple[int, float]:
 Model = Annotated[Optional[str], typer.Option("-m", "--model", help="GGUF file or known model name (default: SmolLM2-135M-Instruct, downloaded once)")]
 Prompt = Annotated[Optional[str], typer.Option("-p", "--prompt", help="Prompt text")]
 File = Annotated[Optional[str], typer.Option("-f", "--file", help="Read the prompt from this file")]
-NPredict = Annotated[int, typer.Option("-n", "--n-predict", "--predict", help="Number of tokens to generate (0: evaluate the prompt only)")]
+NPredict = Annotated[int, typer.Option("-n", "--n-predict", "--predict", help="Number of tokens to generate (-1: until the end of text; -2: until the context is full; 0: evaluate the prompt only)")]
 Ctx = Annotated[int, typer.Option("-c", "--ctx-size", help="Context size in tokens (0: the model's training context)")]
 BatchSize = Annotated[int, typer.Option("-b", "--batch-size", help="Logical batch size: prompt tokens per decode call")]
 UBatchSize = Annotated[int, typer.Option("-ub", "--ubatch-size", help="Physical batch size: tokens per graph (micro-batch)")]
