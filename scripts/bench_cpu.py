@@ -100,8 +100,8 @@ def measure_model(name: str, args, llama: Path | None) -> None:
             completion = [str(llama / "llama-completion"), "-no-cnv"]
             first_theirs.append(run_measured([*completion, *run_args(path, args.threads, 1)])[0])
             rss_theirs.append(run_measured([*completion, *run_args(path, args.threads, 16)])[1])
-        first_ours.append(run_measured([*ggrun_cmd(), "run", *run_args(path, args.threads, 1)])[0])
-        rss_ours.append(run_measured([*ggrun_cmd(), "run", *run_args(path, args.threads, 16)])[1])
+        first_ours.append(run_measured([*ggrun_cmd(), "run", "-no-cnv", *run_args(path, args.threads, 1)])[0])
+        rss_ours.append(run_measured([*ggrun_cmd(), "run", "-no-cnv", *run_args(path, args.threads, 16)])[1])
     t_a, t_b = statistics.median(first_ours), statistics.median(first_theirs) if first_theirs else None
     m_a = max(rss_ours) / 2**20
     m_b = max(rss_theirs) / 2**20 if rss_theirs else None

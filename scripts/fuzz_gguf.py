@@ -39,7 +39,7 @@ from tests.gguf_mutations import FAMILIES, MAY_RUN, Mutation, variants  # noqa: 
 ENTRY = [sys.executable, "-c", "import os, resource; n = int(os.environ['FUZZ_MEM_BYTES']); "
          "resource.setrlimit(resource.RLIMIT_AS, (n, n)); from ggrun.cli.app import main; main()"]
 COMMANDS = {
-    "run": ["run", "-p", "Once upon a time", "-n", "4", "-c", "64", "--temp", "0", "-t", "1"],
+    "run": ["run", "-no-cnv", "-p", "Once upon a time", "-n", "4", "-c", "64", "--temp", "0", "-t", "1"],
     "measure": ["measure", "-c", "64", "-o", "json"],
 }
 OUTCOMES = ("exit 2", "ran", "non-finite", "exit 2, bad line", "other exit", "traceback", "timeout", "killed")
