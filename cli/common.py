@@ -6,8 +6,6 @@ import sys
 import time
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ggrun.core.backends.cpu import set_threads
 from ggrun.core.backends.registry import probe, usable_backends
@@ -15,7 +13,35 @@ from ggrun.core.errors import BadInput
 from ggrun.core.llm.model import NUMERICS, Model
 from ggrun.loaders.download import resolve_model
 
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+class _StderrConsole:
+    """rich's Console on stderr, made (and rich imported) on first use: a run that prints nothing through
+    it does not pay for importing rich (50 ms, a twentieth of its start-up). Attributes and the context
+    protocol (rich's live displays enter their console) go to the real one."""
+
+    def __init__(self) -> None:
+        self._console = None
+
+    @property
+    def console(self):
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(stderr=True, highlight=False, soft_wrap=True)
+        return self._console
+
+    def __getattr__(self, name: str):
+        return getattr(self.console, name)
+
+    def __enter__(self):
+        return self.console.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        self.console.__exit__(*exc)
+
+
+err_console = _StderrConsole()
 
 
 def list_devices() -> None:
@@ -63,6 +89,8 @@ def compile_kernels(cpu, quiet: bool = False) -> None:
     t0 = time.perf_counter()
     if not quiet:
         err_console.print("ggrun: compiling the CPU kernels for this machine (once; later runs load them from the cache)")
+    from rich.progress import BarColumn, Progress, TextColumn
+
     show = not quiet and sys.stderr.isatty()
     with Progress(TextColumn("compiling kernels"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   console=err_console, transient=True, disable=not show) as bar:
@@ -79,7 +107,7 @@ class _LazyProgress:
         self.label = label
         self.enabled = enabled and sys.stderr.isatty()
         self.t0 = time.perf_counter()
-        self.progress: Progress | None = None
+        self.progress = None
         self.task = None
 
     def update(self, done: int, total: int) -> None:
@@ -88,6 +116,8 @@ class _LazyProgress:
         if self.progress is None:
             if time.perf_counter() - self.t0 < 1.0:
                 return
+            from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
             self.progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                                      TimeRemainingColumn(), console=err_console, transient=True)
             self.progress.start()

@@ -22,3 +22,19 @@ def test_help_and_unknown_commands_import_every_command():
     every = imported_commands([])
     assert "ggrun.cli.cmd_run" in every and "ggrun.cli.cmd_version" in every
     assert imported_commands(["--help"]) == every == imported_commands(["no-such-command"])
+
+
+def run_python(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_start_up_collects_garbage_less_often_and_freezes_what_imports_made():
+    code = ("import atexit, gc, sys; sys.argv = ['ggrun', 'version']; from ggrun.cli.app import main; "
+            "atexit.register(lambda: print(gc.get_threshold()[0], gc.get_freeze_count() > 1000)); main()")
+    assert run_python(code).splitlines()[-1] == "10000 True"
+
+
+def test_the_shared_cli_helpers_import_rich_only_when_printing():
+    code = ("import sys; from ggrun.cli.common import err_console; a = 'rich' in sys.modules; "
+            "err_console.print('x', end=''); print(a, 'rich' in sys.modules)")
+    assert run_python(code) == "False True"
