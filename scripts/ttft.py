@@ -9,6 +9,7 @@ the prompt first has the echo skipped), and to the process's exit. Both run gree
 
     .venv/bin/python scripts/ttft.py                       # SmolLM2, 5 rounds
     .venv/bin/python scripts/ttft.py -m gemma3-270m --rounds 9 -t 1
+    .venv/bin/python scripts/ttft.py --also before=/path/to/old/ggrun   # a second build alongside
 """
 from __future__ import annotations
 
@@ -89,10 +90,12 @@ def main() -> None:
     ap.add_argument("-p", "--prompt", default="The capital of France is")
     ap.add_argument("-n", type=int, default=16, help="tokens to generate")
     ap.add_argument("-t", "--threads", type=int, default=None, help="threads for both (default: each tool's own)")
-    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds of the two tools")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds of the tools")
     ap.add_argument("--llama-bin", default=os.environ.get("LLAMA_BIN", str(DEFAULT_LLAMA_BIN)),
                     help="directory of llama.cpp's llama-completion")
     ap.add_argument("--ggrun", default=None, help="command that runs ggrun (default: the ggrun beside this Python)")
+    ap.add_argument("--also", action="append", default=[], metavar="NAME=COMMAND",
+                    help="another ggrun command to time alongside (e.g. a build from before a change); repeatable")
     ap.add_argument("--no-bytecode", action="store_true",
                     help="let ggrun's Python run without cached bytecode when the environment forbids writing it "
                          "(PYTHONDONTWRITEBYTECODE); by default its .pyc files go to a temporary folder, as an "
@@ -106,6 +109,9 @@ def main() -> None:
         common += ["-t", str(args.threads)]
     # -no-cnv: both continue the prompt (a model with a chat template would otherwise start a conversation)
     tools = {"ggrun run": [*(shlex.split(args.ggrun) if args.ggrun else ggrun_cmd()), "run", "-no-cnv", *common]}
+    for extra in args.also:
+        name, _, cmd = extra.partition("=")
+        tools[f"ggrun run ({name})"] = [*shlex.split(cmd), "run", "-no-cnv", *common]
     llama = Path(args.llama_bin) / "llama-completion"
     if llama.exists():
         tools = {"llama-completion": [str(llama), "-no-cnv", *common], **tools}
@@ -117,8 +123,9 @@ def main() -> None:
         if not args.no_bytecode:  # pip compiles an installed package's bytecode; give a source tree the same
             env.pop("PYTHONDONTWRITEBYTECODE", None)
             env["PYTHONPYCACHEPREFIX"] = pyc
-        envs = {name: env if name == "ggrun run" else None for name in tools}
-        measure(tools["ggrun run"], args.prompt, env)  # warm the page cache, the bytecode and the kernel cache
+        envs = {name: env if name.startswith("ggrun") else None for name in tools}
+        for name, cmd in tools.items():  # warm the page cache, the bytecode and the kernel cache
+            measure(cmd, args.prompt, envs[name])
         results: dict[str, list[Timing]] = {name: [] for name in tools}
         for _ in range(args.rounds):
             for name, cmd in tools.items():
@@ -135,8 +142,10 @@ def main() -> None:
         each = " ".join(f"{r.first_token_s:.2f}" for r in runs)
         print(f"| {name} | {med[name][0]:.3f} | {med[name][1]:.3f} | {each} |")
     if "llama-completion" in med:
-        ours, theirs = med["ggrun run"], med["llama-completion"]
-        print(f"| ratio ggrun / llama.cpp | {ours[0] / theirs[0]:.2f} | {ours[1] / theirs[1]:.2f} | |")
+        theirs = med["llama-completion"]
+        for name, ours in med.items():
+            if name != "llama-completion":
+                print(f"| {name} / llama-completion | {ours[0] / theirs[0]:.2f} | {ours[1] / theirs[1]:.2f} | |")
     for name, runs in results.items():
         print(f"{name} wrote: {runs[-1].text.strip()[:100]!r}")
 
