@@ -54,7 +54,8 @@ def main() -> None:
     `interrupted` and exit 130: a command that armed cli.interrupt has shown what it had first."""
     _fewer_collections()
     _register_commands(sys.argv[1:])
-    gc.freeze()  # what the imports made lives as long as the process: later collections skip it
+    if not gc.get_freeze_count():  # once per process (tests call main() again and again)
+        gc.freeze()  # what the imports made lives as long as the process: later collections skip it
     try:
         code = app(standalone_mode=False)
     except Interrupted:
