@@ -1990,15 +1990,20 @@ def _rows_r8_any_avx2(code, p, qs, d, s, sums, out, g0, g1, n0, n1):
     """Groups g0..g1 of an r8 weight against activation rows n0..n1: four at a time, the last
     (n1 - n0) % 4 one at a time."""
     n4 = n0 + (n1 - n0) // TOKENS * TOKENS
-    if code == Q4_K or code == Q5_K:
-        _rows_r8_x4_q45_k_avx2(code == Q5_K, p, qs, d, sums, out, g0, g1, n0, n4)
-        _rows_r8_q45_k_avx2(code == Q5_K, p, qs, d, sums, out, g0, g1, n4, n1)
-    elif code == Q6_K:
-        _rows_r8_x4_q6_k_avx2(p, qs, d, sums, out, g0, g1, n0, n4)
-        _rows_r8_q6_k_avx2(p, qs, d, sums, out, g0, g1, n4, n1)
-    else:
-        _rows_r8_x4_avx2(code, p, qs, d, s, sums, out, g0, g1, n0, n4)
-        _rows_r8_avx2(code, p, qs, d, s, sums, out, g0, g1, n4, n1)
+    if n4 > n0:  # (the tiled kernels prefetch each next group: not for nothing)
+        if code == Q4_K or code == Q5_K:
+            _rows_r8_x4_q45_k_avx2(code == Q5_K, p, qs, d, sums, out, g0, g1, n0, n4)
+        elif code == Q6_K:
+            _rows_r8_x4_q6_k_avx2(p, qs, d, sums, out, g0, g1, n0, n4)
+        else:
+            _rows_r8_x4_avx2(code, p, qs, d, s, sums, out, g0, g1, n0, n4)
+    if n1 > n4:
+        if code == Q4_K or code == Q5_K:
+            _rows_r8_q45_k_avx2(code == Q5_K, p, qs, d, sums, out, g0, g1, n4, n1)
+        elif code == Q6_K:
+            _rows_r8_q6_k_avx2(p, qs, d, sums, out, g0, g1, n4, n1)
+        else:
+            _rows_r8_avx2(code, p, qs, d, s, sums, out, g0, g1, n4, n1)
 
 
 # Several weights read with the same activation blocks (a fused mul_mat_multi) run in one call:
