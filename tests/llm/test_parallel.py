@@ -319,7 +319,7 @@ def compare_with_alone(model: Model, system, prompts, results, rows, n_predict: 
     out = []
     for job, (_, prompt) in enumerate(prompts):
         got = results[job].response_tokens
-        want, want_rows = run_alone(model, system + prompt, n_predict, n_ctx=256, ignore_eos=False)
+        want, want_rows = run_alone(model, system + prompt, n_predict, n_ctx=512, ignore_eos=False)
         first = None if got == want else next(i for i, (a, b) in enumerate(zip(got + [-1], want + [-1])) if a != b)
         last = len(want_rows) if first is None else first + 1
         diffs = [float(np.abs(a - b).max()) for a, b in zip(rows[job][:last], want_rows[:last])]
@@ -375,7 +375,7 @@ def test_smollm2_batch_invariance_llama_numerics(smollm2):
     # place it in a batched run: attention sums values in f16 cell by cell as llama.cpp does, so the
     # order of cells moves the result (the compiled products are batch-invariant: (a) gives 0)
     alone = compared[0][2][0]
-    split = Session(smollm2, SessionParams(n_ctx=256, n_batch=len(system), n_ubatch=512))
+    split = Session(smollm2, SessionParams(n_ctx=512, n_batch=len(system), n_ubatch=512))
     floor_split = float(np.abs(eval_prompt(split, system + prompts[0][1], len(system)) - alone).max())
     moved = Session(smollm2, SessionParams(n_ctx=1024, n_batch=512, n_ubatch=512, n_seq_max=2))
     eval_prompt(moved, (system * 300)[:len(prompts[0][1])], 512, seq=1)  # a filler, freed below
