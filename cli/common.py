@@ -7,7 +7,7 @@ import time
 
 import typer
 
-from ggrun.core.backends.cpu import set_threads
+from ggrun.core.backends.cpu import cached_loads, set_threads
 from ggrun.core.backends.registry import probe, usable_backends
 from ggrun.core.errors import BadInput
 from ggrun.core.llm.model import NUMERICS, Model
@@ -70,6 +70,7 @@ def load_model(model: str | None, n_gpu_layers: int = 0, quiet: bool = False, th
     path = resolve_model(model)
     backends = usable_backends()
     compile_kernels(backends[-1], quiet)
+    cached_loads.skip_compiler_set_up()
     if n_gpu_layers > 0 and len(backends) == 1:
         err_console.print("warning: no device backend is available; -ngl is ignored (see --list-devices)")
     bar = _LazyProgress(f"loading {path.name}", enabled=not quiet)

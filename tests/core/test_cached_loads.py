@@ -1,0 +1,39 @@
+"""Loading the CPU kernels from numba's cache without numba's compiler set-up (core.backends.cpu.cached_loads):
+the same logits, and no registry set-up, in a process of its own."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from gguf.constants import GGMLQuantizationType as QT
+
+DECODE = """
+import json, sys
+from numba.core import base
+calls = []
+refresh = base.BaseContext.refresh
+base.BaseContext.refresh = lambda self: (calls.append(1), refresh(self))[1]
+from ggrun.core.backends.cpu import CPUBackend, cached_loads
+from ggrun.core.llm.batch import Batch
+from ggrun.core.llm.model import Model
+from ggrun.core.llm.session import Session, SessionParams
+if sys.argv[2] == "skip":
+    cached_loads.skip_compiler_set_up()
+session = Session(Model.load(sys.argv[1], [CPUBackend()]), SessionParams(n_ctx=64, n_ubatch=8))
+logits = session.decode(Batch.of_sequence([1, 2, 3], 0))
+print(json.dumps({"refreshes": len(calls), "logits": logits[-1, :8].tolist()}))
+"""
+
+
+def decode(path, mode: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", DECODE, str(path), mode], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_cached_kernels_load_without_the_compiler_set_up(tiny_llama_factory):
+    path = tiny_llama_factory(weight_type=QT.Q8_0)
+    numba_way = decode(path, "numba")  # compiles what the cache lacks, so the next process finds everything
+    skipped = decode(path, "skip")
+    assert numba_way["refreshes"] > 0 and skipped["refreshes"] == 0
+    assert skipped["logits"] == numba_way["logits"]
