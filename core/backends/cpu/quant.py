@@ -1690,6 +1690,8 @@ def _q8_step(a, q, qs, x, j, ones, lanes):
 
 @kernel(inline="always")
 def _scaled(wd, d, n, b, lanes, acc):
+    """acc plus integer lanes times the 8 rows' scales wd and activation row n's block-b scale
+    (the one-row kernels' float step, in their order)."""
     return vfma(vmulf(wd, vsetf(d[n, b])), vcvt(lanes), acc)
 
 
