@@ -20,6 +20,7 @@ read the same activation blocks is one such call: x is quantized once for all of
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from functools import partial
 
@@ -58,7 +59,12 @@ F32_MAX_N = 4
 REPACKED = "cpu_repacked"  # params key of a weight's repacked rows (see `repack`)
 
 TILE_BYTES = 1 << 20  # f32 bytes of one decoded weight tile (stays in L2 between sgemm passes)
-PARALLEL_MIN_BYTES = 1 << 19  # stored weight bytes x rows of x below which one thread does the work
+# Stored weight bytes x rows of x below which one thread does a product: splitting it only pays
+# where it saves more than the other threads take to wake. Sleeping (OMP_WAIT_POLICY=PASSIVE,
+# threads.py's default) they take ~60 us for an empty region at -t 2 here, spinning ~2 us; one
+# thread reads ~1 MB of r8 weights in ~55 us (SmolLM2 decode at -t 2: 88-108 t/s with the spinning
+# threshold, 157-162 with this one, 140 at -t 1).
+PARALLEL_MIN_BYTES = (4 << 20) if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" else (1 << 19)
 
 
 @dataclass(frozen=True)

@@ -73,8 +73,8 @@ def readonly(leafs, name: str, dtype: DType, data: np.ndarray) -> Tensor:
 def _product(leafs, dtype: DType, n_tokens: int, act_quant: bool, repacked: bool, large: bool) -> Tensor:
     from ggrun.core.backends.cpu.matmul import PARALLEL_MIN_BYTES
 
-    # a large weight has enough rows that the kernels split them over threads
-    w = _weight(leafs, dtype, 8 * (PARALLEL_MIN_BYTES // (8 * dtype.row_bytes(K)) + 1) if large else 16)
+    # a large product has enough weight rows (for its tokens) that the kernels split them over threads
+    w = _weight(leafs, dtype, 8 * (PARALLEL_MIN_BYTES // (8 * dtype.row_bytes(K) * n_tokens) + 1) if large else 16)
     if act_quant and dtype.is_quantized:
         w.params["act_quant"] = "q8_k" if dtype.name.endswith("_K") else "q8_0"
     if repacked:
