@@ -5,12 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-cupy = pytest.importorskip("cupy")
-try:
-    if cupy.cuda.runtime.getDeviceCount() < 1:
-        pytest.skip("no GPU", allow_module_level=True)
-except Exception as err:  # cupy without a driver
-    pytest.skip(f"no usable GPU ({err})", allow_module_level=True)
+from tests.core.gpu import require_gpu
+
+cupy = require_gpu()
 
 from ggrun.core.backends.cpu import CPUBackend  # noqa: E402
 from ggrun.core.backends.cuda import CUDABackend  # noqa: E402

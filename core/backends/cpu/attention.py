@@ -104,10 +104,11 @@ def _accumulate(S, Vf, lo, hi, t, h, out):
 
 
 @kernel(inline="always")
-def _accumulate_f16(S, Vf, mask, scale, t, h, c0, lo, hi, M, L, out):
-    """llama.cpp's own order over an f16 cache: cell by cell, a new maximum rescales the running
-    sum of values, which is kept rounded to f16 after every step (ggml's VKQ16), as its CPU kernel
-    does; the scores of cells [lo, hi) are in S."""
+def _accumulate_cells(S, Vf, mask, scale, t, h, c0, lo, hi, M, L, out, f16):
+    """llama.cpp's own order: cell by cell, a new maximum rescales the running sum of values
+    (ggml_vec_scale), then each value row is added times its weight (ggml_vec_mad); the scores of
+    cells [lo, hi) are in S. With f16 (an f16 V cache) the running sum is kept rounded to f16 after
+    every step, as ggml's CPU kernel does (VKQ16); else it stays f32 (VKQ32)."""
     d = out.shape[2]
     for c in range(lo, hi):
         mv = as_f32(mask[t, c0 + c])
@@ -119,12 +120,20 @@ def _accumulate_f16(S, Vf, mask, scale, t, h, c0, lo, hi, M, L, out):
         if s > M[t, h]:
             ms = np.float32(math.exp(M[t, h] - s))
             M[t, h] = s
-            for j in range(d):
-                out[t, h, j] = f16_to_f32(f32_to_f16(out[t, h, j] * ms))
+            if f16:
+                for j in range(d):
+                    out[t, h, j] = f16_to_f32(f32_to_f16(out[t, h, j] * ms))
+            else:
+                for j in range(d):
+                    out[t, h, j] *= ms
         else:
             vs = np.float32(math.exp(s - M[t, h]))
-        for j in range(d):
-            out[t, h, j] = f16_to_f32(f32_to_f16(fma(Vf[c, j], vs, out[t, h, j])))
+        if f16:
+            for j in range(d):
+                out[t, h, j] = f16_to_f32(f32_to_f16(fma(Vf[c, j], vs, out[t, h, j])))
+        else:
+            for j in range(d):
+                out[t, h, j] = fma(Vf[c, j], vs, out[t, h, j])
         L[t, h] = L[t, h] * ms + vs
 
 
@@ -163,7 +172,7 @@ def attend(q, k, v, mask, scale, q_f16, g, t0, t1, Kf, Vf, S, Qr, M, L, out):
                     Qr[j] = f16_to_f32(f32_to_f16(x)) if q_f16 else x
                 _scores(Qr, Kf, lo, hi, S)
                 if q_f16:
-                    _accumulate_f16(S, Vf, mask, scale, t, h, c0, lo, hi, M, L, out)
+                    _accumulate_cells(S, Vf, mask, scale, t, h, c0, lo, hi, M, L, out, True)
                     continue
                 m = M[t, h]
                 for c in range(lo, hi):  # cells hidden inside [lo, hi) get -inf, hence weight 0
@@ -305,30 +314,6 @@ def _prepare_query(q, t, h, q_round, k_rot, qq, qd):
         qd[b] = np.float32(1.0)
 
 
-@kernel(inline="always")
-def _accumulate_f32(S, Vf, mask, scale, t, h, c0, lo, hi, M, L, out):
-    """ggml's VKQ32 order: cell by cell, a new maximum rescales the running sum of values
-    (ggml_vec_scale_f32), then each value row is added times its weight (ggml_vec_mad_f32)."""
-    d = out.shape[2]
-    for c in range(lo, hi):
-        mv = as_f32(mask[t, c0 + c])
-        if mv == -np.inf:
-            continue
-        s = S[c] * scale + mv
-        ms = np.float32(1.0)
-        vs = np.float32(1.0)
-        if s > M[t, h]:
-            ms = np.float32(math.exp(M[t, h] - s))
-            M[t, h] = s
-            for j in range(d):
-                out[t, h, j] *= ms
-        else:
-            vs = np.float32(math.exp(s - M[t, h]))
-        for j in range(d):
-            out[t, h, j] = fma(Vf[c, j], vs, out[t, h, j])
-        L[t, h] = L[t, h] * ms + vs
-
-
 @kernel(_nrt=False)
 def attend_cells(q, k, v, k_code, v_code, n_head_kv, mask, scale, q_round, v_f16, k_rot, v_rot, g, t0, t1,
                  Kq, Kd, Vf, S, lanes, Qq, Qd, M, L, out):
@@ -365,10 +350,7 @@ def attend_cells(q, k, v, k_code, v_code, n_head_kv, mask, scale, q_round, v_f16
                     chi = hi
             for h in range(g * group, (g + 1) * group):
                 score_cells(Kq, Kd, Qq[t, h], Qd[t, h], lo, hi, lanes, S)
-                if v_f16:
-                    _accumulate_f16(S, Vf, mask, scale, t, h, c0, lo, hi, M, L, out)
-                else:
-                    _accumulate_f32(S, Vf, mask, scale, t, h, c0, lo, hi, M, L, out)
+                _accumulate_cells(S, Vf, mask, scale, t, h, c0, lo, hi, M, L, out, v_f16)
     for t in range(t0, t1):
         for h in range(g * group, (g + 1) * group):
             inv = np.float32(1.0) / L[t, h] if L[t, h] != 0 else np.float32(0.0)

@@ -52,7 +52,7 @@ def _copy(node: Tensor, out, srcs, scratch, backend):
     return launch_step(node.op, Launch(k, grid, block, args))
 
 
-for _op in ("cont", "cast", "cpy", "copy"):
+for _op in ("cont", "cast", "cpy"):
     binds(_op)(_copy)
 
 

@@ -1,0 +1,16 @@
+"""One skip rule for the CUDA tests: a test module calls `require_gpu()` before importing the CUDA
+backend, and is skipped cleanly where cupy or a usable GPU is missing."""
+from __future__ import annotations
+
+import pytest
+
+
+def require_gpu():
+    """cupy, or a module-level skip saying why not."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no GPU", allow_module_level=True)
+    except Exception as err:  # cupy without a driver
+        pytest.skip(f"no usable GPU ({err})", allow_module_level=True)
+    return cupy
