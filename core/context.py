@@ -35,11 +35,14 @@ class ImmediateContext:
         self.repacked += added
         return added
 
-    def new_tensor(self, name: str, dtype: DType, shape: tuple[int, ...], weight: bool = False) -> Tensor:
-        """A tensor with fresh (uninitialised) memory on this context's backend."""
+    def new_tensor(self, name: str, dtype: DType, shape: tuple[int, ...], weight: bool = False,
+                   zeroed: bool = False) -> Tensor:
+        """A tensor with fresh memory on this context's backend: uninitialised, or all zero bytes."""
         t = new_tensor(name, dtype, shape, is_weight=weight)
         if self.virtual:
             buf = Buffer(self.backend, None, self.usage, size=t.nbytes)
+        elif zeroed:
+            buf = self.backend.alloc_zeroed(max(t.nbytes, 1), usage=self.usage)
         else:
             buf = self.backend.alloc_buffer(max(t.nbytes, 1), usage=self.usage)
         self._adopt(t, buf)

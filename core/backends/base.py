@@ -40,7 +40,7 @@ class Buffer:
         return self._size
 
     def clear(self, value: int = 0) -> None:
-        """Fill every byte (the KV cache starts zeroed, so masked cells hold no NaN garbage)."""
+        """Fill every byte with `value`."""
         if self.storage is not None:
             self.storage.fill(value)
 
@@ -59,6 +59,13 @@ class Backend(ABC):
 
     @abstractmethod
     def alloc_buffer(self, size: int, usage: str) -> Buffer: ...
+
+    def alloc_zeroed(self, size: int, usage: str) -> Buffer:
+        """A buffer whose every byte is zero (the KV cache starts so, so masked cells hold no NaN
+        garbage); a backend that can get zeroed memory without writing it overrides this."""
+        buf = self.alloc_buffer(size, usage)
+        buf.clear()
+        return buf
 
     @abstractmethod
     def supports_op(self, node: Tensor) -> bool: ...

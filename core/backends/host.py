@@ -29,6 +29,12 @@ class HostArrayBackend(ArrayBackend):
     def alloc_buffer(self, size: int, usage: str) -> Buffer:
         return Buffer(self, np.empty(size, dtype=np.uint8), usage)
 
+    def alloc_zeroed(self, size: int, usage: str) -> Buffer:
+        """np.zeros takes a large buffer as pages the OS zeroes when each is first written: nothing is
+        written now, and a page no cell reaches takes no memory (a KV cache of the training context,
+        -c 0, is mostly such pages)."""
+        return Buffer(self, np.zeros(size, dtype=np.uint8), usage)
+
     def wrap(self, data: np.ndarray, usage: str) -> Buffer:
         """A buffer over existing host bytes (weights memory-mapped from a file), without a copy."""
         return Buffer(self, data.reshape(-1).view(np.uint8), usage)

@@ -142,8 +142,9 @@ class KVCache:
             if backend is None:
                 continue
             ctx = self.contexts.setdefault(backend.name, ImmediateContext(backend, "kv", virtual=virtual))
-            k = ctx.new_tensor(f"{name}_k_l{il}", type_k, (n_ctx, n_embd_kv))
-            v = ctx.new_tensor(f"{name}_v_l{il}", type_v, (n_ctx, n_embd_kv))
+            # zeroed: masked cells must hold no NaN garbage
+            k = ctx.new_tensor(f"{name}_k_l{il}", type_k, (n_ctx, n_embd_kv), zeroed=True)
+            v = ctx.new_tensor(f"{name}_v_l{il}", type_v, (n_ctx, n_embd_kv), zeroed=True)
             for t, widest in ((k, True), (v, False)):
                 rotation = rotation_size(t.dtype, head_dim, widest)
                 if rotation:
@@ -155,9 +156,6 @@ class KVCache:
                 elif llama_numerics and t is k and t.dtype.is_quantized:
                     t.params["act_quant"] = "q8_0"
             self.layers[il] = CacheRows(k, v)
-        for ctx in self.contexts.values():
-            for buf in ctx.buffers:
-                buf.clear()
         self.pos = np.full(n_ctx, -1, dtype=np.int32)
         self.seqs = np.zeros((n_ctx, n_seq_max), dtype=bool)
         self.shift = np.zeros(n_ctx, dtype=np.int32)
