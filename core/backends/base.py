@@ -100,6 +100,14 @@ class Backend(ABC):
         """Copy src (on any backend) into dst (on this backend), through the host."""
         self.set_tensor(dst, src.root.buffer.backend.get_tensor(src))
 
+    def record_event(self) -> Any:
+        """A marker after the work issued to this backend so far (a CUDA event on its stream), for
+        another backend, or this one, to wait for; None where work is done when its call returns."""
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        """Make the work issued to this backend from now on wait for `event` (from any backend)."""
+
     # backends that draw on one memory (the host's RAM) share a pool name; each GPU is a pool of its own
     memory_pool: str = "?"
 

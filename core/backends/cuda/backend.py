@@ -2,6 +2,11 @@
 kernels (core/backends/cuda/*.cu) bound once per plan and replayed as a CUDA graph while the
 engine reuses the graph, all on one stream; host copies go through pinned staging memory.
 
+Each GPU is a backend of its own (CUDA0, CUDA1, ...): every call runs in its device's context and on
+its stream. A tensor from another GPU arrives on this GPU's stream, device to device where the two
+have peer access, else through this backend's pinned staging memory; events order the copy after the
+source's kernels that wrote the tensor, and the source's later kernels after the copy.
+
 Like every backend it reads and writes only its own buffers; host data and other backends'
 tensors arrive through explicit copies. Ops without a kernel here run the shared array
 kernels with cupy (outside any CUDA graph); the scheduler sends what that cannot run
@@ -26,7 +31,8 @@ from ggrun.core.backends.kernels import KERNELS
 from ggrun.core.tensor import Tensor
 
 STAGING_BYTES = 16 << 20  # pinned host memory for copies; larger copies go straight from pageable memory
-H2D, D2H, D2D = 1, 2, 3  # cudaMemcpyKind
+H2D, D2H = 1, 2  # cudaMemcpyKind
+PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 BLOCK_OPS = ("mul_mat", "mul_mat_multi", "get_rows")  # the ops whose kernels read GGUF blocks
 
 
@@ -42,12 +48,12 @@ def graphs_enabled() -> bool:
 
 
 class CUDABackend(Backend):
-    name = "CUDA"
     buffer_type = BufferType(alignment=256, max_size=1 << 40)
     stores_blocks = True
 
     def __init__(self, index: int = 0) -> None:
         self.index = index
+        self.name = f"CUDA{index}"
         self.device = describe_device(index)
         self._dev = cupy.cuda.Device(index)
         with self._dev:
@@ -55,11 +61,12 @@ class CUDABackend(Backend):
             self._staging = cupy.cuda.alloc_pinned_memory(STAGING_BYTES)
         self._host = np.frombuffer(self._staging, dtype=np.uint8, count=STAGING_BYTES)
         self._staged = 0
+        self._peer: dict[int, bool] = {}  # another GPU's index -> whether copies from it go peer to peer
         self.use_graphs = graphs_enabled()
 
     @property
     def memory_pool(self) -> str:
-        return f"{self.name}{self.index}"
+        return self.name
 
     def free_memory(self) -> int | None:
         """Free device memory plus what cupy's pool holds unused (it hands that out first)."""
@@ -171,17 +178,89 @@ class CUDABackend(Backend):
     def copy_tensor(self, src: Tensor, dst: Tensor) -> None:
         """A host tensor's bytes go up through staging; another GPU's, device to device."""
         owner = src.root.buffer.backend
-        if isinstance(owner, CUDABackend):
-            a, b = owner.array(src), self.array(dst)
-            if not (a.flags.c_contiguous and b.flags.c_contiguous):
-                with self._dev, self.stream:
-                    b[...] = a
-                return
-            owner.stream.synchronize()
-            with self._dev:
-                cupy.cuda.runtime.memcpyAsync(b.data.ptr, a.data.ptr, b.nbytes, D2D, self.stream.ptr)
+        if isinstance(owner, CUDABackend) and owner is not self:
+            self._copy_from_gpu(owner, src, dst)
+            return
+        if owner is self:
+            a, b = self.array(src), self.array(dst)
+            with self._dev, self.stream:
+                b[...] = a.reshape(b.shape) if a.flags.c_contiguous else cupy.ascontiguousarray(a).reshape(b.shape)
             return
         self.set_tensor(dst, owner.array(src) if owner.memory_pool == "CPU" else owner.get_tensor(src))
 
+    # ---- events and copies between GPUs ------------------------------------------------------
+
+    def record_event(self) -> "cupy.cuda.Event":
+        with self._dev:
+            event = cupy.cuda.Event(disable_timing=True)
+            event.record(self.stream)
+        return event
+
+    def wait_event(self, event) -> None:
+        if event is not None:
+            with self._dev:
+                self.stream.wait_event(event)
+
+    def peer_access(self, other: "CUDABackend") -> bool:
+        """Whether the two GPUs can read each other's memory (cupy's deviceCanAccessPeer both ways);
+        enables it the first time, both ways. Without it, copies between them go through host memory."""
+        known = self._peer.get(other.index)
+        if known is None:
+            rt = cupy.cuda.runtime
+            known = bool(rt.deviceCanAccessPeer(self.index, other.index)) and bool(
+                rt.deviceCanAccessPeer(other.index, self.index))
+            if known:
+                _enable_peer(self, other)
+                _enable_peer(other, self)
+            self._peer[other.index] = known
+        return known
+
+    def _copy_from_gpu(self, owner: "CUDABackend", src: Tensor, dst: Tensor) -> None:
+        """src (on GPU `owner`) into dst on this GPU, asynchronously on this GPU's stream."""
+        a, b = owner.array(src), self.array(dst)
+        if not b.flags.c_contiguous:  # not a scheduler copy (those are contiguous): through the host
+            self.set_tensor(dst, owner.get_tensor(src))
+            return
+        if not a.flags.c_contiguous:  # a view: made contiguous on its own GPU first, in stream order
+            with owner._dev, owner.stream:
+                a = cupy.ascontiguousarray(a)
+        if a.nbytes != b.nbytes:
+            raise ValueError(f"copy {src.describe()} -> {dst.describe()}: {a.nbytes} bytes, {b.nbytes} expected")
+        if self.peer_access(owner):
+            self.wait_event(owner.record_event())  # after the kernels that wrote src
+            with self._dev:
+                cupy.cuda.runtime.memcpyPeerAsync(b.data.ptr, self.index, a.data.ptr, owner.index, b.nbytes,
+                                                  self.stream.ptr)
+            # src's memory (a compute buffer the next graph reuses, or the temporary above) is written
+            # again only after the copy has read it
+            owner.wait_event(self.record_event())
+            return
+        self._copy_staged(owner, a.data.ptr, b.data.ptr, b.nbytes)
+
+    def _copy_staged(self, owner: "CUDABackend", src_ptr: int, dst_ptr: int, nbytes: int) -> None:
+        """Through this backend's pinned staging memory, a piece at a time: device to host on the source's
+        stream (after what wrote it there), host to device on this stream once that piece has landed.
+        A staging region is handed out again only after this stream finished reading it (_stage)."""
+        done = 0
+        while done < nbytes:
+            n = min(STAGING_BYTES, nbytes - done)
+            addr, _ = self._stage(n)
+            with owner._dev:
+                cupy.cuda.runtime.memcpyAsync(addr, src_ptr + done, n, D2H, owner.stream.ptr)
+            self.wait_event(owner.record_event())
+            with self._dev:
+                cupy.cuda.runtime.memcpyAsync(dst_ptr + done, addr, n, H2D, self.stream.ptr)
+            done += n
+
     def address(self, arr) -> int:
         return int(arr.data.ptr)
+
+
+def _enable_peer(backend: CUDABackend, other: CUDABackend) -> None:
+    """Let `backend`'s GPU read and write `other`'s memory directly; enabling it twice is not an error."""
+    with backend._dev:
+        try:
+            cupy.cuda.runtime.deviceEnablePeerAccess(other.index)
+        except cupy.cuda.runtime.CUDARuntimeError as err:
+            if err.status != PEER_ACCESS_ALREADY_ENABLED:
+                raise
