@@ -17,13 +17,15 @@ from ggrun.core.tensor import Tensor, new_tensor
 class ImmediateContext:
     """Owns the buffers of the tensors it creates on one backend."""
 
-    def __init__(self, backend, usage: str = "weights", virtual: bool = False) -> None:
+    def __init__(self, backend, usage: str = "weights", virtual: bool = False, source: str | None = None) -> None:
         self.backend = backend
         self.usage = usage
         self.virtual = virtual  # tensors get a virtual buffer: a size and a backend, no memory
         self.tensors: dict[str, Tensor] = {}
         self.buffers: list = []
         self.repacked = 0  # bytes of weights re-laid for the backend's kernels (Backend.prepare_weight)
+        # where the backend keeps what it re-lays from `source` (the weights' file) between runs
+        self.prepared = backend.prepared_store(source) if source is not None and not virtual else None
 
     @property
     def nbytes(self) -> int:
@@ -31,9 +33,14 @@ class ImmediateContext:
 
     def prepare_weight(self, t: Tensor) -> int:
         """Let the backend re-lay weight t for its kernels, counting the bytes that adds (returned)."""
-        added = self.backend.prepare_weight(t)
+        added = self.backend.prepare_weight(t, self.prepared)
         self.repacked += added
         return added
+
+    def save_prepared(self) -> None:
+        """Keep what prepare_weight made for the next load of the same file (where the backend keeps it)."""
+        if self.prepared is not None:
+            self.prepared.save()
 
     def new_tensor(self, name: str, dtype: DType, shape: tuple[int, ...], weight: bool = False,
                    zeroed: bool = False) -> Tensor:

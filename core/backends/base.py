@@ -70,11 +70,17 @@ class Backend(ABC):
     @abstractmethod
     def supports_op(self, node: Tensor) -> bool: ...
 
-    def prepare_weight(self, t: Tensor) -> int:
+    def prepare_weight(self, t: Tensor, store: Any = None) -> int:
         """Re-lay a weight once at load for this backend's kernels (like ggml's CPU "repacked"
         buffers), keeping the stored bytes as they are; returns the bytes it added (for a weight
-        without memory, the bytes it would add). None by default."""
+        without memory, the bytes it would add). `store` is what `prepared_store` gave for the
+        weight's file, if anything. None by default."""
         return 0
+
+    def prepared_store(self, source: str) -> Any:
+        """Where the weights this backend re-lays for model file `source` are kept between runs
+        (an object with `save()`, passed to prepare_weight), or None: they are made at every load."""
+        return None
 
     def scratch_bytes(self, node: Tensor) -> int:
         """Work space node's kernel needs beside its result (planned by the allocator); none by default."""

@@ -126,7 +126,10 @@ class Model:
         contexts: dict[str, ImmediateContext] = {}
 
         def ctx_for(backend: Backend) -> ImmediateContext:
-            return contexts.setdefault(backend.name, ImmediateContext(backend, "weights", virtual=metadata_only))
+            if backend.name not in contexts:
+                contexts[backend.name] = ImmediateContext(backend, "weights", virtual=metadata_only,
+                                                          source=str(gf.path))
+            return contexts[backend.name]
 
         if not metadata_only:
             _check_device_weights(gf, placement, backends)
@@ -144,6 +147,8 @@ class Model:
             done += info.n_bytes
             if progress:
                 progress(done, total)
+        for ctx in contexts.values():
+            ctx.save_prepared()
         if "output.weight" not in tensors:  # tied head: the embedding serves as output weight
             tensors["output.weight"] = tensors["token_embd.weight"] if placement.output is placement.input \
                 else _weight(ctx_for(placement.output), gf, "output.weight", "token_embd.weight", numerics)

@@ -11,6 +11,7 @@ import numpy as np
 
 from ggrun.core.backends.cpu import ops as _ops  # noqa: F401  (registers the compiled kernels)
 from ggrun.core.backends.cpu import dispatch, matmul
+from ggrun.core.backends.cpu.repack_cache import RepackCache
 from ggrun.core.backends.host import HostArrayBackend
 from ggrun.core.backends.kernels import KERNELS
 from ggrun.core.tensor import Tensor
@@ -27,17 +28,26 @@ class CPUBackend(HostArrayBackend):
     def scratch_bytes(self, node: Tensor) -> int:
         return dispatch.scratch_bytes(node)
 
-    def prepare_weight(self, t: Tensor) -> int:
-        """Quantized matrices get the interleaved layout the decode kernels read fastest."""
+    def prepare_weight(self, t: Tensor, store: RepackCache | None = None) -> int:
+        """Quantized matrices get the interleaved layout the decode kernels read fastest: from `store`
+        when an earlier load of the file left it there, else made now (and given to `store`)."""
         if len(t.shape) != 2 or not t.dtype.is_quantized:
             return 0
         if t.buffer is None or t.buffer.storage is None:
             return matmul.repacked_bytes(t.dtype, t.shape)
-        packed = matmul.repack(t.dtype, self.array(t))
+        packed = store.get(t.name) if store is not None else None
+        if packed is None:
+            packed = matmul.repack(t.dtype, self.array(t))
+            if packed is not None and store is not None:
+                store.put(t.name, packed)
         if packed is None:
             return 0
         t.params[matmul.REPACKED] = packed
         return sum(a.nbytes for a in packed) if isinstance(packed, tuple) else packed.nbytes
+
+    def prepared_store(self, source: str) -> RepackCache | None:
+        """The repacked weights of model file `source` kept on disk (repack_cache.py)."""
+        return RepackCache.for_model(source)
 
     def prepare(self, nodes: list[Tensor]) -> list:
         """One ready call per node, compiled where a binder accepts the node."""
