@@ -1,11 +1,13 @@
 """Loading the CPU kernels from numba's cache without numba's compiler set-up (core.backends.cpu.cached_loads):
-the same logits, and no registry set-up, in a process of its own."""
+the same logits, and no registry set-up, in a process of its own; the symbols read from a kernel's machine
+code instead of its bitcode."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
 
+import numpy as np
 from gguf.constants import GGMLQuantizationType as QT
 
 DECODE = """
@@ -37,3 +39,25 @@ def test_cached_kernels_load_without_the_compiler_set_up(tiny_llama_factory):
     skipped = decode(path, "skip")
     assert numba_way["refreshes"] > 0 and skipped["refreshes"] == 0
     assert skipped["logits"] == numba_way["logits"]
+
+
+def test_symbols_read_from_machine_code_are_those_the_bitcode_defines():
+    """The names a cached kernel's machine code defines, read from its symbol table, are the ones numba
+    would list from its bitcode (what it tells the execution engine is defined)."""
+    import numba
+    from llvmlite import binding as ll
+
+    from ggrun.core.backends.cpu.cached_loads import _elf_defined_symbols
+
+    @numba.njit
+    def scaled_sum(x, k):
+        return (x * k).sum()
+
+    scaled_sum(np.ones(3), 2.0)
+    (result,) = scaled_sum.overloads.values()
+    _, kind, (machine_code, bitcode) = result.library.serialize_using_object_code()
+    module = ll.parse_bitcode(bitcode)
+    defined = {g.name for g in [*module.functions, *module.global_variables] if not g.is_declaration}
+    assert kind == "object" and defined
+    assert _elf_defined_symbols(machine_code) == defined
+    assert _elf_defined_symbols(b"\xcf\xfa\xed\xfe" + machine_code[4:]) is None  # another format: numba's way
