@@ -37,6 +37,7 @@ OPS: dict[str, OpInfo] = {
     "concat": OpInfo(),
     "mul_mat": OpInfo(),
     "mul_mat_multi": OpInfo(),
+    "mul_mat_glu": OpInfo(),
     "add": OpInfo(inplace=True),
     "mul": OpInfo(inplace=True),
     "scale": OpInfo(inplace=True),
@@ -287,8 +288,12 @@ def mul_mat(a: Tensor, b: Tensor, name: str | None = None) -> Tensor:
 
     a's batch dimensions may divide b's (grouped-query attention: b's head h reads a's head
     h // (b_heads / a_heads)). a may be block-quantized (a weight as its file stores it, or the heads
-    of a quantized K cache).
+    of a quantized K cache), or a matrix split by rows over backends (core/rowsplit.py).
     """
+    if "row_parts" in a.params:  # one product per part, gathered: core/rowsplit.py
+        from ggrun.core.rowsplit import mul_mat_rows
+
+        return mul_mat_rows(a, b, name)
     if a.dtype.is_quantized:
         _need_float("mul_mat", b)
     else:
@@ -301,6 +306,18 @@ def mul_mat(a: Tensor, b: Tensor, name: str | None = None) -> Tensor:
     return _node("mul_mat", DType.F32, bb + (b.shape[-2], a.shape[-2]), (a, b), name)
 
 
+def _check_weights(op: str, ws: tuple[Tensor, ...], b: Tensor) -> None:
+    """b [N, K] f32/f16/bf16 and each w a 2-d weight [M, K] (block-quantized or float)."""
+    if len(b.shape) != 2:
+        raise _fail(op, "expects b [N, K]", b, *ws)
+    _need_float(op, b)
+    for w in ws:
+        if len(w.shape) != 2 or w.shape[1] != b.shape[1]:
+            raise _fail(op, "each weight must be [M, K] with b's K", w, b)
+        if not w.dtype.is_quantized:
+            _need_float(op, w)
+
+
 def mul_mat_multi(ws: tuple[Tensor, ...], b: Tensor, names: tuple[str, ...], name: str | None = None) -> list[Tensor]:
     """mul_mat(w, b) of one b [N, K] with each 2-d weight w [M_i, K] of ws, in one node; returns the
     products [N, M_i] as views named `names`.
@@ -310,14 +327,9 @@ def mul_mat_multi(ws: tuple[Tensor, ...], b: Tensor, names: tuple[str, ...], nam
     matrices (attention's q, k and v; a feed-forward's gate and up): one kernel call instead of
     several, and the CPU quantizes b to 8-bit blocks once for all of them.
     """
-    if len(b.shape) != 2 or not ws or len(names) != len(ws):
-        raise _fail("mul_mat_multi", "expects b [N, K] and one name per weight", b, *ws)
-    _need_float("mul_mat_multi", b)
-    for w in ws:
-        if len(w.shape) != 2 or w.shape[1] != b.shape[1]:
-            raise _fail("mul_mat_multi", "each weight must be [M, K] with b's K", w, b)
-        if not w.dtype.is_quantized:
-            _need_float("mul_mat_multi", w)
+    if not ws or len(names) != len(ws):
+        raise _fail("mul_mat_multi", "expects one name per weight", b, *ws)
+    _check_weights("mul_mat_multi", ws, b)
     n = b.shape[0]
     node = _node("mul_mat_multi", DType.F32, (n * sum(w.shape[0] for w in ws),), tuple(ws) + (b,), name)
     views, at = [], 0
@@ -325,6 +337,28 @@ def mul_mat_multi(ws: tuple[Tensor, ...], b: Tensor, names: tuple[str, ...], nam
         views.append(view(node, (n, w.shape[0]), offset=at, name=part))
         at += n * w.shape[0] * 4
     return views
+
+
+GLUS = ("swiglu", "geglu")
+
+
+def mul_mat_glu(gate: Tensor, up: Tensor, b: Tensor, glu: str, f16_table: bool = False,
+                name: str | None = None) -> Tensor:
+    """A gated feed-forward's first half in one node: [N, M] f32 = glu(b @ gate^T, b @ up^T), where
+    b is [N, K], gate and up are 2-d weights [M, K], and glu is "swiglu" (silu(g) * u) or "geglu"
+    (gelu(g) * u; f16_table as in gelu).
+
+    It equals mul_mat_multi((gate, up), b) followed by swiglu or geglu of its two views, bit for bit:
+    it is that pair computed without the products living past the node (the CPU applies the GLU
+    to each chunk of rows as soon as both products have it). Sources: (gate, up, b).
+    """
+    if glu not in GLUS:
+        raise _fail("mul_mat_glu", f"glu must be one of {GLUS}, got {glu!r}", gate, up)
+    _check_weights("mul_mat_glu", (gate, up), b)
+    if gate.shape != up.shape:
+        raise _fail("mul_mat_glu", "gate and up shapes differ", gate, up)
+    return _node("mul_mat_glu", DType.F32, (b.shape[0], gate.shape[0]), (gate, up, b), name, glu=glu,
+                 f16_table=bool(f16_table))
 
 
 def _check_rope(op: str, a: Tensor, pos: Tensor, n_dims: int) -> None:

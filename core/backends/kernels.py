@@ -212,16 +212,20 @@ def _gelu(xp, node, out, srcs):
     _gelu_for(node)(xp, _f(xp, node, 0, srcs[0]), out)
 
 
+def _glu_into(xp, act, gate, up, out) -> None:
+    """out = act(gate) * up (out may alias gate)."""
+    act(xp, gate, out)
+    xp.multiply(out, up, out=out)
+
+
 @kernel("swiglu")
 def _swiglu(xp, node, out, srcs):
-    _silu_into(xp, _f(xp, node, 0, srcs[0]), out)
-    xp.multiply(out, _f(xp, node, 1, srcs[1]), out=out)
+    _glu_into(xp, _silu_into, _f(xp, node, 0, srcs[0]), _f(xp, node, 1, srcs[1]), out)
 
 
 @kernel("geglu")
 def _geglu(xp, node, out, srcs):
-    _gelu_for(node)(xp, _f(xp, node, 0, srcs[0]), out)
-    xp.multiply(out, _f(xp, node, 1, srcs[1]), out=out)
+    _glu_into(xp, _gelu_for(node), _f(xp, node, 0, srcs[0]), _f(xp, node, 1, srcs[1]), out)
 
 
 def _rms_norm_into(xp, a, eps: float, out) -> None:
@@ -331,6 +335,19 @@ def _mul_mat_multi(xp, node, out, srcs):
         size = b.shape[0] * w_t.shape[0]
         _product(xp, w_t, w, b, out[at:at + size].reshape(b.shape[0], w_t.shape[0]))
         at += size
+
+
+@kernel("mul_mat_glu")
+def _mul_mat_glu(xp, node, out, srcs):
+    """The gate's product into out, the up's into a temporary, then swiglu or geglu of the two:
+    mul_mat_multi's products and the swiglu/geglu kernel, computed as those nodes compute them."""
+    gate_t, up_t, _ = node.srcs
+    b = _f(xp, node, 2, srcs[2])
+    up = xp.empty(out.shape, dtype=xp.float32)
+    _product(xp, gate_t, srcs[0], b, out)
+    _product(xp, up_t, srcs[1], b, up)
+    act = _silu_into if node.params["glu"] == "swiglu" else _gelu_for(node)
+    _glu_into(xp, act, out, up, out)
 
 
 def _product(xp, a_t: Tensor, a, b, out) -> None:

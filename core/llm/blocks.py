@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass
 
 from ggrun.core import ops
+from ggrun.core.backends.base import Backend
+from ggrun.core.backends.host import HostArrayBackend
 from ggrun.core.llm.hparams import HParams
 from ggrun.core.llm.inputs import GraphInputs, GraphParams
 from ggrun.core.llm.kv_cache import heads_view, KVCache
@@ -68,10 +70,16 @@ def products(x: Tensor, ws: tuple[Tensor, ...], names: tuple[str, ...], name: st
     the weights' backend runs that op (on the CPU one kernel call, x quantized once), else one
     mul_mat node per weight."""
     fused = ops.mul_mat_multi(ws, x, names, name=name)
-    homes = {w.root.buffer.backend for w in ws if w.root.buffer is not None}
-    if len(homes) == 1 and homes.pop().supports_op(fused[0].view_src):
+    home = _home(ws)
+    if home is not None and home.supports_op(fused[0].view_src):
         return fused
     return [ops.mul_mat(w, x, name=n) for w, n in zip(ws, names)]
+
+
+def _home(ws: tuple[Tensor, ...]) -> Backend | None:
+    """The one backend that holds every weight of ws, or None (weights spread or not placed)."""
+    homes = {w.root.buffer.backend for w in ws if w.root.buffer is not None}
+    return homes.pop() if len(homes) == 1 else None
 
 
 def project_qkv(b: Build, x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, il: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -123,18 +131,29 @@ def attention(b: Build, il: int, q: Tensor, k: Tensor, v: Tensor, wo: Tensor, ro
     return ops.mul_mat(wo, ops.reshape(merged, (n_tokens, hp.n_head * hp.head_dim)), name=f"attn_out-{il}")
 
 
-def _gate_up(x: Tensor, gate: Tensor, up: Tensor, il: int) -> list[Tensor]:
-    return products(x, (gate, up), (f"ffn_gate-{il}", f"ffn_up-{il}"), name=f"ffn_gate_up-{il}")
+def gated(x: Tensor, gate: Tensor, up: Tensor, il: int, glu: str, f16_table: bool = False) -> Tensor:
+    """glu(x @ gate^T, x @ up^T) ("swiglu" or "geglu"): one mul_mat_glu node where the weights'
+    backend runs it, else the products (products()) and a swiglu/geglu node.
+
+    Only host backends take the fused node for now (the CPU's compiled kernel, SIM's reference):
+    a GPU without a kernel of its own for it would run the reference through its array module,
+    outside its captured graph."""
+    fused = ops.mul_mat_glu(gate, up, x, glu, f16_table, name=f"ffn_{glu}-{il}")
+    home = _home((gate, up))
+    if isinstance(home, HostArrayBackend) and home.supports_op(fused):
+        return fused
+    g, u = products(x, (gate, up), (f"ffn_gate-{il}", f"ffn_up-{il}"), name=f"ffn_gate_up-{il}")
+    if glu == "swiglu":
+        return ops.swiglu(g, u, name=f"ffn_swiglu-{il}")
+    return ops.geglu(g, u, name=f"ffn_geglu-{il}", f16_table=f16_table)
 
 
 def ffn_swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor, il: int) -> Tensor:
-    g, u = _gate_up(x, gate, up, il)
-    return ops.mul_mat(down, ops.swiglu(g, u, name=f"ffn_swiglu-{il}"), name=f"ffn_out-{il}")
+    return ops.mul_mat(down, gated(x, gate, up, il, "swiglu"), name=f"ffn_out-{il}")
 
 
 def ffn_geglu(b: Build, x: Tensor, gate: Tensor, up: Tensor, down: Tensor, il: int) -> Tensor:
-    g, u = _gate_up(x, gate, up, il)
-    h = ops.geglu(g, u, name=f"ffn_geglu-{il}", f16_table=b.llama_numerics)
+    h = gated(x, gate, up, il, "geglu", f16_table=b.llama_numerics)
     return ops.mul_mat(down, h, name=f"ffn_out-{il}")
 
 

@@ -181,7 +181,8 @@ def _flat_f32(node, arrays: list, srcs_f32: int) -> list | None:
 _GELU_TABLE: list[np.ndarray] = []
 
 
-def _gelu_table() -> np.ndarray:
+def f16_gelu_table() -> np.ndarray:
+    """ggml's f16 GELU table (vecmath.gelu_f16_table), made once per process."""
     if not _GELU_TABLE:
         _GELU_TABLE.append(gelu_f16_table())
     return _GELU_TABLE[0]
@@ -203,7 +204,7 @@ def bind_geglu(node, out, srcs, scratch):
         return None
     g, u, o = flat
     if node.params.get("f16_table"):
-        table = _gelu_table()
+        table = f16_gelu_table()
         return lambda: geglu_table_flat(g, u, table, o)
     return lambda: geglu_flat(g, u, o)
 
@@ -214,7 +215,7 @@ def bind_gelu(node, out, srcs, scratch):
     if flat is None or not node.params.get("f16_table"):
         return None
     a, o = flat
-    table = _gelu_table()
+    table = f16_gelu_table()
     return lambda: gelu_table_flat(a, table, o)
 
 

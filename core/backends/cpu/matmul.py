@@ -1,6 +1,7 @@
 """CPU binders for products with stored weights (mul_mat of a 2-d block-quantized, f16, bf16 or
-f32 weight with activation rows; mul_mat_multi, several such weights with one input) and for
-get_rows from them; the compiled kernels are in quant.py.
+f32 weight with activation rows; mul_mat_multi, several such weights with one input; mul_mat_glu,
+a feed-forward's gate and up products and their GLU) and for get_rows from them; the compiled
+kernels are in quant.py.
 
 Three ways to compute out[N, M] = x[N, K] @ w[M, K]^T, chosen per node when it is bound:
 - "q8": with llama numerics (the weight's `act_quant`), x's rows are quantized once to the 8-bit
@@ -30,6 +31,8 @@ import numpy as np
 from ggrun.core.backends.cpu import jit
 from ggrun.core.backends.cpu import quant as Q
 from ggrun.core.backends.cpu.dispatch import binds
+from ggrun.core.backends.cpu.elementwise import f16_gelu_table
+from ggrun.core.backends.cpu.warmup import warms
 from ggrun.core.dtypes import DType
 from ggrun.core.tensor import Tensor
 
@@ -355,53 +358,230 @@ def bind_mul_mat_multi(node: Tensor, out, srcs: list, scratch):
     return call
 
 
+# ---- mul_mat_glu: the gate's and the up's products and their GLU, one node ------------------------
+# Three ways, chosen per node: "r8" (both weights repacked and read with the same activation blocks:
+# one kernel call, x quantized once, the GLU applied to each step of rows as soon as both products
+# have them); "blas" (both on the BLAS path with the same tiles: per weight tile, the gate's sgemm
+# into the result, the up's into a scratch tile, then the GLU of that tile); "whole" (anything
+# else: each product's own call, the up's into scratch, then the GLU over the whole result).
+GLU_TILE_BYTES = 128 << 10  # f32 bytes of the up's rows per step of the r8 way (in L2 with the gate's)
+_NO_TABLE = np.zeros(1, np.float32)  # the table argument where the GLU reads none
+
+
+def _glu_plans(node: Tensor) -> tuple[_Plan, _Plan] | None:
+    gate, up, b = node.srcs
+    plans = (_plan(gate, b), _plan(up, b))
+    return None if node.dtype is not DType.F32 or None in plans else plans
+
+
+def _glu_way(node: Tensor, plans: tuple[_Plan, _Plan]) -> tuple[str, list | None]:
+    """("r8", the weights' r8 arrays), ("blas", None) or ("whole", None)."""
+    packs = _fused(list(plans), list(node.srcs[:2]))
+    if packs is not None:
+        return "r8", packs
+    g, u = plans
+    if g.path == u.path == "blas" and g.dtype is not DType.F32 and u.dtype is not DType.F32 and \
+            (g.act, g.cols, g.min_columns) == (u.act, u.cols, u.min_columns):
+        return "blas", None
+    return "whole", None
+
+
+def _glu_step(plan: _Plan) -> int:
+    """r8 groups per step: the up's rows of one step fill at most GLU_TILE_BYTES (one group at least)."""
+    return max(1, GLU_TILE_BYTES // (4 * plan.n * Q.R8))
+
+
+def _glu_tile_bytes(plan: _Plan) -> int:
+    """One thread's tile of the r8 way: the up's rows of one step."""
+    return _round64(4 * plan.n * min(Q.R8 * _glu_step(plan), plan.m))
+
+
+def _glu_scratch(node: Tensor) -> int:
+    plans = _glu_plans(node)
+    if plans is None:
+        return 0
+    g, u = plans
+    way, _ = _glu_way(node, plans)
+    if way == "r8":
+        return Q.act_arrays_bytes(g.n, g.k) + numba.config.NUMBA_NUM_THREADS * _glu_tile_bytes(g)
+    if way == "blas":
+        return g.scratch_bytes() + _round64(4 * g.n * g.tile_rows)
+    return _round64(4 * g.n * g.m) + max(g.scratch_bytes(), u.scratch_bytes())
+
+
+def _glu_kind(node: Tensor) -> tuple[int, np.ndarray]:
+    """The compiled GLU's kind and the table it reads (ggml's f16 GELU table for llama numerics)."""
+    if node.params["glu"] == "swiglu":
+        return Q.GLU_SWIGLU, _NO_TABLE
+    if node.params.get("f16_table"):
+        return Q.GLU_GEGLU_TABLE, f16_gelu_table()
+    return Q.GLU_GEGLU, _NO_TABLE
+
+
+@binds("mul_mat_glu", scratch=_glu_scratch)
+def bind_mul_mat_glu(node: Tensor, out, srcs: list, scratch):
+    """glu(x @ gate^T, x @ up^T) into out [N, M], in one of the three ways above."""
+    plans = _glu_plans(node)
+    if plans is None:
+        return None
+    g, u = plans
+    x = _rows2d(srcs[2], g.n, g.k)
+    out2 = _rows2d(out, g.n, g.m)
+    if x is None or out2 is None or not out2.flags.c_contiguous or x.dtype != np.float32:
+        return None
+    if scratch is None or scratch.nbytes < _glu_scratch(node):  # planned without this binder's sizes
+        return None
+    kind, table = _glu_kind(node)
+    way, packs = _glu_way(node, plans)
+    if way == "r8":
+        return _bind_glu_r8(plans, packs, x, out2, scratch, kind, table)
+    if way == "blas":
+        return _bind_glu_blas(plans, srcs[:2], x, out2, scratch, kind, table)
+    up = scratch[:4 * g.n * g.m].view(np.float32).reshape(g.n, g.m)
+    rest = scratch[_round64(4 * g.n * g.m):]
+    calls = (_bind_product(g, node.srcs[0], srcs[0], x, out2, rest),
+             _bind_product(u, node.srcs[1], srcs[1], x, up, rest))
+    if None in calls:
+        return None
+
+    def call() -> None:
+        calls[0]()
+        calls[1]()
+        Q.glu_rows(kind, table, out2, up)
+    return call
+
+
+def _bind_glu_r8(plans: tuple[_Plan, _Plan], packs: list, x, out2, scratch, kind: int, table):
+    """One call of the r8 GLU kernel, its groups split over threads as mul_mat_multi splits its parts'."""
+    g, u = plans
+    qs, d, s, sums = Q.act_arrays(scratch, g.n, g.k)
+    at = Q.act_arrays_bytes(g.n, g.k)
+    size = _glu_tile_bytes(g)
+    tiles = scratch[at:at + numba.config.NUMBA_NUM_THREADS * size].view(np.float32).reshape(-1, size // 4)
+    step = _glu_step(g)
+    args = ((g.code, u.code), g.act, packs[0], packs[1], kind, table, x, qs, d, s, sums, out2, tiles, step)
+    chunks = min(_chunks(g, g.weight_bytes + u.weight_bytes), packs[0].shape[0], tiles.shape[0])
+    if chunks > 1:
+        return partial(Q.mul_mat_glu_r8_avx2_par, *args, chunks)
+    return partial(Q.mul_mat_glu_r8_avx2, *args)
+
+
+def _bind_glu_blas(plans: tuple[_Plan, _Plan], ws: list, x, out2, scratch, kind: int, table):
+    """Per weight tile: the gate's sgemm into out's columns, the up's into a scratch tile, their GLU.
+    Both plans round x alike, so they share the rounded rows and the decoded tile."""
+    g, u = plans
+    shared = scratch[:g.scratch_bytes()]
+    gate, up = _blas_parts(g, ws[0], x, shared), _blas_parts(u, ws[1], x, shared)
+    if gate is None or up is None:
+        return None
+    prepare, lhs, gate_tiles = gate
+    flat = scratch[g.scratch_bytes():].view(np.float32)
+    steps = [(out2[:, m0:m1], load_g, rhs_g, load_u, rhs_u, flat[:g.n * (m1 - m0)].reshape(g.n, m1 - m0))
+             for (m0, m1, load_g, rhs_g), (_, _, load_u, rhs_u) in zip(gate_tiles, up[2])]
+
+    def call() -> None:
+        prepare()
+        for dst, load_g, rhs_g, load_u, rhs_u, up_tile in steps:
+            load_g()
+            np.matmul(lhs, rhs_g.T, out=dst)
+            load_u()
+            np.matmul(lhs, rhs_u.T, out=up_tile)
+            Q.glu_rows(kind, table, dst, up_tile)
+    return call
+
+
 def _bind_blas(plan: _Plan, w, x, out2, scratch):
     """Decode the weight tile by tile into scratch; sgemm each tile into its columns of out."""
+    parts = _blas_parts(plan, w, x, scratch)
+    if parts is None:
+        return None
+    prepare, lhs, tiles = parts
+
+    def call() -> None:
+        prepare()
+        for m0, m1, load, rhs in tiles:
+            load()
+            np.matmul(lhs, rhs.T, out=out2[:, m0:m1])
+    return call
+
+
+def _blas_parts(plan: _Plan, w, x, scratch):
+    """The BLAS path's pieces, or None where the weight's array does not suit it: (prepare, lhs,
+    tiles). prepare() rounds x into scratch as the plan asks (lhs is then that, else x itself);
+    each tile (m0, m1, load, rhs): load() decodes weight rows m0..m1 into rhs (the weight itself
+    for F32), and lhs @ rhs^T is out[:, m0:m1]. Plans alike in `cols` and `act` lay out the same
+    scratch, so two weights' tiles may share it and one prepare()."""
     at = 0
-    rounded = None
+    prepare, lhs = _nothing, x
     if plan.act is not None:
         q_bytes = Q.act_arrays_bytes(plan.n, plan.k)
         act_arrays = Q.act_arrays(scratch[:q_bytes], plan.n, plan.k)
-        at = q_bytes
-        rounded = scratch[at:at + plan.n * plan.cols * 4].view(np.float32).reshape(plan.n, plan.cols)
-        at += _round64(plan.n * plan.cols * 4)
-    lhs = rounded if rounded is not None else x
+        lhs = scratch[q_bytes:q_bytes + plan.n * plan.cols * 4].view(np.float32).reshape(plan.n, plan.cols)
+        at = q_bytes + _round64(plan.n * plan.cols * 4)
+        if plan.min_columns:
+            prepare = partial(Q.round_rows_s, x, *act_arrays, lhs)
+        else:
+            prepare = partial(Q.round_rows, plan.act, x, *act_arrays, lhs)
     if plan.dtype is DType.F32:
         if w.ndim != 2 or w.shape != (plan.m, plan.k):
             return None
-        steps = [(None, None, w, out2)]
-    else:
-        w = _stored_rows(w, plan.dtype, plan.m, plan.k)
-        if w is None:
-            return None
-        rows = plan.tile_rows
-        tile = scratch[at:at + rows * plan.cols * 4].view(np.float32).reshape(rows, plan.cols)
-        steps = [(m0, min(plan.m, m0 + rows), tile[:min(plan.m, m0 + rows) - m0], out2[:, m0:m0 + rows])
-                 for m0 in range(0, plan.m, rows)]
+        return prepare, lhs, [(0, plan.m, _nothing, w)]
+    w = _stored_rows(w, plan.dtype, plan.m, plan.k)
+    if w is None:
+        return None
+    rows = plan.tile_rows
+    tile = scratch[at:at + rows * plan.cols * 4].view(np.float32).reshape(rows, plan.cols)
+    tiles = []
+    for m0 in range(0, plan.m, rows):
+        m1 = min(plan.m, m0 + rows)
+        rhs = tile[:m1 - m0]
+        tiles.append((m0, m1, _tile_loader(plan, w, m0, m1, rhs), rhs))
+    return prepare, lhs, tiles
+
+
+def _nothing() -> None:
+    pass
+
+
+def _tile_loader(plan: _Plan, w, m0: int, m1: int, rhs):
+    """The call decoding weight rows m0..m1 into rhs (and, for the min columns, their block mins)."""
     threads = jit.threads()
     avx2 = Q.SIMD == "avx2"
+    values, mins = rhs[:, :plan.k], rhs[:, plan.k:]
     if threads > 1:
-        decode = Q.dequantize_rows_avx2_par if avx2 else Q.dequantize_rows_par
+        decode = partial(Q.dequantize_rows_avx2_par if avx2 else Q.dequantize_rows_par,
+                         plan.code, w, m0, m1, values, threads)
     else:
-        decode = Q.dequantize_rows_avx2 if avx2 else Q.dequantize_rows
+        decode = partial(Q.dequantize_rows_avx2 if avx2 else Q.dequantize_rows, plan.code, w, m0, m1, values)
+    if not plan.min_columns:
+        return decode
 
-    k, mins = plan.k, plan.min_columns
+    def load() -> None:
+        decode()
+        Q.block_mins(plan.code, w, m0, m1, mins)
+    return load
 
-    def call() -> None:
-        if mins:
-            Q.round_rows_s(x, *act_arrays, rounded)
-        elif rounded is not None:
-            Q.round_rows(plan.act, x, *act_arrays, rounded)
-        for m0, m1, rhs, dst in steps:
-            if m0 is not None:
-                if threads > 1:
-                    decode(plan.code, w, m0, m1, rhs[:, :k], threads)
-                else:
-                    decode(plan.code, w, m0, m1, rhs[:, :k])
-                if mins:
-                    Q.block_mins(plan.code, w, m0, m1, rhs[:, k:])
-            np.matmul(lhs, rhs.T, out=dst)
-    return call
+
+def _warm_glu(lf, n_tokens: int, act_quant: bool, large: bool) -> Tensor:
+    """A mul_mat_glu of Q4_0 weights, read-only as a memory map gives them (see warmup.py)."""
+    from ggrun.core import ops
+
+    rows = 8 * (PARALLEL_MIN_BYTES // (8 * DType.Q4_0.row_bytes(256) * n_tokens) + 1) if large else 16
+    ws = []
+    for name in ("gate", "up"):
+        raw = np.zeros(rows * DType.Q4_0.row_bytes(256), np.uint8)
+        raw.flags.writeable = False
+        w = lf.ctx.from_bytes(name, DType.Q4_0, (rows, 256), raw)
+        if act_quant:
+            w.params["act_quant"] = "q8_0"
+        lf.ctx.prepare_weight(w)
+        ws.append(w)
+    return ops.mul_mat_glu(*ws, lf.input("x", np.ones((n_tokens, 256), np.float32)), "geglu", act_quant)
+
+
+# the ways models meet: r8 on one thread and on all (decode, prompts), whole and BLAS (f32 numerics)
+for _case in ((1, True, False), (64, True, True), (1, False, False), (64, False, False)):
+    warms(lambda lf, c=_case: _warm_glu(lf, *c))
 
 
 @binds("get_rows")

@@ -1,6 +1,7 @@
 """Compiled kernels for GGUF block-quantized weights on the CPU: activation rows quantized to
 8-bit blocks (Q8_0, Q8_1, Q8_K), ggml's integer dot products of each weight type against them,
-f32 dot products for F16/BF16/F32 weights, and rows of every type decoded to f32.
+f32 dot products for F16/BF16/F32 weights, rows of every type decoded to f32, and the gated
+feed-forward's GLU applied to its two products as they come (mul_mat_glu).
 
 Everything compiled lives in this one file, because numba's disk cache only notices changes to
 the file of the function it compiled, not to the files of the functions that it inlined.
@@ -26,6 +27,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
 from ggrun.core.backends.cpu.jit import kernel
+from ggrun.core.backends.cpu.vecmath import gelu, gelu_table, silu
 from ggrun.core.dtypes import DType
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -2054,6 +2056,70 @@ def mul_mat_r8_avx2_par(codes, act, packs, n_parts, x, qs, d, s, sums, outs, n_c
     step = (total + n_chunks - 1) // n_chunks
     for c in prange(n_chunks):
         _r8_parts(codes, packs, n_parts, qs, d, s, sums, outs, c * step, min(total, (c + 1) * step))
+
+
+# A gated feed-forward's first half (mul_mat_glu): the gate's and the up's rows of one chunk of
+# groups, then the GLU of the two while they are in cache. The gate's rows go to the result, the
+# up's to a tile of the caller's scratch, `step` groups at a time; threads split the groups.
+GLU_SWIGLU, GLU_GEGLU, GLU_GEGLU_TABLE = 0, 1, 2
+
+
+@kernel(inline="always")
+def _glu(kind, g, u, table):
+    """silu(g) * u, gelu(g) * u or ggml's table GELU of g times u (the elementwise kernels' formulas)."""
+    if kind == GLU_SWIGLU:
+        return silu(g) * u
+    if kind == GLU_GEGLU_TABLE:
+        return gelu_table(g, table) * u
+    return gelu(g) * u
+
+
+@kernel(_nrt=False)
+def _glu_span(kind, table, out, up, r0, r1):
+    """out[:, r0:r1] = glu(out[:, r0:r1], up[:, 0:r1 - r0])."""
+    for n in range(out.shape[0]):
+        for r in range(r0, r1):
+            out[n, r] = _glu(kind, out[n, r], up[n, r - r0], table)
+
+
+@kernel
+def glu_rows(kind, table, out, up):
+    """out = glu(out, up) for [N, M] arrays (kind: GLU_SWIGLU, GLU_GEGLU or GLU_GEGLU_TABLE)."""
+    _glu_span(kind, table, out, up, 0, out.shape[1])
+
+
+@kernel(_nrt=False)
+def _r8_glu_groups(codes, pg, pu, kind, table, qs, d, s, sums, out, tile, g0, g1, step):
+    """Groups g0..g1 of the r8 gate pg and up pu, `step` groups at a time: the gate's rows into out,
+    the up's into tile (f32, at least N * 8 * step), then out = glu(gate, up) over those rows."""
+    n = qs.shape[0]
+    m = out.shape[1]
+    for a in range(g0, g1, step):
+        b = min(a + step, g1)
+        r0, r1 = R8 * a, min(R8 * b, m)
+        _rows_r8_any_avx2(codes[0], pg, qs, d, s, sums, out, a, b, 0, n)
+        up = tile[:n * (r1 - r0)].reshape((n, r1 - r0))
+        _rows_r8_any_avx2(codes[1], pu[a:b], qs, d, s, sums, up, 0, b - a, 0, n)
+        _glu_span(kind, table, out, up, r0, r1)
+
+
+@kernel
+def mul_mat_glu_r8_avx2(codes, act, pg, pu, kind, table, x, qs, d, s, sums, out, tiles, step):
+    """out = glu(x @ gate^T, x @ up^T) for r8 weights pg and pu of types codes[0], codes[1] that
+    read the same `act` blocks: x quantized once, tiles[0] holding the up's rows of each step."""
+    _prefetch_rows(pg, 0, PF_GROUPS)
+    quantize_rows_avx2(act, x, qs, d, s, sums)
+    _r8_glu_groups(codes, pg, pu, kind, table, qs, d, s, sums, out, tiles[0], 0, pg.shape[0], step)
+
+
+@kernel(parallel=True)
+def mul_mat_glu_r8_avx2_par(codes, act, pg, pu, kind, table, x, qs, d, s, sums, out, tiles, step, n_chunks):
+    quantize_rows_avx2(act, x, qs, d, s, sums)
+    total = pg.shape[0]
+    per = (total + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        _r8_glu_groups(codes, pg, pu, kind, table, qs, d, s, sums, out, tiles[c], c * per,
+                       min(total, (c + 1) * per), step)
 
 
 # ---------------------------------------------------------------------------------------------
