@@ -16,7 +16,7 @@ from ggrun.core import ops  # noqa: E402
 from ggrun.core.backends.cuda import CUDABackend  # noqa: E402
 from ggrun.core.dtypes import DType  # noqa: E402
 from ggrun.core.ops import ROPE_NEOX, ROPE_NORMAL  # noqa: E402
-from tests.core.backend_ops import compare, planned  # noqa: E402
+from tests.core.backend_ops import ReferenceBackend, compare, nmse, planned, run_on  # noqa: E402
 from tests.core.test_cpu_matmul import K_QUANTS, TYPES, weight_data  # noqa: E402
 
 F32, F16, I32 = DType.F32, DType.F16, DType.I32
@@ -180,32 +180,62 @@ def test_rope_set_rows_and_set_rows(gpu, cache):
     check(gpu, build_v, 1e-6)
 
 
-@pytest.mark.parametrize("kv_dtype", [F16, F32])
-@pytest.mark.parametrize("t,n_kv,hq,hk,d", [(1, 33, 4, 2, 64), (1, 1000, 9, 3, 64), (7, 256, 4, 1, 256),
-                                             (64, 300, 8, 2, 128), (3, 40, 2, 2, 16)])
-def test_flash_attn(gpu, kv_dtype, t, n_kv, hq, hk, d):
+def attention_case(kv_dtype, t: int, n_kv: int, hq: int, hk: int, d: int, seen: int | None = None):
+    """A fused-attention graph builder: t query rows per head over n_kv cached keys, causal, and only
+    the first `seen` cells visible (the rest of a padded cache) when given."""
     qd = values(hq, t, d)
     kd, vd = values(n_kv, hk * d).astype(kv_dtype.np_dtype), values(n_kv, hk * d).astype(kv_dtype.np_dtype)
-    causal = np.arange(n_kv)[None, :] > (n_kv - t + np.arange(t))[:, None]
-    md = np.where(causal, -np.inf, 0).astype(np.float16)
+    top = n_kv if seen is None else seen
+    cells = np.arange(n_kv)[None, :]
+    hidden = (cells > (top - t + np.arange(t))[:, None]) | (cells >= top)
+    md = np.where(hidden, -np.inf, 0).astype(np.float16)
 
     def build(lf):
         k = ops.permute(ops.view(lf.weight("k", kv_dtype, (n_kv, hk * d), kd), (n_kv, hk, d)), (1, 0, 2))
         v = ops.permute(ops.view(lf.weight("v", kv_dtype, (n_kv, hk * d), vd), (n_kv, hk, d)), (1, 0, 2))
         return ops.flash_attn(lf.input("q", F32, qd), k, v, lf.input("mask", F16, md), scale=d ** -0.5)
-    check(gpu, build, NMSE_ATTENTION)
+    return build
 
 
+@pytest.mark.parametrize("kv_dtype", [F16, F32])
+@pytest.mark.parametrize("t,n_kv,hq,hk,d,seen", [(1, 33, 4, 2, 64, None), (1, 1000, 9, 3, 64, None),
+                                                  (7, 256, 4, 1, 256, None), (64, 300, 8, 2, 128, None),
+                                                  (3, 40, 2, 2, 16, None), (1, 4096, 32, 8, 64, 37),
+                                                  (2, 8192, 8, 8, 128, 3000), (8, 512, 16, 4, 64, 200)])
+def test_flash_attn(gpu, kv_dtype, t, n_kv, hq, hk, d, seen):
+    """Prompt rows (a warp per row) and decode rows (attn_decode: key chunks merged by the last block),
+    with key chunks that no row sees."""
+    check(gpu, attention_case(kv_dtype, t, n_kv, hq, hk, d, seen), NMSE_ATTENTION)
+
+
+def test_attn_decode_runs_again(gpu):
+    """The decode kernel elects its merging block with counters it must leave at zero: the same plan
+    run again, eagerly, captured and replayed, gives the same result each time."""
+    build = attention_case(F16, 1, 2048, 32, 8, 64, 300)
+    want = run_on(ReferenceBackend(), build)
+    sched, sg, leafs, out = planned(gpu, build)
+    for t, data in leafs.feeds.items():
+        sched.set_tensor(t, data)
+    for _ in range(4):
+        sched.compute(sg)
+        assert nmse(sched.get_tensor(out), want) < NMSE_ATTENTION
+
+
+@pytest.mark.parametrize("kinds", [((DType.Q4_0, 96), (DType.Q6_K, 32), (DType.F16, 40)),
+                                   ((DType.Q4_0, 96), (DType.Q4_0, 32), (DType.Q4_0, 40)),
+                                   ((DType.Q8_0, 64), (DType.Q8_0, 32), (DType.Q4_1, 32), (DType.Q4_1, 8))],
+                         ids=["mixed", "one-type", "two-pairs"])
 @pytest.mark.parametrize("n_tokens", [1, 7, 64])
-def test_mul_mat_multi(gpu, n_tokens):
-    """q, k and v (or gate and up) from one activation: weights of different types and heights."""
+def test_mul_mat_multi(gpu, n_tokens, kinds):
+    """q, k and v (or gate and up) from one activation: weights of different types and heights, and
+    runs of one type that a single product launch serves."""
     k = 256
-    kinds = [(DType.Q4_0, 96), (DType.Q6_K, 32), (DType.F16, 40)]
     data = [weight_data(dt, m, k, seed=i) for i, (dt, m) in enumerate(kinds)]
     x = values(n_tokens, k)
 
     def build(lf):
         ws = tuple(lf.weight(f"w{i}", dt, (m, k), d) for i, ((dt, m), d) in enumerate(zip(kinds, data)))
-        views = ops.mul_mat_multi(ws, lf.input("x", F32, x), ("q", "k", "v"))
-        return ops.add(ops.cont(views[1]), ops.cont(views[1]))  # reads a view in the middle
+        views = ops.mul_mat_multi(ws, lf.input("x", F32, x), tuple(f"p{i}" for i in range(len(ws))))
+        flat = views[0].view_src  # every product, one after another
+        return ops.add(flat, flat)
     check(gpu, build, NMSE_MUL_MAT)

@@ -9,6 +9,7 @@
 
 #define FA_WARPS 4
 #define FA_KEYS 32
+#define DECODE_ROWS 32  // query rows per KV head that attn_decode serves (ops.py: DECODE_ROWS)
 
 // EPL: head-dimension elements per lane (d <= 32 * EPL); TK: the cache's type
 template <int TK, int EPL>
@@ -111,4 +112,179 @@ extern "C" __global__ void attn_combine(const float *part, float *out, int d, in
         }
         out[row * d + e] = den > 0.0f ? num / den : 0.0f;
     }
+}
+
+// eight consecutive elements of a float tensor from a 16-byte aligned element offset
+template <int T> __device__ __forceinline__ void ld8(const void *p, i64 i, float *out);
+template <> __device__ __forceinline__ void ld8<T_F32>(const void *p, i64 i, float *out) {
+    const float4 a = *(const float4 *)((const float *)p + i), b = *(const float4 *)((const float *)p + i + 4);
+    out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w, out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
+}
+template <> __device__ __forceinline__ void ld8<T_F16>(const void *p, i64 i, float *out) {
+    const uint4 u = *(const uint4 *)((const __half *)p + i);
+    const __half2 *h = (const __half2 *)&u;
+#pragma unroll
+    for (int x = 0; x < 4; x++) {
+        const float2 f = __half22float2(h[x]);
+        out[2 * x] = f.x, out[2 * x + 1] = f.y;
+    }
+}
+template <> __device__ __forceinline__ void ld8<T_BF16>(const void *p, i64 i, float *out) {
+    const uint4 u = *(const uint4 *)((const u16 *)p + i);
+    const u32 w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int x = 0; x < 4; x++) out[2 * x] = __uint_as_float(w[x] << 16), out[2 * x + 1] = __uint_as_float(w[x] & 0xFFFF0000u);
+}
+
+#define DEC_THREADS 128
+#define DEC_RT 4  // query rows the value pass accumulates at once (registers: DEC_RT * 8)
+#define DEC_UNROLL 4  // keys each thread loads before using them (loads in flight together)
+
+// Decode attention (flash-decoding for few query rows): a block per KV head g and chunk of keys; the
+// R = T * r query rows of the group (token t, query head g * r + i) sit in shared memory. Latency, not
+// bandwidth, bounds this kernel, so each pass issues its loads together: the mask first (a row's
+// scores start as its mask values, and the chunk's visible span [lo, hi) is found), then the keys of
+// that span, D / 8 lanes per key with eight elements each (one 16-byte load), DEC_UNROLL keys per
+// thread at once, partial dots summed by shuffles. A warp per row turns scores into weights. Values:
+// a thread per eight elements and a share of the keys, four rows at a time, summed over the key
+// shares through shared memory. With several chunks each block writes its partial maximum, sum and
+// output; the last block of a group to finish (a ticket in `tickets`, which it resets to 0) merges
+// them, so one launch does all.
+template <int TK, int D>
+__global__ void __launch_bounds__(DEC_THREADS) attn_decode(
+    const float *q, const void *k, const void *v, const __half *mask, float *out, float *part, int *tickets,
+    int d, int T, int r, int n_kv, int chunk, i64 sq0, i64 sq1, i64 sk0, i64 sk1, i64 sv0, i64 sv1, i64 ldm,
+    float scale) {
+    constexpr int LPK = D / 8, KPB = DEC_THREADS / LPK;  // lanes per key, keys per block step
+    extern __shared__ float smem[];
+    __shared__ float row_m[DECODE_ROWS], row_l[DECODE_ROWS];
+    __shared__ int lo, hi;
+    __shared__ bool last;
+    const int R = T * r, g = blockIdx.x, split = gridDim.y, s = blockIdx.y, hq = gridDim.x * r;
+    const int kv0 = s * chunk, C = min(n_kv, kv0 + chunk) - kv0;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, o = threadIdx.x % LPK, kl = threadIdx.x / LPK;
+    float *qs = smem, *ss = qs + R * D, *red = ss + R * chunk;  // q [R][D], scores [R][chunk], sums [KPB][RT][D]
+    if (threadIdx.x == 0) lo = C, hi = 0;
+    for (int x = threadIdx.x; x < R * D; x += DEC_THREADS) {
+        const int i = x / D, e = x % D;
+        qs[x] = q[(i64)(g * r + i % r) * sq0 + (i64)(i / r) * sq1 + e];
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < C; j += DEC_THREADS) {
+        bool seen = false;
+        for (int t = 0; t < T; t++) {
+            const float mk = __half2float(mask[(i64)t * ldm + kv0 + j]);
+            seen |= mk != -INFINITY;
+            for (int i = t * r; i < (t + 1) * r; i++) ss[i * chunk + j] = mk;
+        }
+        if (seen) atomicMin(&lo, j), atomicMax(&hi, j + 1);
+    }
+    __syncthreads();
+    const int j0 = lo, j1 = hi;
+    for (int jb = j0; jb < j1; jb += KPB * DEC_UNROLL) {
+        float kx[DEC_UNROLL][8];
+#pragma unroll
+        for (int u = 0; u < DEC_UNROLL; u++) {
+            const int j = jb + u * KPB + kl;
+            if (j < j1) ld8<TK>(k, (i64)g * sk0 + (i64)(kv0 + j) * sk1 + o * 8, kx[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < DEC_UNROLL; u++) {
+            const int j = jb + u * KPB + kl;
+            for (int i = 0; i < R; i++) {
+                float dot = 0.0f;
+                if (j < j1) {
+                    const float *qr = qs + i * D + o * 8;
+#pragma unroll
+                    for (int x = 0; x < 8; x++) dot += qr[x] * kx[u][x];
+                }
+#pragma unroll
+                for (int off = LPK / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffff, dot, off);
+                if (j < j1 && o == 0 && ss[i * chunk + j] != -INFINITY) ss[i * chunk + j] += dot * scale;
+            }
+        }
+    }
+    __syncthreads();
+    for (int i = warp; i < R; i += DEC_THREADS / 32) {
+        float m = -INFINITY;
+        for (int j = j0 + lane; j < j1; j += 32) m = fmaxf(m, ss[i * chunk + j]);
+        m = warp_max(m);
+        float l = 0.0f;
+        for (int j = j0 + lane; j < j1; j += 32) {
+            const float p = m == -INFINITY ? 0.0f : __expf(ss[i * chunk + j] - m);
+            ss[i * chunk + j] = p;
+            l += p;
+        }
+        l = warp_sum(l);
+        if (lane == 0) row_m[i] = m, row_l[i] = l;
+    }
+    __syncthreads();
+    for (int i0 = 0; i0 < R; i0 += DEC_RT) {
+        float acc[DEC_RT][8];
+#pragma unroll
+        for (int i = 0; i < DEC_RT; i++)
+#pragma unroll
+            for (int x = 0; x < 8; x++) acc[i][x] = 0.0f;
+        for (int jb = j0; jb < j1; jb += KPB * DEC_UNROLL) {
+            float vx[DEC_UNROLL][8];
+#pragma unroll
+            for (int u = 0; u < DEC_UNROLL; u++) {
+                const int j = jb + u * KPB + kl;
+                if (j < j1) ld8<TK>(v, (i64)g * sv0 + (i64)(kv0 + j) * sv1 + o * 8, vx[u]);
+            }
+#pragma unroll
+            for (int u = 0; u < DEC_UNROLL; u++) {
+                const int j = jb + u * KPB + kl;
+                if (j >= j1) continue;
+#pragma unroll
+                for (int i = 0; i < DEC_RT; i++) {
+                    const float p = i0 + i < R ? ss[(i0 + i) * chunk + j] : 0.0f;
+#pragma unroll
+                    for (int x = 0; x < 8; x++) acc[i][x] += p * vx[u][x];
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < DEC_RT; i++)
+#pragma unroll
+            for (int x = 0; x < 8; x++) red[(kl * DEC_RT + i) * D + o * 8 + x] = acc[i][x];
+        __syncthreads();
+        for (int x = threadIdx.x; x < DEC_RT * D; x += DEC_THREADS) {
+            const int i = i0 + x / D, e = x % D;
+            if (i >= R) continue;
+            float sum = 0.0f;
+            for (int c = 0; c < KPB; c++) sum += red[c * DEC_RT * D + x];
+            const i64 orow = (i64)(i / r) * hq + g * r + i % r;
+            if (split == 1) {
+                out[orow * D + e] = row_l[i] > 0.0f ? sum / row_l[i] : 0.0f;
+            } else {
+                float *pr = part + ((i64)s * T * hq + orow) * (D + 2);
+                if (e == 0) pr[0] = row_m[i], pr[1] = row_l[i];
+                pr[2 + e] = sum;
+            }
+        }
+        __syncthreads();
+    }
+    if (split == 1) return;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(tickets + g, 1) == split - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int x = threadIdx.x; x < R * D; x += DEC_THREADS) {
+        const int i = x / D, e = x % D;
+        const i64 orow = (i64)(i / r) * hq + g * r + i % r;
+        float mx = -INFINITY;
+        for (int c = 0; c < split; c++) mx = fmaxf(mx, __ldcg(part + ((i64)c * T * hq + orow) * (D + 2)));
+        float num = 0.0f, den = 0.0f;
+        for (int c = 0; c < split; c++) {
+            const float *pr = part + ((i64)c * T * hq + orow) * (D + 2);  // other blocks wrote it: read from L2
+            const float mc = __ldcg(pr), w = mc == -INFINITY ? 0.0f : __expf(mc - mx);
+            num += w * __ldcg(pr + 2 + e);
+            den += w * __ldcg(pr + 1);
+        }
+        out[orow * D + e] = den > 0.0f ? num / den : 0.0f;
+    }
+    if (threadIdx.x == 0) tickets[g] = 0;
 }

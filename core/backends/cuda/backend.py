@@ -33,6 +33,7 @@ from ggrun.core.tensor import Tensor
 STAGING_BYTES = 16 << 20  # pinned host memory for copies; larger copies go straight from pageable memory
 H2D, D2H = 1, 2  # cudaMemcpyKind
 PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
+TICKETS = 1024  # counters shared by kernels that elect a last block (one per KV head in attention)
 BLOCK_OPS = ("mul_mat", "mul_mat_multi", "get_rows")  # the ops whose kernels read GGUF blocks
 
 
@@ -61,6 +62,7 @@ class CUDABackend(Backend):
             self._staging = cupy.cuda.alloc_pinned_memory(STAGING_BYTES)
         self._host = np.frombuffer(self._staging, dtype=np.uint8, count=STAGING_BYTES)
         self._staged = 0
+        self._tickets = None
         self._peer: dict[int, bool] = {}  # another GPU's index -> whether copies from it go peer to peer
         self.use_graphs = graphs_enabled()
 
@@ -90,6 +92,16 @@ class CUDABackend(Backend):
             return node.op in BLOCK_OPS and all(
                 s.dtype.name in TYPE_IDS and len(s.shape) == 2 and s.is_contiguous for s in quantized)
         return TABLE.handles(node.op) or node.op in KERNELS
+
+    def tickets(self, n: int) -> "cupy.ndarray":
+        """n zeroed ints that kernels whose blocks count themselves in (to elect a last block) share:
+        launches on the one stream never overlap, and each leaves its counters at 0 again."""
+        if self._tickets is None:
+            with self._dev:
+                self._tickets = cupy.zeros(TICKETS, dtype=cupy.int32)
+        if n > TICKETS:
+            raise ValueError(f"{n} counters asked, {TICKETS} exist")
+        return self._tickets
 
     def scratch_bytes(self, node: Tensor) -> int:
         return TABLE.scratch_bytes(node)

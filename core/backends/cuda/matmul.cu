@@ -90,11 +90,23 @@ template <> __device__ __forceinline__ float vdot<T_Q8_0>(const u8 *b, const blo
     return ld_f16(b) * __low2float(y.ds) * (float)s;
 }
 
-// out[c, row] = W[row] . y[c] for NC token rows; a warp per weight row, its lanes over the blocks
+// out[c, row] = W[row] . y[c] for NC token rows; a warp per weight row, its lanes over the blocks.
+// Up to three weights of one type and width in one launch (q, k and v; gate and up): global row
+// `row` falls in weight 0 (rows [0, m0)), 1 ([m0, m0 + m1)) or 2 (the rest, up to `rows`); each
+// weight's product [NC, m_i] is contiguous at o_i.
 template <int T, int NC>
-__global__ void mmvq(const u8 *w, const block_q8_1 *y, float *out, int ncols, i64 row_bytes, int rows, i64 ldo) {
+__global__ void mmvq(const u8 *w0, const u8 *w1, const u8 *w2, float *o0, float *o1, float *o2, int m0, int m1,
+                     const block_q8_1 *y, int ncols, i64 row_bytes, int rows) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= rows) return;
+    const u8 *w = w0;
+    float *out = o0;
+    int ldo = m0;
+    if (row >= m0 + m1) {
+        w = w2, out = o2, ldo = rows - m0 - m1, row -= m0 + m1;
+    } else if (row >= m0) {
+        w = w1, out = o1, ldo = m1, row -= m0;
+    }
     int lane = threadIdx.x & 31, nb = ncols / 32;
     const u8 *wr = w + row * row_bytes;
     float acc[NC];
@@ -108,7 +120,7 @@ __global__ void mmvq(const u8 *w, const block_q8_1 *y, float *out, int ncols, i6
 #pragma unroll
     for (int c = 0; c < NC; c++) {
         float v = warp_sum(acc[c]);
-        if (lane == 0) out[c * ldo + row] = v;
+        if (lane == 0) out[(i64)c * ldo + row] = v;
     }
 }
 

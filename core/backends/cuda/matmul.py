@@ -96,31 +96,60 @@ binds("mul_mat", scratch=_scratch)(_bind_products)
 binds("mul_mat_multi", scratch=_scratch)(_bind_products)
 
 
+MMVQ_WEIGHTS = 3  # weights one mmvq launch serves
+
+
 def _gemv(node: Tensor, parts: list, b, ldb: int, scratch, k: int, n: int) -> Step:
-    """Decode products: the activations quantized once to q8_1 (when a weight takes __dp4a), then a
-    product launch per weight and chunk of token rows."""
+    """Decode products: the activations quantized once to q8_1 (when a weight takes __dp4a), then per
+    chunk of token rows one mmvq launch for up to three __dp4a weights of one type, and a gemv launch
+    for each other weight."""
     launches = []
     quantized = _quantizes(node, k)
     if quantized:
         blocks = n * (k // 32)
         launches.append(Launch(kernel("matmul.cu", "quantize_q8_1"), (-(-blocks // 8),), (256,),
                                (ptr(b), ptr(scratch), i32(k), i64(ldb), i32(n))))
-    for qt, a, m, out_at in parts:
-        t = TYPE_IDS[qt.name]
-        grid, row_bytes, row0 = (-(-m // WARPS),), qt.row_bytes(k), 0
-        dp4a = quantized and qt.name in DP4A_TYPES
-        for c in _chunks(n):
-            o = np.uint64(out_at + row0 * m * 4)
-            if dp4a:
-                y = np.uint64(scratch.data.ptr + row0 * (k // 32) * Q8_1_BYTES)
-                args = (ptr(a), y, o, i32(k), i64(row_bytes), i32(m), i64(m))
-                launches.append(Launch(kernel("matmul.cu", f"mmvq<{t}, {c}>"), grid, (32 * WARPS,), args))
-            else:
+    dp4a = [p for p in parts if quantized and p[0].name in DP4A_TYPES]
+    groups = _same_type_groups(dp4a)
+    row0 = 0
+    for c in _chunks(n):
+        for group in groups:
+            launches.append(_mmvq(group, scratch, k, row0, c))
+        for qt, a, m, out_at in parts:
+            if not any(p[1] is a for p in dp4a):
+                o = np.uint64(out_at + row0 * m * 4)
                 x = np.uint64(b.data.ptr + row0 * ldb * 4)
-                args = (ptr(a), x, o, i32(k), i64(row_bytes), i64(ldb), i32(m), i64(m))
-                launches.append(Launch(kernel("matmul.cu", f"gemv<{t}, {c}>"), grid, (32 * WARPS,), args))
-            row0 += c
+                args = (ptr(a), x, o, i32(k), i64(qt.row_bytes(k)), i64(ldb), i32(m), i64(m))
+                fn = kernel("matmul.cu", f"gemv<{TYPE_IDS[qt.name]}, {c}>")
+                launches.append(Launch(fn, (-(-m // WARPS),), (32 * WARPS,), args))
+        row0 += c
     return launch_step(node.op, *launches)
+
+
+def _same_type_groups(parts: list) -> list[list]:
+    """parts in runs of up to MMVQ_WEIGHTS sharing one weight type, in order."""
+    groups: list[list] = []
+    for p in parts:
+        if groups and groups[-1][0][0] is p[0] and len(groups[-1]) < MMVQ_WEIGHTS:
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+    return groups
+
+
+def _mmvq(group: list, scratch, k: int, row0: int, c: int) -> Launch:
+    """One mmvq launch: token rows [row0, row0 + c) through every weight of the group."""
+    qt = group[0][0]
+    ws = [ptr(a) for _, a, _, _ in group]
+    outs = [np.uint64(out_at + row0 * m * 4) for _, _, m, out_at in group]
+    ms = [m for _, _, m, _ in group]
+    pad = MMVQ_WEIGHTS - len(group)
+    ws, outs = ws + [ws[-1]] * pad, outs + [outs[-1]] * pad
+    rows = sum(ms)
+    m0, m1 = (ms + [0, 0])[:2]
+    y = np.uint64(scratch.data.ptr + row0 * (k // 32) * Q8_1_BYTES)
+    args = (*ws, *outs, i32(m0), i32(m1), y, i32(k), i64(qt.row_bytes(k)), i32(rows))
+    return Launch(kernel("matmul.cu", f"mmvq<{TYPE_IDS[qt.name]}, {c}>"), (-(-rows // WARPS),), (32 * WARPS,), args)
 
 
 def _gemm(parts: list, b, ldb: int, scratch, backend, k: int, n: int) -> Step:

@@ -43,7 +43,8 @@ def _instances() -> dict[str, list[str]]:
         + [f"binary4<{op}, {_t(a)}, {_t(b)}>" for op in (0, 1) for a in FLOATS for b in FLOATS]
         + [f"unary4<{f}>" for f in (0, 1, 2)] + [f"gated<{f}>" for f in (1, 2)]
         + [f"set_rows<{_t(d)}>" for d in FLOATS] + [f"soft_max<{m}>" for m in (NO_WEIGHT, 0, 1)],
-        "attention.cu": [f"flash_attn<{_t(k)}, {e}>" for k in FLOATS for e in FA_EPL],
+        "attention.cu": [f"flash_attn<{_t(k)}, {e}>" for k in FLOATS for e in FA_EPL]
+        + [f"attn_decode<{_t(k)}, {d}>" for k in FLOATS for d in (64, 128, 256)],
     }
 
 

@@ -32,7 +32,9 @@ extern "C" __global__ void layer_norm(const float *x, float *out, int n, i64 ldx
 }
 
 // the residual add and the next norm: stream = x + h (or x + rms_norm(h) * post), normed = rms_norm(stream) * w;
-// out holds [stream rows; normed rows] (normed at out + rows * n)
+// out holds [stream rows; normed rows] (normed at out + rows * n). Each thread keeps its elements of the
+// row in registers between the passes (rows up to NORM_VPT * blockDim.x elements; longer rows re-read).
+#define NORM_VPT 8
 template <int W, bool POST>
 __global__ void add_rms_norm(const float *x, const float *h, const void *w, const void *post, float *out,
                              int n, i64 rows, float eps) {
@@ -40,14 +42,34 @@ __global__ void add_rms_norm(const float *x, const float *h, const void *w, cons
     i64 r = blockIdx.x;
     const float *xr = x + r * n, *hr = h + r * n;
     float *stream = out + r * n, *normed = out + (rows + r) * n;
+    float hv[NORM_VPT], sv[NORM_VPT];
+    const int nt = blockDim.x;
+#pragma unroll
+    for (int k = 0; k < NORM_VPT; k++) {
+        const int i = threadIdx.x + k * nt;
+        hv[k] = i < n ? hr[i] : 0.0f;
+        sv[k] = i < n ? xr[i] : 0.0f;
+    }
     float hinv = 1.0f;
     if constexpr (POST) {
         float s = 0.0f;
-        for (int i = threadIdx.x; i < n; i += blockDim.x) s += hr[i] * hr[i];
+#pragma unroll
+        for (int k = 0; k < NORM_VPT; k++) s += hv[k] * hv[k];
+        for (int i = threadIdx.x + NORM_VPT * nt; i < n; i += nt) s += hr[i] * hr[i];
         hinv = rsqrtf(block_sum(s, sh) / n + eps);
     }
     float s2 = 0.0f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+#pragma unroll
+    for (int k = 0; k < NORM_VPT; k++) {
+        const int i = threadIdx.x + k * nt;
+        if (i < n) {
+            if constexpr (POST) sv[k] += hv[k] * hinv * ld<W>(post, i);
+            else sv[k] += hv[k];
+            stream[i] = sv[k];
+            s2 += sv[k] * sv[k];
+        }
+    }
+    for (int i = threadIdx.x + NORM_VPT * nt; i < n; i += nt) {
         float v;
         if constexpr (POST) v = xr[i] + hr[i] * hinv * ld<W>(post, i);
         else v = xr[i] + hr[i];
@@ -55,5 +77,10 @@ __global__ void add_rms_norm(const float *x, const float *h, const void *w, cons
         s2 += v * v;
     }
     float inv = rsqrtf(block_sum(s2, sh) / n + eps);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) normed[i] = stream[i] * inv * ld<W>(w, i);
+#pragma unroll
+    for (int k = 0; k < NORM_VPT; k++) {
+        const int i = threadIdx.x + k * nt;
+        if (i < n) normed[i] = sv[k] * inv * ld<W>(w, i);
+    }
+    for (int i = threadIdx.x + NORM_VPT * nt; i < n; i += nt) normed[i] = stream[i] * inv * ld<W>(w, i);
 }

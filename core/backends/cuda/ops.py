@@ -12,6 +12,7 @@ from ggrun.core.ops import ROPE_NEOX
 from ggrun.core.tensor import Tensor
 
 FLOAT_TYPES = (DType.F32, DType.F16, DType.BF16)
+NORM_VPT = 8  # row elements each thread of add_rms_norm keeps in registers (norm.cu)
 
 
 def _tid(dtype: DType) -> int:
@@ -197,7 +198,7 @@ def _add_rms_norm(node: Tensor, out, srcs, scratch, backend):
     k = kernel("norm.cu", f"add_rms_norm<{wid}, {'true' if post else 'false'}>")
     args = (ptr(x), ptr(h), ptr(srcs[2]), ptr(srcs[3]) if post else NULL, ptr(out), i32(n), i64(rows),
             f32(node.params["eps"]))
-    return launch_step(node.op, Launch(k, (rows,), (threads_for(n, 512),), args))
+    return launch_step(node.op, Launch(k, (rows,), (threads_for(-(-n // NORM_VPT), 1024),), args))
 
 
 # ---- RoPE ------------------------------------------------------------------------------------
@@ -252,10 +253,40 @@ FA_ROWS, FA_KEYS, FA_THREADS = 4, 32, 128  # rows per block: a warp each
 SM_TARGET = 264  # blocks that keep an H100's 132 multiprocessors busy
 
 
+DECODE_ROWS = 32  # query rows per KV head up to which attention runs attn_decode (attention.cu)
+DECODE_DIMS = (64, 128, 256)  # head dimensions attn_decode is built for
+DECODE_SMEM = 96 << 10  # its shared memory: query rows, one chunk's weights, 4096 floats of value sums
+DECODE_SUMS = 4096
+DECODE_MIN_KEYS = 256  # keys per block before a cache is split over blocks
+
+
+def _decode_chunk(node: Tensor) -> int | None:
+    """Keys per block of attn_decode, or None where the node's rows or head dimension are not the
+    kernel's. A block's time grows with its keys only past a few hundred (its loads are issued
+    together), so short caches take one block per KV head and long ones are split to fill the GPU."""
+    hq, t, d = node.srcs[0].shape
+    hk, n_kv, _ = node.srcs[1].shape
+    rows = t * (hq // hk)
+    if rows > DECODE_ROWS or d not in DECODE_DIMS:
+        return None
+    chunk = -(-n_kv // max(1, SM_TARGET // (2 * hk)))
+    chunk = max(DECODE_MIN_KEYS, -(-chunk // 32) * 32)
+    chunk = min(chunk, (DECODE_SMEM // 4 - DECODE_SUMS - rows * d) // rows // 32 * 32)
+    return chunk if chunk >= 32 else None
+
+
+def _decode_smem(node: Tensor, chunk: int) -> int:
+    hq, t, d = node.srcs[0].shape
+    return (t * (hq // node.srcs[1].shape[0]) * (d + chunk) + DECODE_SUMS) * 4
+
+
 def flash_split(node: Tensor) -> int:
     """Key chunks of a fused attention (flash-decoding when few query rows fill few blocks)."""
     hq, t, _ = node.srcs[0].shape
     hk, n_kv, _ = node.srcs[1].shape
+    chunk = _decode_chunk(node)
+    if chunk is not None:
+        return -(-n_kv // chunk)
     blocks = -(-t * (hq // hk) // FA_ROWS) * hk
     if blocks >= SM_TARGET // 2:
         return 1
@@ -268,30 +299,68 @@ def _fa_scratch(node: Tensor) -> int:
     return 0 if split == 1 else split * t * hq * (d + 2) * 4
 
 
+def _attention_operands(node: Tensor, out, srcs) -> bool:
+    """Whether the fused attention kernels take these operands: f32 queries, a float cache with the
+    same type for keys and values, an f16 mask, unit strides along the head dimension."""
+    q, k, v, mask = srcs
+    kt = node.srcs[1].dtype
+    return (-(-q.shape[2] // 32) in FA_EPL and node.srcs[0].dtype is DType.F32 and node.srcs[2].dtype is kt
+            and _is_float(kt) and node.srcs[3].dtype is DType.F16 and out.flags.c_contiguous
+            and all(x.strides[-1] == x.itemsize for x in (q, k, v, mask)))
+
+
+def _attention_args(node: Tensor, srcs, chunk: int) -> tuple:
+    """The arguments both attention kernels take after their pointers: d, T, r, n_kv, chunk, strides, scale."""
+    q, k, v, mask = srcs
+    hq, t, d = q.shape
+    hk, n_kv, _ = k.shape
+    sq, sk, sv = estrides(q), estrides(k), estrides(v)
+    return (i32(d), i32(t), i32(hq // hk), i32(n_kv), i32(chunk), i64(sq[0]), i64(sq[1]), i64(sk[0]),
+            i64(sk[1]), i64(sv[0]), i64(sv[1]), i64(estrides(mask)[0]), f32(node.params["scale"]))
+
+
+def _aligned8(*arrays) -> bool:
+    """Every array's address and strides fit attn_decode's loads of eight elements (16 bytes for f16)."""
+    return all(a.data.ptr % (8 * a.itemsize) == 0 and all(st % (8 * a.itemsize) == 0 for st in a.strides[:-1])
+               for a in arrays)
+
+
 @binds("flash_attn", scratch=_fa_scratch)
+def _attn_decode(node: Tensor, out, srcs, scratch, backend):
+    """Few query rows: one launch of attn_decode (its last block per head merges the key chunks)."""
+    chunk = _decode_chunk(node)
+    q, k, v, mask = srcs
+    if chunk is None or not _attention_operands(node, out, srcs) or not _aligned8(k, v):
+        return None
+    hq, t, d = q.shape
+    hk, n_kv, _ = k.shape
+    split = -(-n_kv // chunk)
+    fn = kernel("attention.cu", f"attn_decode<{_tid(node.srcs[1].dtype)}, {d}>")
+    smem = _decode_smem(node, chunk)
+    fn.max_dynamic_shared_size_bytes = max(fn.max_dynamic_shared_size_bytes, smem)
+    args = (ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), ptr(scratch) if split > 1 else NULL,
+            ptr(backend.tickets(hk)), *_attention_args(node, srcs, chunk))
+    return launch_step(node.op, Launch(fn, (hk, split), (128,), args, smem))
+
+
+@binds("flash_attn")
 def _flash_attn(node: Tensor, out, srcs, scratch, backend):
+    if not _attention_operands(node, out, srcs):
+        return None
     q, k, v, mask = srcs
     hq, t, d = q.shape
     hk, n_kv, _ = k.shape
     epl = -(-d // 32)
-    kt = node.srcs[1].dtype
-    if (epl not in FA_EPL or node.srcs[0].dtype is not DType.F32 or node.srcs[2].dtype is not kt
-            or not _is_float(kt) or node.srcs[3].dtype is not DType.F16 or not out.flags.c_contiguous
-            or any(x.strides[-1] != x.itemsize for x in (q, k, v, mask))):
-        return None
     r = hq // hk
     split = flash_split(node)
     chunk = -(-n_kv // split)
     chunk = -(-chunk // FA_KEYS) * FA_KEYS
     split = -(-n_kv // chunk)
-    fa = kernel("attention.cu", f"flash_attn<{_tid(kt)}, {epl}>")
+    fa = kernel("attention.cu", f"flash_attn<{_tid(node.srcs[1].dtype)}, {epl}>")
     smem = (2 * FA_KEYS + FA_ROWS) * (d + 1) * 4
     fa.max_dynamic_shared_size_bytes = max(fa.max_dynamic_shared_size_bytes, smem)
     part = ptr(scratch) if split > 1 else NULL
-    sq, sk, sv = estrides(q), estrides(k), estrides(v)
-    args = (ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), part, i32(d), i32(t), i32(r), i32(n_kv), i32(chunk),
-            i64(sq[0]), i64(sq[1]), i64(sk[0]), i64(sk[1]), i64(sv[0]), i64(sv[1]), i64(estrides(mask)[0]),
-            f32(node.params["scale"]))
+    args = (ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), part, *_attention_args(node, srcs, chunk))
     grid = (-(-t * r // FA_ROWS), hk, split)
     launches = [Launch(fa, grid, (FA_THREADS,), args, smem)]
     if split > 1:
