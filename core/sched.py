@@ -4,6 +4,13 @@ buffer) per backend.
 
 Scheduling rewires the sources of nodes to their copies, so a scheduled graph belongs to
 the scheduler. No backend ever reads another backend's memory: that is what copies are for.
+Copies are counted by kind (host to device, device to device, device to host); GGRUN_SCHED_DEBUG=1
+prints each graph's splits and copies, =2 also each compute's pipeline slot and the running counts.
+
+Pipeline parallelism (llama.cpp's n_copies): with n_copies > 1 every split input has one copy per
+pipeline slot, in memory of its own that lives through the whole graph. Graph computes take the slots
+in turn, and a split's copies into a slot wait (an event) until the split that read that slot before
+is done, so that micro-batch k+1's first split may run while micro-batch k runs on the next device.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ from ggrun.core.backends.base import Backend
 from ggrun.core.errors import GraphError, RuntimeFailure
 from ggrun.core.graph import Graph
 from ggrun.core.ops import OPS, copy_to
+from ggrun.core.rowsplit import RUN_ON
 from ggrun.core.tensor import Tensor
 
 log = logging.getLogger("ggrun.sched")
@@ -30,8 +38,9 @@ class Split:
 
     backend: Backend
     nodes: list[Tensor]
-    copies: list[Tensor] = field(default_factory=list)
+    copies: list[Tensor] = field(default_factory=list)  # the copies the nodes read (pipeline slot 0's)
     calls: list | None = None  # kernel calls with resolved arrays, valid while the plan holds
+    slot_calls: dict = field(default_factory=dict)  # pipeline slot (1..) -> its calls, reading that slot's copies
 
     @property
     def copy_bytes(self) -> int:
@@ -48,20 +57,34 @@ class ScheduledGraph:
     order: list[Tensor]
     owned: dict[str, set[int]]
     plans: dict[str, Plan] = field(default_factory=dict)
+    # pipeline slots: slot k maps id(slot 0's copy) to slot k's copy of the same source (one slot: none)
+    slots: list[dict[int, Tensor]] = field(default_factory=list)
 
     @property
     def n_copies(self) -> int:
+        """Copies one compute makes."""
         return sum(len(s.copies) for s in self.splits)
+
+    @property
+    def n_slots(self) -> int:
+        return max(len(self.slots), 1)
+
+    @property
+    def persistent(self) -> list[Tensor]:
+        """Every slot's copies: planned like inputs, each in bytes of its own for the whole graph."""
+        return [c for slot in self.slots for c in slot.values()] if len(self.slots) > 1 else []
 
     @property
     def copy_bytes(self) -> int:
         return sum(s.copy_bytes for s in self.splits)
 
-    def backend_name(self, t: Tensor) -> str:
+    def home(self, t: Tensor) -> Backend:
+        """The backend whose memory holds t (placed, or to be planned there)."""
         root = t.root
-        if root.buffer is not None:
-            return root.buffer.backend.name
-        return self.backend_of[id(root)].name
+        return root.buffer.backend if root.buffer is not None else self.backend_of[id(root)]
+
+    def backend_name(self, t: Tensor) -> str:
+        return self.home(t).name
 
 
 def _written_home(n: Tensor) -> Backend | None:
@@ -72,16 +95,35 @@ def _written_home(n: Tensor) -> Backend | None:
     return r.buffer.backend
 
 
-class Scheduler:
-    """Runs graphs over several backends; `backends` is in priority order, the CPU last."""
+COPY_KINDS = ("host->device", "device->device", "device->host")
 
-    def __init__(self, backends: list[Backend], reuse_memory: bool = True) -> None:
+
+@dataclass
+class CopyCount:
+    """Copies of one kind made so far, and their bytes."""
+
+    n: int = 0
+    nbytes: int = 0
+
+
+class Scheduler:
+    """Runs graphs over several backends; `backends` is in priority order, the CPU last. n_copies > 1
+    pipelines micro-batches over the devices (a copy of every split input per slot)."""
+
+    def __init__(self, backends: list[Backend], reuse_memory: bool = True, n_copies: int = 1) -> None:
         if not backends:
             raise RuntimeFailure("the scheduler needs at least one backend")
+        if n_copies < 1:
+            raise RuntimeFailure(f"n_copies {n_copies} must be positive")
         self.backends = list(backends)
         self.allocators = {b.name: GraphAllocator(b, reuse_memory) for b in self.backends}
         self.generation = 0  # bumped by reset(): plans made before it are stale
         self.debug = int(os.environ.get("GGRUN_SCHED_DEBUG", "0") or 0)
+        self.n_copies = n_copies
+        self.cur_slot = 0  # the pipeline slot the next compute uses
+        self.slots_used: list[int] = []  # the slot of every compute so far (the rotation, for reports)
+        self._slot_events: dict[tuple[str, int], object] = {}  # (backend, slot) -> after its last split reading it
+        self.copy_counts = {kind: CopyCount() for kind in COPY_KINDS}
 
     @property
     def cpu(self) -> Backend:
@@ -100,16 +142,19 @@ class Scheduler:
         be = self._assign(graph, pins or {})
         splits = self._split(graph, be)
         order = self._insert_copies(graph, splits, be)
+        slots = self._slot_copies(splits, be)
+        if len(slots) > 1:  # the copies are planned apart from the walk, as inputs
+            order = [t for t in order if id(t) not in slots[0]]
         owned: dict[str, set[int]] = {b.name: set() for b in self.backends}
         for t in graph.leafs:
             if t.buffer is None:
                 if not t.is_input:
                     raise GraphError(f"leaf {t.describe()} has no memory and is not an input")
                 owned[be[id(t)].name].add(id(t))
-        for t in order:
+        sg = ScheduledGraph(graph, splits, be, order, owned, slots=slots)
+        for t in order + sg.persistent:
             if t.view_src is None and t.buffer is None:
                 owned[be[id(t)].name].add(id(t))
-        sg = ScheduledGraph(graph, splits, be, order, owned)
         if self.debug:
             self._print_splits(sg)
         return sg
@@ -132,6 +177,9 @@ class Scheduler:
                 continue
             if n.name in pins:
                 be[id(n)] = pins[n.name]
+                continue
+            if RUN_ON in n.params:  # a node that names its backend (a row-split product's gather)
+                be[id(n)] = self.backend(n.params[RUN_ON])
                 continue
             for s in n.srcs:
                 r = s.root
@@ -219,10 +267,26 @@ class Scheduler:
             order.append(n)
         return order
 
+    def _slot_copies(self, splits: list[Split], be: dict[int, Backend]) -> list[dict[int, Tensor]]:
+        """With n_copies > 1, a copy of every split input per pipeline slot (slot 0's are the copies the
+        nodes read), each flagged input and output as ggml flags them: placed before the walk and never
+        released, so no slot shares bytes with anything a later micro-batch might still be using."""
+        firsts = [c for s in splits for c in s.copies]
+        if self.n_copies == 1 or not firsts:
+            return []
+        slots = [{id(c): c for c in firsts}]
+        for k in range(1, self.n_copies):
+            slots.append({id(c): copy_to(c.srcs[0], name=f"{c.name}#{k}") for c in firsts})
+        for slot in slots:
+            for first_id, c in zip(slots[0], slot.values()):
+                c.is_input = c.is_output = True
+                be[id(c)] = be[first_id]
+        return slots
+
     # ---- memory -----------------------------------------------------------------------
 
     def _plan_each(self, sg: ScheduledGraph, how: str) -> dict[str, Plan]:
-        inputs = sg.graph.inputs()
+        inputs = sg.graph.inputs() + sg.persistent
         plans = {}
         for b in self.backends:
             owned = sg.owned[b.name]
@@ -245,6 +309,7 @@ class Scheduler:
         sg.plans = self._plan_each(sg, "alloc")
         for split in sg.splits:
             split.calls = None
+            split.slot_calls = {}
         return sg.plans
 
     def buffer_sizes(self) -> dict[str, int]:
@@ -259,14 +324,52 @@ class Scheduler:
     # ---- running ----------------------------------------------------------------------
 
     def compute(self, sg: ScheduledGraph) -> None:
-        """Run the splits in order, each after its copies."""
+        """Run the splits in order, each after its copies into this compute's pipeline slot."""
+        slot = self.cur_slot % sg.n_slots
+        self.cur_slot = (self.cur_slot + 1) % self.n_copies
+        self.slots_used.append(slot)
         for split in sg.splits:
             b = split.backend
-            for c in split.copies:
-                b.copy_tensor(c.srcs[0], c)
+            if split.copies:
+                self._copy_inputs(sg, split, slot)
+            b.run_prepared(self._calls(sg, split, slot))
+            if sg.n_slots > 1 and split.copies:
+                self._slot_events[(b.name, slot)] = b.record_event()
+        if self.debug >= 2:
+            counts = ", ".join(f"{kind} {c.n} ({c.nbytes} bytes)" for kind, c in self.copy_counts.items() if c.n)
+            print(f"sched: computed in slot {slot} of {sg.n_slots}; copies so far: {counts or 'none'}",
+                  file=sys.stderr)
+
+    def _copy_inputs(self, sg: ScheduledGraph, split: Split, slot: int) -> None:
+        """The split's copies into `slot`, after the split that read that slot last is done with it."""
+        b = split.backend
+        into = sg.slots[slot] if sg.n_slots > 1 else {}
+        if sg.n_slots > 1:
+            b.wait_event(self._slot_events.get((b.name, slot)))
+        for c in split.copies:
+            src, dst = c.srcs[0], into.get(id(c), c)
+            b.copy_tensor(src, dst)
+            count = self.copy_counts[self.copy_kind(sg.home(src), b)]
+            count.n += 1
+            count.nbytes += dst.nbytes
+
+    def _calls(self, sg: ScheduledGraph, split: Split, slot: int):
+        """The split's prepared kernel calls for `slot`: made once per plan, those of slot k > 0 with
+        the nodes reading slot k's copies."""
+        if slot == 0:
             if split.calls is None:
-                split.calls = b.prepare(split.nodes)
-            b.run_prepared(split.calls)
+                split.calls = split.backend.prepare(split.nodes)
+            return split.calls
+        calls = split.slot_calls.get(slot)
+        if calls is None:
+            calls = split.slot_calls[slot] = _prepare_reading(split, sg.slots[slot])
+        return calls
+
+    def copy_kind(self, src: Backend, dst: Backend) -> str:
+        """host->device, device->device or device->host (the CPU is the host; every other backend a device)."""
+        if src is self.cpu:
+            return "host->device"
+        return "device->host" if dst is self.cpu else "device->device"
 
     def get_tensor(self, t: Tensor) -> np.ndarray:
         return t.root.buffer.backend.get_tensor(t)
@@ -275,7 +378,28 @@ class Scheduler:
         t.root.buffer.backend.set_tensor(t, data)
 
     def _print_splits(self, sg: ScheduledGraph) -> None:
+        kinds = {kind: CopyCount() for kind in COPY_KINDS}
         for i, s in enumerate(sg.splits):
             copied = ", ".join(f"{c.srcs[0].name}({c.nbytes})" for c in s.copies) or "-"
             print(f"sched: split {i}: {s.backend.name} nodes {s.nodes[0].name} .. {s.nodes[-1].name} "
                   f"({len(s.nodes)}) copies {len(s.copies)} [{s.copy_bytes} bytes]: {copied}", file=sys.stderr)
+            for c in s.copies:
+                k = kinds[self.copy_kind(sg.home(c.srcs[0]), s.backend)]
+                k.n += 1
+                k.nbytes += c.nbytes
+        per = ", ".join(f"{kind} {c.n} ({c.nbytes} bytes)" for kind, c in kinds.items() if c.n) or "none"
+        slots = f"; {sg.n_slots} pipeline slots" if sg.n_slots > 1 else ""
+        print(f"sched: copies per compute: {per}{slots}", file=sys.stderr)
+
+
+def _prepare_reading(split: Split, copies: dict[int, Tensor]):
+    """The split's kernel calls with its nodes reading `copies` (a pipeline slot's) in place of slot 0's:
+    sources are swapped while the backend resolves its arrays, then put back."""
+    saved = [n.srcs for n in split.nodes]
+    try:
+        for n in split.nodes:
+            n.srcs = tuple(copies.get(id(s), s) for s in n.srcs)
+        return split.backend.prepare(split.nodes)
+    finally:
+        for n, srcs in zip(split.nodes, saved):
+            n.srcs = srcs

@@ -341,10 +341,11 @@ def test_sched_debug_prints_each_split(monkeypatch, capsys):
     rig = Rig()
     rig.schedule(rig.mlp()["out"])
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("sched:")]
-    assert len(lines) == 3
+    assert len(lines) == 4
     assert lines[0].startswith("sched: split 0: CPU nodes h1 .. a1 (2) copies 0")
     assert lines[1].startswith("sched: split 1: SIM nodes h2 .. a2 (2) copies 1 [256 bytes]: a1(256)")
     assert lines[2].startswith("sched: split 2: CPU nodes h3 .. out (2) copies 1 [128 bytes]: a2(128)")
+    assert lines[3] == "sched: copies per compute: host->device 1 (256 bytes), device->host 1 (128 bytes)"
 
 
 def test_sched_debug_off_prints_nothing(monkeypatch, capsys):
