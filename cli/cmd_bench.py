@@ -35,6 +35,7 @@ from ggrun.core.errors import BadInput, Interrupted
 from ggrun.core.llm.bench import BenchResult, BenchTest, cpu_description, run_bench
 from ggrun.core.llm.model import Model
 from ggrun.core.llm.model_desc import model_description
+from ggrun.core.llm.placement import DeviceSplit
 from ggrun.core.llm.session import Session, SessionParams
 from ggrun.loaders.download import resolve_model
 from ggrun.loaders.gguf_file import open_gguf
@@ -48,6 +49,7 @@ class Config:
 
     model: str
     n_gpu_layers: int  # -1: every layer (llama-bench's default spelling)
+    split: DeviceSplit  # -sm, -mg, -dev, -ts
     n_batch: int
     n_ubatch: int  # as given; a session uses at most n_batch, as llama.cpp's context does
     type_k: DType
@@ -75,6 +77,10 @@ class BenchSettings:
     flash_attn: tuple[int, ...] = (-1,)
     n_threads: tuple[int | None, ...] = (None,)
     n_gpu_layers: tuple[int, ...] = (0,)
+    split_mode: tuple[str, ...] = ("layer",)
+    main_gpu: tuple[int, ...] = (0,)
+    devices: tuple[tuple[str, ...] | None, ...] = (None,)  # None: every device ("auto")
+    tensor_split: tuple[tuple[float, ...], ...] = ((),)
     graph_reuse: tuple[bool, ...] = (True,)
     n_ctx: int | None = None  # None: what each test needs
     repetitions: int = 5
@@ -96,15 +102,18 @@ class BenchSettings:
         if not self.tests():
             raise BadInput("no test to run: give -p, -n or -pg with positive counts")
         out = []
-        for m, ngl, b, ub, tk, tv, fa, reuse, t, d in itertools.product(
-                self.models, self.n_gpu_layers, self.n_batch, self.n_ubatch, self.type_k, self.type_v,
-                self.flash_attn, self.graph_reuse, self.n_threads, self.n_depth):
+        for m, ngl, sm, mg, dev, ts, b, ub, tk, tv, fa, reuse, t, d in itertools.product(
+                self.models, self.n_gpu_layers, self.split_mode, self.main_gpu, self.devices, self.tensor_split,
+                self.n_batch, self.n_ubatch, self.type_k, self.type_v, self.flash_attn, self.graph_reuse,
+                self.n_threads, self.n_depth):
+            split = DeviceSplit(devices=dev, mode=sm, tensor_split=ts, main_gpu=mg)
+            split.check()
             for test in self.tests():
                 test = BenchTest(test.n_prompt, test.n_gen, d)
                 n_ctx = self.n_ctx if self.n_ctx is not None else test.n_ctx
                 if test.n_ctx > n_ctx:
                     raise BadInput(f"test {test.label} needs {test.n_ctx} tokens, more than the context (-c {n_ctx})")
-                out.append(Config(m, ngl, b, ub, tk, tv, fa, t, reuse, test, n_ctx))
+                out.append(Config(m, ngl, split, b, ub, tk, tv, fa, t, reuse, test, n_ctx))
         return out
 
     def md_columns(self, device: bool) -> tuple[str, ...]:
@@ -113,7 +122,8 @@ class BenchSettings:
         d = BenchSettings()
         cols = ["n_gpu_layers"] if device else []
         cols.append("n_threads")
-        for name in ("n_batch", "n_ubatch", "type_k", "type_v", "flash_attn", "graph_reuse"):
+        for name in ("n_batch", "n_ubatch", "type_k", "type_v", "split_mode", "main_gpu", "flash_attn", "devices",
+                     "tensor_split", "graph_reuse"):
             if getattr(self, name) != getattr(d, name):
                 cols.append(name)
         return tuple(cols)
@@ -131,6 +141,10 @@ def settings(
     cache_type_v: Optional[list[str]] = typer.Option(None, "-ctv", "--cache-type-v", help="KV cache types for V (default f16)"),
     threads: Optional[list[str]] = typer.Option(None, "-t", "--threads", help="CPU thread counts (default: ggrun's)"),
     n_gpu_layers: Optional[list[str]] = typer.Option(None, "-ngl", "--n-gpu-layers", help="Layers offloaded (default 0; -1: all)"),
+    split_mode: Optional[list[str]] = typer.Option(None, "-sm", "--split-mode", help="none|layer|row (default layer)"),
+    main_gpu: Optional[list[str]] = typer.Option(None, "-mg", "--main-gpu", help="Main device indexes (default 0)"),
+    device: Optional[list[str]] = typer.Option(None, "-dev", "--device", help="Device lists, each dev0/dev1/... or none (default: every device)"),
+    tensor_split: Optional[list[str]] = typer.Option(None, "-ts", "--tensor-split", help="Splits, each ts0/ts1/... (default 0: by free memory)"),
     flash_attn: Optional[list[str]] = typer.Option(None, "-fa", "--flash-attn", help="Fused attention: on|off|auto or 1|0|-1 (default auto: on)"),
     graph_reuse: Optional[list[str]] = typer.Option(None, "--graph-reuse", help="Graph reuse off/on: 0,1 (default 1)"),
     ctx_size: Optional[int] = typer.Option(None, "-c", "--ctx-size", help="Context size (default: what each test needs)"),
@@ -164,6 +178,9 @@ def settings(
         type_v=tuple(_cache_type(v, "-ctv") for v in str_values(cache_type_v, ["f16"])),
         flash_attn=tuple(_flash_attn(v) for v in str_values(flash_attn, ["auto"])), n_threads=n_threads,
         n_gpu_layers=int_values(n_gpu_layers, "-ngl", [0], allow_negative=True, minimum=-1),
+        split_mode=str_values(split_mode, ["layer"]), main_gpu=int_values(main_gpu, "-mg", [0]),
+        devices=tuple(None if v == "auto" else o.parse_devices(v) for v in str_values(device, ["auto"])),
+        tensor_split=tuple(_tensor_split(v) for v in str_values(tensor_split, ["0"])),
         graph_reuse=tuple(bool(x) for x in reuse), n_ctx=ctx_size, repetitions=repetitions, numerics=numerics,
         output=output, progress=progress, warmup=not no_warmup, verbose=verbose)
     s.configs()  # every combination is checked before a model is read
@@ -178,6 +195,12 @@ def _pg(value: str) -> tuple[int, int]:
     if pp < 1 or tg < 1:
         raise BadInput(f"-pg {value}: both counts must be positive")
     return pp, tg
+
+
+def _tensor_split(value: str) -> tuple[float, ...]:
+    """One -ts value (ts0/ts1/...); all zero is no split given (by free memory), as llama-bench's default 0."""
+    split = o.parse_tensor_split(value)
+    return split if any(split) else ()
 
 
 def _flash_attn(value: str) -> int:
@@ -220,7 +243,7 @@ app.command("bench")(command_from(settings, run))
 
 def _run_all(s: BenchSettings, configs: list[Config], paths: dict, printer: Printer, stop: Interrupt) -> None:
     """Run every configuration, printing its row as soon as it is measured."""
-    loaded: tuple[tuple[str, int], Model] | None = None
+    loaded: tuple[tuple, Model] | None = None
     with Progress(console=err_console, transient=True, disable=s.progress) as bar:
         task = bar.add_task("benchmarking", total=len(configs) * s.repetitions)
         for idx, cfg in enumerate(configs, 1):
@@ -232,10 +255,11 @@ def _run_all(s: BenchSettings, configs: list[Config], paths: dict, printer: Prin
                     err_console.print(f"ggrun bench: benchmark {idx}/{len(configs)}: {what}", markup=False)
 
             say("starting")
-            key = (cfg.model, cfg.n_gpu_layers)
+            key = (cfg.model, cfg.n_gpu_layers, cfg.split)
             if loaded is None or loaded[0] != key:
+                loaded = None  # the previous model's memory goes before the next one's is taken
                 m = load_model(cfg.model, _gpu_layers(cfg.n_gpu_layers), quiet=True, threads=cfg.n_threads,
-                               numerics=s.numerics)
+                               numerics=s.numerics, split=cfg.split)
                 loaded = (key, m)
             m = loaded[1]
             set_threads(cfg.n_threads)
@@ -259,12 +283,13 @@ def _gpu_layers(n: int) -> int:
 
 def record(cfg: Config, m: Model, path: Path, res: BenchResult, numerics: str) -> dict:
     """One result with llama-bench's field names and values where the same thing is meant."""
-    devices = [b for b in m.backends if b.name != "CPU"]
+    devices = m.backends[:-1]  # the devices the model may use, as llama-bench lists its GPU backends
+    kinds = list(dict.fromkeys(b.name.rstrip("0123456789") for b in devices))  # CUDA0, CUDA1 -> CUDA
     return {
         "build_commit": build_commit(),
         "cpu_info": cpu_description(),
         "gpu_info": ", ".join(b.device for b in devices),
-        "backends": ",".join(b.name for b in devices) or "CPU",
+        "backends": ",".join(kinds) or "CPU",
         "model_filename": str(path),
         "model_type": model_description(m.gguf, m.hp.n_layer, m.hp.n_vocab, m.hp.n_head, m.hp.n_head_kv),
         "model_size": m.file_bytes,
@@ -275,7 +300,11 @@ def record(cfg: Config, m: Model, path: Path, res: BenchResult, numerics: str) -
         "type_k": cfg.type_k.label,
         "type_v": cfg.type_v.label,
         "n_gpu_layers": cfg.n_gpu_layers,
+        "split_mode": cfg.split.mode,
+        "main_gpu": cfg.split.main_gpu,
         "flash_attn": cfg.flash_attn,
+        "devices": _devices_text(cfg.split.devices),
+        "tensor_split": _split_text(cfg.split.tensor_split),
         "n_prompt": cfg.test.n_prompt,
         "n_gen": cfg.test.n_gen,
         "n_depth": cfg.test.n_depth,
@@ -291,6 +320,19 @@ def record(cfg: Config, m: Model, path: Path, res: BenchResult, numerics: str) -
         "samples_ns": res.samples_ns,
         "samples_ts": res.samples_ts,
     }
+
+
+def _devices_text(devices: tuple[str, ...] | None) -> str:
+    """llama-bench's devices field: auto (every device), none, or the names joined by '/'."""
+    if devices is None:
+        return "auto"
+    return "/".join(devices) or "none"
+
+
+def _split_text(split: tuple[float, ...]) -> str:
+    """llama-bench's tensor_split field: each proportion as %.2f up to the last non-zero, joined by '/'."""
+    last = max((i for i, x in enumerate(split) if x > 0), default=0)
+    return "/".join(f"{x:.2f}" for x in (split or (0.0,))[:last + 1])
 
 
 @functools.cache

@@ -26,6 +26,7 @@ from ggrun.cli.interrupt import Interrupt
 from ggrun.cli.parallel_prompts import QUESTIONS, STOP_TEXT, SYSTEM_PROMPT, make_requests
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import BadInput, Interrupted
+from ggrun.core.llm.placement import DeviceSplit
 from ggrun.core.llm.parallel import ParallelRunner, ParallelSummary, SequenceResult
 from ggrun.core.llm.sampling import SamplingParams
 from ggrun.core.llm.session import Session, SessionParams
@@ -43,6 +44,7 @@ class ParallelSettings:
     n_batch: int = 2048
     n_ubatch: int = 512
     n_gpu_layers: int = 0
+    split: DeviceSplit = DeviceSplit()  # -dev, -sm, -ts, -mg
     threads: int | None = None
     numerics: str = "llama"
     type_k: DType = DType.F16
@@ -68,8 +70,9 @@ def settings(
                                   help="Most tokens per response (0 or -1: until it ends by itself, within an "
                                        "equal share of the context per client)"),
     ctx_size: o.Ctx = 0, batch_size: o.BatchSize = 2048, ubatch_size: o.UBatchSize = 512,
-    n_gpu_layers: o.GpuLayers = 0, threads: o.Threads = None, numerics: o.Numerics = "llama",
-    cache_type_k: o.CacheTypeK = DType.F16, cache_type_v: o.CacheTypeV = DType.F16,
+    n_gpu_layers: o.GpuLayers = 0, device: o.Devices = None, split_mode: o.SplitMode = "layer",
+    tensor_split: o.TensorSplit = None, main_gpu: o.MainGpu = 0, threads: o.Threads = None,
+    numerics: o.Numerics = "llama", cache_type_k: o.CacheTypeK = DType.F16, cache_type_v: o.CacheTypeV = DType.F16,
     flash_attn: o.FlashAttnMode = "auto", no_flash_attn: o.NoFlashAttn = False,
     file: Optional[str] = typer.Option(None, "-f", "--file", help="Questions, one per line (default: llama-parallel's)"),
     seed: o.Seed = -1, temp: o.Temp = 0.8, top_k: o.TopK = 40, top_p: o.TopP = 0.95, min_p: o.MinP = 0.05,
@@ -101,7 +104,8 @@ def settings(
     sampling.check()
     return ParallelSettings(
         model=model, n_parallel=n_parallel, n_sequences=n_sequences, n_predict=max(n_predict, 0), n_ctx=ctx_size,
-        n_batch=batch_size, n_ubatch=ubatch_size, n_gpu_layers=n_gpu_layers, threads=threads, numerics=numerics,
+        n_batch=batch_size, n_ubatch=ubatch_size, n_gpu_layers=n_gpu_layers,
+        split=o.device_split(device, split_mode, tensor_split, main_gpu), threads=threads, numerics=numerics,
         type_k=cache_type_k, type_v=cache_type_v, flash_attn=flash_attn != "off" and not no_flash_attn, file=file,
         sampling=sampling, shared_system=shared_system, system=not no_system, n_junk=junk,
         cont_batching=cont_batching, ignore_eos=ignore_eos, json=as_json, graph_reuse=not no_graph_reuse)
@@ -126,7 +130,7 @@ def run(s: ParallelSettings) -> None:
         list_devices()
         return
     questions = read_questions(s.file)
-    m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics)
+    m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics, split=s.split)
     n_ctx = s.n_ctx or m.hp.n_ctx_train
     tok = m.tokenizer
     shared = s.system and s.shared_system

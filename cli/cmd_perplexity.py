@@ -29,6 +29,7 @@ from ggrun.cli.common import check_positive, err_console, list_devices, load_mod
 from ggrun.cli.interrupt import Interrupt
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import BadInput, Interrupted
+from ggrun.core.llm.placement import DeviceSplit
 from ggrun.core.llm.kl_divergence import KLStats, LogProbReader, LogProbWriter
 from ggrun.core.llm.perplexity import ChunkPlan, Estimate, evaluate_chunks, plan_chunks, token_nll
 from ggrun.core.llm.session import Session, SessionParams
@@ -45,6 +46,7 @@ class PerplexitySettings:
     n_ubatch: int = 512
     n_chunks: int = -1  # -1: every chunk the text holds
     n_gpu_layers: int = 0
+    split: DeviceSplit = DeviceSplit()  # -dev, -sm, -ts, -mg
     threads: int | None = None
     numerics: str = "llama"
     flash_attn: bool = True
@@ -64,8 +66,9 @@ def settings(
     model: o.Model = None, file: o.File = None, ctx_size: o.Ctx = 512, batch_size: o.BatchSize = 2048,
     ubatch_size: o.UBatchSize = 512,
     chunks: int = typer.Option(-1, "--chunks", help="Score at most this many chunks of -c tokens (-1: all)"),
-    n_gpu_layers: o.GpuLayers = 0, threads: o.Threads = None, numerics: o.Numerics = "llama",
-    flash_attn: o.FlashAttnMode = "auto", no_flash_attn: o.NoFlashAttn = False,
+    n_gpu_layers: o.GpuLayers = 0, device: o.Devices = None, split_mode: o.SplitMode = "layer",
+    tensor_split: o.TensorSplit = None, main_gpu: o.MainGpu = 0, threads: o.Threads = None,
+    numerics: o.Numerics = "llama", flash_attn: o.FlashAttnMode = "auto", no_flash_attn: o.NoFlashAttn = False,
     cache_type_k: o.CacheTypeK = DType.F16, cache_type_v: o.CacheTypeV = DType.F16,
     output: str = typer.Option("text", "-o", "--output", help="text (llama-perplexity's lines) or json"),
     kl_divergence_base: Optional[str] = typer.Option(
@@ -78,7 +81,8 @@ def settings(
     """Perplexity of a text, scored as llama-perplexity scores it (chunks of -c tokens, second halves)."""
     s = PerplexitySettings(
         model=model, file=file, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, n_chunks=chunks,
-        n_gpu_layers=n_gpu_layers, threads=threads, numerics=numerics,
+        n_gpu_layers=n_gpu_layers, split=o.device_split(device, split_mode, tensor_split, main_gpu), threads=threads,
+        numerics=numerics,
         flash_attn=flash_attn != "off" and not no_flash_attn, type_k=cache_type_k, type_v=cache_type_v,
         output=output, kl_divergence_base=kl_divergence_base, kl_divergence=kl_divergence, list_devices=list_devices_)
     if list_devices_:
@@ -139,7 +143,7 @@ def _eta(i: int, plan: ChunkPlan, t0: float) -> None:
 
 def _run_perplexity(s: PerplexitySettings) -> None:
     text = _read_text(s.file)
-    m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics)
+    m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics, split=s.split)
     tokens = m.tokenizer.tokenize(text, add_special=True, parse_special=False)
     plan = plan_chunks(len(tokens), s.n_ctx, s.n_chunks)
     session = _session(m, s, plan.n_ctx)
@@ -190,7 +194,7 @@ def _run_perplexity(s: PerplexitySettings) -> None:
 
 def _run_kl_divergence(s: PerplexitySettings) -> None:
     base = LogProbReader(s.kl_divergence_base)
-    m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics)
+    m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics, split=s.split)
     if base.n_vocab != m.hp.n_vocab:
         raise BadInput(f"{s.kl_divergence_base}: inconsistent vocabulary ({base.n_vocab} in the file, "
                        f"{m.hp.n_vocab} in the model)")

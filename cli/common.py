@@ -11,6 +11,7 @@ from ggrun.core.backends.cpu import cached_loads, set_threads
 from ggrun.core.backends.registry import probe, usable_backends
 from ggrun.core.errors import BadInput
 from ggrun.core.llm.model import NUMERICS, Model
+from ggrun.core.llm.placement import DeviceSplit
 from ggrun.loaders.download import resolve_model
 
 
@@ -58,8 +59,9 @@ def check_positive(**values: int) -> None:
 
 
 def load_model(model: str | None, n_gpu_layers: int = 0, quiet: bool = False, threads: int | None = None,
-               numerics: str = "llama") -> Model:
-    """Resolve and load a model on the usable backends; a progress bar appears when loading is slow."""
+               numerics: str = "llama", split: DeviceSplit | None = None) -> Model:
+    """Resolve and load a model on the usable backends, its devices picked and shared as `split` (-dev,
+    -sm, -ts, -mg) says; a progress bar appears when loading is slow."""
     if n_gpu_layers < 0:
         raise BadInput(f"-ngl {n_gpu_layers} must not be negative")
     if threads is not None and threads < 1:
@@ -75,7 +77,7 @@ def load_model(model: str | None, n_gpu_layers: int = 0, quiet: bool = False, th
         err_console.print("warning: no device backend is available; -ngl is ignored (see --list-devices)")
     bar = _LazyProgress(f"loading {path.name}", enabled=not quiet)
     try:
-        return Model.load(path, backends, n_gpu_layers, progress=bar.update, numerics=numerics)
+        return Model.load(path, backends, n_gpu_layers, progress=bar.update, numerics=numerics, split=split)
     finally:
         bar.close()
 

@@ -11,6 +11,8 @@ from typing import Annotated, Optional
 import typer
 
 from ggrun.core.dtypes import DType
+from ggrun.core.errors import BadInput
+from ggrun.core.llm.placement import DeviceSplit
 
 GPU_LAYERS_ALL = 2**31 - 1  # -ngl all / auto / -1: every layer and the output head
 
@@ -31,6 +33,37 @@ def parse_gpu_layers(value: str) -> int:
     if n < 0:
         raise typer.BadParameter(f"{value}: give a number of layers, 'auto' or 'all' (or -1)")
     return n
+
+
+def parse_tensor_split(value: str) -> tuple[float, ...]:
+    """-ts 3,1 (or 3/1, as llama.cpp also reads it): a proportion per device, not negative."""
+    try:
+        parts = tuple(float(x) for x in re.split(r"[,/]+", value.strip()) if x)
+    except ValueError:
+        raise BadInput(f"-ts {value}: give proportions per device, e.g. 3,1") from None
+    if not parts or any(x < 0 or not math.isfinite(x) for x in parts):
+        raise BadInput(f"-ts {value}: give proportions per device (not negative), e.g. 3,1")
+    return parts
+
+
+def parse_devices(value: str) -> tuple[str, ...]:
+    """-dev CUDA0,CUDA1 (or CUDA0/CUDA1): devices by name, in order; `none`: no device (the CPU only)."""
+    names = tuple(x for x in re.split(r"[,/]+", value.strip()) if x)
+    if names == ("none",):
+        return ()
+    if not names or "none" in names:
+        raise BadInput(f"-dev {value}: give device names (see --list-devices), or none")
+    return names
+
+
+def device_split(devices: str | None, split_mode: str, tensor_split: str | None, main_gpu: int) -> DeviceSplit:
+    """The record of -dev, -sm, -ts and -mg, checked as far as the command line alone allows (the
+    devices themselves are checked when the model is placed)."""
+    split = DeviceSplit(devices=None if devices is None else parse_devices(devices), mode=split_mode,
+                        tensor_split=() if tensor_split is None else parse_tensor_split(tensor_split),
+                        main_gpu=main_gpu)
+    split.check()
+    return split
 
 
 def parse_on_off_auto(value: str) -> str:
@@ -72,7 +105,11 @@ NPredict = Annotated[int, typer.Option("-n", "--n-predict", "--predict", help="N
 Ctx = Annotated[int, typer.Option("-c", "--ctx-size", help="Context size in tokens (0: the model's training context)")]
 BatchSize = Annotated[int, typer.Option("-b", "--batch-size", help="Logical batch size: prompt tokens per decode call")]
 UBatchSize = Annotated[int, typer.Option("-ub", "--ubatch-size", help="Physical batch size: tokens per graph (micro-batch)")]
-GpuLayers = Annotated[int, typer.Option("-ngl", "--gpu-layers", "--n-gpu-layers", parser=parse_gpu_layers, metavar="N|auto|all", help="Layers to offload to the first device backend (the last N; more than the layer count, 'all', 'auto' or -1 offloads the output head too)")]
+GpuLayers = Annotated[int, typer.Option("-ngl", "--gpu-layers", "--n-gpu-layers", parser=parse_gpu_layers, metavar="N|auto|all", help="Layers to offload to the devices (the last N; more than the layer count, 'all', 'auto' or -1 offloads the output head too)")]
+Devices = Annotated[Optional[str], typer.Option("-dev", "--device", metavar="DEV0,DEV1|none", help="Devices to offload to, by name and in order (see --list-devices), or none for the CPU only (default: every device)")]
+SplitMode = Annotated[str, typer.Option("-sm", "--split-mode", metavar="none|layer|row", help="How to share the model over several devices: layer (whole layers and their KV cache per device, in proportion to -ts), row (each matrix of the offloaded layers split by rows; KV cache and the rest on -mg's device) or none (-mg's device only)")]
+TensorSplit = Annotated[Optional[str], typer.Option("-ts", "--tensor-split", metavar="N0,N1,...", help="Proportion of the model per device, e.g. 3,1 (default: in proportion to each device's free memory)")]
+MainGpu = Annotated[int, typer.Option("-mg", "--main-gpu", help="The device (index among those used) for -sm none, and where -sm row gathers results and keeps the KV cache")]
 Seed = Annotated[int, typer.Option("-s", "--seed", help="RNG seed (-1: random)")]
 Temp = Annotated[float, typer.Option("--temp", "--temperature", help="Temperature (0: greedy)")]
 TopK = Annotated[int, typer.Option("--top-k", help="Top-k sampling (0: off)")]

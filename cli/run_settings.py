@@ -17,6 +17,7 @@ from ggrun.cli import options as o
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import BadInput
 from ggrun.core.llm.generate import check_n_predict
+from ggrun.core.llm.placement import DeviceSplit
 from ggrun.core.llm.sampling import SamplingParams
 
 
@@ -32,6 +33,7 @@ class RunSettings:
     n_batch: int = 2048
     n_ubatch: int = 512
     n_gpu_layers: int = 0
+    split: DeviceSplit = field(default_factory=DeviceSplit)  # -dev, -sm, -ts, -mg
     threads: int | None = None
     threads_batch: int | None = None
     numerics: str = "llama"
@@ -89,7 +91,8 @@ def run_settings(
     model: o.Model = None, prompt: o.Prompt = None, file: o.File = None, system_prompt: o.SystemPrompt = None,
     system_prompt_file: o.SystemPromptFile = None, n_predict: o.NPredict = -1, ctx_size: o.Ctx = 0,
     batch_size: o.BatchSize = 2048, ubatch_size: o.UBatchSize = 512, n_gpu_layers: o.GpuLayers = 0,
-    threads: o.Threads = None, threads_batch: o.ThreadsBatch = None, numerics: o.Numerics = "llama",
+    device: o.Devices = None, split_mode: o.SplitMode = "layer", tensor_split: o.TensorSplit = None,
+    main_gpu: o.MainGpu = 0, threads: o.Threads = None, threads_batch: o.ThreadsBatch = None, numerics: o.Numerics = "llama",
     cache_type_k: o.CacheTypeK = DType.F16, cache_type_v: o.CacheTypeV = DType.F16,
     flash_attn: o.FlashAttnMode = "auto", no_flash_attn: o.NoFlashAttn = False,
     conversation: o.Conversation = None, interactive: o.Interactive = False,
@@ -120,6 +123,7 @@ def run_settings(
     check_n_predict(n_predict)
     if n_keep < -1:
         raise BadInput(f"--keep {n_keep}: give a number of tokens, or -1 for the whole prompt")
+    split = o.device_split(device, split_mode, tensor_split, main_gpu)
     esc = process_escapes if escape else (lambda text: text)
     try:
         bias = tuple(o.parse_logit_bias(b) for b in logit_bias or ())
@@ -131,7 +135,7 @@ def run_settings(
     return RunSettings(
         model=model, prompt=None if prompt is None else esc(prompt), prompt_file=file,
         system_prompt=system_prompt, system_prompt_file=system_prompt_file, n_predict=n_predict, n_ctx=ctx_size,
-        n_batch=batch_size, n_ubatch=ubatch_size, n_gpu_layers=n_gpu_layers, threads=threads,
+        n_batch=batch_size, n_ubatch=ubatch_size, n_gpu_layers=n_gpu_layers, split=split, threads=threads,
         threads_batch=threads_batch, numerics=numerics, type_k=cache_type_k, type_v=cache_type_v,
         flash_attn=flash_attn != "off" and not no_flash_attn, conversation=conversation, interactive=interactive,
         interactive_first=interactive_first, single_turn=single_turn,

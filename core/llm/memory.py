@@ -1,10 +1,10 @@
 """Memory planning per backend for a model and a configuration, without running it
-(`measure`), and a check that a real run keeps every node result in its planned place
-(`verify`).
+(`measure`), and a check that a real run keeps every node result in its planned place and takes,
+on every backend, the weight, KV cache and compute bytes the plan said (`verify`).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -45,11 +45,12 @@ class MemoryRecord:
 
 
 def weights_file_bytes_by_backend(model: Model) -> dict[str, int]:
-    """Bytes each backend's weights take in the file (stored, possibly quantized)."""
+    """Bytes each backend's weights take in the file (stored, possibly quantized; a matrix split by rows
+    counts on each device for its rows)."""
     out: dict[str, int] = {}
     for name, info in model.gguf.tensors.items():
-        b = model.weights[name].buffer.backend.name
-        out[b] = out.get(b, 0) + info.n_bytes
+        for b, lo, hi in model.placement.pieces(name, info.shape):
+            out[b.name] = out.get(b.name, 0) + info.n_bytes * (hi - lo) // max(info.shape[0], 1)
     return out
 
 
@@ -86,22 +87,54 @@ def measure(model: Model, ctx: int, ubatch: int, n_batch: int, n_seq: int, flash
 
 
 @dataclass
+class Taken:
+    """Bytes a real session took on one backend: resident weights, KV cache, the compute plan of its
+    worst-case graph (logits for every token, as `measure`'s "all" rows)."""
+
+    weights: int
+    kv: int
+    compute: int
+
+
+@dataclass
 class VerifyReport:
     nodes_checked: int
     max_logit_diff: float
+    taken: dict[str, Taken] = field(default_factory=dict)  # per backend name
+
+
+def figure_mismatches(records: list[MemoryRecord], taken: dict[str, Taken]) -> list[str]:
+    """Where `measure`'s records (logits "all", one configuration) differ from what a run took: one line
+    per backend and figure; none when the plan from metadata is what the run allocates."""
+    out = []
+    for r in records:
+        if r.logits != "all":
+            continue
+        t = taken.get(r.backend, Taken(0, 0, 0))
+        for label, planned, real in (("weights", r.weights_resident_bytes, t.weights), ("KV", r.kv_bytes, t.kv),
+                                     ("compute", r.compute_planned_bytes, t.compute)):
+            if planned != real:
+                out.append(f"{r.backend} {label}: measured {planned} bytes, the run took {real}")
+    return out
 
 
 SENTINEL = 0xFF  # every byte of a node's planned region before its kernel runs: f32 NaN 0xFFFFFFFF
 
 
-def verify(model: Model, ctx: int, ubatch: int, seed: int = 0, flash_attn: bool = False) -> VerifyReport:
+def verify(model: Model, ctx: int, ubatch: int, seed: int = 0, flash_attn: bool = False, n_seq: int = 1,
+           type_k: DType = DType.F16, type_v: DType = DType.F16) -> VerifyReport:
     """Run one worst-case micro-batch through the planned buffers and prove the plan held:
     each plan validates, each kernel wrote its result into its planned region (filled with a
-    sentinel just before it ran), and the logits equal a run where no memory is reused."""
-    params = SessionParams(n_ctx=ctx, n_batch=ubatch, n_ubatch=ubatch, flash_attn=flash_attn)
+    sentinel just before it ran), and the logits equal a run where no memory is reused. The report
+    says what the session took on each backend (to hold against `measure`'s figures)."""
+    params = SessionParams(n_ctx=ctx, n_batch=ubatch, n_ubatch=ubatch, n_seq_max=n_seq, flash_attn=flash_attn,
+                           type_k=type_k, type_v=type_v)
     session = Session(model, params)
     res = session.build(session.worst_case_params(all_logits=True))
     plans = session.sched.alloc(res.sg)
+    resident, kv = model.resident_bytes(), session.kv_bytes_by_backend()
+    taken = {b.name: Taken(resident.get(b.name, 0), kv.get(b.name, 0), plans[b.name].size if b.name in plans else 0)
+             for b in session.sched.backends}
     for name, plan in plans.items():
         validate_plan(res.sg.order, plan.offsets, plan.sizes, plan.scratch)
     ub = _random_ubatch(model, res.params.n_tokens, seed)
@@ -117,7 +150,7 @@ def verify(model: Model, ctx: int, ubatch: int, seed: int = 0, flash_attn: bool 
     diff = float(np.max(np.abs(ref_session.sched.get_tensor(ref_res.logits) - logits)))
     if not np.isfinite(diff) or diff > 1e-4:
         raise RuntimeFailure(f"verify: logits differ from a run without memory reuse by {diff:g}")
-    return VerifyReport(checked, diff)
+    return VerifyReport(checked, diff, taken)
 
 
 def _random_ubatch(model: Model, n: int, seed: int) -> UBatch:

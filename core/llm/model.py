@@ -1,6 +1,8 @@
-"""A loaded model: hyperparameters, tokenizer, and weights placed on backends per layer
-(`n_gpu_layers`: the last N repeating layers on the first device backend, the output
-head too when N exceeds the layer count; the token embedding stays on the CPU).
+"""A loaded model: hyperparameters, tokenizer, and weights placed on backends per layer as
+core/llm/placement.py decides (`n_gpu_layers`: the last N repeating layers on the devices, split
+over them by -sm/-ts/-mg, the output head too when N exceeds the layer count; the token embedding
+stays on the CPU). With -sm row a matrix is loaded as its row ranges, one weight per device, behind
+a handle (core/rowsplit.py).
 
 Weights stay as the file holds them (GGUF blocks, memory-mapped on the CPU); only a backend
 without kernels for block formats gets them decoded to f32 at load.
@@ -9,10 +11,10 @@ from __future__ import annotations
 
 import importlib
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ggrun.core import rowsplit
 from ggrun.core.backends.base import Backend
 from ggrun.core.context import ImmediateContext
 from ggrun.core.dtypes import DType
@@ -20,6 +22,7 @@ from ggrun.core.errors import BadInput
 from ggrun.core.llm import checks
 from ggrun.core.llm.budget import Budget
 from ggrun.core.llm.hparams import HParams
+from ggrun.core.llm.placement import DeviceSplit, Placement
 from ggrun.core.llm.weights import Weights
 from ggrun.loaders.gguf_file import GGUFFile, open_gguf
 from ggrun.loaders.tokenizer import Tokenizer
@@ -40,23 +43,6 @@ def arch_module(arch: str, source: str):
     if arch not in ARCHS:
         raise BadInput(f"{source}: architecture '{arch}' is not supported (supported: {', '.join(ARCHS)})")
     return importlib.import_module(ARCHS[arch])
-
-
-@dataclass
-class Placement:
-    """Which backend holds each part of the model."""
-
-    layers: list[Backend]
-    input: Backend
-    output: Backend
-
-    @staticmethod
-    def for_layers(n_layer: int, backends: list[Backend], n_gpu_layers: int) -> "Placement":
-        cpu = backends[-1]
-        device = backends[0] if len(backends) > 1 else cpu
-        ngl = max(0, n_gpu_layers)
-        layers = [device if il >= n_layer - ngl else cpu for il in range(n_layer)]
-        return Placement(layers=layers, input=cpu, output=device if ngl > n_layer else cpu)
 
 
 class Model:
@@ -110,8 +96,10 @@ class Model:
 
     @staticmethod
     def load(path: str | Path, backends: list[Backend], n_gpu_layers: int = 0,
-             progress: Progress | None = None, metadata_only: bool = False, numerics: str = "llama") -> "Model":
-        """Open, validate and load a GGUF model onto `backends` (priority order, CPU last).
+             progress: Progress | None = None, metadata_only: bool = False, numerics: str = "llama",
+             split: DeviceSplit | None = None) -> "Model":
+        """Open, validate and load a GGUF model onto `backends` (priority order, CPU last), the devices
+        among them picked and shared as `split` (-dev, -sm, -ts, -mg) says.
 
         With metadata_only, weights are placed in virtual buffers: shapes and backends are
         real, no tensor data is read and no weight memory is taken (for `ggrun measure`).
@@ -122,7 +110,7 @@ class Model:
         gf = open_gguf(path)
         hp, arch = Model.read_hparams(gf)
         tokenizer = Tokenizer.from_metadata(gf.metadata)
-        placement = Placement.for_layers(hp.n_layer, backends, n_gpu_layers)
+        placement = Placement.for_layers(hp.n_layer, backends, n_gpu_layers, split)
         contexts: dict[str, ImmediateContext] = {}
 
         def ctx_for(backend: Backend) -> ImmediateContext:
@@ -132,13 +120,18 @@ class Model:
             return contexts[backend.name]
 
         if not metadata_only:
-            _check_device_weights(gf, placement, backends)
+            _check_device_weights(gf, placement)
         tensors = {}
         total = gf.file_bytes
         done = 0
         tied = "output.weight" not in gf.tensors and placement.output is placement.input
         for name, info in gf.tensors.items():
-            ctx = ctx_for(_backend_for(name, placement))
+            ranges = placement.row_ranges(name, info.shape)
+            if ranges:
+                tensors[name] = _split_weight(ctx_for, placement, gf, name, name, numerics)
+                done += info.n_bytes
+                continue
+            ctx = ctx_for(placement.home(name))
             tensors[name] = _weight(ctx, gf, name, name, numerics)
             # a matrix gets its kernels' layout; the embedding only when it is the head too (then its
             # rows are still read as stored, a page per token)
@@ -150,51 +143,63 @@ class Model:
         for ctx in contexts.values():
             ctx.save_prepared()
         if "output.weight" not in tensors:  # tied head: the embedding serves as output weight
-            tensors["output.weight"] = tensors["token_embd.weight"] if placement.output is placement.input \
-                else _weight(ctx_for(placement.output), gf, "output.weight", "token_embd.weight", numerics)
+            if placement.output is placement.input:
+                tensors["output.weight"] = tensors["token_embd.weight"]
+            elif placement.row_ranges("output.weight", gf.tensors["token_embd.weight"].shape):
+                tensors["output.weight"] = _split_weight(ctx_for, placement, gf, "output.weight",
+                                                         "token_embd.weight", numerics)
+            else:
+                tensors["output.weight"] = _weight(ctx_for(placement.output), gf, "output.weight",
+                                                   "token_embd.weight", numerics)
         weights = Weights(tensors, str(gf.path))
-        return Model(gf, hp, arch, tokenizer, weights, placement, backends, contexts, time.perf_counter() - t0,
-                     numerics)
+        return Model(gf, hp, arch, tokenizer, weights, placement, placement.backends, contexts,
+                     time.perf_counter() - t0, numerics)
 
 
-def _weight(ctx: ImmediateContext, gf: GGUFFile, name: str, source: str, numerics: str):
-    """Tensor `source` in ctx as `name`: its stored bytes where the backend keeps block formats,
-    else decoded to f32. With llama numerics, a weight stored block-quantized meets 8-bit-rounded
-    activations in mul_mat, as in llama.cpp's CPU kernels (`act_quant`: q8_0 blocks for the
-    legacy types, q8_k for k-quants)."""
+def _weight(ctx: ImmediateContext, gf: GGUFFile, name: str, source: str, numerics: str,
+            rows: tuple[int, int] | None = None):
+    """Tensor `source` (its rows [lo, hi) when `rows` is given) in ctx as `name`: its stored bytes
+    where the backend keeps block formats, else decoded to f32. With llama numerics, a weight stored
+    block-quantized meets 8-bit-rounded activations in mul_mat, as in llama.cpp's CPU kernels
+    (`act_quant`: q8_0 blocks for the legacy types, q8_k for k-quants)."""
     info = gf.tensors[source]
     dtype = DType.of_ggml(info.qtype.name) if ctx.backend.stores_blocks else DType.F32
+    lo, hi = rows if rows is not None else (0, info.shape[0])
+    shape = (hi - lo,) + tuple(info.shape[1:])
     if ctx.virtual:
-        t = ctx.new_tensor(name, dtype, info.shape, weight=True)
+        t = ctx.new_tensor(name, dtype, shape, weight=True)
     elif dtype is DType.F32 and info.qtype.name != "F32":
-        t = ctx.from_array(name, gf.load_f32(source))
+        t = ctx.from_array(name, gf.load_f32(source)[lo:hi])
     else:
-        t = ctx.from_bytes(name, dtype, info.shape, gf.raw(source))
+        raw = gf.raw(source)
+        row_bytes = info.n_bytes // info.shape[0]
+        t = ctx.from_bytes(name, dtype, shape, raw[lo * row_bytes:hi * row_bytes])
     qtype = info.qtype.name
     if numerics == "llama" and qtype not in ("F32", "F16", "BF16"):
         t.params["act_quant"] = "q8_k" if qtype.endswith("_K") else "q8_0"
     return t
 
 
-def _check_device_weights(gf: GGUFFile, placement: Placement, backends: list[Backend]) -> None:
+def _split_weight(ctx_for, placement: Placement, gf: GGUFFile, name: str, source: str, numerics: str):
+    """Matrix `source` as `name` split by rows over the devices (-sm row): one weight per device's rows,
+    behind a handle whose products gather on the main device."""
+    info = gf.tensors[source]
+    parts = [_weight(ctx_for(d), gf, f"{name}@rows{lo}-{hi}", source, numerics, (lo, hi))
+             for d, lo, hi in placement.row_ranges(name, info.shape)]
+    return rowsplit.handle(name, parts[0].dtype, info.shape, parts, placement.rows.main.name)
+
+
+def _check_device_weights(gf: GGUFFile, placement: Placement) -> None:
     """The weights a GPU is given must fit in its free memory before any is copied (BadInput naming
     the need and what is free; lower -ngl). Host weights are a memory map of the file: not counted."""
     need: dict[str, int] = {}
     for name, info in gf.tensors.items():
-        backend = _backend_for(name, placement)
-        if backend.memory_pool != "CPU":
-            nbytes = info.n_bytes if backend.stores_blocks else 4 * info.n_elements
-            need[backend.name] = need.get(backend.name, 0) + nbytes
+        for backend, lo, hi in placement.pieces(name, info.shape):
+            if backend.memory_pool != "CPU":
+                nbytes = info.n_bytes if backend.stores_blocks else 4 * info.n_elements
+                need[backend.name] = need.get(backend.name, 0) + nbytes * (hi - lo) // max(info.shape[0], 1)
     if need:
-        Budget.now(backends).check({"weights": need}, advice="lower -ngl")
-
-
-def _backend_for(name: str, placement: Placement) -> Backend:
-    if name.startswith("blk."):
-        return placement.layers[int(name.split(".")[1])]
-    if name.startswith("token_embd"):
-        return placement.input
-    return placement.output
+        Budget.now(placement.backends).check({"weights": need}, advice="lower -ngl")
 
 
 def _check_tensors(gf: GGUFFile, hp: HParams, arch) -> None:

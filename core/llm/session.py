@@ -49,6 +49,7 @@ class SessionParams:
     reuse_memory: bool = True  # False: every intermediate gets its own bytes (a reference run)
     flash_attn: bool = True  # fused attention op (llama.cpp's -fa, on by default as its "auto" on the CPU)
     check_numerics: bool = False  # on non-finite logits, find the node that made them (also GGRUN_GRAPH_DEBUG)
+    n_copies: int | None = None  # pipeline slots; None: llama.cpp's rule (pipeline_copies)
 
     def check(self) -> None:
         if self.n_ctx < 1:
@@ -77,6 +78,21 @@ def graph_debug_level() -> int:
         return 0
 
 
+MAX_COPIES = 4  # llama.cpp's GGML_SCHED_MAX_COPIES
+
+
+def pipeline_copies(model: Model) -> int:
+    """llama.cpp's n_copies: GGRUN_SCHED_MAX_COPIES (default 4) pipeline slots when the model's layers
+    are split over several devices with everything offloaded (so micro-batches can overlap across
+    them), else 1."""
+    if not model.placement.pipeline_parallel:
+        return 1
+    try:
+        return max(1, int(os.environ.get("GGRUN_SCHED_MAX_COPIES", MAX_COPIES)))
+    except ValueError:
+        return MAX_COPIES
+
+
 def reuse_enabled_by_env() -> bool:
     return os.environ.get("GGRUN_GRAPH_REUSE", "1") not in ("0", "false", "no")
 
@@ -89,7 +105,8 @@ class Session:
         self.model = model
         self.params = params
         self.n_ubatch = min(params.n_ubatch, params.n_batch)
-        self.sched = Scheduler(model.backends, params.reuse_memory)
+        n_copies = params.n_copies if params.n_copies is not None else pipeline_copies(model)
+        self.sched = Scheduler(model.backends, params.reuse_memory, n_copies)
         self.virtual = any(c.virtual for c in model.contexts.values())  # metadata-only model: plan, never run
         # what each memory pool has free before the session takes anything (a plan-only session takes nothing)
         self.budget = None if self.virtual else Budget.now(model.backends)

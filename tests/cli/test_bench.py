@@ -30,8 +30,8 @@ from ggrun.core.llm.model import Model
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = ("build_commit", "cpu_info", "gpu_info", "backends", "model_filename", "model_type", "model_size",
-          "model_n_params", "n_batch", "n_ubatch", "n_threads", "type_k", "type_v", "n_gpu_layers", "flash_attn",
-          "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "ggrun_version",
+          "model_n_params", "n_batch", "n_ubatch", "n_threads", "type_k", "type_v", "n_gpu_layers", "split_mode",
+          "main_gpu", "flash_attn", "devices", "tensor_split", "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "ggrun_version",
           "n_ctx", "graph_reuse", "numerics")
 SMALL = ["-p", "8", "-n", "4", "-r", "2"]
 

@@ -12,7 +12,8 @@ ROW = {
     "build_commit": "abc1234", "cpu_info": "AMD EPYC", "gpu_info": "", "backends": "CPU",
     "model_filename": "/m/gemma.gguf", "model_type": "gemma3 270M Q4_K - Medium", "model_size": 246587904,
     "model_n_params": 268098176, "n_batch": 2048, "n_ubatch": 512, "n_threads": 2, "type_k": "f16",
-    "type_v": "f16", "n_gpu_layers": 0, "flash_attn": -1, "n_prompt": 512, "n_gen": 0, "n_depth": 512,
+    "type_v": "f16", "n_gpu_layers": 0, "split_mode": "layer", "main_gpu": 0, "flash_attn": -1, "devices": "auto",
+    "tensor_split": "0.00", "n_prompt": 512, "n_gen": 0, "n_depth": 512,
     "test_time": "2026-01-02T03:04:05Z", "avg_ns": 1000000000, "stddev_ns": 0, "avg_ts": 512.0, "stddev_ts": 0.0,
     "ggrun_version": "0.1.0", "n_ctx": 1024, "graph_reuse": 1, "numerics": "llama",
     "samples_ns": [1000000000], "samples_ts": [512.0],
@@ -41,6 +42,19 @@ def test_markdown_as_llama_bench():
         "",
         "build: abc1234 (ggrun 0.1.0)",
     ]
+
+
+def test_markdown_split_columns_as_llama_bench():
+    """-sm, -mg, -dev and -ts columns (shown when given) with llama-bench's names and widths: sm 10 and dev 10
+    left-aligned, main_gpu 10, ts 12 left-aligned."""
+    row = ROW | {"split_mode": "row", "main_gpu": 1, "devices": "CUDA0/CUDA1", "tensor_split": "3.00/1.00"}
+    out = io.StringIO()
+    p = Printer("md", ("n_gpu_layers", "split_mode", "main_gpu", "devices", "tensor_split"), out)
+    p.row(row)
+    head, rule, line = out.getvalue().splitlines()
+    assert head.split("|")[5:10] == [" ngl ", " sm         ", "   main_gpu ", " dev        ", " ts           "]
+    assert rule.split("|")[6:10] == [" ---------- ", " ---------: ", " ---------- ", " ------------ "]
+    assert line.split("|")[6:10] == [" row        ", "          1 ", " CUDA0/CUDA1 ", " 3.00/1.00    "]
 
 
 def test_csv_quotes_every_value():

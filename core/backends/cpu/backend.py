@@ -17,6 +17,11 @@ from ggrun.core.backends.kernels import KERNELS
 from ggrun.core.tensor import Tensor
 
 
+# A weight without data (`ggrun measure`) that a load would repack: products plan their path and
+# work space as for the repacked rows, so that the measured plan is the one a run makes.
+PLANNED = "repack planned"
+
+
 class CPUBackend(HostArrayBackend):
     """The host's cores: compiled kernels where they exist, numpy otherwise; runs every op."""
 
@@ -33,8 +38,11 @@ class CPUBackend(HostArrayBackend):
         when an earlier load of the file left it there, else made now (and given to `store`)."""
         if len(t.shape) != 2 or not t.dtype.is_quantized:
             return 0
-        if t.buffer is None or t.buffer.storage is None:
-            return matmul.repacked_bytes(t.dtype, t.shape)
+        if t.buffer is None or t.buffer.storage is None:  # measured, not loaded: planned as if repacked
+            added = matmul.repacked_bytes(t.dtype, t.shape)
+            if added:
+                t.params[matmul.REPACKED] = PLANNED
+            return added
         packed = store.get(t.name) if store is not None else None
         if packed is None:
             packed = matmul.repack(t.dtype, self.array(t))
