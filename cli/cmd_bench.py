@@ -29,13 +29,13 @@ from ggrun.cli.interrupt import Interrupt
 from ggrun.cli.value_lists import int_values, str_values
 from ggrun.core.backends.cpu import set_threads
 from ggrun.core.backends.cpu.jit import threads as current_threads
-from ggrun.core.backends.registry import probe
+from ggrun.core.backends.registry import probe, usable_backends
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import BadInput, Interrupted
 from ggrun.core.llm.bench import BenchResult, BenchTest, cpu_description, run_bench
 from ggrun.core.llm.model import Model
 from ggrun.core.llm.model_desc import model_description
-from ggrun.core.llm.placement import DeviceSplit
+from ggrun.core.llm.placement import DeviceSplit, select_devices
 from ggrun.core.llm.session import Session, SessionParams
 from ggrun.loaders.download import resolve_model
 from ggrun.loaders.gguf_file import open_gguf
@@ -226,6 +226,8 @@ def run(s: BenchSettings) -> None:
     for p in paths.values():  # a model that cannot be read fails now, before any other is loaded or timed
         with open_gguf(p) as gf:
             Model.read_hparams(gf)
+    for split in dict.fromkeys(cfg.split for cfg in configs):  # and so do devices this machine lacks
+        select_devices(usable_backends(), split)
     device = any(i.available and i.name != "CPU" for i in probe())
     printer = Printer(s.output, s.md_columns(device))
     with Interrupt() as stop:

@@ -1,5 +1,5 @@
 """Fixtures shared by the whole suite: the real SmolLM2 model (loaded once per run; tests using it
-are marked slow and skip when the file is not in the cache) and synthetic tiny llama models."""
+are marked slow and skip when the file is not in the cache) and synthetic tiny llama and gemma3 models."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from gguf.constants import GGMLQuantizationType as QT
 
-from tests.synth import write_tiny_llama, written_once
+from tests.synth import write_tiny_gemma3, write_tiny_llama, written_once
 
 DATA = Path(__file__).parent / "data"
 
@@ -49,6 +49,13 @@ def tiny_llama_factory(tmp_path_factory):
     """write(**options) -> path of a synthetic tiny llama (tests.synth.write_tiny_llama), written once per
     distinct set of options."""
     return written_once(write_tiny_llama, tmp_path_factory.mktemp, "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_factory(tmp_path_factory):
+    """write(**options) -> path of a synthetic tiny gemma3 (tests.synth.write_tiny_gemma3), written once per
+    distinct set of options."""
+    return written_once(write_tiny_gemma3, tmp_path_factory.mktemp, "tiny_gemma3")
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,8 @@ Sources (llama.cpp tree): tools/completion/README.md (quick start, options table
 tools/completion/completion.cpp (print_usage), tools/cli/README.md (options table), docs/build.md,
 docs/docker.md, docs/android.md, docs/multi-gpu.md, docs/backend/snapdragon/*.md,
 docs/development/token_generation_performance_tips.md, examples/convert-llama2c-to-ggml/README.md,
-tools/cvector-generator/README.md. Options ggrun has no use for (-sm, --device, --control-vector-*)
-are left out of the copied lines; everything else is as printed there.
+tools/cvector-generator/README.md. Options ggrun has no use for (--control-vector-*) and the split mode it
+lacks (-sm tensor) are left out of the copied lines; everything else is as printed there.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from ggrun.cli.cmdline import parse_settings
 from ggrun.cli.run_settings import RunSettings, process_escapes, run_settings
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import BadInput
+from ggrun.core.llm.placement import DeviceSplit
 from tests.cli.runner import ggrun
 
 M = "-m models/gemma-1.1-7b-it.Q4_K_M.gguf"
@@ -88,6 +89,13 @@ CASES = [
     ('llama-cli -m ~/model.gguf -c 4096 -p "your prompt"', {"n_ctx": 4096, "prompt": "your prompt"}),
     # docs/multi-gpu.md (-sm tensor left out)
     ("llama-cli -m model.gguf -ctk f16 -ctv f16", {"type_k": DType.F16, "type_v": DType.F16}),
+    ("llama-cli -m model.gguf", {"split": DeviceSplit(devices=None, mode="layer", tensor_split=(), main_gpu=0)}),
+    ("llama-cli -m model.gguf -ts 3,1", {"split.tensor_split": (3.0, 1.0), "split.mode": "layer"}),
+    ("llama-cli -m model.gguf -dev CUDA1", {"split.devices": ("CUDA1",), "split.main_gpu": 0}),
+    # common/arg.cpp's long option names, and '/' between -ts's proportions (lines written here, not copied)
+    ("llama-cli --split-mode row --main-gpu 1 --tensor-split 1/2 --device CUDA0,CUDA1",
+     {"split": DeviceSplit(devices=("CUDA0", "CUDA1"), mode="row", tensor_split=(1.0, 2.0), main_gpu=1)}),
+    ("llama-cli -sm none -mg 1 -dev none", {"split.mode": "none", "split.main_gpu": 1, "split.devices": ()}),
     # docs/build-riscv64-spacemit.md
     ("llama-cli -m Qwen2.5-0.5B-Instruct-Q4_0.gguf -t 1", {"threads": 1}),
     # examples/convert-llama2c-to-ggml/README.md
@@ -188,6 +196,10 @@ def test_prompt_file_is_read_without_its_last_newline_and_with_escapes(tmp_path)
     ("x -tb 0", "-tb 0"),
     ("x --top-p 2", "--top-p"),
     ("x -l 12x3", "--logit-bias"),
+    ("x -sm tensor", "-sm tensor"),
+    ("x -ts 1,-1", "-ts 1,-1"),
+    ("x -mg -1", "-mg -1"),
+    ("x -dev ''", "-dev"),
 ])
 def test_values_that_cannot_work_are_bad_input(cmdline, fragment):
     with pytest.raises(BadInput, match=fragment):

@@ -100,6 +100,19 @@ def test_bench_cache_types_and_ranges():
     assert s.n_prompt == (64, 128, 256, 512) and s.n_threads == (1, 2) and s.n_batch == (256, 512)
 
 
+def test_bench_split_options_as_its_usage_spells_them():
+    """llama-bench's usage: -sm <none|layer|row>, -mg <i>, -dev <dev0/dev1/...>, -ts <ts0/ts1/..>, each a
+    list (',' or repeated); they nest right after -ngl in its product, and -ts 0 is no split."""
+    s = parse("llama-bench -m m.gguf -ngl 99 -sm layer,row -mg 0 -dev CUDA0/CUDA1 -ts 1/1,3/1 -p 16 -n 0")
+    assert [(c.split.mode, c.split.tensor_split) for c in s.configs()] == [
+        ("layer", (1.0, 1.0)), ("layer", (3.0, 1.0)), ("row", (1.0, 1.0)), ("row", (3.0, 1.0))]
+    assert {c.split.devices for c in s.configs()} == {("CUDA0", "CUDA1")}
+    d = parse("llama-bench -m m.gguf").configs()[0].split
+    assert (d.mode, d.main_gpu, d.devices, d.tensor_split) == ("layer", 0, None, ())
+    assert parse("llama-bench -m m.gguf -ts 0 -dev none").configs()[0].split.devices == ()
+    assert parse("llama-bench -m m.gguf -ts 0").configs()[0].split.tensor_split == ()
+
+
 # ---- llama-perplexity ----------------------------------------------------------------------------------
 
 
@@ -134,6 +147,14 @@ def test_perplexity_kl_divergence_against_the_base():
 def test_perplexity_cache_types_and_flash_attention():
     s = parse("llama-perplexity -m m.gguf -f wiki.test.raw -ctk q8_0 -ctv q8_0 -fa off")
     assert (s.type_k, s.type_v, s.flash_attn) == (DType.Q8_0, DType.Q8_0, False)
+
+
+def test_perplexity_and_parallel_take_the_split_options():
+    """Shared with llama-cli (common/arg.cpp): -dev, -sm, -ts, -mg (lines written here, not copied)."""
+    for program in ("llama-perplexity -f t.txt", "llama-parallel"):
+        s = parse(f"{program} -m m.gguf -ngl 99 -sm row -ts 3,1 -mg 1 -dev CUDA0,CUDA1")
+        assert (s.split.mode, s.split.tensor_split, s.split.main_gpu, s.split.devices) == \
+            ("row", (3.0, 1.0), 1, ("CUDA0", "CUDA1"))
 
 
 # ---- llama-parallel (examples/parallel/README.md) ------------------------------------------------------
