@@ -6,9 +6,9 @@ compute buffer take what the table says.
 Devices: -dev, -sm, -ts, -mg and -ngl mean what they mean for `ggrun run`, over this machine's devices.
 `--plan-devices N` plans for N devices that need not exist here instead: N stand-in devices (SIM, or
 SIM0..SIM{N-1}) that take no memory while measuring, so a split over GPUs one does not hold can be
-planned (-ts 1,1 without -ts, or with every proportion 0, they share evenly: a stand-in has no free
-memory of its own to split by). A stand-in runs the reference kernels, which need no work space: a
-CUDA device's compute buffer also holds its kernels' scratch, so its figure there can be larger.
+planned (without -ts they share evenly: they all draw on the host's memory). A stand-in runs the
+reference kernels, which need no work space: a CUDA device's compute buffer also holds its kernels'
+scratch, so its figure there can be larger.
 `--verify` with `--plan-devices` loads the model for real onto those stand-ins (host memory).
 
 The table fits 100 columns: where the memory goes (weights as resident, KV cache, logits, compute

@@ -77,12 +77,18 @@ def select_devices(backends: list[Backend], split: DeviceSplit) -> list[Backend]
 
 def split_points(devices: list[Backend], tensor_split: tuple[float, ...] = ()) -> list[float]:
     """Each device's cumulative share, the last 1.0 (llama.cpp's split points): -ts's proportions, or
-    when none is given (or all are zero) each device's free memory; equal shares where a device
-    cannot tell its free memory."""
+    when none is given (or all are zero) each device's free memory, read once per memory pool and
+    shared evenly by the devices drawing on one pool (stand-in devices all draw on the host's); equal
+    shares where a device cannot tell its free memory."""
     weights = [float(x) for x in tensor_split] + [0.0] * (len(devices) - len(tensor_split))
     if not any(weights):
-        free = [d.free_memory() for d in devices] if len(devices) > 1 else [1]
-        weights = [float(f) for f in free] if all(free) else [1.0] * len(devices)
+        free: dict[str, int | None] = {}
+        for d in devices:
+            if d.memory_pool not in free:
+                free[d.memory_pool] = d.free_memory() if len(devices) > 1 else 1
+        sharing = [sum(1 for e in devices if e.memory_pool == d.memory_pool) for d in devices]
+        known = all(free.values())
+        weights = [free[d.memory_pool] / n if known else 1.0 for d, n in zip(devices, sharing)]
     total, points = 0.0, []
     for w in weights:
         total += w

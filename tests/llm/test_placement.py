@@ -51,15 +51,25 @@ def test_partial_offload_splits_only_the_offloaded_layers(machine):
 
 
 def test_without_ts_the_split_follows_free_memory(machine):
-    machine[0].free_memory = lambda: 3 * GiB
-    machine[1].free_memory = lambda: 1 * GiB
+    for i, free in enumerate((3 * GiB, 1 * GiB)):  # two devices with memory of their own, as GPUs
+        machine[i].memory_pool = f"GPU{i}"
+        machine[i].free_memory = lambda free=free: free
     assert split_points(machine[:2]) == [0.75, 1.0]
     assert names(place(machine)) == names(place(machine, tensor_split=(3, 1)))
     assert names(place(machine, tensor_split=(0, 0))) == names(place(machine, tensor_split=(3, 1)))
 
 
 def test_devices_that_cannot_tell_their_free_memory_share_evenly(machine):
+    machine[0].memory_pool = "GPU0"
     machine[0].free_memory = lambda: None
+    assert split_points(machine[:2]) == [0.5, 1.0]
+
+
+def test_devices_drawing_on_one_memory_share_it_evenly(machine):
+    """Stand-in devices all draw on the host's memory: read once, so their shares are exactly equal."""
+    reads = iter([3 * GiB, 1 * GiB])
+    for d in machine[:2]:
+        d.free_memory = lambda: next(reads)
     assert split_points(machine[:2]) == [0.5, 1.0]
 
 
