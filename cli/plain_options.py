@@ -53,6 +53,7 @@ def install() -> None:
                                  descriptor=descriptor)
 
     runtime_param.plain_options = True
+    runtime_param.typer_own = full
     core.build_runtime_param = runtime_param
 
 
