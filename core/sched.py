@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -96,6 +97,7 @@ def _written_home(n: Tensor) -> Backend | None:
 
 
 COPY_KINDS = ("host->device", "device->device", "device->host")
+SLOTS_KEPT = 256  # computes whose pipeline slot is remembered
 
 
 @dataclass
@@ -121,7 +123,7 @@ class Scheduler:
         self.debug = int(os.environ.get("GGRUN_SCHED_DEBUG", "0") or 0)
         self.n_copies = n_copies
         self.cur_slot = 0  # the pipeline slot the next compute uses
-        self.slots_used: list[int] = []  # the slot of every compute so far (the rotation, for reports)
+        self.slots_used: deque[int] = deque(maxlen=SLOTS_KEPT)  # the slots of the latest computes (reports)
         self._slot_events: dict[tuple[str, int], object] = {}  # (backend, slot) -> after its last split reading it
         self.copy_counts = {kind: CopyCount() for kind in COPY_KINDS}
 

@@ -333,6 +333,36 @@ def test_sim_copies_host_arrays_in_and_aligns_to_256():
     assert sim.buffer_type.alignment == 256
 
 
+# ---- pipeline slots and copy counts ------------------------------------------------------------
+
+
+def test_pipeline_slots_give_each_compute_its_own_input_copies():
+    """n_copies 3: every split input has three copies, each in bytes of its own for the whole graph;
+    computes take the slots in turn, each writing this compute's inputs into its slot, and every one
+    gives the reference result."""
+    rig = Rig()
+    rig.sched = Scheduler([rig.sim, rig.cpu], n_copies=3)
+    sg = rig.schedule(rig.mlp()["out"])
+    assert sg.n_slots == 3 and sg.n_copies == 2 and len(sg.persistent) == 6
+    assert not any(c in sg.order for c in sg.persistent)  # planned as inputs, not in the walk
+    rig.sched.alloc(sg)
+    check_plans(rig, sg)
+    assert len({(sg.backend_name(c), c.offset) for c in sg.persistent}) == 6  # no two slots share memory
+    for k in range(4):
+        scale = np.float32(k + 1)
+        rig.sched.set_tensor(sg.graph.inputs()[0], X * scale)
+        rig.sched.compute(sg)
+        a1_copy = sg.slots[k % 3][id(sg.splits[1].copies[0])]
+        a1 = silu(X * scale @ W1.T)
+        np.testing.assert_allclose(rig.sim.array(a1_copy), a1, rtol=1e-5, atol=1e-6)
+        want = silu(a1 @ W2.T) @ W3.T + X * scale
+        np.testing.assert_allclose(rig.sched.get_tensor(sg.graph.outputs[0]), want, rtol=1e-5, atol=1e-5)
+    assert list(rig.sched.slots_used) == [0, 1, 2, 0]
+    assert sorted(sg.splits[1].slot_calls) == [1, 2]
+    counts = {k: c.n for k, c in rig.sched.copy_counts.items()}
+    assert counts == {"host->device": 4, "device->device": 0, "device->host": 4}
+
+
 # ---- switches ------------------------------------------------------------------------------
 
 
