@@ -29,11 +29,11 @@ from ggrun.loaders.download import resolve_model  # noqa: E402
 
 def kind_of(node) -> str:
     """An op, with the stored types of its weights for products (e.g. `mul_mat q4_1`,
-    `mul_mat_multi q5_0+q5_0+q8_0`)."""
+    `mul_mat_multi q5_0+q5_0+q8_0`, `mul_mat_glu q5_0+q5_0`)."""
     if node.op == "mul_mat" and node.srcs[0].root.is_weight:
         return f"mul_mat {node.srcs[0].dtype}"
-    if node.op == "mul_mat_multi":
-        return f"mul_mat_multi {'+'.join(str(w.dtype) for w in node.srcs[:-1])}"
+    if node.op in ("mul_mat_multi", "mul_mat_glu"):
+        return f"{node.op} {'+'.join(str(w.dtype) for w in node.srcs[:-1])}"
     return node.op
 
 

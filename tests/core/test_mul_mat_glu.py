@@ -13,12 +13,10 @@ import numpy as np
 import pytest
 
 from ggrun.core import ops
-from ggrun.core.backends.array_backend import ArrayBackend
 from ggrun.core.backends.cpu import CPUBackend
 from ggrun.core.backends.cpu import backend as cpu_backend
 from ggrun.core.backends.cpu import matmul
 from ggrun.core.backends.cpu import quant as Q
-from ggrun.core.backends.host import HostArrayBackend
 from ggrun.core.backends.sim import SimBackend
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import GraphError
@@ -208,24 +206,11 @@ def test_scratch_is_planned_and_the_result_written_in_place(n, numerics):
     assert nmse(result, run_on(ReferenceBackend(), case.build())) <= MAX_NMSE[numerics]
 
 
-class _Device(ArrayBackend):
-    """A device backend: its own memory (not the host's), any op through the array kernels."""
-
-    name = "DEV"
-    xp = np
-    stores_blocks = True
-    alloc_buffer = HostArrayBackend.alloc_buffer
-    view_array = HostArrayBackend.view_array
-    set_tensor = HostArrayBackend.set_tensor
-    get_tensor = HostArrayBackend.get_tensor
-
-
 @pytest.mark.parametrize("backend,want", [
     (CPUBackend, ["mul_mat_glu"]),
     (SimBackend, ["mul_mat_glu"]),
     (lambda: SimBackend(refuse=frozenset({"mul_mat_glu"})), ["mul_mat_multi", "swiglu"]),
     (lambda: SimBackend(refuse=frozenset({"mul_mat_glu", "mul_mat_multi"})), ["mul_mat", "mul_mat", "swiglu"]),
-    (_Device, ["mul_mat_multi", "swiglu"]),  # until a device has a kernel of its own for it
 ])
 def test_the_feed_forward_fuses_where_the_weights_backend_runs_the_node(backend, want):
     lf = Leafs(backend())

@@ -2065,21 +2065,27 @@ GLU_SWIGLU, GLU_GEGLU, GLU_GEGLU_TABLE = 0, 1, 2
 
 
 @kernel(inline="always")
-def _glu(kind, g, u, table):
-    """silu(g) * u, gelu(g) * u or ggml's table GELU of g times u (the elementwise kernels' formulas)."""
+def _glu_row(kind, table, g, u, out):
+    """out[i] = silu(g[i]) * u[i], gelu(g[i]) * u[i] or ggml's table GELU of g[i] times u[i] (the
+    elementwise kernels' formulas; out may be g): a loop per kind, so each compiles to SIMD code
+    where it can."""
     if kind == GLU_SWIGLU:
-        return silu(g) * u
-    if kind == GLU_GEGLU_TABLE:
-        return gelu_table(g, table) * u
-    return gelu(g) * u
+        for i in range(out.shape[0]):
+            out[i] = silu(g[i]) * u[i]
+    elif kind == GLU_GEGLU_TABLE:
+        for i in range(out.shape[0]):
+            out[i] = gelu_table(g[i], table) * u[i]
+    else:
+        for i in range(out.shape[0]):
+            out[i] = gelu(g[i]) * u[i]
 
 
 @kernel(_nrt=False)
 def _glu_span(kind, table, out, up, r0, r1):
     """out[:, r0:r1] = glu(out[:, r0:r1], up[:, 0:r1 - r0])."""
     for n in range(out.shape[0]):
-        for r in range(r0, r1):
-            out[n, r] = _glu(kind, out[n, r], up[n, r - r0], table)
+        row = out[n, r0:r1]
+        _glu_row(kind, table, row, up[n, :r1 - r0], row)
 
 
 @kernel
