@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 from ggrun.core import ops
 from ggrun.core.backends.base import Backend
-from ggrun.core.backends.host import HostArrayBackend
 from ggrun.core.llm.hparams import HParams
 from ggrun.core.llm.inputs import GraphInputs, GraphParams
 from ggrun.core.llm.kv_cache import heads_view, KVCache
@@ -133,14 +132,10 @@ def attention(b: Build, il: int, q: Tensor, k: Tensor, v: Tensor, wo: Tensor, ro
 
 def gated(x: Tensor, gate: Tensor, up: Tensor, il: int, glu: str, f16_table: bool = False) -> Tensor:
     """glu(x @ gate^T, x @ up^T) ("swiglu" or "geglu"): one mul_mat_glu node where the weights'
-    backend runs it, else the products (products()) and a swiglu/geglu node.
-
-    Only host backends take the fused node for now (the CPU's compiled kernel, SIM's reference):
-    a GPU without a kernel of its own for it would run the reference through its array module,
-    outside its captured graph."""
+    backend runs it (the CPU, CUDA, SIM), else the products (products()) and a swiglu/geglu node."""
     fused = ops.mul_mat_glu(gate, up, x, glu, f16_table, name=f"ffn_{glu}-{il}")
     home = _home((gate, up))
-    if isinstance(home, HostArrayBackend) and home.supports_op(fused):
+    if home is not None and home.supports_op(fused):
         return fused
     g, u = products(x, (gate, up), (f"ffn_gate-{il}", f"ffn_up-{il}"), name=f"ffn_gate_up-{il}")
     if glu == "swiglu":

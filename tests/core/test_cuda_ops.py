@@ -14,6 +14,7 @@ cupy = require_gpu()
 
 from ggrun.core import ops  # noqa: E402
 from ggrun.core.backends.cuda import CUDABackend  # noqa: E402
+from ggrun.core.backends.cuda.binding import Launch  # noqa: E402
 from ggrun.core.dtypes import DType  # noqa: E402
 from ggrun.core.ops import ROPE_NEOX, ROPE_NORMAL  # noqa: E402
 from tests.core.backend_ops import ReferenceBackend, compare, nmse, planned, run_on  # noqa: E402
@@ -21,6 +22,7 @@ from tests.core.test_cpu_matmul import K_QUANTS, TYPES, weight_data  # noqa: E40
 
 F32, F16, I32 = DType.F32, DType.F16, DType.I32
 NMSE_MUL_MAT = 5e-4
+NMSE_GLU = 1e-3  # two products' 8-bit activation error, multiplied through the gate's activation
 NMSE_ELEMENTWISE = 1e-6
 NMSE_ATTENTION = 5e-4
 rng = np.random.default_rng(7)
@@ -239,3 +241,65 @@ def test_mul_mat_multi(gpu, n_tokens, kinds):
         flat = views[0].view_src  # every product, one after another
         return ops.add(flat, flat)
     check(gpu, build, NMSE_MUL_MAT)
+
+
+@pytest.mark.parametrize("glu", ["swiglu", "geglu"])
+@pytest.mark.parametrize("types", [(DType.Q4_0, DType.Q4_0), (DType.Q8_0, DType.Q8_0), (DType.Q6_K, DType.Q6_K),
+                                   (DType.Q4_0, DType.Q8_0)], ids=str)
+@pytest.mark.parametrize("n_tokens", [1, 3, 8, 9, 64])
+def test_mul_mat_glu(gpu, n_tokens, types, glu):
+    """A gated feed-forward's first half: one fused product kernel for decode rows of one __dp4a type,
+    else both products and the gated kernel."""
+    m, k = 96, 256
+    gd, ud = (weight_data(dt, m, k, seed=i) for i, dt in enumerate(types))
+    x = values(n_tokens, k)
+
+    def build(lf):
+        gate, up = lf.weight("gate", types[0], (m, k), gd), lf.weight("up", types[1], (m, k), ud)
+        return ops.mul_mat_glu(gate, up, lf.input("x", F32, x), glu)
+    check(gpu, build, NMSE_GLU)
+
+
+def _kernel_names(gpu, build) -> list[str]:
+    """The kernels the bound steps of build's graph launch, in order."""
+    _, sg, _, _ = planned(gpu, build)
+    names = []
+    for step in gpu.prepare(sg.splits[0].nodes).steps:
+        for launch in getattr(step.run, "items", [step.run]):
+            if isinstance(launch, Launch):
+                names.append(launch.kernel.name)
+    return names
+
+
+@pytest.mark.parametrize("n_tokens", [1, 3, 8, 9])
+def test_q8_handoffs(gpu, n_tokens):
+    """A decode layer's chain: residual add + norm -> q/k/v; attention -> output projection; norm ->
+    gated product -> down. Where the producer writes the next product's 8-bit activations into its
+    scratch, that product skips its own quantization launch, and the results do not change."""
+    n_embd, hq, hk, d, n_kv, n_ff = 256, 4, 2, 64, 300, 512
+    q4 = DType.Q4_0
+    w = {name: weight_data(q4, m, k, seed=i) for i, (name, m, k) in enumerate(
+        [("wq", hq * d, n_embd), ("wk", hk * d, n_embd), ("wo", n_embd, hq * d), ("gate", n_ff, n_embd),
+         ("up", n_ff, n_embd), ("down", n_embd, n_ff)])}
+    shapes = {"wq": (hq * d, n_embd), "wk": (hk * d, n_embd), "wo": (n_embd, hq * d), "gate": (n_ff, n_embd),
+              "up": (n_ff, n_embd), "down": (n_embd, n_ff)}
+    xd, hd, nw = values(n_tokens, n_embd), values(n_tokens, n_embd), values(n_embd)
+    kd, vd = values(n_kv, hk * d).astype(np.float16), values(n_kv, hk * d).astype(np.float16)
+    md = np.where(np.arange(n_kv)[None, :] > 200 + np.arange(n_tokens)[:, None], -np.inf, 0).astype(np.float16)
+
+    def build(lf):
+        ws = {name: lf.weight(name, q4, shapes[name], data) for name, data in w.items()}
+        norm_w = lf.weight("norm", F32, (n_embd,), nw)
+        both = ops.add_rms_norm(lf.input("x", F32, xd), lf.input("h", F32, hd), norm_w, 1e-5)
+        normed = ops.view(both, (n_tokens, n_embd), offset=n_tokens * n_embd * 4)
+        q, _ = ops.mul_mat_multi((ws["wq"], ws["wk"]), normed, ("q", "k"))
+        qh = ops.permute(ops.reshape(q, (n_tokens, hq, d)), (1, 0, 2))
+        k = ops.permute(ops.view(lf.weight("kc", F16, (n_kv, hk * d), kd), (n_kv, hk, d)), (1, 0, 2))
+        v = ops.permute(ops.view(lf.weight("vc", F16, (n_kv, hk * d), vd), (n_kv, hk, d)), (1, 0, 2))
+        att = ops.flash_attn(ops.cont(qh), k, v, lf.input("mask", F16, md), scale=d ** -0.5)
+        o = ops.mul_mat(ws["wo"], ops.reshape(att, (n_tokens, hq * d)))
+        ffn = ops.mul_mat(ws["down"], ops.mul_mat_glu(ws["gate"], ws["up"], normed, "swiglu"))
+        return ops.add(o, ffn)
+    check(gpu, build, NMSE_GLU)
+    if n_tokens <= 8:  # only the gated product, normed's second reader, quantizes for itself
+        assert _kernel_names(gpu, build).count("quantize_q8_1") == 1, _kernel_names(gpu, build)

@@ -149,12 +149,13 @@ template <> __device__ __forceinline__ void ld8<T_BF16>(const void *p, i64 i, fl
 // a thread per eight elements and a share of the keys, four rows at a time, summed over the key
 // shares through shared memory. With several chunks each block writes its partial maximum, sum and
 // output; the last block of a group to finish (a ticket in `tickets`, which it resets to 0) merges
-// them, so one launch does all.
+// them, so one launch does all. With q8 the output rows are also written as q8_1 blocks [T, hq * D / 32],
+// the activations of the projection that reads them (a warp's 32 consecutive elements are one block).
 template <int TK, int D>
 __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
     const float *q, const void *k, const void *v, const __half *mask, float *out, float *part, int *tickets,
     int d, int T, int r, int n_kv, int chunk, i64 sq0, i64 sq1, i64 sk0, i64 sk1, i64 sv0, i64 sv1, i64 ldm,
-    float scale) {
+    float scale, block_q8_1 *q8) {
     constexpr int LPK = D / 8, KPB = DEC_THREADS / LPK;  // lanes per key, keys per block step
     extern __shared__ float smem[];
     __shared__ float row_m[DECODE_ROWS], row_l[DECODE_ROWS];
@@ -256,7 +257,9 @@ __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
             for (int c = 0; c < KPB; c++) sum += red[c * DEC_RT * D + x];
             const i64 orow = (i64)(i / r) * hq + g * r + i % r;
             if (split == 1) {
-                out[orow * D + e] = row_l[i] > 0.0f ? sum / row_l[i] : 0.0f;
+                const float res = row_l[i] > 0.0f ? sum / row_l[i] : 0.0f;
+                out[orow * D + e] = res;
+                if (q8 != nullptr) quantize_warp(res, q8 + (orow * D + e - lane) / 32);
             } else {
                 float *pr = part + ((i64)s * T * hq + orow) * (D + 2);
                 if (e == 0) pr[0] = row_m[i], pr[1] = row_l[i];
@@ -284,7 +287,9 @@ __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
             num += w * __ldcg(pr + 2 + e);
             den += w * __ldcg(pr + 1);
         }
-        out[orow * D + e] = den > 0.0f ? num / den : 0.0f;
+        const float res = den > 0.0f ? num / den : 0.0f;
+        out[orow * D + e] = res;
+        if (q8 != nullptr) quantize_warp(res, q8 + (orow * D + e - lane) / 32);
     }
     if (threadIdx.x == 0) tickets[g] = 0;
 }

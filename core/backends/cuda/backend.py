@@ -22,7 +22,8 @@ import numpy as np
 
 from ggrun.core.backends.array_backend import storage_dtype
 from ggrun.core.backends.base import Backend, Buffer, BufferType
-from ggrun.core.backends.cuda import matmul as _matmul  # noqa: F401  (registers kernels)
+from ggrun.core.backends.cuda import handoff
+from ggrun.core.backends.cuda import matmul as _matmul  # registers kernels
 from ggrun.core.backends.cuda import ops as _ops  # noqa: F401  (registers kernels)
 from ggrun.core.backends.cuda.binding import TABLE, Step
 from ggrun.core.backends.cuda.graphs import Prepared
@@ -34,7 +35,7 @@ STAGING_BYTES = 16 << 20  # pinned host memory for copies; larger copies go stra
 H2D, D2H = 1, 2  # cudaMemcpyKind
 PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 TICKETS = 1024  # counters shared by kernels that elect a last block (one per KV head in attention)
-BLOCK_OPS = ("mul_mat", "mul_mat_multi", "get_rows")  # the ops whose kernels read GGUF blocks
+BLOCK_OPS = ("mul_mat", "mul_mat_multi", "mul_mat_glu", "get_rows")  # the ops whose kernels read GGUF blocks
 
 
 def describe_device(index: int) -> str:
@@ -63,6 +64,8 @@ class CUDABackend(Backend):
         self._host = np.frombuffer(self._staging, dtype=np.uint8, count=STAGING_BYTES)
         self._staged = 0
         self._tickets = None
+        self._q8_slots = None
+        self.handoffs = handoff.NONE
         self._peer: dict[int, bool] = {}  # another GPU's index -> whether copies from it go peer to peer
         self.use_graphs = graphs_enabled()
 
@@ -103,6 +106,14 @@ class CUDABackend(Backend):
             raise ValueError(f"{n} counters asked, {TICKETS} exist")
         return self._tickets
 
+    def q8_slot(self, slot: int) -> int:
+        """Device address of a hand-off slot: 8-bit activations a kernel writes for the product after
+        it (handoff.py). The slots are made once, SLOTS * SLOT_BYTES (1 MiB) in all."""
+        if self._q8_slots is None:
+            with self._dev:
+                self._q8_slots = cupy.empty(handoff.SLOTS * handoff.SLOT_BYTES, dtype=cupy.uint8)
+        return self._q8_slots.data.ptr + slot * handoff.SLOT_BYTES
+
     def scratch_bytes(self, node: Tensor) -> int:
         return TABLE.scratch_bytes(node)
 
@@ -124,6 +135,7 @@ class CUDABackend(Backend):
     def prepare(self, nodes: list[Tensor]) -> Prepared:
         """One bound kernel launch per node (the shared array kernels where none binds)."""
         steps = []
+        self.handoffs = handoff.Handoffs(nodes, _matmul.reads_q8)
         with self._dev:
             for n in nodes:
                 out, srcs = self.array(n), [self.array(s) for s in n.srcs]

@@ -130,6 +130,14 @@ template <int T> __device__ __forceinline__ float dq_at(const u8 *row, int col) 
     return dq<T>(row + (col / Block<T>::QK) * Block<T>::BYTES, col % Block<T>::QK);
 }
 
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float gelu(float x) {
+    const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+    return 0.5f * x * (1.0f + tanhf(c * x * (1.0f + 0.044715f * x * x)));
+}
+// the gate's activation of a gated unit: 1 silu (swiglu), 2 gelu (geglu)
+template <int F> __device__ __forceinline__ float glu_act(float x) { return F == 1 ? silu(x) : gelu(x); }
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
@@ -139,6 +147,20 @@ __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
     return v;
+}
+
+// 32 activations in the 8-bit blocks the __dp4a products read (ggml's block_q8_1)
+struct block_q8_1 {
+    __half2 ds;  // scale d = amax / 127, and the sum of the block's original values
+    i8 qs[32];
+};
+
+// lane j of a warp holds element j of a block: all 32 write it, quantized, to dst
+__device__ __forceinline__ void quantize_warp(float v, block_q8_1 *dst) {
+    const int lane = threadIdx.x & 31;
+    const float amax = warp_max(fabsf(v)), sum = warp_sum(v), d = amax / 127.0f;
+    dst->qs[lane] = amax == 0.0f ? 0 : (i8)roundf(v / d);
+    if (lane == 0) dst->ds = make_half2(__float2half(d), __float2half(sum));
 }
 
 // the sum of v over a block of up to 1024 threads (every thread gets it); `sh` holds 32 floats

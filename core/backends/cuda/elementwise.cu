@@ -24,12 +24,6 @@ __global__ void binary4(const void *a, const void *b, float *out, i64 n, i64 n1,
     out[i] = OP == 0 ? x + y : x * y;
 }
 
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
-__device__ __forceinline__ float gelu(float x) {
-    const float c = 0.7978845608028654f;  // sqrt(2 / pi)
-    return 0.5f * x * (1.0f + tanhf(c * x * (1.0f + 0.044715f * x * x)));
-}
-
 // out = f(a): 0 scale by s, 1 silu, 2 gelu
 template <int F>
 __global__ void unary4(const float *a, float *out, float s, i64 n, i64 n1, i64 n2, i64 n3, STRIDES4(a)) {
@@ -46,7 +40,7 @@ __global__ void gated(const float *g, const float *u, float *out, int n, i64 row
     if (i >= rows * n) return;
     i64 r = i / n, c = i % n;
     float x = g[r * ldg + c];
-    out[i] = (F == 1 ? silu(x) : gelu(x)) * u[r * ldu + c];
+    out[i] = glu_act<F>(x) * u[r * ldu + c];
 }
 
 // dst[idx[r], :] = src[r, :] (the KV cache write), converting f32 to D

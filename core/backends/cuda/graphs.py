@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import sys
 
-import cupy
-
 from ggrun.core.backends.cuda.binding import Step
 
 

@@ -2,11 +2,6 @@
 // products (__dp4a) against the legacy block types, as ggml's mmvq; other types decode their
 // blocks in the GEMV. Many tokens: weights decoded to f16 tiles for a cuBLAS GEMM (host side).
 
-struct block_q8_1 {
-    __half2 ds;  // scale d = amax / 127, and the sum of the block's original values
-    i8 qs[32];
-};
-
 // x [rows, ncols] (row stride ldx elements) -> y [rows, ncols / 32] q8_1 blocks; one warp per block
 extern "C" __global__ void quantize_q8_1(const float *x, block_q8_1 *y, int ncols, i64 ldx, int rows) {
     i64 blk = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -14,12 +9,7 @@ extern "C" __global__ void quantize_q8_1(const float *x, block_q8_1 *y, int ncol
     if (blk >= (i64)rows * nb) return;
     int lane = threadIdx.x & 31;
     i64 r = blk / nb, b = blk % nb;
-    float v = x[r * ldx + b * 32 + lane];
-    float amax = warp_max(fabsf(v));
-    float sum = warp_sum(v);
-    float d = amax / 127.0f;
-    y[blk].qs[lane] = amax == 0.0f ? 0 : (i8)roundf(v / d);
-    if (lane == 0) y[blk].ds = make_half2(__float2half(d), __float2half(sum));
+    quantize_warp(x[r * ldx + b * 32 + lane], y + blk);
 }
 
 // integer dot product of one weight block with one q8_1 block, scaled (ggml's vec_dot_*_q8_1)
@@ -122,6 +112,43 @@ __global__ void mmvq(const u8 *w0, const u8 *w1, const u8 *w2, float *o0, float 
         float v = warp_sum(acc[c]);
         if (lane == 0) out[(i64)c * ldo + row] = v;
     }
+}
+
+// out[c, row] = act(G[row] . y[c]) * (U[row] . y[c]): a gated feed-forward's first half (F: 1 swiglu,
+// 2 geglu), both products of a row in one warp so neither leaves registers. With q8 (launched with
+// 32 warps a block, rows a multiple of 32) the block also writes its 32 outputs of each token row as
+// one q8_1 block of the next product's activations [NC, rows / 32].
+template <int T, int NC, int F>
+__global__ void mmvq_glu(const u8 *wg, const u8 *wu, const block_q8_1 *y, float *out, int ncols, i64 row_bytes,
+                         int rows, block_q8_1 *q8) {
+    __shared__ float vals[NC][32];
+    const int warp = threadIdx.x / 32, row = blockIdx.x * (blockDim.x / 32) + warp;
+    const int lane = threadIdx.x & 31, nb = ncols / 32;
+    if (row < rows) {
+        const u8 *gr = wg + row * row_bytes, *ur = wu + row * row_bytes;
+        float ag[NC], au[NC];
+#pragma unroll
+        for (int c = 0; c < NC; c++) ag[c] = au[c] = 0.0f;
+        for (int b = lane; b < nb; b += 32) {
+#pragma unroll
+            for (int c = 0; c < NC; c++) {
+                const block_q8_1 &yb = y[(i64)c * nb + b];
+                ag[c] += vdot<T>(gr + (i64)b * Block<T>::BYTES, yb);
+                au[c] += vdot<T>(ur + (i64)b * Block<T>::BYTES, yb);
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+            const float g = warp_sum(ag[c]), u = warp_sum(au[c]), h = glu_act<F>(g) * u;
+            if (lane == 0) {
+                out[(i64)c * rows + row] = h;
+                if (q8 != nullptr) vals[c][warp] = h;
+            }
+        }
+    }
+    if (q8 == nullptr) return;
+    __syncthreads();
+    if (warp < NC) quantize_warp(vals[warp][lane], q8 + (i64)warp * (rows / 32) + blockIdx.x);
 }
 
 // the same product for any weight type against f32 activations x [NC, ncols] (row stride ldx):

@@ -1,4 +1,4 @@
-"""Which CUDA kernels run `mul_mat`, `mul_mat_multi` and `get_rows`.
+"""Which CUDA kernels run `mul_mat`, `mul_mat_multi`, `mul_mat_glu` and `get_rows`.
 
 A weight (a 2-d tensor in any stored type; `mul_mat_multi`: several weights, one after another in
 the result) times up to GEMV_MAX_ROWS token rows: the legacy block
@@ -15,12 +15,12 @@ from cupy.cuda import cublas, device
 
 from ggrun.core.backends.cuda.binding import (Launch, Step, binds, estrides, grid1d, i32, i64, launch_step, ptr,
                                               rows_of)
-from ggrun.core.backends.cuda.module import DP4A_TYPES, GEMV_COLS, TYPE_IDS, kernel
+from ggrun.core.backends.cuda.handoff import Q8_1_BYTES
+from ggrun.core.backends.cuda.module import DP4A_TYPES, GEMV_COLS, GLU_ACTS, TYPE_IDS, kernel
 from ggrun.core.dtypes import DType
 from ggrun.core.tensor import Tensor
 
 GEMV_MAX_ROWS = 8
-Q8_1_BYTES = 36  # one block of 32 activations: f16 scale and sum, 32 int8
 TILE_BYTES = 32 << 20  # f16 bytes of one decoded weight tile
 WARPS = 4
 CUDA_R_16F, CUDA_R_32F, CUBLAS_COMPUTE_32F = 2, 0, 68
@@ -76,6 +76,18 @@ def _chunks(n: int) -> list[int]:
     return out
 
 
+def reads_q8(node: Tensor) -> bool:
+    """Whether a product's bound kernels read its activations as q8_1 blocks in its scratch (which
+    the node before it may write: handoff.py)."""
+    case = _weight_case(node)
+    if case is None or not node.srcs[-1].is_contiguous:
+        return False
+    _, k, n = case
+    if not 0 < n <= GEMV_MAX_ROWS:
+        return False
+    return _glu_fused(node, k, n) if node.op == "mul_mat_glu" else _quantizes(node, k)
+
+
 def _bind_products(node: Tensor, out, srcs, scratch, backend):
     """out holds each weight's product [N, M_i] with the activations, one after another."""
     case = _weight_case(node)
@@ -88,7 +100,7 @@ def _bind_products(node: Tensor, out, srcs, scratch, backend):
         parts.append((w.dtype, arr, m, at))
         at += n * m * 4
     if n <= GEMV_MAX_ROWS:
-        return _gemv(node, parts, srcs[-1], b[2], scratch, k, n)
+        return _gemv(node, parts, srcs[-1], b[2], scratch, k, n, _fed_at(node, backend))
     return _gemm(parts, srcs[-1], b[2], scratch, backend, k, n)
 
 
@@ -99,22 +111,35 @@ binds("mul_mat_multi", scratch=_scratch)(_bind_products)
 MMVQ_WEIGHTS = 3  # weights one mmvq launch serves
 
 
-def _gemv(node: Tensor, parts: list, b, ldb: int, scratch, k: int, n: int) -> Step:
-    """Decode products: the activations quantized once to q8_1 (when a weight takes __dp4a), then per
-    chunk of token rows one mmvq launch for up to three __dp4a weights of one type, and a gemv launch
-    for each other weight."""
+def _fed_at(node: Tensor, backend) -> int | None:
+    """Address of the q8_1 activations the node before wrote for this product (handoff.py), if any."""
+    slot = backend.handoffs.fed(node)
+    return backend.q8_slot(slot) if slot is not None else None
+
+
+def _quantize(b, ldb: int, y: int, k: int, n: int) -> Launch:
+    """Activation rows b [n, k] (row stride ldb) to q8_1 blocks at address y."""
+    blocks = n * (k // 32)
+    return Launch(kernel("matmul.cu", "quantize_q8_1"), (-(-blocks // 8),), (256,),
+                  (ptr(b), np.uint64(y), i32(k), i64(ldb), i32(n)))
+
+
+def _gemv(node: Tensor, parts: list, b, ldb: int, scratch, k: int, n: int, fed_at: int | None = None) -> Step:
+    """Decode products: the activations quantized once to q8_1 in scratch (when a weight takes __dp4a;
+    unless the node before wrote them at `fed_at`), then per chunk of token rows one mmvq launch for
+    up to three __dp4a weights of one type, and a gemv launch for each other weight."""
     launches = []
     quantized = _quantizes(node, k)
-    if quantized:
-        blocks = n * (k // 32)
-        launches.append(Launch(kernel("matmul.cu", "quantize_q8_1"), (-(-blocks // 8),), (256,),
-                               (ptr(b), ptr(scratch), i32(k), i64(ldb), i32(n))))
+    y = fed_at
+    if quantized and fed_at is None:
+        y = scratch.data.ptr
+        launches.append(_quantize(b, ldb, y, k, n))
     dp4a = [p for p in parts if quantized and p[0].name in DP4A_TYPES]
     groups = _same_type_groups(dp4a)
     row0 = 0
     for c in _chunks(n):
         for group in groups:
-            launches.append(_mmvq(group, scratch, k, row0, c))
+            launches.append(_mmvq(group, y, k, row0, c))
         for qt, a, m, out_at in parts:
             if not any(p[1] is a for p in dp4a):
                 o = np.uint64(out_at + row0 * m * 4)
@@ -137,7 +162,7 @@ def _same_type_groups(parts: list) -> list[list]:
     return groups
 
 
-def _mmvq(group: list, scratch, k: int, row0: int, c: int) -> Launch:
+def _mmvq(group: list, y0: int, k: int, row0: int, c: int) -> Launch:
     """One mmvq launch: token rows [row0, row0 + c) through every weight of the group."""
     qt = group[0][0]
     ws = [ptr(a) for _, a, _, _ in group]
@@ -147,7 +172,7 @@ def _mmvq(group: list, scratch, k: int, row0: int, c: int) -> Launch:
     ws, outs = ws + [ws[-1]] * pad, outs + [outs[-1]] * pad
     rows = sum(ms)
     m0, m1 = (ms + [0, 0])[:2]
-    y = np.uint64(scratch.data.ptr + row0 * (k // 32) * Q8_1_BYTES)
+    y = np.uint64(y0 + row0 * (k // 32) * Q8_1_BYTES)
     args = (*ws, *outs, i32(m0), i32(m1), y, i32(k), i64(qt.row_bytes(k)), i32(rows))
     return Launch(kernel("matmul.cu", f"mmvq<{TYPE_IDS[qt.name]}, {c}>"), (-(-rows // WARPS),), (32 * WARPS,), args)
 
@@ -176,6 +201,79 @@ def _gemm(parts: list, b, ldb: int, scratch, backend, k: int, n: int) -> Step:
                               w16, CUDA_R_16F, k, b16, CUDA_R_16F, k, _ZERO.ctypes.data,
                               out_at + r0 * 4, CUDA_R_32F, m, CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
     return Step(run, capturable=False, name="mul_mat (cuBLAS)")
+
+
+def _glu_fused(node: Tensor, k: int, n: int) -> bool:
+    """Whether mmvq_glu serves a mul_mat_glu: few token rows, gate and up of one __dp4a type."""
+    gate, up = _weights(node)
+    return n <= GEMV_MAX_ROWS and k % 32 == 0 and gate.dtype is up.dtype and gate.dtype.name in DP4A_TYPES
+
+
+def _glu_scratch(node: Tensor) -> int:
+    """mmvq_glu: the q8_1 activations; otherwise both products [N, M] and their own work space."""
+    case = _weight_case(node)
+    if case is None:
+        return 0
+    ms, k, n = case
+    if _glu_fused(node, k, n):
+        return n * (k // 32) * Q8_1_BYTES
+    return 2 * n * ms[0] * 4 + _scratch(node)
+
+
+@binds("mul_mat_glu", scratch=_glu_scratch)
+def _bind_glu(node: Tensor, out, srcs, scratch, backend):
+    """glu(x gate^T, x up^T) into out: for decode one mmvq_glu launch per chunk of token rows after the
+    activations' quantization; otherwise the two products into scratch and a gated launch."""
+    case = _weight_case(node)
+    b = rows_of(srcs[-1])
+    if case is None or b is None or not out.flags.c_contiguous:
+        return None
+    ms, k, n = case
+    m, act = ms[0], GLU_ACTS[node.params["glu"]]
+    if n == 0:
+        return Step(lambda: None, True, node.op)
+    if _glu_fused(node, k, n):
+        return _mmvq_glu(node, srcs, b[2], scratch, out, act, k, n, m, backend)
+    g_at, u_at = scratch.data.ptr, scratch.data.ptr + n * m * 4
+    parts = [(w.dtype, arr, m, at) for w, arr, at in zip(_weights(node), srcs[:2], (g_at, u_at))]
+    work = scratch[2 * n * m:]  # scratch is f32: past both products
+    step = (_gemv(node, parts, srcs[-1], b[2], work, k, n) if n <= GEMV_MAX_ROWS
+            else _gemm(parts, srcs[-1], b[2], work, backend, k, n))
+    grid, block = grid1d(n * m)
+    gated = Launch(kernel("elementwise.cu", f"gated<{act}>"), grid, block,
+                   (np.uint64(g_at), np.uint64(u_at), ptr(out), i32(m), i64(n), i64(m), i64(m)))
+
+    def run() -> None:
+        step()
+        gated()
+    return Step(run, step.capturable, f"{node.op} ({step.name})")
+
+
+def _mmvq_glu(node: Tensor, srcs, ldb: int, scratch, out, act: int, k: int, n: int, m: int, backend) -> Step:
+    """Decode rows through mmvq_glu: its activations quantized first unless the node before wrote
+    them; where the next product takes q8_1 blocks of the result (handoff.py), the kernel writes
+    them too, 32 warps a block."""
+    qt = node.srcs[0].dtype
+    launches = []
+    y0 = _fed_at(node, backend)
+    if y0 is None:
+        y0 = scratch.data.ptr
+        launches.append(_quantize(srcs[-1], ldb, y0, k, n))
+    slot = backend.handoffs.dest(node) if m % 32 == 0 else None
+    q8 = backend.q8_slot(slot) if slot is not None else 0
+    warps = 32 if slot is not None else WARPS
+    row0 = 0
+    for c in _chunks(n):
+        y = np.uint64(y0 + row0 * (k // 32) * Q8_1_BYTES)
+        o = np.uint64(out.data.ptr + row0 * m * 4)
+        q = np.uint64(q8 + row0 * (m // 32) * Q8_1_BYTES if q8 else 0)
+        fn = kernel("matmul.cu", f"mmvq_glu<{TYPE_IDS[qt.name]}, {c}, {act}>")
+        launches.append(Launch(fn, (-(-m // warps),), (32 * warps,),
+                               (ptr(srcs[0]), ptr(srcs[1]), y, o, i32(k), i64(qt.row_bytes(k)), i32(m), q)))
+        row0 += c
+    if slot is not None:
+        backend.handoffs.wrote(node)
+    return launch_step(node.op, *launches)
 
 
 @binds("mul_mat")

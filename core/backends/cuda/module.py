@@ -20,6 +20,7 @@ DP4A_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # decode products through
 GEMV_COLS = (1, 2, 4, 8)  # token rows one product kernel serves; other counts are sums of these
 FA_EPL = (1, 2, 4, 8)  # head-dimension elements per lane of flash_attn (head dims up to 256)
 NO_WEIGHT = -1
+GLU_ACTS = {"swiglu": 1, "geglu": 2}  # glu_act's template argument (common.cuh)
 
 
 def _t(name: str) -> int:
@@ -32,6 +33,7 @@ def _instances() -> dict[str, list[str]]:
     norm_w = [NO_WEIGHT] + [_t(f) for f in FLOATS]
     return {
         "matmul.cu": [f"mmvq<{_t(q)}, {c}>" for q in DP4A_TYPES for c in GEMV_COLS]
+        + [f"mmvq_glu<{_t(q)}, {c}, {f}>" for q in DP4A_TYPES for c in GEMV_COLS for f in GLU_ACTS.values()]
         + [f"gemv<{_t(q)}, {c}>" for q in weights for c in GEMV_COLS]
         + [f"dequant_f16<{_t(q)}>" for q in weights] + [f"get_rows<{_t(q)}>" for q in weights]
         + [f"mul_mat_float<{_t(a)}, {_t(b)}>" for a in FLOATS for b in FLOATS],

@@ -34,10 +34,12 @@ extern "C" __global__ void layer_norm(const float *x, float *out, int n, i64 ldx
 // the residual add and the next norm: stream = x + h (or x + rms_norm(h) * post), normed = rms_norm(stream) * w;
 // out holds [stream rows; normed rows] (normed at out + rows * n). Each thread keeps its elements of the
 // row in registers between the passes (rows up to NORM_VPT * blockDim.x elements; longer rows re-read).
+// With q8 (n a multiple of 32) the normed rows are also written as q8_1 blocks [rows, n / 32], the
+// activations of the product that reads them: a warp's 32 consecutive elements are one block.
 #define NORM_VPT 8
 template <int W, bool POST>
 __global__ void add_rms_norm(const float *x, const float *h, const void *w, const void *post, float *out,
-                             int n, i64 rows, float eps) {
+                             int n, i64 rows, float eps, block_q8_1 *q8) {
     __shared__ float sh[32];
     i64 r = blockIdx.x;
     const float *xr = x + r * n, *hr = h + r * n;
@@ -77,10 +79,19 @@ __global__ void add_rms_norm(const float *x, const float *h, const void *w, cons
         s2 += v * v;
     }
     float inv = rsqrtf(block_sum(s2, sh) / n + eps);
+    const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int k = 0; k < NORM_VPT; k++) {
         const int i = threadIdx.x + k * nt;
-        if (i < n) normed[i] = sv[k] * inv * ld<W>(w, i);
+        if (i < n) {
+            const float y = sv[k] * inv * ld<W>(w, i);
+            normed[i] = y;
+            if (q8 != nullptr) quantize_warp(y, q8 + (r * n + i - lane) / 32);
+        }
     }
-    for (int i = threadIdx.x + NORM_VPT * nt; i < n; i += nt) normed[i] = stream[i] * inv * ld<W>(w, i);
+    for (int i = threadIdx.x + NORM_VPT * nt; i < n; i += nt) {
+        const float y = stream[i] * inv * ld<W>(w, i);
+        normed[i] = y;
+        if (q8 != nullptr) quantize_warp(y, q8 + (r * n + i - lane) / 32);
+    }
 }

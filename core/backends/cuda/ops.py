@@ -4,9 +4,11 @@ scale, the cache write), cache row writes, softmax, fused attention. Each binder
 for a case its kernel does not cover, and the node then runs the shared array kernel."""
 from __future__ import annotations
 
+import numpy as np
+
 from ggrun.core.backends.cuda.binding import (NULL, Launch, binds, estrides, f32, grid1d, i32, i64, launch_step,
                                               pad4, ptr, rows_of, threads_for)
-from ggrun.core.backends.cuda.module import FA_EPL, NO_WEIGHT, TYPE_IDS, kernel
+from ggrun.core.backends.cuda.module import FA_EPL, GLU_ACTS, NO_WEIGHT, TYPE_IDS, kernel
 from ggrun.core.dtypes import DType
 from ggrun.core.ops import ROPE_NEOX
 from ggrun.core.tensor import Tensor
@@ -29,6 +31,16 @@ def _weight_id(node: Tensor, i: int) -> int | None:
         return NO_WEIGHT
     w = node.srcs[i]
     return _tid(w.dtype) if _is_float(w.dtype) and len(w.shape) == 1 and w.is_contiguous else None
+
+
+def _q8_dest(node: Tensor, backend) -> np.uint64:
+    """Where node's kernel also writes its result as q8_1 blocks for the product after it (handoff.py),
+    or NULL; called by binders whose kernel writes them whenever given an address."""
+    slot = backend.handoffs.dest(node)
+    if slot is None:
+        return NULL
+    backend.handoffs.wrote(node)
+    return np.uint64(backend.q8_slot(slot))
 
 
 # ---- copies and element-wise --------------------------------------------------------------------
@@ -114,8 +126,8 @@ def _gated(act: int):
     return bind
 
 
-binds("swiglu")(_gated(1))
-binds("geglu")(_gated(2))
+for _op, _act in GLU_ACTS.items():
+    binds(_op)(_gated(_act))
 
 
 @binds("set_rows")
@@ -197,7 +209,7 @@ def _add_rms_norm(node: Tensor, out, srcs, scratch, backend):
     rows = x.size // n
     k = kernel("norm.cu", f"add_rms_norm<{wid}, {'true' if post else 'false'}>")
     args = (ptr(x), ptr(h), ptr(srcs[2]), ptr(srcs[3]) if post else NULL, ptr(out), i32(n), i64(rows),
-            f32(node.params["eps"]))
+            f32(node.params["eps"]), _q8_dest(node, backend))
     return launch_step(node.op, Launch(k, (rows,), (threads_for(-(-n // NORM_VPT), 1024),), args))
 
 
@@ -339,7 +351,7 @@ def _attn_decode(node: Tensor, out, srcs, scratch, backend):
     smem = _decode_smem(node, chunk)
     fn.max_dynamic_shared_size_bytes = max(fn.max_dynamic_shared_size_bytes, smem)
     args = (ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), ptr(scratch) if split > 1 else NULL,
-            ptr(backend.tickets(hk)), *_attention_args(node, srcs, chunk))
+            ptr(backend.tickets(hk)), *_attention_args(node, srcs, chunk), _q8_dest(node, backend))
     return launch_step(node.op, Launch(fn, (hk, split), (128,), args, smem))
 
 
