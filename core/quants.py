@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+
+from ggrun.core.gguf_constants import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
 SUPPORTED_TYPES: frozenset[QT] = frozenset({
     QT.F32, QT.F16, QT.BF16,

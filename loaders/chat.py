@@ -12,10 +12,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
 from ggrun.core.errors import BadInput
 
 
@@ -38,7 +34,12 @@ def _strftime_now(fmt: str) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def _compile(template: str) -> jinja2.Template:
+def _compile(template: str):
+    """The compiled jinja2.Template (jinja2 is imported here, on first use: a run that renders no chat
+    does not pay for it)."""
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -49,6 +50,8 @@ def _compile(template: str) -> jinja2.Template:
 def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = True,
                 bos_token: str = "", eos_token: str = "", **extra: Any) -> str:
     """The prompt text for messages ([{"role": ..., "content": ...}, ...]); extra goes to the template as is."""
+    import jinja2
+
     try:
         return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=bos_token, eos_token=eos_token, **extra)

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf.constants import GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
 from ggrun.core.errors import BadInput, quote_name
+from ggrun.core.gguf_constants import GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 from ggrun.core.quants import SUPPORTED_TYPES, block_layout, dequantize, tensor_nbytes
 
 SUPPORTED_VERSIONS = (2, 3)
