@@ -64,7 +64,8 @@ def select_devices(backends: list[Backend], split: DeviceSplit) -> list[Backend]
                 raise BadInput(f"-dev {','.join(split.devices)}: {name} is given twice")
         devices = [by_name[name] for name in split.devices]
     if len(split.tensor_split) > len(devices):
-        raise BadInput(f"-ts {format_split(split.tensor_split)}: {len(split.tensor_split)} proportions for "
+        n = len(split.tensor_split)
+        raise BadInput(f"-ts {format_split(split.tensor_split)}: {n} proportion{'s' if n > 1 else ''} for "
                        f"{len(devices)} device(s) ({', '.join(b.name for b in devices) or 'none'})")
     if split.main_gpu > 0 and split.main_gpu >= len(devices):
         raise BadInput(f"-mg {split.main_gpu}: the devices used are numbered 0..{len(devices) - 1} "

@@ -136,5 +136,5 @@ def test_no_devices_at_all(machine):
     assert names(place(cpu_only, tensor_split=())) == (["CPU"] * 4, "CPU")
     with pytest.raises(BadInput, match="-mg 1: no device is used"):
         place(cpu_only, main_gpu=1)
-    with pytest.raises(BadInput, match=r"-ts 1: 1 proportions for 0 device\(s\) \(none\)"):
+    with pytest.raises(BadInput, match=r"-ts 1: 1 proportion for 0 device\(s\) \(none\)"):
         place(cpu_only, tensor_split=(1,))
