@@ -6,6 +6,7 @@ It reads only the plain metadata dict it is given; it never opens files or touch
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from ggrun.loaders.tokenizer_spm import SpmEncoder
 UNKNOWN, UNUSED, NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 2, 4, 8, 16, 32
 LSTRIP, RSTRIP = 128, 256
 _TYPE_TO_ATTR = {1: NORMAL, 2: UNKNOWN, 3: CONTROL, 4: USER_DEFINED, 5: UNUSED, 6: BYTE}
+_ATTR_OF = tuple(_TYPE_TO_ATTR.get(t, 0) for t in range(7))  # the same, indexed by type
 
 _SPACE_ESCAPE = "\u2581"  # "▁"
 _C_WHITESPACE = " \t\n\v\f\r"  # C's isspace, used when special tokens strip their neighbours
@@ -175,7 +177,8 @@ class Tokenizer:
 
     def _special_tokens_longest_first(self) -> list[int]:
         """Control, user-defined and unknown tokens in the order llama.cpp's partition tries them."""
-        special = [tid for tid, attr in enumerate(self.attrs) if attr & (CONTROL | USER_DEFINED | UNKNOWN)]
+        special = list(itertools.compress(range(self.n_vocab), map((CONTROL | USER_DEFINED | UNKNOWN).__and__,
+                                                                    self.attrs)))
         return sorted(special, key=self._partition_order)
 
     def _partition_order(self, tid: int) -> tuple[int, int]:
@@ -395,14 +398,18 @@ def _require(md: dict[str, Any], key: str) -> Any:
 
 def _token_texts(md: dict[str, Any]) -> list[str]:
     tokens = list(_require(md, "tokenizer.ggml.tokens"))
+    if all(tokens):  # the usual case, checked in one pass of C
+        return tokens
     return [text if text else f"[EMPTY_{i}]" for i, text in enumerate(tokens)]
 
 
 def _token_index(tokens: list[str]) -> dict[str, int]:
-    index: dict[str, int] = {}
-    for tid, text in enumerate(tokens):
-        if index.setdefault(text, tid) != tid:
-            raise BadInput(f"duplicate token in vocabulary: {text!r} has ids {index[text]} and {tid}")
+    index = dict(zip(tokens, range(len(tokens))))
+    if len(index) != len(tokens):  # a duplicate: name the first one
+        seen: dict[str, int] = {}
+        for tid, text in enumerate(tokens):
+            if seen.setdefault(text, tid) != tid:
+                raise BadInput(f"duplicate token in vocabulary: {text!r} has ids {seen[text]} and {tid}")
     return index
 
 
@@ -412,7 +419,10 @@ def _token_attrs(md: dict[str, Any], n_vocab: int) -> list[int]:
         return [NORMAL] * n_vocab
     if len(types) < n_vocab:
         raise BadInput(f"tokenizer.ggml.token_type has {len(types)} entries for {n_vocab} tokens")
-    return [_TYPE_TO_ATTR.get(int(t), 0) for t in types[:n_vocab]]
+    types = types[:n_vocab]
+    if set(map(type, types)) <= {int} and min(types, default=0) >= 0 and max(types, default=0) < len(_ATTR_OF):
+        return list(map(_ATTR_OF.__getitem__, types))  # the same mapping, looked up in C
+    return [_TYPE_TO_ATTR.get(int(t), 0) for t in types]
 
 
 def _scores(md: dict[str, Any], n_vocab: int) -> list[float]:
@@ -421,7 +431,7 @@ def _scores(md: dict[str, Any], n_vocab: int) -> list[float]:
         return [0.0] * n_vocab
     if len(scores) < n_vocab:
         raise BadInput(f"tokenizer.ggml.scores has {len(scores)} entries for {n_vocab} tokens")
-    return [float(s) for s in scores[:n_vocab]]
+    return list(map(float, scores[:n_vocab]))
 
 
 def _set_strip_attrs(md: dict[str, Any], tokens: list[str], index: dict[str, int], attrs: list[int],
