@@ -84,6 +84,7 @@ _KEY_TYPE_PATTERNS = ((re.compile(r"general\.(base_model|dataset)\.\d+\.[a-z_]+"
 
 # llama.cpp's token types (llama_token_type): undefined, normal, unknown, control, user-defined, unused, byte.
 TOKEN_TYPES = range(0, 7)
+_TOKEN_TYPE_SET = frozenset(TOKEN_TYPES)
 
 
 def _bad(gf, subject: str, value: Any, expected: str) -> BadInput:
@@ -181,11 +182,11 @@ def _check_tokenizer_arrays(gf) -> None:
         raise _bad(gf, "tokenizer.ggml.pre", pre, f"one of the {len(PRE_TOKENIZERS)} pre-tokenizers ggrun knows "
                                                   "(as llama.cpp: 'default', 'llama3', 'smollm', 'qwen2', ...)")
     types = gf.get("tokenizer.ggml.token_type")
-    if types is not None and not all(t in TOKEN_TYPES for t in types):
+    if types is not None and not set(types) <= _TOKEN_TYPE_SET:  # one pass in C: 262k types in a few ms
         bad = next(i for i, t in enumerate(types) if t not in TOKEN_TYPES)
         raise _bad(gf, f"tokenizer.ggml.token_type[{bad}]", types[bad], "a token type from 0 to 6")
     scores = gf.get("tokenizer.ggml.scores")
-    if scores is not None and not all(math.isfinite(x) for x in scores):
+    if scores is not None and not all(map(math.isfinite, scores)):
         bad = next(i for i, x in enumerate(scores) if not math.isfinite(x))
         raise _bad(gf, f"tokenizer.ggml.scores[{bad}]", scores[bad], "a finite number")
 
