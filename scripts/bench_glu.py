@@ -5,8 +5,14 @@ swiglu) and gemma-3-270m's (Q5_0 640 -> 2048, geglu with ggml's f16 table), weig
 load: each graph prepared once and replayed as a reused graph is, the two alternated rep by rep
 so that a busy machine slows both alike; medians in microseconds and fused / pair.
 
+With --model, whole decode steps and prompt micro-batches of a model instead: one session whose
+graphs have the fused node and one whose CPU backend refuses it (so the feed-forward builder
+falls back to the pair, today's graph before the node existed), stepped in turn; their logits
+must be equal, bit for bit.
+
     .venv/bin/python scripts/bench_glu.py                # -t 1
     .venv/bin/python scripts/bench_glu.py -t 2 --reps 400
+    .venv/bin/python scripts/bench_glu.py -t 2 --model gemma3-270m --steps 128 --prompt 512
 """
 from __future__ import annotations
 
@@ -24,6 +30,10 @@ sys.path.insert(0, str(ROOT))
 from ggrun.core import ops  # noqa: E402
 from ggrun.core.backends.cpu import CPUBackend, set_threads  # noqa: E402
 from ggrun.core.dtypes import DType  # noqa: E402
+from ggrun.core.llm.batch import Batch  # noqa: E402
+from ggrun.core.llm.model import Model  # noqa: E402
+from ggrun.core.llm.session import Session, SessionParams  # noqa: E402
+from ggrun.loaders.download import resolve_model  # noqa: E402
 from tests.core.backend_ops import Leafs, planned  # noqa: E402
 from tests.core.test_cpu_matmul import weight_data  # noqa: E402
 
@@ -75,12 +85,61 @@ def alternated_us(calls: list, reps: int) -> list[float]:
     return [1e6 * statistics.median(ts) for ts in times]
 
 
+class PairCPU(CPUBackend):
+    """The CPU backend without the fused node: the feed-forward builder falls back to the pair."""
+
+    def supports_op(self, node) -> bool:
+        return node.op != "mul_mat_glu" and super().supports_op(node)
+
+
+def model_steps(model: str, steps: int, prompt: int, batches: int) -> None:
+    """Decode steps and prompt micro-batches of two sessions of the model, pair and fused, in turn."""
+    sessions = []
+    for backend in (PairCPU(), CPUBackend()):
+        m = Model.load(resolve_model(model), [backend])
+        ubatch = max(512, prompt)
+        sessions.append(Session(m, SessionParams(n_ctx=ubatch + 2 * steps + 64, n_batch=ubatch, n_ubatch=ubatch)))
+    tokens = [100 + i % 1000 for i in range(prompt)]
+    rows = {f"pp{prompt}": ([], []), "decode step": ([], [])}
+    for rep in range(batches + 1):  # the first builds and loads what the others reuse
+        logits = [timed(s, rows[f"pp{prompt}"][i] if rep else [], Batch.of_sequence(tokens), fresh=True)
+                  for i, s in enumerate(sessions)]
+        assert np.array_equal(*logits), "the fused node must give the pair's logits"
+    for step in range(steps + 1):
+        batch = Batch.of_sequence([42 + step % 100], start_pos=prompt + step)
+        logits = [timed(s, rows["decode step"][i] if step else [], batch) for i, s in enumerate(sessions)]
+        assert np.array_equal(*logits), "the fused node must give the pair's logits"
+    print(f"{model}: median ms, the pair's session and the fused one in turn")
+    print("| test | pair | fused | fused / pair |")
+    print("|---|---|---|---|")
+    for test, (pair, fused) in rows.items():
+        p, f = 1e3 * statistics.median(pair), 1e3 * statistics.median(fused)
+        print(f"| {test} | {p:.2f} | {f:.2f} | {f / p:.3f} |")
+
+
+def timed(s: Session, times: list, batch: Batch, fresh: bool = False) -> np.ndarray:
+    """The batch's logits; its time appended to `times` (the cache cleared first when fresh)."""
+    if fresh:
+        s.clear()
+    t0 = time.perf_counter()
+    logits = s.decode(batch)
+    times.append(time.perf_counter() - t0)
+    return logits
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-t", "--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=200, help="reps of a decode step (prompts take a tenth)")
+    ap.add_argument("--model", help="time a model's decode steps and prompt batches instead (e.g. smollm2)")
+    ap.add_argument("--steps", type=int, default=64, help="decode steps of each session (--model)")
+    ap.add_argument("--prompt", type=int, default=512, help="tokens of the prompt micro-batch (--model)")
+    ap.add_argument("--batches", type=int, default=8, help="prompt micro-batches of each session (--model)")
     args = ap.parse_args()
     set_threads(args.threads)
+    if args.model:
+        model_steps(args.model, args.steps, args.prompt, args.batches)
+        return
     print(f"-t {args.threads}: median us per call, the pair and the fused node alternated")
     print("| shape | tokens | pair | fused | fused / pair |")
     print("|---|---|---|---|---|")
