@@ -437,10 +437,15 @@ def bind_mul_mat_glu(node: Tensor, out, srcs: list, scratch):
         return _bind_glu_r8(plans, packs, x, out2, scratch, kind, table)
     if way == "blas":
         return _bind_glu_blas(plans, srcs[:2], x, out2, scratch, kind, table)
+    return _bind_glu_whole(plans, node.srcs[:2], srcs[:2], x, out2, scratch, kind, table)
+
+
+def _bind_glu_whole(plans: tuple[_Plan, _Plan], ws: tuple, arrays: list, x, out2, scratch, kind: int, table):
+    """Each product's own call (the gate's into out, the up's into scratch), then the GLU of all."""
+    g, u = plans
     up = scratch[:4 * g.n * g.m].view(np.float32).reshape(g.n, g.m)
-    rest = scratch[_round64(4 * g.n * g.m):]
-    calls = (_bind_product(g, node.srcs[0], srcs[0], x, out2, rest),
-             _bind_product(u, node.srcs[1], srcs[1], x, up, rest))
+    rest = scratch[_round64(4 * g.n * g.m):]  # the products' own scratch, used by one after the other
+    calls = (_bind_product(g, ws[0], arrays[0], x, out2, rest), _bind_product(u, ws[1], arrays[1], x, up, rest))
     if None in calls:
         return None
 
