@@ -1,0 +1,41 @@
+"""numba start-up work skipped (core/backends/cpu/quick_start.py): arrays get numba's own types, masked
+arrays are still refused, and a cache directory is checked once per process."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba.core import caching, errors
+from numba.core.typing import typeof
+
+import ggrun.core.backends.cpu  # noqa: F401  (installs quick_start)
+from ggrun.core.backends.cpu import quick_start
+
+ARRAYS = [np.zeros((2, 3), np.float32), np.zeros((3, 2), np.float16, order="F"), np.arange(9, dtype=np.int32)[::2],
+          np.zeros((4, 4, 2), np.uint8)[:, 1], np.frombuffer(b"\0" * 16, np.uint8)]
+
+
+@pytest.mark.parametrize("arr", ARRAYS, ids=lambda a: f"{a.dtype}-{a.ndim}d")
+def test_arrays_get_numbas_types(arr):
+    numbas = typeof._typeof_ndarray(arr, None)  # numba's own typing of arrays, which quick_start replaces
+    assert typeof.typeof(arr) == quick_start._array_type(arr) == numbas
+
+
+def test_masked_arrays_are_still_refused():
+    import numpy.ma
+
+    with pytest.raises(errors.NumbaTypeError, match="MaskedArray"):
+        typeof.typeof(numpy.ma.array([1, 2]))
+
+
+def test_a_cache_directory_is_checked_once(tmp_path, monkeypatch):
+    calls = []
+
+    class Locator:
+        def get_cache_path(self):
+            return str(tmp_path)
+
+    ensure = quick_start._once_per_path(lambda self: calls.append(self.get_cache_path()))
+    for _ in range(3):
+        ensure(Locator())
+    assert calls == [str(tmp_path)]
+    assert getattr(caching._CacheLocator.ensure_cache_path, "checked_once", False)
