@@ -183,6 +183,26 @@ __global__ void dequant_f16(const u8 *w, __half *dst, int ncols, i64 row_bytes, 
     dst[i] = __float2half(dq_at<T>(w + r * row_bytes, (int)(i % ncols)));
 }
 
+// the same tile, eight consecutive elements a thread written with one 16-byte store (ncols a multiple of 8):
+// a thread per element wrote two bytes at a time and decoded its block's scale for each
+template <int T>
+__global__ void dequant_f16_x8(const u8 *w, __half *dst, int ncols, i64 row_bytes, i64 r0, i64 n) {
+    const i64 i = ((i64)blockIdx.x * blockDim.x + threadIdx.x) * 8;
+    if (i >= n * ncols) return;
+    const int c = (int)(i % ncols);
+    const u8 *row = w + (r0 + i / ncols) * row_bytes;
+    const u8 *blk = row + (c / Block<T>::QK) * Block<T>::BYTES;
+    const int j = c % Block<T>::QK;
+    __half2 h[4];
+#pragma unroll
+    for (int x = 0; x < 4; x++) {
+        const float a = Block<T>::QK >= 8 ? dq<T>(blk, j + 2 * x) : dq_at<T>(row, c + 2 * x);
+        const float b = Block<T>::QK >= 8 ? dq<T>(blk, j + 2 * x + 1) : dq_at<T>(row, c + 2 * x + 1);
+        h[x] = __floats2half2_rn(a, b);
+    }
+    *(uint4 *)(dst + i) = *(const uint4 *)h;
+}
+
 // f32 rows [n, ncols] (row stride ldx) to contiguous f16 (the GEMM's activations)
 extern "C" __global__ void f32_to_f16(const float *x, __half *dst, int ncols, i64 ldx, i64 n) {
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;

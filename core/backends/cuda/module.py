@@ -35,7 +35,8 @@ def _instances() -> dict[str, list[str]]:
         "matmul.cu": [f"mmvq<{_t(q)}, {c}>" for q in DP4A_TYPES for c in GEMV_COLS]
         + [f"mmvq_glu<{_t(q)}, {c}, {f}>" for q in DP4A_TYPES for c in GEMV_COLS for f in GLU_ACTS.values()]
         + [f"gemv<{_t(q)}, {c}>" for q in weights for c in GEMV_COLS]
-        + [f"dequant_f16<{_t(q)}>" for q in weights] + [f"get_rows<{_t(q)}>" for q in weights]
+        + [f"dequant_f16<{_t(q)}>" for q in weights] + [f"dequant_f16_x8<{_t(q)}>" for q in weights]
+        + [f"get_rows<{_t(q)}>" for q in weights]
         + [f"mul_mat_float<{_t(a)}, {_t(b)}>" for a in FLOATS for b in FLOATS],
         "norm.cu": [f"rms_norm<{w}>" for w in norm_w]
         + [f"add_rms_norm<{_t(w)}, {p}>" for w in FLOATS for p in ("false", "true")],
