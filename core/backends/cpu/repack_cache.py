@@ -17,13 +17,12 @@ import json
 import mmap
 import os
 import struct
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from ggrun.core.backends.cpu import quant as Q
-from ggrun.core.cache import cache_dir
+from ggrun.core.cache import derived_path, file_identity, write_atomically
 
 MAGIC = b"GGRUNRP1"
 ALIGN = 4096  # each array starts on a page of its own
@@ -54,15 +53,10 @@ class RepackCache:
     @classmethod
     def for_model(cls, model: str | os.PathLike[str]) -> RepackCache | None:
         """The cache of the model file at `model` (None when the file cannot be looked at)."""
-        try:
-            real = Path(model).resolve()
-            st = real.stat()
-        except OSError:
+        identity = file_identity(model)
+        if identity is None:
             return None
-        key = {"model": str(real), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino,
-               "layout": layout_digest()}
-        name = f"{real.stem[:64]}-{hashlib.sha256(str(real).encode()).hexdigest()[:12]}.bin"
-        return cls(cache_dir() / "repacked" / name, key)
+        return cls(derived_path("repacked", identity, ".bin"), {**identity, "layout": layout_digest()})
 
     def get(self, name: str) -> Packed | None:
         """Weight `name` as repacked by an earlier load of this model file, or None."""
@@ -107,19 +101,15 @@ def _write(path: Path, key: dict, weights: dict[str, Packed]) -> None:
         entries[name] = {"ri64": isinstance(packed, Q.RI64), "arrays": spec}
     header = json.dumps({"key": key, "weights": entries, "data_bytes": at}).encode()
     start = _align(_HEAD.size + len(header))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(_HEAD.pack(MAGIC, len(header)) + header)
-            for offset, a in placed:
-                f.seek(start + offset)
-                f.write(a.data)
-            f.truncate(start + at)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+
+    def write(f) -> None:
+        f.write(_HEAD.pack(MAGIC, len(header)) + header)
+        for offset, a in placed:
+            f.seek(start + offset)
+            f.write(a.data)
+        f.truncate(start + at)
+
+    write_atomically(path, write)
 
 
 def _read(path: Path, key: dict) -> dict[str, Packed]:
