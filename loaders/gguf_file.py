@@ -17,6 +17,7 @@ import numpy as np
 from ggrun.core.errors import BadInput, quote_name
 from ggrun.core.gguf_constants import GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 from ggrun.core.quants import SUPPORTED_TYPES, block_layout, dequantize, tensor_nbytes
+from ggrun.loaders import gguf_header_cache
 
 SUPPORTED_VERSIONS = (2, 3)
 MAX_DIMS = 4
@@ -266,8 +267,12 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     if not path.is_file():
         raise BadInput(f"{path}: not a file")
     mapping = _map(path)
+    kept = gguf_header_cache.load(path)
+    if kept is not None:
+        return GGUFFile(path, kept.version, kept.metadata, kept.tensors, kept.alignment, kept.data_offset, mapping,
+                        kept.types)
     try:
-        return _parse(path, mapping)
+        gf = _parse(path, mapping)
     except _HeaderError as err:
         _close(mapping)
         raise BadInput(f"{path}: {err}") from None
@@ -277,6 +282,9 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     except Exception as err:  # any other failure on malformed bytes is still bad input, not a crash
         _close(mapping)
         raise BadInput(f"{path}: corrupt GGUF header ({type(err).__name__}: {quote_name(str(err))})") from None
+    gguf_header_cache.save(path, gguf_header_cache.ParsedHeader(gf.version, gf.metadata, gf.types, gf.tensors,
+                                                                gf.alignment, gf.data_offset))
+    return gf
 
 
 def _close(mapping: mmap.mmap) -> None:
