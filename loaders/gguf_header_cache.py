@@ -10,6 +10,7 @@ Only what ggrun's own reader wrote into ggrun's own cache directory is ever unpi
 """
 from __future__ import annotations
 
+import copyreg
 import hashlib
 import os
 import pickle
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ggrun.core.cache import derived_path, file_identity, write_atomically
+from ggrun.core.gguf_constants import GGMLQuantizationType
 
 MIN_BYTES = 16 << 20
 
@@ -67,8 +69,21 @@ def save(path: str | os.PathLike[str], header: ParsedHeader) -> None:
     key = _key(path)
     if key is None:
         return
+    def write(f) -> None:
+        pickler = pickle.Pickler(f, protocol=pickle.HIGHEST_PROTOCOL)
+        # a type is kept as its number: unpickling gguf's enum by name would import all of gguf's package
+        pickler.dispatch_table = {**copyreg.dispatch_table, GGMLQuantizationType: _reduce_quant_type}
+        pickler.dump((key, header))
+
     try:
-        write_atomically(derived_path("headers", key, ".pickle"),
-                         lambda f: pickle.dump((key, header), f, protocol=pickle.HIGHEST_PROTOCOL))
+        write_atomically(derived_path("headers", key, ".pickle"), write)
     except OSError:
         pass
+
+
+def _reduce_quant_type(qtype: GGMLQuantizationType):
+    return _quant_type, (int(qtype),)
+
+
+def _quant_type(code: int) -> GGMLQuantizationType:
+    return GGMLQuantizationType(code)

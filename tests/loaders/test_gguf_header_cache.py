@@ -64,3 +64,16 @@ def test_small_file_leaves_nothing(tmp_path, monkeypatch, model):
     monkeypatch.setenv("GGRUN_CACHE", str(tmp_path / "cache"))
     open_gguf(model)
     assert not (tmp_path / "cache" / "headers").exists()
+
+
+def test_kept_header_loads_without_gguf_package(kept, model):
+    """Types are kept as numbers: unpickling gguf's enum by name would import all of gguf's package."""
+    import subprocess
+    import sys
+
+    open_gguf(model)
+    code = ("import sys; from ggrun.loaders import gguf_file, gguf_header_cache as h; h.MIN_BYTES = 0; "
+            f"assert h.load({str(model)!r}) is not None; print('gguf' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ})
+    assert out.stdout.strip() == "False"
