@@ -14,7 +14,8 @@ from ggrun.core.ops import ROPE_NEOX
 from ggrun.core.tensor import Tensor
 
 FLOAT_TYPES = (DType.F32, DType.F16, DType.BF16)
-NORM_VPT = 8  # row elements each thread of add_rms_norm keeps in registers (norm.cu)
+NORM_VPT = 8  # row elements each thread of add_rms_norm can keep in registers (norm.cu)
+NORM_PER_THREAD = 2  # elements a thread of add_rms_norm serves where rows allow: a decode row is one block's work
 
 
 def _tid(dtype: DType) -> int:
@@ -210,7 +211,7 @@ def _add_rms_norm(node: Tensor, out, srcs, scratch, backend):
     k = kernel("norm.cu", f"add_rms_norm<{wid}, {'true' if post else 'false'}>")
     args = (ptr(x), ptr(h), ptr(srcs[2]), ptr(srcs[3]) if post else NULL, ptr(out), i32(n), i64(rows),
             f32(node.params["eps"]), _q8_dest(node, backend))
-    return launch_step(node.op, Launch(k, (rows,), (threads_for(-(-n // NORM_VPT), 1024),), args))
+    return launch_step(node.op, Launch(k, (rows,), (threads_for(-(-n // NORM_PER_THREAD), 1024),), args))
 
 
 # ---- RoPE ------------------------------------------------------------------------------------
