@@ -39,3 +39,18 @@ def test_a_cache_directory_is_checked_once(tmp_path, monkeypatch):
         ensure(Locator())
     assert calls == [str(tmp_path)]
     assert getattr(caching._CacheLocator.ensure_cache_path, "checked_once", False)
+
+
+def test_extension_entry_points_wait_for_a_compilation_of_ggruns_kernels():
+    """numba's extensions are initialized before another package's kernel first runs, not before one of
+    ggrun's (a cached kernel does not compile); a ggrun kernel that compiles still works."""
+    import numba
+
+    calls = []
+    hook = quick_start._not_for_ggrun(lambda self: calls.append(self.py_func.__module__))
+    for module in ("ggrun.core.backends.cpu.quant", "theirs"):
+        hook(type("Dispatcher", (), {"py_func": type("F", (), {"__module__": module})})())
+    assert calls == ["theirs"]
+    ns = {"__name__": "ggrun.tests_kernel"}
+    exec("def plus_one(x):\n    return x + 1\n", ns)
+    assert numba.njit(ns["plus_one"])(41) == 42

@@ -7,6 +7,10 @@
   by creating a temporary file there; they share one directory, checked once per process (`install`).
 - The first array a kernel is called with makes numba import numpy.ma, to refuse a masked array; an array
   cannot be one while numpy.ma was never imported, so it is imported only if it was (`install`; 10 ms).
+- Before a kernel's first call, numba runs the entry points of installed numba extensions, which means
+  importing importlib.metadata (15 ms) and scanning every installed package. They extend numba's compiler,
+  which a cached kernel does not use; for ggrun's kernels this waits until something compiles (numba's
+  compiler runs them then itself), and importlib.metadata is imported lazily, when first used.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ def numba_without_yaml():
     hide = "yaml" not in sys.modules and "numba" not in sys.modules
     if hide:
         sys.modules["yaml"] = None  # import yaml: ImportError
+        _import_lazily("importlib.metadata")
     try:
         yield
     finally:
@@ -27,10 +32,27 @@ def numba_without_yaml():
             del sys.modules["yaml"]
 
 
+def _import_lazily(name: str) -> None:
+    """Module `name` in sys.modules as a module that runs when an attribute of it is first used."""
+    import importlib.util
+
+    if name in sys.modules:
+        return
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.loader is None:
+        return
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    parent, _, child = name.rpartition(".")
+    setattr(sys.modules[parent], child, module)
+
+
 def install() -> None:
     """Check each cache directory once, and type arrays without importing numpy.ma (repeatable)."""
     import numpy as np
-    from numba.core import caching
+    from numba.core import caching, dispatcher
     from numba.core.typing import typeof
 
     if not getattr(caching._CacheLocator.ensure_cache_path, "checked_once", False):
@@ -38,6 +60,18 @@ def install() -> None:
     numba_typeof = typeof.typeof_impl.dispatch(np.ndarray)
     if not getattr(numba_typeof, "without_numpy_ma", False):
         typeof.typeof_impl.register(np.ndarray)(_without_numpy_ma(numba_typeof))
+    hook = dispatcher._DispatcherBase._compilation_chain_init_hook
+    if not getattr(hook, "not_for_ggrun", False):
+        dispatcher._DispatcherBase._compilation_chain_init_hook = _not_for_ggrun(hook)
+
+
+def _not_for_ggrun(hook):
+    def init_hook(self) -> None:
+        if not self.py_func.__module__.startswith("ggrun."):
+            hook(self)
+
+    init_hook.not_for_ggrun = True
+    return init_hook
 
 
 def _once_per_path(ensure):
