@@ -138,6 +138,9 @@ class CUDABackend(Backend):
         self.handoffs = handoff.Handoffs(nodes, _matmul.reads_q8)
         with self._dev:
             for n in nodes:
+                if n.n_elements == 0:  # no rows this micro-batch (outputs of a batch without logits)
+                    steps.append(Step(_nothing, True, n.op))
+                    continue
                 out, srcs = self.array(n), [self.array(s) for s in n.srcs]
                 scratch = self.array(n.scratch) if n.scratch is not None else None
                 step = TABLE.bind(n, out, srcs, scratch, self)
@@ -278,6 +281,10 @@ class CUDABackend(Backend):
 
     def address(self, arr) -> int:
         return int(arr.data.ptr)
+
+
+def _nothing() -> None:
+    """The step of a node without elements."""
 
 
 def _enable_peer(backend: CUDABackend, other: CUDABackend) -> None:

@@ -77,8 +77,8 @@ def _chunks(n: int) -> list[int]:
 
 
 def reads_q8(node: Tensor) -> bool:
-    """Whether a product's bound kernels read its activations as q8_1 blocks in its scratch (which
-    the node before it may write: handoff.py)."""
+    """Whether a product's bound kernels read its activations as q8_1 blocks, which the node before
+    it may write for it (handoff.py)."""
     case = _weight_case(node)
     if case is None or not node.srcs[-1].is_contiguous:
         return False
@@ -135,18 +135,18 @@ def _gemv(node: Tensor, parts: list, b, ldb: int, scratch, k: int, n: int, fed_a
         y = scratch.data.ptr
         launches.append(_quantize(b, ldb, y, k, n))
     dp4a = [p for p in parts if quantized and p[0].name in DP4A_TYPES]
+    others = [p for p in parts if not (quantized and p[0].name in DP4A_TYPES)]
     groups = _same_type_groups(dp4a)
     row0 = 0
     for c in _chunks(n):
         for group in groups:
             launches.append(_mmvq(group, y, k, row0, c))
-        for qt, a, m, out_at in parts:
-            if not any(p[1] is a for p in dp4a):
-                o = np.uint64(out_at + row0 * m * 4)
-                x = np.uint64(b.data.ptr + row0 * ldb * 4)
-                args = (ptr(a), x, o, i32(k), i64(qt.row_bytes(k)), i64(ldb), i32(m), i64(m))
-                fn = kernel("matmul.cu", f"gemv<{TYPE_IDS[qt.name]}, {c}>")
-                launches.append(Launch(fn, (-(-m // WARPS),), (32 * WARPS,), args))
+        for qt, a, m, out_at in others:
+            o = np.uint64(out_at + row0 * m * 4)
+            x = np.uint64(b.data.ptr + row0 * ldb * 4)
+            args = (ptr(a), x, o, i32(k), i64(qt.row_bytes(k)), i64(ldb), i32(m), i64(m))
+            fn = kernel("matmul.cu", f"gemv<{TYPE_IDS[qt.name]}, {c}>")
+            launches.append(Launch(fn, (-(-m // WARPS),), (32 * WARPS,), args))
         row0 += c
     return launch_step(node.op, *launches)
 
@@ -186,22 +186,27 @@ def _gemm(parts: list, b, ldb: int, scratch, backend, k: int, n: int) -> Step:
     b16 = scratch.data.ptr + tile * k * 2
     per = 8 if k % 8 == 0 else 1  # elements a dequantizing thread writes
     name = "dequant_f16_x8" if per == 8 else "dequant_f16"
-    dequants = [kernel("matmul.cu", f"{name}<{TYPE_IDS[qt.name]}>") for qt, _, _, _ in parts]
+    grid, block = grid1d(n * k)
+    convert = Launch(to_f16, grid, block, (ptr(b), np.uint64(b16), i32(k), i64(ldb), i64(n)))
+    tiles = []  # (the tile's decoding launch, its rows, where its product goes, the weight's height)
+    for qt, a, m, out_at in parts:
+        dequant = kernel("matmul.cu", f"{name}<{TYPE_IDS[qt.name]}>")
+        for r0 in range(0, m, tile):
+            rows = min(tile, m - r0)
+            grid, block = grid1d(rows * k // per)
+            args = (ptr(a), np.uint64(w16), i32(k), i64(qt.row_bytes(k)), i64(r0), i64(rows))
+            tiles.append((Launch(dequant, grid, block, args), rows, out_at + r0 * 4, m))
 
     def run() -> None:
         handle = device.get_cublas_handle()
         cublas.setStream(handle, backend.stream.ptr)
-        grid, block = grid1d(n * k)
-        to_f16(grid, block, (ptr(b), np.uint64(b16), i32(k), i64(ldb), i64(n)))
-        for dequant, (qt, a, m, out_at) in zip(dequants, parts):
-            for r0 in range(0, m, tile):
-                rows = min(tile, m - r0)
-                grid, block = grid1d(rows * k // per)
-                dequant(grid, block, (ptr(a), np.uint64(w16), i32(k), i64(qt.row_bytes(k)), i64(r0), i64(rows)))
-                # column-major: C (rows x n, ld m) = W^T (rows x k) . B (k x n)
-                cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, rows, n, k, _ONE.ctypes.data,
-                              w16, CUDA_R_16F, k, b16, CUDA_R_16F, k, _ZERO.ctypes.data,
-                              out_at + r0 * 4, CUDA_R_32F, m, CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+        convert()
+        for dequant, rows, out_at, m in tiles:
+            dequant()
+            # column-major: C (rows x n, ld m) = W^T (rows x k) . B (k x n)
+            cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, rows, n, k, _ONE.ctypes.data,
+                          w16, CUDA_R_16F, k, b16, CUDA_R_16F, k, _ZERO.ctypes.data,
+                          out_at, CUDA_R_32F, m, CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
     return Step(run, capturable=False, name="mul_mat (cuBLAS)")
 
 
@@ -232,8 +237,6 @@ def _bind_glu(node: Tensor, out, srcs, scratch, backend):
         return None
     ms, k, n = case
     m, act = ms[0], GLU_ACTS[node.params["glu"]]
-    if n == 0:
-        return Step(lambda: None, True, node.op)
     if _glu_fused(node, k, n):
         return _mmvq_glu(node, srcs, b[2], scratch, out, act, k, n, m, backend)
     g_at, u_at = scratch.data.ptr, scratch.data.ptr + n * m * 4

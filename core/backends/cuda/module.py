@@ -20,6 +20,7 @@ DP4A_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # decode products through
 GEMV_COLS = (1, 2, 4, 8)  # token rows one product kernel serves; other counts are sums of these
 FA_EPL = (1, 2, 4, 8)  # head-dimension elements per lane of flash_attn (head dims up to 256)
 NO_WEIGHT = -1
+DECODE_DIMS = (64, 128, 256)  # head dimensions attn_decode is built for
 GLU_ACTS = {"swiglu": 1, "geglu": 2}  # glu_act's template argument (common.cuh)
 
 
@@ -47,7 +48,7 @@ def _instances() -> dict[str, list[str]]:
         + [f"unary4<{f}>" for f in (0, 1, 2)] + [f"gated<{f}>" for f in (1, 2)]
         + [f"set_rows<{_t(d)}>" for d in FLOATS] + [f"soft_max<{m}>" for m in (NO_WEIGHT, 0, 1)],
         "attention.cu": [f"flash_attn<{_t(k)}, {e}>" for k in FLOATS for e in FA_EPL]
-        + [f"attn_decode<{_t(k)}, {d}>" for k in FLOATS for d in (64, 128, 256)],
+        + [f"attn_decode<{_t(k)}, {d}>" for k in FLOATS for d in DECODE_DIMS],
     }
 
 

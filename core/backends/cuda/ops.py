@@ -8,13 +8,12 @@ import numpy as np
 
 from ggrun.core.backends.cuda.binding import (NULL, Launch, binds, estrides, f32, grid1d, i32, i64, launch_step,
                                               pad4, ptr, rows_of, threads_for)
-from ggrun.core.backends.cuda.module import FA_EPL, GLU_ACTS, NO_WEIGHT, TYPE_IDS, kernel
+from ggrun.core.backends.cuda.module import DECODE_DIMS, FA_EPL, GLU_ACTS, NO_WEIGHT, TYPE_IDS, kernel
 from ggrun.core.dtypes import DType
 from ggrun.core.ops import ROPE_NEOX
 from ggrun.core.tensor import Tensor
 
 FLOAT_TYPES = (DType.F32, DType.F16, DType.BF16)
-NORM_VPT = 8  # row elements each thread of add_rms_norm can keep in registers (norm.cu)
 NORM_PER_THREAD = 2  # elements a thread of add_rms_norm serves where rows allow: a decode row is one block's work
 
 
@@ -267,7 +266,6 @@ SM_TARGET = 264  # blocks that keep an H100's 132 multiprocessors busy
 
 
 DECODE_ROWS = 32  # query rows per KV head up to which attention runs attn_decode (attention.cu)
-DECODE_DIMS = (64, 128, 256)  # head dimensions attn_decode is built for
 DECODE_SMEM = 96 << 10  # its shared memory: query rows, one chunk's weights, 4096 floats of value sums
 DECODE_SUMS = 4096
 DECODE_MIN_KEYS = 256  # keys per block before a cache is split over blocks
