@@ -17,7 +17,7 @@ __global__ void __launch_bounds__(FA_WARPS * 32) flash_attn(
     const float *q, const void *k, const void *v, const __half *mask, float *out, float *part,
     int d, int T, int r, int n_kv, int chunk,
     i64 sq0, i64 sq1, i64 sk0, i64 sk1, i64 sv0, i64 sv1, i64 ldm, float scale) {
-    extern __shared__ float smem[];
+    extern __shared__ __align__(16) float smem[];
     const int dp = d + 1;  // padded rows: lane j reading row j hits bank (j * dp + e) % 32
     float *ks = smem, *vs = ks + FA_KEYS * dp, *qs = vs + FA_KEYS * dp;
     const int g = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
     int d, int T, int r, int n_kv, int chunk, i64 sq0, i64 sq1, i64 sk0, i64 sk1, i64 sv0, i64 sv1, i64 ldm,
     float scale, block_q8_1 *q8) {
     constexpr int LPK = D / 8, KPB = DEC_THREADS / LPK;  // lanes per key, keys per block step
-    extern __shared__ float smem[];
+    extern __shared__ __align__(16) float smem[];
     __shared__ float row_m[DECODE_ROWS], row_l[DECODE_ROWS];
     __shared__ int lo, hi;
     __shared__ bool last;
@@ -171,14 +171,17 @@ __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
         qs[x] = q[(i64)(g * r + i % r) * sq0 + (i64)(i / r) * sq1 + e];
     }
     __syncthreads();
-    for (int j = threadIdx.x; j < C; j += DEC_THREADS) {
+    for (int jj = 0; jj < C; jj += DEC_THREADS) {  // every lane of a warp runs as many rounds (reductions below)
+        const int j = jj + threadIdx.x;
         bool seen = false;
-        for (int t = 0; t < T; t++) {
+        for (int t = 0; t < T && j < C; t++) {
             const float mk = __half2float(mask[(i64)t * ldm + kv0 + j]);
             seen |= mk != -INFINITY;
             for (int i = t * r; i < (t + 1) * r; i++) ss[i * chunk + j] = mk;
         }
-        if (seen) atomicMin(&lo, j), atomicMax(&hi, j + 1);
+        // the warp's visible span, then one shared atomic a warp rather than one a visible key
+        const int wlo = warp_min_i(seen ? j : C), whi = warp_max_i(seen ? j + 1 : 0);
+        if (lane == 0 && whi > 0) atomicMin(&lo, wlo), atomicMax(&hi, whi);
     }
     __syncthreads();
     const int j0 = lo, j1 = hi;
@@ -189,19 +192,36 @@ __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
             const int j = jb + u * KPB + kl;
             if (j < j1) ld8<TK>(k, (i64)g * sk0 + (i64)(kv0 + j) * sk1 + o * 8, kx[u]);
         }
+        // DEC_RT rows and DEC_UNROLL keys at once: independent dots and shuffles, not one chain per row
+        for (int i0 = 0; i0 < R; i0 += DEC_RT) {
+            float dot[DEC_UNROLL][DEC_RT];
 #pragma unroll
-        for (int u = 0; u < DEC_UNROLL; u++) {
-            const int j = jb + u * KPB + kl;
-            for (int i = 0; i < R; i++) {
-                float dot = 0.0f;
-                if (j < j1) {
-                    const float *qr = qs + i * D + o * 8;
+            for (int i = 0; i < DEC_RT; i++) {
+                const float4 *qr = (const float4 *)(qs + min(i0 + i, R - 1) * D + o * 8);
+                const float4 qa = qr[0], qb = qr[1];
 #pragma unroll
-                    for (int x = 0; x < 8; x++) dot += qr[x] * kx[u][x];
+                for (int u = 0; u < DEC_UNROLL; u++) {
+                    const float *kk = kx[u];
+                    dot[u][i] = qa.x * kk[0] + qa.y * kk[1] + qa.z * kk[2] + qa.w * kk[3] + qb.x * kk[4] +
+                                qb.y * kk[5] + qb.z * kk[6] + qb.w * kk[7];
                 }
+            }
 #pragma unroll
-                for (int off = LPK / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffff, dot, off);
-                if (j < j1 && o == 0 && ss[i * chunk + j] != -INFINITY) ss[i * chunk + j] += dot * scale;
+            for (int off = LPK / 2; off > 0; off >>= 1)
+#pragma unroll
+                for (int u = 0; u < DEC_UNROLL; u++)
+#pragma unroll
+                    for (int i = 0; i < DEC_RT; i++) dot[u][i] += __shfl_xor_sync(0xffffffff, dot[u][i], off);
+            if (o == 0) {
+#pragma unroll
+                for (int u = 0; u < DEC_UNROLL; u++) {
+                    const int j = jb + u * KPB + kl;
+#pragma unroll
+                    for (int i = 0; i < DEC_RT; i++) {
+                        float *sc = ss + (i0 + i) * chunk + j;
+                        if (j < j1 && i0 + i < R && *sc != -INFINITY) *sc += dot[u][i] * scale;
+                    }
+                }
             }
         }
     }

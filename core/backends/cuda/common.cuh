@@ -143,6 +143,23 @@ __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
     return v;
 }
+// integer min / max over a warp (a single instruction from compute capability 8.0)
+__device__ __forceinline__ int warp_min_i(int v) {
+#if __CUDA_ARCH__ >= 800
+    return __reduce_min_sync(0xffffffff, v);
+#else
+    for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffff, v, o));
+    return v;
+#endif
+}
+__device__ __forceinline__ int warp_max_i(int v) {
+#if __CUDA_ARCH__ >= 800
+    return __reduce_max_sync(0xffffffff, v);
+#else
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffff, v, o));
+    return v;
+#endif
+}
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
