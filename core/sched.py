@@ -348,9 +348,9 @@ class Scheduler:
         into = sg.slots[slot] if sg.n_slots > 1 else {}
         if sg.n_slots > 1:
             b.wait_event(self._slot_events.get((b.name, slot)))
-        for c in split.copies:
-            src, dst = c.srcs[0], into.get(id(c), c)
-            b.copy_tensor(src, dst)
+        pairs = [(c.srcs[0], into.get(id(c), c)) for c in split.copies]
+        b.copy_tensors(pairs)
+        for src, dst in pairs:
             count = self.copy_counts[self.copy_kind(sg.home(src), b)]
             count.n += 1
             count.nbytes += dst.nbytes

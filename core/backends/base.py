@@ -106,6 +106,11 @@ class Backend(ABC):
         """Copy src (on any backend) into dst (on this backend), through the host."""
         self.set_tensor(dst, src.root.buffer.backend.get_tensor(src))
 
+    def copy_tensors(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
+        """copy_tensor for each (src, dst) pair: a split's inputs, which a backend may copy together."""
+        for src, dst in pairs:
+            self.copy_tensor(src, dst)
+
     def record_event(self) -> Any:
         """A marker after the work issued to this backend so far (a CUDA event on its stream), for
         another backend, or this one, to wait for; None where work is done when its call returns."""

@@ -129,3 +129,28 @@ def test_cuda_graph_replay_and_invalidation(tiny_llama_factory, gpu, monkeypatch
                 [(p.runs, p.blocker) for p in captured]
     for eager, replayed in zip(results[False], results[True]):
         np.testing.assert_allclose(replayed, eager, rtol=0, atol=1e-5)
+
+
+def test_split_inputs_are_copied_by_the_split_run(gpu):
+    """A split's host inputs go up from its pinned region as part of its run: eagerly, then captured
+    into the CUDA graph, then replayed, each run with new values; other destinations get a new
+    region, and the graph that copied into the old ones is dropped and captured again."""
+    import cupy
+
+    from ggrun.core.backends.cuda.binding import Step
+    from ggrun.core.backends.cuda.graphs import Prepared
+
+    with gpu._dev, gpu.stream:
+        dst, other, out = (cupy.zeros(64, dtype=cupy.float32) for _ in range(3))
+        prepared = Prepared([Step(lambda: cupy.multiply(dst, 2.0, out=out), True, "double")])
+        graphs = []
+        for i, where in enumerate([dst, dst, dst, dst, other, dst, dst]):
+            host = np.full(64, i, dtype=np.float32)
+            prepared.run(gpu.stream, True, [(host, where.data.ptr)])
+            gpu.stream.synchronize()
+            assert float(where[0]) == i
+            if where is dst:
+                np.testing.assert_array_equal(cupy.asnumpy(out), 2.0 * i)
+            graphs.append(prepared.graph)
+    assert graphs[0] is None and graphs[1] is graphs[2] is graphs[3] is not None  # eager, captured, replayed
+    assert graphs[4] is not graphs[3] and graphs[5] is not graphs[4] and graphs[6] is graphs[5]

@@ -182,6 +182,53 @@ def test_rope_set_rows_and_set_rows(gpu, cache):
     check(gpu, build_v, 1e-6)
 
 
+@pytest.mark.parametrize("n_tokens", [1, 5])
+@pytest.mark.parametrize("cache", [F16, F32])
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma3"])
+def test_rope_qkv_fused(gpu, gemma, cache, n_tokens):
+    """An attention block's queries' RoPE, keys' RoPE into the cache and values' cache write (gemma3's:
+    per-head norms, NeoX pairs, scaled queries) run as one launch, and the attention over the caches
+    and both caches' contents agree with the reference."""
+    hq, hk, d, n_kv = 4, 2, 64, 16
+    own = np.random.default_rng(n_tokens)  # its own numbers: the shared generator's stay as other tests had them
+
+    def vals(*shape):
+        return own.standard_normal(shape).astype(np.float32)
+    qd, kd, vd = vals(n_tokens, hq, d), vals(n_tokens, hk, d), vals(n_tokens, hk * d)
+    qn, kn = vals(d), vals(d)
+    idx = own.permutation(n_kv)[:n_tokens].astype(np.int32)
+    pos = (np.arange(n_tokens) + 30).astype(np.int32)
+    kc0, vc0 = vals(n_kv, hk * d).astype(cache.np_dtype), vals(n_kv, hk * d).astype(cache.np_dtype)
+    mode = ROPE_NEOX if gemma else ROPE_NORMAL
+    caches = {}
+
+    def build(lf):
+        p, ix = lf.input("pos", I32, pos), lf.input("idx", I32, idx)
+        norm = {x: lf.weight(x, F32, (d,), w) if gemma else None for x, w in (("qn", qn), ("kn", kn))}
+        q = ops.rope(lf.input("q", F32, qd), p, d, mode, 10000.0, 1.0, out_scale=0.125 if gemma else 1.0,
+                     norm=norm["qn"], eps=1e-6)
+        caches["k"], caches["v"] = lf.weight("kc", cache, (n_kv, hk * d), kc0), lf.weight("vc", cache, (n_kv, hk * d), vc0)
+        k_all = ops.rope_set_rows(caches["k"], lf.input("k", F32, kd), ix, p, d, mode, 10000.0, 1.0,
+                                  norm=norm["kn"], eps=1e-6)
+        v_all = ops.set_rows(caches["v"], lf.input("v", F32, vd), ix)
+        keys, vals = (ops.permute(ops.view(x, (n_kv, hk, d)), (1, 0, 2)) for x in (k_all, v_all))
+        mask = np.zeros((n_tokens, n_kv), dtype=np.float16)
+        return ops.flash_attn(ops.permute(q, (1, 0, 2)), keys, vals, lf.input("mask", F16, mask), scale=d ** -0.5)
+
+    def results(backend):
+        sched, sg, leafs, out = planned(backend, build)
+        for t, data in leafs.feeds.items():
+            sched.set_tensor(t, data)
+        sched.compute(sg)
+        return [sched.get_tensor(x).astype(np.float64) for x in (out, caches["k"], caches["v"])]
+    for got, want in zip(results(gpu), results(ReferenceBackend())):
+        assert nmse(got, want) < NMSE_ATTENTION
+    _, sg, _, _ = planned(gpu, build)
+    steps = gpu.prepare(sg.splits[0].nodes).steps
+    assert [s.name for s in steps] == ["rope_qkv", "rope_set_rows", "set_rows", "flash_attn"]
+    assert len(_kernel_names(gpu, build)) == 2  # the fused kernel and the attention: the two stores launch nothing
+
+
 def attention_case(kv_dtype, t: int, n_kv: int, hq: int, hk: int, d: int, seen: int | None = None):
     """A fused-attention graph builder: t query rows per head over n_kv cached keys, causal, and only
     the first `seen` cells visible (the rest of a padded cache) when given."""

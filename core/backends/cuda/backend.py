@@ -22,10 +22,10 @@ import numpy as np
 
 from ggrun.core.backends.array_backend import storage_dtype
 from ggrun.core.backends.base import Backend, Buffer, BufferType
-from ggrun.core.backends.cuda import handoff
+from ggrun.core.backends.cuda import handoff, uploads
 from ggrun.core.backends.cuda import matmul as _matmul  # registers kernels
 from ggrun.core.backends.cuda import ops as _ops  # noqa: F401  (registers kernels)
-from ggrun.core.backends.cuda.binding import TABLE, Step
+from ggrun.core.backends.cuda.binding import FUSIONS, TABLE, Step
 from ggrun.core.backends.cuda.graphs import Prepared
 from ggrun.core.backends.cuda.module import TYPE_IDS
 from ggrun.core.backends.kernels import KERNELS
@@ -66,6 +66,7 @@ class CUDABackend(Backend):
         self._tickets = None
         self._q8_slots = None
         self.handoffs = handoff.NONE
+        self._pending: list[uploads.Upload] = []  # a split's host inputs, copied by its run
         self._peer: dict[int, bool] = {}  # another GPU's index -> whether copies from it go peer to peer
         self.use_graphs = graphs_enabled()
 
@@ -134,23 +135,42 @@ class CUDABackend(Backend):
 
     def prepare(self, nodes: list[Tensor]) -> Prepared:
         """One bound kernel launch per node (the shared array kernels where none binds)."""
-        steps = []
+        steps: list[Step] = []
         self.handoffs = handoff.Handoffs(nodes, _matmul.reads_q8)
         with self._dev:
-            for n in nodes:
-                if n.n_elements == 0:  # no rows this micro-batch (outputs of a batch without logits)
-                    steps.append(Step(_nothing, True, n.op))
-                    continue
-                out, srcs = self.array(n), [self.array(s) for s in n.srcs]
-                scratch = self.array(n.scratch) if n.scratch is not None else None
-                step = TABLE.bind(n, out, srcs, scratch, self)
-                steps.append(step if step is not None else
-                             Step(partial(KERNELS[n.op], cupy, n, out, srcs), capturable=False, name=n.op))
+            while len(steps) < len(nodes):
+                i = len(steps)
+                fused = self._fuse(nodes, i)
+                if fused is not None:  # the first node's step runs them all; the others' steps are empty
+                    steps.append(fused[0])
+                    steps.extend(Step(_nothing, True, n.op) for n in nodes[i + 1:i + fused[1]])
+                else:
+                    steps.append(self._bind(nodes[i]))
         return Prepared(steps)
 
+    def _bind(self, n: Tensor) -> Step:
+        if n.n_elements == 0:  # no rows this micro-batch (outputs of a batch without logits)
+            return Step(_nothing, True, n.op)
+        out, srcs = self.array(n), [self.array(s) for s in n.srcs]
+        scratch = self.array(n.scratch) if n.scratch is not None else None
+        step = TABLE.bind(n, out, srcs, scratch, self)
+        return step if step is not None else Step(partial(KERNELS[n.op], cupy, n, out, srcs), False, n.op)
+
+    def _fuse(self, nodes: list[Tensor], i: int) -> tuple[Step, int] | None:
+        """A fused kernel (binding.FUSIONS) for the run of nodes starting at i, and the run's length."""
+        for ops, fuse in FUSIONS:
+            run = nodes[i:i + len(ops)]
+            if tuple(n.op for n in run) != ops or any(n.n_elements == 0 for n in run):
+                continue
+            step = fuse(run, [self.array(n) for n in run], [[self.array(s) for s in n.srcs] for n in run], self)
+            if step is not None:
+                return step, len(ops)
+        return None
+
     def run_prepared(self, prepared: Prepared) -> None:
+        ups, self._pending = self._pending, []
         with self._dev, self.stream:
-            prepared.run(self.stream, self.use_graphs)
+            prepared.run(self.stream, self.use_graphs, ups)
 
     def compute(self, nodes: list[Tensor]) -> None:
         self.run_prepared(self.prepare(nodes))
@@ -168,6 +188,7 @@ class CUDABackend(Backend):
         return self._staging.ptr + start, self._host[start:start + nbytes]
 
     def set_tensor(self, t: Tensor, data: np.ndarray) -> None:
+        self._flush()
         dst = self.array(t)
         src = np.ascontiguousarray(data)
         with self._dev:
@@ -177,15 +198,22 @@ class CUDABackend(Backend):
                 return
             if src.nbytes != dst.nbytes:
                 raise ValueError(f"set_tensor {t.describe()}: {src.nbytes} bytes given, {dst.nbytes} expected")
-            if src.nbytes > STAGING_BYTES:  # weights at load: straight from pageable memory
+            self._upload(src, dst.data.ptr)
+
+    def _upload(self, src: np.ndarray, dst_ptr: int) -> None:
+        """A contiguous host array to device memory: through staging, asynchronously, unless it is
+        larger than the staging memory (weights at load: straight from pageable memory)."""
+        with self._dev:
+            if src.nbytes > STAGING_BYTES:
                 self.stream.synchronize()
-                cupy.cuda.runtime.memcpy(dst.data.ptr, src.ctypes.data, src.nbytes, H2D)
+                cupy.cuda.runtime.memcpy(dst_ptr, src.ctypes.data, src.nbytes, H2D)
                 return
             addr, host = self._stage(src.nbytes)
             host[...] = src.reshape(-1).view(np.uint8)
-            cupy.cuda.runtime.memcpyAsync(dst.data.ptr, addr, src.nbytes, H2D, self.stream.ptr)
+            cupy.cuda.runtime.memcpyAsync(dst_ptr, addr, src.nbytes, H2D, self.stream.ptr)
 
     def get_tensor(self, t: Tensor) -> np.ndarray:
+        self._flush()
         src = self.array(t)
         with self._dev:
             if not src.flags.c_contiguous:
@@ -202,8 +230,34 @@ class CUDABackend(Backend):
             out.reshape(-1).view(np.uint8)[...] = host
             return out
 
+    def copy_tensors(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
+        """A split's inputs: the host arrays bound for contiguous tensors wait for the split's run, whose
+        CUDA graph copies them from a pinned region (uploads.py); other pairs are copied now."""
+        self._flush()
+        ups = []
+        for src, dst in pairs:
+            owner = src.root.buffer.backend
+            a = owner.array(src) if owner.memory_pool == "CPU" else None
+            d = self.array(dst)
+            if a is not None and a.flags.c_contiguous and d.flags.c_contiguous and a.nbytes == d.nbytes:
+                ups.append((a, d.data.ptr))
+            else:
+                self.copy_tensor(src, dst)
+        if sum(a.nbytes for a, _ in ups) > uploads.MOST_BYTES:
+            for a, dst_ptr in ups:
+                self._upload(a, dst_ptr)
+        else:
+            self._pending = ups
+
+    def _flush(self) -> None:
+        """Copy inputs still waiting for a split's run (any other call on the backend comes after them)."""
+        ups, self._pending = self._pending, []
+        for a, dst_ptr in ups:
+            self._upload(a, dst_ptr)
+
     def copy_tensor(self, src: Tensor, dst: Tensor) -> None:
         """A host tensor's bytes go up through staging; another GPU's, device to device."""
+        self._flush()
         owner = src.root.buffer.backend
         if isinstance(owner, CUDABackend) and owner is not self:
             self._copy_from_gpu(owner, src, dst)
@@ -218,6 +272,7 @@ class CUDABackend(Backend):
     # ---- events and copies between GPUs ------------------------------------------------------
 
     def record_event(self) -> "cupy.cuda.Event":
+        self._flush()
         with self._dev:
             event = cupy.cuda.Event(disable_timing=True)
             event.record(self.stream)

@@ -12,6 +12,16 @@ from ggrun.core.backends.binders import BinderTable
 
 TABLE = BinderTable()
 binds = TABLE.binds
+FUSIONS: list[tuple[tuple[str, ...], Callable]] = []
+
+
+def fuses(*ops: str):
+    """Register `fn(nodes, outs, srcs, backend) -> Step | None` for a run of consecutive nodes of these
+    ops: one kernel for all of them, which the backend tries before binding the nodes one by one."""
+    def register(fn: Callable) -> Callable:
+        FUSIONS.append((ops, fn))
+        return fn
+    return register
 
 
 @dataclass
@@ -79,6 +89,22 @@ def f32(x: float) -> np.float32:
 def estrides(arr) -> tuple[int, ...]:
     """Strides in elements."""
     return tuple(s // arr.itemsize for s in arr.strides)
+
+
+def extent(arr) -> tuple[int, int]:
+    """[first, last) device bytes an array's elements may touch."""
+    lo = hi = arr.data.ptr
+    for size, stride in zip(arr.shape, arr.strides):
+        if size == 0:
+            return lo, lo
+        span = (size - 1) * stride
+        lo, hi = (lo + span, hi) if span < 0 else (lo, hi + span)
+    return lo, hi + arr.itemsize
+
+
+def disjoint(a, b) -> bool:
+    (a0, a1), (b0, b1) = extent(a), extent(b)
+    return a1 <= b0 or b1 <= a0
 
 
 def rows_of(arr) -> tuple[int, int, int] | None:

@@ -2,7 +2,8 @@
 (kernels get compiled and loaded), are captured into a CUDA graph the second time, and from then
 on the graph is launched: one launch for the whole split. The engine makes a new Prepared when it
 replans (a new graph shape, a changed cache layout), so a reused ggrun graph is what replays.
-Per-token inputs reach fixed device addresses by copies made before the launch.
+Per-token inputs reach fixed device addresses by copies out of a pinned region, captured with the
+kernels (uploads.py).
 
 GGRUN_GRAPH_DEBUG=1 reports each capture, and why a split is not captured.
 """
@@ -12,6 +13,7 @@ import os
 import sys
 
 from ggrun.core.backends.cuda.binding import Step
+from ggrun.core.backends.cuda.uploads import Upload, UploadRegion, layout
 
 
 def _debug() -> bool:
@@ -19,36 +21,54 @@ def _debug() -> bool:
 
 
 class Prepared:
-    """The steps of one split, and its captured CUDA graph once it has one."""
+    """The steps of one split, the pinned region its host inputs pass through (uploads.py), and its
+    captured CUDA graph once it has one: the inputs' copies out of the region, then the steps."""
 
     def __init__(self, steps: list[Step]) -> None:
         self.steps = steps
         self.runs = 0
         self.graph = None
+        self.region: UploadRegion | None = None
         blockers = sorted({s.name for s in steps if not s.capturable})
         self.blocker = f"not captured: {', '.join(blockers)} run outside CUDA graphs" if blockers else None
 
     def __len__(self) -> int:
         return len(self.steps)
 
-    def run(self, stream, use_graphs: bool) -> None:
+    def run(self, stream, use_graphs: bool, ups: list[Upload] = ()) -> None:
+        """Copy ups (host arrays to device addresses) and run the steps, on stream."""
         self.runs += 1
+        if self.region is not None and self.region.layout != layout(ups):
+            self.region = self.graph = None  # a captured graph copies out of the old region's places
+        if ups and self.region is None:
+            self.region = UploadRegion(list(ups))
+        if self.region is not None:
+            self.region.fill(ups)
         if self.graph is not None:
             self.graph.launch(stream)
-            return
-        if not use_graphs or self.blocker is not None or self.runs == 1:
+        elif not use_graphs or self.blocker is not None or self.runs == 1:
             if use_graphs and self.runs == 2 and self.blocker and _debug():
                 print(f"cuda graph: {self.blocker}", file=sys.stderr)
-            for step in self.steps:
-                step()
-            return
+            self._issue(stream)
+        else:
+            self._capture(stream)
+            self.graph.launch(stream)
+        if self.region is not None:
+            self.region.issued(stream)
+
+    def _issue(self, stream) -> None:
+        if self.region is not None:
+            self.region.issue(stream)
+        for step in self.steps:
+            step()
+
+    def _capture(self, stream) -> None:
         stream.begin_capture()
         try:
-            for step in self.steps:
-                step()
+            self._issue(stream)
         finally:
             graph = stream.end_capture()
         self.graph = graph
         if _debug():
-            print(f"cuda graph: captured {len(self.steps)} kernels", file=sys.stderr)
-        self.graph.launch(stream)
+            copies = len(self.region.layout) if self.region is not None else 0
+            print(f"cuda graph: captured {len(self.steps)} kernels and {copies} input copies", file=sys.stderr)

@@ -42,7 +42,8 @@ def _instances() -> dict[str, list[str]]:
         "norm.cu": [f"rms_norm<{w}>" for w in norm_w]
         + [f"add_rms_norm<{_t(w)}, {p}>" for w in FLOATS for p in ("false", "true")],
         "rope.cu": [f"rope<{w}>" for w in norm_w]
-        + [f"rope_set_rows<{w}, {_t(d)}>" for w in norm_w for d in FLOATS],
+        + [f"rope_set_rows<{w}, {_t(d)}>" for w in norm_w for d in FLOATS]
+        + [f"rope_qkv<{w}, {_t(d)}>" for w in norm_w for d in FLOATS],
         "elementwise.cu": [f"copy4<{_t(s)}, {_t(d)}>" for s in FLOATS for d in FLOATS]
         + [f"binary4<{op}, {_t(a)}, {_t(b)}>" for op in (0, 1) for a in FLOATS for b in FLOATS]
         + [f"unary4<{f}>" for f in (0, 1, 2)] + [f"gated<{f}>" for f in (1, 2)]

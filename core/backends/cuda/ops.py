@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ggrun.core.backends.cuda.binding import (NULL, Launch, binds, estrides, f32, grid1d, i32, i64, launch_step,
-                                              pad4, ptr, rows_of, threads_for)
+from ggrun.core.backends.cuda.binding import (NULL, Launch, binds, disjoint, estrides, f32, fuses, grid1d, i32, i64,
+                                              launch_step, pad4, ptr, rows_of, threads_for)
 from ggrun.core.backends.cuda.module import DECODE_DIMS, FA_EPL, GLU_ACTS, NO_WEIGHT, TYPE_IDS, kernel
 from ggrun.core.dtypes import DType
 from ggrun.core.ops import ROPE_NEOX
@@ -257,6 +257,42 @@ def _rope_set_rows(node: Tensor, out, srcs, scratch, backend):
     args = (ptr(a_arr), ptr(pos), ptr(idx), ptr(srcs[4]) if wid != NO_WEIGHT else NULL, ptr(out), i64(lda),
             i64(estrides(out)[0]), *_rope_params(node, d, heads, 1.0))
     return launch_step(node.op, Launch(k, (t * heads,), (threads_for(node.params["n_dims"] // 2, 512),), args))
+
+
+ROPE_SHARED = ("n_dims", "mode", "freq_base", "freq_scale", "eps")  # what the queries' and keys' RoPE must share
+
+
+@fuses("rope", "rope_set_rows", "set_rows")
+def _rope_qkv(nodes: list[Tensor], outs: list, srcs: list, backend):
+    """The queries' RoPE, the keys' RoPE into the cache and the values' cache write of one layer
+    (three nodes, consecutive in every attention block) in one launch: each is a few tiny blocks."""
+    rq, rk, sv = nodes
+    (q_arr, pos, *_), (_, k_arr, idx, *_), (_, v_arr, _) = srcs
+    q_out, k_out, v_out = outs
+    q, k, v = _heads(q_arr), _heads(k_arr), rows_of(v_arr)
+    wid = _weight_id(rq, 2)
+    if (q is None or k is None or v is None or wid is None or _weight_id(rk, 4) != wid
+            or rk.srcs[3] is not rq.srcs[1] or sv.srcs[2] is not rk.srcs[2]
+            or any(rq.params.get(x, 0.0) != rk.params.get(x, 0.0) for x in ROPE_SHARED)
+            or any(n.srcs[i].dtype is not DType.F32 for n, i in ((rq, 0), (rk, 1), (sv, 1)))
+            or rk.dtype is not sv.dtype or not _is_float(rk.dtype) or not q_out.flags.c_contiguous
+            or any(o.ndim != 2 or o.strides[1] != o.itemsize for o in (k_out, v_out))):
+        return None
+    t, hq, d, ldq = q
+    tk, hk, dk, ldk = k
+    if tk != t or dk != d or v[0] != t or v[1] != hk * d:
+        return None
+    # one launch runs all three at once: no node may write what a later one reads
+    if not all(disjoint(q_out, x) for x in (*srcs[1], *srcs[2])) or not all(disjoint(k_out, x) for x in srcs[2]):
+        return None
+    fn = kernel("rope.cu", f"rope_qkv<{wid}, {_tid(rk.dtype)}>")
+    wq = ptr(srcs[0][2]) if wid != NO_WEIGHT else NULL
+    wk = ptr(srcs[1][4]) if wid != NO_WEIGHT else NULL
+    args = (ptr(q_arr), ptr(k_arr), ptr(v_arr), ptr(pos), ptr(idx), wq, wk, ptr(q_out), ptr(k_out), ptr(v_out),
+            i64(ldq), i64(ldk), i64(v[2]), i64(estrides(k_out)[0]), i64(estrides(v_out)[0]), i32(t), i32(hq),
+            f32(rq.params.get("out_scale", 1.0)), *_rope_params(rk, d, hk, 1.0))
+    block = threads_for(rq.params["n_dims"] // 2, 512)
+    return launch_step("rope_qkv", Launch(fn, (t * (hq + 2 * hk),), (block,), args))
 
 
 # ---- attention -------------------------------------------------------------------------------

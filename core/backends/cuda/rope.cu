@@ -10,14 +10,14 @@ struct RopeArgs {
 #define ROPE_PARAMS int n_dims, int d, int heads, int neox, float theta_scale, float freq_scale, float out_scale, float eps
 #define ROPE_ARGS RopeArgs{n_dims, d, heads, neox, theta_scale, freq_scale, out_scale, eps}
 
-// rotate head (t, h) of a (row stride lda per token, d per head) at position pos[t]; the result's
-// element e goes to put(e, value). With W >= 0 the head is rms_norm'ed and multiplied by w first.
-// Launched with max(32, n_dims / 2) threads: thread i rotates pair i.
+// rotate head (t, h) = (blk / heads, blk % heads) of a (row stride lda per token, d per head) at
+// position pos[t]; the result's element e goes to put(e, value). With W >= 0 the head is rms_norm'ed
+// and multiplied by w first. Launched with max(32, n_dims / 2) threads: thread i rotates pair i.
 template <int W, typename Put>
-__device__ __forceinline__ void rope_head(const float *a, const int *pos, const void *w, const RopeArgs &p,
+__device__ __forceinline__ void rope_head(int blk, const float *a, const int *pos, const void *w, const RopeArgs &p,
                                           i64 lda, Put put) {
     __shared__ float sh[32];
-    int t = blockIdx.x / p.heads, h = blockIdx.x % p.heads;
+    int t = blk / p.heads, h = blk % p.heads;
     const float *x = a + t * lda + (i64)h * p.d;
     float inv = 1.0f;
     if constexpr (W >= 0) {
@@ -57,7 +57,7 @@ __global__ void rope(const float *a, const int *pos, const void *w, float *out, 
     RopeArgs p = ROPE_ARGS;
     int t = blockIdx.x / p.heads, h = blockIdx.x % p.heads;
     float *o = out + ((i64)t * p.heads + h) * p.d;
-    rope_head<W>(a, pos, w, p, lda, [&](int e, float v) { o[e] = v; });
+    rope_head<W>(blockIdx.x, a, pos, w, p, lda, [&](int e, float v) { o[e] = v; });
 }
 
 // the keys' RoPE fused with the cache write: head h of token t goes to row idx[t] of dst (type D)
@@ -67,5 +67,35 @@ __global__ void rope_set_rows(const float *a, const int *pos, const int *idx, co
     RopeArgs p = ROPE_ARGS;
     int t = blockIdx.x / p.heads, h = blockIdx.x % p.heads;
     i64 base = (i64)idx[t] * ldd + (i64)h * p.d;
-    rope_head<W>(a, pos, w, p, lda, [&](int e, float v) { st<D>(dst, base + e, v); });
+    rope_head<W>(blockIdx.x, a, pos, w, p, lda, [&](int e, float v) { st<D>(dst, base + e, v); });
+}
+
+// a decode layer's three writes before attention in one launch: the queries' RoPE (q_heads blocks a
+// token), the keys' RoPE into their cache rows (k.heads blocks a token), the values' cache rows (as
+// many). Keys and values of token t go to row idx[t] of their caches (both of type D).
+template <int W, int D>
+__global__ void rope_qkv(const float *q, const float *k, const float *v, const int *pos, const int *idx,
+                         const void *wq, const void *wk, float *q_out, void *k_dst, void *v_dst, i64 ldq, i64 ldk,
+                         i64 ldv, i64 ldd_k, i64 ldd_v, int T, int q_heads, float q_scale, ROPE_PARAMS) {
+    RopeArgs kp = ROPE_ARGS;  // the keys' (heads: the KV heads)
+    const int nq = T * q_heads, nk = T * kp.heads;
+    int blk = blockIdx.x;
+    if (blk < nq) {
+        RopeArgs qp = kp;
+        qp.heads = q_heads, qp.out_scale = q_scale;
+        float *o = q_out + (i64)blk * qp.d;
+        rope_head<W>(blk, q, pos, wq, qp, ldq, [&](int e, float x) { o[e] = x; });
+        return;
+    }
+    blk -= nq;
+    if (blk < nk) {
+        const i64 base = (i64)idx[blk / kp.heads] * ldd_k + (i64)(blk % kp.heads) * kp.d;
+        rope_head<W>(blk, k, pos, wk, kp, ldk, [&](int e, float x) { st<D>(k_dst, base + e, x); });
+        return;
+    }
+    blk -= nk;
+    const int t = blk / kp.heads, h = blk % kp.heads;
+    const float *src = v + t * ldv + (i64)h * kp.d;
+    const i64 base = (i64)idx[t] * ldd_v + (i64)h * kp.d;
+    for (int e = threadIdx.x; e < kp.d; e += blockDim.x) st<D>(v_dst, base + e, src[e]);
 }

@@ -1,0 +1,57 @@
+"""A split's host inputs as part of its CUDA graph.
+
+A decode step's inputs (the embedded token, positions, cache rows, mask, output rows) are a few
+hundred bytes each; copying them one call at a time cost more host time than any kernel of the
+step. Instead each prepared split owns a pinned host region with a fixed place for each input: a
+step writes the inputs' bytes there, and the split's copies from the region are captured into its
+CUDA graph with its kernels, so one graph launch does both. The region is written again only
+after the last launch that reads it has copied it (an event).
+"""
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+ALIGN = 256
+H2D = 1  # cudaMemcpyKind
+MOST_BYTES = 4 << 20  # inputs beyond this go up through the backend's staging memory instead
+
+Upload = tuple[np.ndarray, int]  # a contiguous host array, and the device address it goes to
+
+
+def layout(ups: list[Upload]) -> tuple[tuple[int, int], ...]:
+    """(device address, bytes) of each upload: what a region and its captured copies are made for."""
+    return tuple((dst, a.nbytes) for a, dst in ups)
+
+
+class UploadRegion:
+    """Pinned memory for one layout of uploads, and the copies out of it."""
+
+    def __init__(self, ups: list[Upload]) -> None:
+        self.layout = layout(ups)
+        self.offsets = []
+        at = 0
+        for _, n in self.layout:
+            self.offsets.append(at)
+            at += -(-n // ALIGN) * ALIGN
+        self._mem = cupy.cuda.alloc_pinned_memory(max(at, ALIGN))
+        self._host = np.frombuffer(self._mem, dtype=np.uint8, count=max(at, ALIGN))
+        self._read = None  # event after the last copies out of the region
+
+    def fill(self, ups: list[Upload]) -> None:
+        """The uploads' bytes into their places, once the copies of the last run have read them."""
+        if self._read is not None:
+            self._read.synchronize()
+        for (a, _), at in zip(ups, self.offsets):
+            self._host[at:at + a.nbytes] = a.reshape(-1).view(np.uint8)
+
+    def issue(self, stream) -> None:
+        """The copies to the device, on stream (recorded into a graph when the stream captures)."""
+        for (dst, n), at in zip(self.layout, self.offsets):
+            cupy.cuda.runtime.memcpyAsync(dst, self._mem.ptr + at, n, H2D, stream.ptr)
+
+    def issued(self, stream) -> None:
+        """Mark the point of stream after which the region may be written again."""
+        if self._read is None:
+            self._read = cupy.cuda.Event(disable_timing=True)
+        self._read.record(stream)
