@@ -33,8 +33,9 @@ def gpu():
     return CUDABackend(0)
 
 
-def values(*shape: int, scale: float = 1.0) -> np.ndarray:
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
+def values(*shape: int, scale: float = 1.0, gen: np.random.Generator | None = None) -> np.ndarray:
+    """Random f32 values from the module's shared generator, or from `gen`."""
+    return ((gen or rng).standard_normal(shape) * scale).astype(np.float32)
 
 
 def check(gpu, build, threshold: float) -> float:
@@ -191,14 +192,11 @@ def test_rope_qkv_fused(gpu, gemma, cache, n_tokens):
     and both caches' contents agree with the reference."""
     hq, hk, d, n_kv = 4, 2, 64, 16
     own = np.random.default_rng(n_tokens)  # its own numbers: the shared generator's stay as other tests had them
-
-    def vals(*shape):
-        return own.standard_normal(shape).astype(np.float32)
-    qd, kd, vd = vals(n_tokens, hq, d), vals(n_tokens, hk, d), vals(n_tokens, hk * d)
-    qn, kn = vals(d), vals(d)
+    qd, kd, vd = values(n_tokens, hq, d, gen=own), values(n_tokens, hk, d, gen=own), values(n_tokens, hk * d, gen=own)
+    qn, kn = values(d, gen=own), values(d, gen=own)
     idx = own.permutation(n_kv)[:n_tokens].astype(np.int32)
     pos = (np.arange(n_tokens) + 30).astype(np.int32)
-    kc0, vc0 = vals(n_kv, hk * d).astype(cache.np_dtype), vals(n_kv, hk * d).astype(cache.np_dtype)
+    kc0, vc0 = (values(n_kv, hk * d, gen=own).astype(cache.np_dtype) for _ in range(2))
     mode = ROPE_NEOX if gemma else ROPE_NORMAL
     caches = {}
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Sequence
 
 from ggrun.core.backends.cuda.binding import Step
 from ggrun.core.backends.cuda.uploads import Upload, UploadRegion, layout
@@ -35,13 +36,13 @@ class Prepared:
     def __len__(self) -> int:
         return len(self.steps)
 
-    def run(self, stream, use_graphs: bool, ups: list[Upload] = ()) -> None:
+    def run(self, stream, use_graphs: bool, ups: Sequence[Upload] = ()) -> None:
         """Copy ups (host arrays to device addresses) and run the steps, on stream."""
         self.runs += 1
         if self.region is not None and self.region.layout != layout(ups):
             self.region = self.graph = None  # a captured graph copies out of the old region's places
         if ups and self.region is None:
-            self.region = UploadRegion(list(ups))
+            self.region = UploadRegion(ups)
         if self.region is not None:
             self.region.fill(ups)
         if self.graph is not None:

@@ -9,17 +9,18 @@ after the last launch that reads it has copied it (an event).
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import cupy
 import numpy as np
 
 ALIGN = 256
-H2D = 1  # cudaMemcpyKind
 MOST_BYTES = 4 << 20  # inputs beyond this go up through the backend's staging memory instead
 
 Upload = tuple[np.ndarray, int]  # a contiguous host array, and the device address it goes to
 
 
-def layout(ups: list[Upload]) -> tuple[tuple[int, int], ...]:
+def layout(ups: Sequence[Upload]) -> tuple[tuple[int, int], ...]:
     """(device address, bytes) of each upload: what a region and its captured copies are made for."""
     return tuple((dst, a.nbytes) for a, dst in ups)
 
@@ -27,7 +28,7 @@ def layout(ups: list[Upload]) -> tuple[tuple[int, int], ...]:
 class UploadRegion:
     """Pinned memory for one layout of uploads, and the copies out of it."""
 
-    def __init__(self, ups: list[Upload]) -> None:
+    def __init__(self, ups: Sequence[Upload]) -> None:
         self.layout = layout(ups)
         self.offsets = []
         at = 0
@@ -38,7 +39,7 @@ class UploadRegion:
         self._host = np.frombuffer(self._mem, dtype=np.uint8, count=max(at, ALIGN))
         self._read = None  # event after the last copies out of the region
 
-    def fill(self, ups: list[Upload]) -> None:
+    def fill(self, ups: Sequence[Upload]) -> None:
         """The uploads' bytes into their places, once the copies of the last run have read them."""
         if self._read is not None:
             self._read.synchronize()
@@ -48,7 +49,8 @@ class UploadRegion:
     def issue(self, stream) -> None:
         """The copies to the device, on stream (recorded into a graph when the stream captures)."""
         for (dst, n), at in zip(self.layout, self.offsets):
-            cupy.cuda.runtime.memcpyAsync(dst, self._mem.ptr + at, n, H2D, stream.ptr)
+            cupy.cuda.runtime.memcpyAsync(dst, self._mem.ptr + at, n, cupy.cuda.runtime.memcpyHostToDevice,
+                                          stream.ptr)
 
     def issued(self, stream) -> None:
         """Mark the point of stream after which the region may be written again."""
