@@ -154,3 +154,53 @@ def test_split_inputs_are_copied_by_the_split_run(gpu):
             graphs.append(prepared.graph)
     assert graphs[0] is None and graphs[1] is graphs[2] is graphs[3] is not None  # eager, captured, replayed
     assert graphs[4] is not graphs[3] and graphs[5] is not graphs[4] and graphs[6] is graphs[5]
+
+
+def test_early_launches_give_the_plain_launches_results(tiny_llama_factory, gpu, monkeypatch):
+    """Kernels started early (PDL: each waits for the one before, after prefetching what depends on no
+    other kernel) give the same bits as kernels launched one after the other, eagerly and replayed."""
+    from gguf.constants import GGMLQuantizationType as QT
+
+    from ggrun.core.backends.cuda.binding import launches_of
+
+    # Q4_0 products and a head dimension of 64: the decode products and attention prefetch
+    path = tiny_llama_factory(n_layer=2, weight_type=QT.Q4_0, n_embd=128, n_head=2, n_head_kv=1, n_ff=256)
+    script = [("decode", Batch.of_sequence(list(range(3, 20)), 0))]
+    script += [("decode", Batch.of_sequence([20 + i], 17 + i)) for i in range(4)]
+    results = {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("GGRUN_CUDA_PDL", pdl)
+        backend = CUDABackend(0)
+        s = Session(Model.load(path, [backend, CPUBackend()], 99, numerics="f32"), SessionParams(n_ctx=128))
+        results[pdl] = _steps(s, script)
+        launches = [x for sp in s.result.sg.splits if sp.backend is backend for x in launches_of(sp.calls.steps)]
+        early = [x for x in launches if x is not None and x.early]
+        if pdl == "0" or cupy.cuda.Device().compute_capability < "90":
+            assert not early
+        else:
+            prologues = " ".join(x.kernel.name for x in early if x.prologue)
+            assert "mmvq" in prologues and "attn_decode" in prologues, prologues
+            assert all(int(x.args[-1]) == int(x.early) for x in launches if x is not None and x.prologue)
+    for plain, early in zip(results["0"], results["1"]):
+        np.testing.assert_array_equal(early, plain)
+
+
+def test_plan_starts_a_prefetching_product_plainly_after_a_kernel_filling_the_gpu(monkeypatch):
+    """launch.plan: every launch starts early, except one with a prologue after a launch whose blocks
+    cover every multiprocessor (or after work that is not a launch); a prologue's last argument says
+    whether it runs."""
+    from ggrun.core.backends.cuda import launch
+    from ggrun.core.backends.cuda.binding import Launch, i32
+
+    monkeypatch.setattr(launch, "_device", lambda device: (True, 132))
+    monkeypatch.delenv("GGRUN_CUDA_PDL", raising=False)
+
+    def mk(blocks: int, prologue: bool) -> Launch:
+        return Launch(None, (blocks,), (128,), (i32(7), i32(0)) if prologue else (i32(7),), prologue=prologue)
+
+    norm, qkv, glu, down, after_host, tail = mk(1, False), mk(768, True), mk(256, True), mk(512, True), \
+        mk(4, True), mk(1, False)
+    launch.plan([norm, qkv, glu, down, None, after_host, tail])
+    assert [x.early for x in (norm, qkv, glu, down, after_host, tail)] == [True, True, False, False, False, True]
+    assert [int(x.args[-1]) for x in (qkv, glu, down, after_host)] == [1, 0, 0, 0]
+    assert norm.args == (7,) and tail.args == (7,)

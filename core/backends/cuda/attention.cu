@@ -17,6 +17,7 @@ __global__ void __launch_bounds__(FA_WARPS * 32) flash_attn(
     const float *q, const void *k, const void *v, const __half *mask, float *out, float *part,
     int d, int T, int r, int n_kv, int chunk,
     i64 sq0, i64 sq1, i64 sk0, i64 sk1, i64 sv0, i64 sv1, i64 ldm, float scale) {
+    pdl_begin();
     extern __shared__ __align__(16) float smem[];
     const int dp = d + 1;  // padded rows: lane j reading row j hits bank (j * dp + e) % 32
     float *ks = smem, *vs = ks + FA_KEYS * dp, *qs = vs + FA_KEYS * dp;
@@ -99,6 +100,7 @@ __global__ void __launch_bounds__(FA_WARPS * 32) flash_attn(
 
 // merge the key chunks' partial results of each output row (a block per row)
 extern "C" __global__ void attn_combine(const float *part, float *out, int d, int n_rows, int n_split) {
+    pdl_begin();
     i64 row = blockIdx.x;
     float mx = -INFINITY;
     for (int s = 0; s < n_split; s++) mx = fmaxf(mx, part[((i64)s * n_rows + row) * (d + 2)]);
@@ -155,7 +157,7 @@ template <int TK, int D>
 __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
     const float *q, const void *k, const void *v, const __half *mask, float *out, float *part, int *tickets,
     int d, int T, int r, int n_kv, int chunk, i64 sq0, i64 sq1, i64 sk0, i64 sk1, i64 sv0, i64 sv1, i64 ldm,
-    float scale, block_q8_1 *q8) {
+    float scale, block_q8_1 *q8, int pf) {
     constexpr int LPK = D / 8, KPB = DEC_THREADS / LPK;  // lanes per key, keys per block step
     extern __shared__ __align__(16) float smem[];
     __shared__ float row_m[DECODE_ROWS], row_l[DECODE_ROWS];
@@ -163,6 +165,11 @@ __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
     __shared__ bool last;
     const int R = T * r, g = blockIdx.x, split = gridDim.y, s = blockIdx.y, hq = gridDim.x * r;
     const int kv0 = s * chunk, C = min(n_kv, kv0 + chunk) - kv0;
+    for (int j = threadIdx.x; pf && j < C; j += DEC_THREADS) {  // the chunk's cached rows, while the kernel before runs
+        prefetch_l2((const u8 *)k + ((i64)g * sk0 + (i64)(kv0 + j) * sk1) * Block<TK>::BYTES, D * Block<TK>::BYTES, 0, 1);
+        prefetch_l2((const u8 *)v + ((i64)g * sv0 + (i64)(kv0 + j) * sv1) * Block<TK>::BYTES, D * Block<TK>::BYTES, 0, 1);
+    }
+    pdl_begin();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, o = threadIdx.x % LPK, kl = threadIdx.x / LPK;
     float *qs = smem, *ss = qs + R * D, *red = ss + R * chunk;  // q [R][D], scores [R][chunk], sums [KPB][RT][D]
     if (threadIdx.x == 0) lo = C, hi = 0;

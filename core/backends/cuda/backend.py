@@ -22,10 +22,10 @@ import numpy as np
 
 from ggrun.core.backends.array_backend import storage_dtype
 from ggrun.core.backends.base import Backend, Buffer, BufferType
-from ggrun.core.backends.cuda import handoff, uploads
+from ggrun.core.backends.cuda import handoff, launch, uploads
 from ggrun.core.backends.cuda import matmul as _matmul  # registers kernels
 from ggrun.core.backends.cuda import ops as _ops  # noqa: F401  (registers kernels)
-from ggrun.core.backends.cuda.binding import FUSIONS, TABLE, Step
+from ggrun.core.backends.cuda.binding import FUSIONS, TABLE, Step, launches_of, nothing
 from ggrun.core.backends.cuda.graphs import Prepared
 from ggrun.core.backends.cuda.module import TYPE_IDS
 from ggrun.core.backends.kernels import KERNELS
@@ -134,7 +134,8 @@ class CUDABackend(Backend):
         return arr
 
     def prepare(self, nodes: list[Tensor]) -> Prepared:
-        """One bound kernel launch per node (the shared array kernels where none binds)."""
+        """One bound kernel launch per node (the shared array kernels where none binds); launch.plan
+        decides which start while the kernel before them still runs."""
         steps: list[Step] = []
         self.handoffs = handoff.Handoffs(nodes, _matmul.reads_q8)
         with self._dev:
@@ -143,14 +144,15 @@ class CUDABackend(Backend):
                 fused = self._fuse(nodes, i)
                 if fused is not None:  # the first node's step runs them all; the others' steps are empty
                     steps.append(fused[0])
-                    steps.extend(Step(_nothing, True, n.op) for n in nodes[i + 1:i + fused[1]])
+                    steps.extend(Step(nothing, True, n.op) for n in nodes[i + 1:i + fused[1]])
                 else:
                     steps.append(self._bind(nodes[i]))
+            launch.plan(launches_of(steps))
         return Prepared(steps)
 
     def _bind(self, n: Tensor) -> Step:
         if n.n_elements == 0:  # no rows this micro-batch (outputs of a batch without logits)
-            return Step(_nothing, True, n.op)
+            return Step(nothing, True, n.op)
         out, srcs = self.array(n), [self.array(s) for s in n.srcs]
         scratch = self.array(n.scratch) if n.scratch is not None else None
         step = TABLE.bind(n, out, srcs, scratch, self)
@@ -336,10 +338,6 @@ class CUDABackend(Backend):
 
     def address(self, arr) -> int:
         return int(arr.data.ptr)
-
-
-def _nothing() -> None:
-    """The step of a node without elements."""
 
 
 def _enable_peer(backend: CUDABackend, other: CUDABackend) -> None:

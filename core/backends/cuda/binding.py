@@ -4,11 +4,13 @@ small helpers binders share to read shapes, strides and addresses off cupy array
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 import numpy as np
 
 from ggrun.core.backends.binders import BinderTable
+from ggrun.core.backends.cuda import launch
 
 TABLE = BinderTable()
 binds = TABLE.binds
@@ -46,9 +48,17 @@ class Launch:
     block: tuple
     args: tuple
     smem: int = 0
+    prologue: bool = False  # work before pdl_begin, done only when started early (the last argument says so)
+    early: bool = False  # started while the kernel before still runs (PDL; launch.plan decides)
+    _issue: Callable[[], None] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __call__(self) -> None:
-        self.kernel(self.grid, self.block, self.args, shared_mem=self.smem)
+        if self._issue is None:  # arguments packed once, at the first call
+            if self.early:
+                self._issue = launch.PDLLaunch(self.kernel, self.grid, self.block, self.args, self.smem)
+            else:
+                self._issue = partial(self.kernel, self.grid, self.block, self.args, shared_mem=self.smem)
+        self._issue()
 
 
 @dataclass
@@ -62,8 +72,26 @@ class Launches:
             launch()
 
 
+def nothing() -> None:
+    """The step of a node without elements, or of a node a fused kernel before it serves."""
+
+
 def launch_step(name: str, *launches: Launch) -> Step:
     return Step(launches[0] if len(launches) == 1 else Launches(list(launches)), True, name)
+
+
+def launches_of(steps: list[Step]) -> list[Launch | None]:
+    """The launches of steps in order; None for a step's work that is not a Launch (host-driven calls)."""
+    out: list[Launch | None] = []
+    for step in steps:
+        run = step.run
+        if isinstance(run, Launch):
+            out.append(run)
+        elif isinstance(run, Launches):
+            out.extend(run.items)
+        elif run is not nothing:
+            out.append(None)
+    return out
 
 
 def ptr(arr) -> np.uint64:

@@ -8,6 +8,25 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
 
+// Programmatic dependent launch (sm_90, launch.py): a kernel launched with it may start while the one
+// before it on the stream still runs. Every kernel calls pdl_begin before it reads anything another
+// kernel wrote and before it returns: it waits until the kernel before has finished and its writes are
+// visible (so also everything before that), then lets the next one start (whose blocks take the places
+// this kernel's finished blocks leave, and wait there in turn). What a kernel does before pdl_begin
+// (prefetching its weights into L2) overlaps the kernel before it.
+__device__ __forceinline__ void pdl_begin() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// ask L2 for bytes [p, p + n): thread `t` of `nt` takes every nt-th 128-byte line
+__device__ __forceinline__ void prefetch_l2(const void *p, i64 n, int t, int nt) {
+    const char *c = (const char *)p;
+    for (i64 off = (i64)t * 128; off < n; off += (i64)nt * 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(c + off));
+}
+
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
 #endif

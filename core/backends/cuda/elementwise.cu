@@ -9,6 +9,7 @@
 // dst (strides d*) = src (strides s*), converting S to D
 template <int S, int D>
 __global__ void copy4(const void *src, void *dst, i64 n, i64 n1, i64 n2, i64 n3, STRIDES4(s), STRIDES4(d)) {
+    pdl_begin();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     st<D>(dst, OFFSET4(i, d), ld<S>(src, OFFSET4(i, s)));
@@ -18,6 +19,7 @@ __global__ void copy4(const void *src, void *dst, i64 n, i64 n1, i64 n2, i64 n3,
 template <int OP, int A, int B>
 __global__ void binary4(const void *a, const void *b, float *out, i64 n, i64 n1, i64 n2, i64 n3,
                         STRIDES4(a), STRIDES4(b)) {
+    pdl_begin();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float x = ld<A>(a, OFFSET4(i, a)), y = ld<B>(b, OFFSET4(i, b));
@@ -27,6 +29,7 @@ __global__ void binary4(const void *a, const void *b, float *out, i64 n, i64 n1,
 // out = f(a): 0 scale by s, 1 silu, 2 gelu
 template <int F>
 __global__ void unary4(const float *a, float *out, float s, i64 n, i64 n1, i64 n2, i64 n3, STRIDES4(a)) {
+    pdl_begin();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float x = a[OFFSET4(i, a)];
@@ -36,6 +39,7 @@ __global__ void unary4(const float *a, float *out, float s, i64 n, i64 n1, i64 n
 // out[r, :] = act(g[r, :]) * u[r, :]: 1 silu (swiglu), 2 gelu (geglu)
 template <int F>
 __global__ void gated(const float *g, const float *u, float *out, int n, i64 rows, i64 ldg, i64 ldu) {
+    pdl_begin();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= rows * n) return;
     i64 r = i / n, c = i % n;
@@ -46,6 +50,7 @@ __global__ void gated(const float *g, const float *u, float *out, int n, i64 row
 // dst[idx[r], :] = src[r, :] (the KV cache write), converting f32 to D
 template <int D>
 __global__ void set_rows(const float *src, const int *idx, void *dst, int n, i64 rows, i64 lds, i64 ldd) {
+    pdl_begin();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= rows * n) return;
     i64 r = i / n, c = i % n;
@@ -55,6 +60,7 @@ __global__ void set_rows(const float *src, const int *idx, void *dst, int n, i64
 // softmax(a * scale + mask) over rows of n; row r of the matrix uses mask row r % R (M: mask type, -1 none)
 template <int M>
 __global__ void soft_max(const float *a, const void *mask, float *out, int n, int R, i64 lda, i64 ldm, float scale) {
+    pdl_begin();
     __shared__ float sh[32];
     i64 r = blockIdx.x;
     const float *x = a + r * lda;

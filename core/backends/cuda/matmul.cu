@@ -4,6 +4,7 @@
 
 // x [rows, ncols] (row stride ldx elements) -> y [rows, ncols / 32] q8_1 blocks; one warp per block
 extern "C" __global__ void quantize_q8_1(const float *x, block_q8_1 *y, int ncols, i64 ldx, int rows) {
+    pdl_begin();
     i64 blk = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int nb = ncols / 32;
     if (blk >= (i64)rows * nb) return;
@@ -86,9 +87,9 @@ template <> __device__ __forceinline__ float vdot<T_Q8_0>(const u8 *b, const blo
 // weight's product [NC, m_i] is contiguous at o_i.
 template <int T, int NC>
 __global__ void mmvq(const u8 *w0, const u8 *w1, const u8 *w2, float *o0, float *o1, float *o2, int m0, int m1,
-                     const block_q8_1 *y, int ncols, i64 row_bytes, int rows) {
+                     const block_q8_1 *y, int ncols, i64 row_bytes, int rows, int pf) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (row >= rows) return;
+    const bool live = row < rows;
     const u8 *w = w0;
     float *out = o0;
     int ldo = m0;
@@ -99,6 +100,9 @@ __global__ void mmvq(const u8 *w0, const u8 *w1, const u8 *w2, float *o0, float 
     }
     int lane = threadIdx.x & 31, nb = ncols / 32;
     const u8 *wr = w + row * row_bytes;
+    if (live && pf) prefetch_l2(wr, row_bytes, lane, 32);
+    pdl_begin();
+    if (!live) return;
     float acc[NC];
 #pragma unroll
     for (int c = 0; c < NC; c++) acc[c] = 0.0f;
@@ -120,10 +124,15 @@ __global__ void mmvq(const u8 *w0, const u8 *w1, const u8 *w2, float *o0, float 
 // one q8_1 block of the next product's activations [NC, rows / 32].
 template <int T, int NC, int F>
 __global__ void mmvq_glu(const u8 *wg, const u8 *wu, const block_q8_1 *y, float *out, int ncols, i64 row_bytes,
-                         int rows, block_q8_1 *q8) {
+                         int rows, block_q8_1 *q8, int pf) {
     __shared__ float vals[NC][32];
     const int warp = threadIdx.x / 32, row = blockIdx.x * (blockDim.x / 32) + warp;
     const int lane = threadIdx.x & 31, nb = ncols / 32;
+    if (row < rows && pf) {
+        prefetch_l2(wg + row * row_bytes, row_bytes, lane, 32);
+        prefetch_l2(wu + row * row_bytes, row_bytes, lane, 32);
+    }
+    pdl_begin();
     if (row < rows) {
         const u8 *gr = wg + row * row_bytes, *ur = wu + row * row_bytes;
         float ag[NC], au[NC];
@@ -155,6 +164,7 @@ __global__ void mmvq_glu(const u8 *wg, const u8 *wu, const block_q8_1 *y, float 
 // the lanes decode consecutive elements
 template <int T, int NC>
 __global__ void gemv(const u8 *w, const float *x, float *out, int ncols, i64 row_bytes, i64 ldx, int rows, i64 ldo) {
+    pdl_begin();
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= rows) return;
     int lane = threadIdx.x & 31;
@@ -177,6 +187,7 @@ __global__ void gemv(const u8 *w, const float *x, float *out, int ncols, i64 row
 // rows [r0, r0 + n) of a weight decoded to f16, contiguous (a GEMM tile); thread per element
 template <int T>
 __global__ void dequant_f16(const u8 *w, __half *dst, int ncols, i64 row_bytes, i64 r0, i64 n) {
+    pdl_begin();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n * ncols) return;
     i64 r = r0 + i / ncols;
@@ -187,6 +198,7 @@ __global__ void dequant_f16(const u8 *w, __half *dst, int ncols, i64 row_bytes, 
 // a thread per element wrote two bytes at a time and decoded its block's scale for each
 template <int T>
 __global__ void dequant_f16_x8(const u8 *w, __half *dst, int ncols, i64 row_bytes, i64 r0, i64 n) {
+    pdl_begin();
     const i64 i = ((i64)blockIdx.x * blockDim.x + threadIdx.x) * 8;
     if (i >= n * ncols) return;
     const int c = (int)(i % ncols);
@@ -205,6 +217,7 @@ __global__ void dequant_f16_x8(const u8 *w, __half *dst, int ncols, i64 row_byte
 
 // f32 rows [n, ncols] (row stride ldx) to contiguous f16 (the GEMM's activations)
 extern "C" __global__ void f32_to_f16(const float *x, __half *dst, int ncols, i64 ldx, i64 n) {
+    pdl_begin();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n * ncols) return;
     dst[i] = __float2half(x[(i / ncols) * ldx + i % ncols]);
@@ -213,6 +226,7 @@ extern "C" __global__ void f32_to_f16(const float *x, __half *dst, int ncols, i6
 // out[r, :] = row ids[r] of a (any type) as f32: embeddings
 template <int T>
 __global__ void get_rows(const u8 *a, const int *ids, float *out, int ncols, i64 row_bytes, i64 n, i64 ldo) {
+    pdl_begin();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n * ncols) return;
     i64 r = i / ncols;
@@ -225,6 +239,7 @@ __global__ void get_rows(const u8 *a, const int *ids, float *out, int ncols, i64
 template <int TA, int TB>
 __global__ void mul_mat_float(const void *a, const void *bm, float *out, int M, int N, int K, int B, int r,
                               i64 sa0, i64 sa1, i64 sa2, i64 sb0, i64 sb1, i64 sb2) {
+    pdl_begin();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (i64)B * N * M) return;
     int m = (int)(i % M), n = (int)((i / M) % N), b = (int)(i / ((i64)M * N));

@@ -173,8 +173,9 @@ def _mmvq(group: list, y0: int, k: int, row0: int, c: int) -> Launch:
     rows = sum(ms)
     m0, m1 = (ms + [0, 0])[:2]
     y = np.uint64(y0 + row0 * (k // 32) * Q8_1_BYTES)
-    args = (*ws, *outs, i32(m0), i32(m1), y, i32(k), i64(qt.row_bytes(k)), i32(rows))
-    return Launch(kernel("matmul.cu", f"mmvq<{TYPE_IDS[qt.name]}, {c}>"), (-(-rows // WARPS),), (32 * WARPS,), args)
+    args = (*ws, *outs, i32(m0), i32(m1), y, i32(k), i64(qt.row_bytes(k)), i32(rows), i32(0))
+    return Launch(kernel("matmul.cu", f"mmvq<{TYPE_IDS[qt.name]}, {c}>"), (-(-rows // WARPS),), (32 * WARPS,), args,
+                  prologue=True)
 
 
 def _gemm(parts: list, b, ldb: int, scratch, backend, k: int, n: int) -> Step:
@@ -274,7 +275,8 @@ def _mmvq_glu(node: Tensor, srcs, ldb: int, scratch, out, act: int, k: int, n: i
         q = np.uint64(q8 + row0 * (m // 32) * Q8_1_BYTES if q8 else 0)
         fn = kernel("matmul.cu", f"mmvq_glu<{TYPE_IDS[qt.name]}, {c}, {act}>")
         launches.append(Launch(fn, (-(-m // warps),), (32 * warps,),
-                               (ptr(srcs[0]), ptr(srcs[1]), y, o, i32(k), i64(qt.row_bytes(k)), i32(m), q)))
+                               (ptr(srcs[0]), ptr(srcs[1]), y, o, i32(k), i64(qt.row_bytes(k)), i32(m), q, i32(0)),
+                               prologue=True))
         row0 += c
     if slot is not None:
         backend.handoffs.wrote(node)

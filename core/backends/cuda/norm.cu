@@ -4,6 +4,7 @@
 // out = x / sqrt(mean(x^2) + eps) [* w]  (W: the weight's type, -1 for none)
 template <int W>
 __global__ void rms_norm(const float *x, const void *w, float *out, int n, i64 ldx, i64 ldo, float eps) {
+    pdl_begin();
     __shared__ float sh[32];
     const float *xr = x + blockIdx.x * ldx;
     float s = 0.0f;
@@ -19,6 +20,7 @@ __global__ void rms_norm(const float *x, const void *w, float *out, int n, i64 l
 
 // out = (x - mean) / sqrt(var + eps)
 extern "C" __global__ void layer_norm(const float *x, float *out, int n, i64 ldx, i64 ldo, float eps) {
+    pdl_begin();
     __shared__ float sh[32];
     const float *xr = x + blockIdx.x * ldx;
     float s = 0.0f;
@@ -44,8 +46,14 @@ __global__ void add_rms_norm(const float *x, const float *h, const void *w, cons
     i64 r = blockIdx.x;
     const float *xr = x + r * n, *hr = h + r * n;
     float *stream = out + r * n, *normed = out + (rows + r) * n;
-    float hv[NORM_VPT], sv[NORM_VPT];
+    float hv[NORM_VPT], sv[NORM_VPT], wv[NORM_VPT];
     const int nt = blockDim.x;
+#pragma unroll
+    for (int k = 0; k < NORM_VPT; k++) {  // the weight, while the kernel before runs
+        const int i = threadIdx.x + k * nt;
+        wv[k] = i < n ? ld<W>(w, i) : 0.0f;
+    }
+    pdl_begin();
 #pragma unroll
     for (int k = 0; k < NORM_VPT; k++) {
         const int i = threadIdx.x + k * nt;
@@ -84,7 +92,7 @@ __global__ void add_rms_norm(const float *x, const float *h, const void *w, cons
     for (int k = 0; k < NORM_VPT; k++) {
         const int i = threadIdx.x + k * nt;
         if (i < n) {
-            const float y = sv[k] * inv * ld<W>(w, i);
+            const float y = sv[k] * inv * wv[k];
             normed[i] = y;
             if (q8 != nullptr) quantize_warp(y, q8 + (r * n + i - lane) / 32);
         }

@@ -387,7 +387,7 @@ def _attn_decode(node: Tensor, out, srcs, scratch, backend):
     fn.max_dynamic_shared_size_bytes = max(fn.max_dynamic_shared_size_bytes, smem)
     args = (ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), ptr(scratch) if split > 1 else NULL,
             ptr(backend.tickets(hk)), *_attention_args(node, srcs, chunk), _q8_dest(node, backend))
-    return launch_step(node.op, Launch(fn, (hk, split), (128,), args, smem))
+    return launch_step(node.op, Launch(fn, (hk, split), (128,), (*args, i32(0)), smem, prologue=True))
 
 
 @binds("flash_attn")

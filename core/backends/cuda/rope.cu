@@ -54,6 +54,7 @@ __device__ __forceinline__ void rope_head(int blk, const float *a, const int *po
 
 template <int W>
 __global__ void rope(const float *a, const int *pos, const void *w, float *out, i64 lda, ROPE_PARAMS) {
+    pdl_begin();
     RopeArgs p = ROPE_ARGS;
     int t = blockIdx.x / p.heads, h = blockIdx.x % p.heads;
     float *o = out + ((i64)t * p.heads + h) * p.d;
@@ -64,6 +65,7 @@ __global__ void rope(const float *a, const int *pos, const void *w, float *out, 
 template <int W, int D>
 __global__ void rope_set_rows(const float *a, const int *pos, const int *idx, const void *w, void *dst,
                               i64 lda, i64 ldd, ROPE_PARAMS) {
+    pdl_begin();
     RopeArgs p = ROPE_ARGS;
     int t = blockIdx.x / p.heads, h = blockIdx.x % p.heads;
     i64 base = (i64)idx[t] * ldd + (i64)h * p.d;
@@ -77,6 +79,7 @@ template <int W, int D>
 __global__ void rope_qkv(const float *q, const float *k, const float *v, const int *pos, const int *idx,
                          const void *wq, const void *wk, float *q_out, void *k_dst, void *v_dst, i64 ldq, i64 ldk,
                          i64 ldv, i64 ldd_k, i64 ldd_v, int T, int q_heads, float q_scale, ROPE_PARAMS) {
+    pdl_begin();
     RopeArgs kp = ROPE_ARGS;  // the keys' (heads: the KV heads)
     const int nq = T * q_heads, nk = T * kp.heads;
     int blk = blockIdx.x;
