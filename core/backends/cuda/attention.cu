@@ -165,19 +165,12 @@ __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
     __shared__ bool last;
     const int R = T * r, g = blockIdx.x, split = gridDim.y, s = blockIdx.y, hq = gridDim.x * r;
     const int kv0 = s * chunk, C = min(n_kv, kv0 + chunk) - kv0;
-    for (int j = threadIdx.x; pf && j < C; j += DEC_THREADS) {  // the chunk's cached rows, while the kernel before runs
-        prefetch_l2((const u8 *)k + ((i64)g * sk0 + (i64)(kv0 + j) * sk1) * Block<TK>::BYTES, D * Block<TK>::BYTES, 0, 1);
-        prefetch_l2((const u8 *)v + ((i64)g * sv0 + (i64)(kv0 + j) * sv1) * Block<TK>::BYTES, D * Block<TK>::BYTES, 0, 1);
-    }
-    pdl_begin();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, o = threadIdx.x % LPK, kl = threadIdx.x / LPK;
     float *qs = smem, *ss = qs + R * D, *red = ss + R * chunk;  // q [R][D], scores [R][chunk], sums [KPB][RT][D]
     if (threadIdx.x == 0) lo = C, hi = 0;
-    for (int x = threadIdx.x; x < R * D; x += DEC_THREADS) {
-        const int i = x / D, e = x % D;
-        qs[x] = q[(i64)(g * r + i % r) * sq0 + (i64)(i / r) * sq1 + e];
-    }
     __syncthreads();
+    // the mask (a step input, copied before any kernel of the step) before pdl_begin: scores start as the
+    // mask values, and the chunk's visible span [lo, hi) is found
     for (int jj = 0; jj < C; jj += DEC_THREADS) {  // every lane of a warp runs as many rounds (reductions below)
         const int j = jj + threadIdx.x;
         bool seen = false;
@@ -189,6 +182,16 @@ __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
         // the warp's visible span, then one shared atomic a warp rather than one a visible key
         const int wlo = warp_min_i(seen ? j : C), whi = warp_max_i(seen ? j + 1 : 0);
         if (lane == 0 && whi > 0) atomicMin(&lo, wlo), atomicMax(&hi, whi);
+    }
+    __syncthreads();
+    for (int j = lo + threadIdx.x; pf && j < hi; j += DEC_THREADS) {  // the visible cached rows, into L2
+        prefetch_l2((const u8 *)k + ((i64)g * sk0 + (i64)(kv0 + j) * sk1) * Block<TK>::BYTES, D * Block<TK>::BYTES, 0, 1);
+        prefetch_l2((const u8 *)v + ((i64)g * sv0 + (i64)(kv0 + j) * sv1) * Block<TK>::BYTES, D * Block<TK>::BYTES, 0, 1);
+    }
+    pdl_begin();
+    for (int x = threadIdx.x; x < R * D; x += DEC_THREADS) {
+        const int i = x / D, e = x % D;
+        qs[x] = q[(i64)(g * r + i % r) * sq0 + (i64)(i / r) * sq1 + e];
     }
     __syncthreads();
     const int j0 = lo, j1 = hi;

@@ -13,7 +13,9 @@ typedef long long i64;
 // kernel wrote and before it returns: it waits until the kernel before has finished and its writes are
 // visible (so also everything before that), then lets the next one start (whose blocks take the places
 // this kernel's finished blocks leave, and wait there in turn). What a kernel does before pdl_begin
-// (prefetching its weights into L2) overlaps the kernel before it.
+// overlaps the kernel before it, so it must not read what that kernel writes; it may read weights, the
+// step's inputs (copied before the step's first kernel) and what earlier kernels wrote: a kernel can only
+// have started early once every block of the one before it has passed pdl_begin.
 __device__ __forceinline__ void pdl_begin() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
