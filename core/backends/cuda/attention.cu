@@ -323,3 +323,146 @@ __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
     }
     if (threadIdx.x == 0) tickets[g] = 0;
 }
+
+// Prompt attention on tensor cores (mma.sync m16n8k16: f16 inputs, f32 sums) for an f16 cache and head
+// dimension D, flash-attention-2 style: a block is 4 warps, a warp 16 query rows of one KV head's group
+// (row rr: token rr / r, query head g * r + rr % r) whose queries (scaled, f16), scores, running
+// maxima and sums and outputs stay in registers in the mma fragments' layouts. Tiles of 32 keys and
+// values go through shared memory; a tile that every row of the block masks out is skipped. One key
+// chunk (no split). Fragment layouts (PTX ISA, m16n8k16): lane = 4 * grp + tig; A holds rows grp and
+// grp + 8, columns 2 tig (+1) and 2 tig + 8 (+1); B columns grp, rows 2 tig (+1) and 2 tig + 8 (+1);
+// C rows grp and grp + 8, columns 2 tig (+1).
+#define TC_KEYS 32
+__device__ __forceinline__ void mma16816(float *c, const u32 *a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ u32 pack_h2(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *(u32 *)&h;
+}
+__device__ __forceinline__ u32 pack_u16(u16 lo, u16 hi) { return (u32)lo | ((u32)hi << 16); }
+
+template <int D>
+__global__ void __launch_bounds__(128) flash_attn_tc(
+    const float *q, const __half *k, const __half *v, const __half *mask, float *out,
+    int d, int T, int r, int n_kv, i64 sq0, i64 sq1, i64 sk0, i64 sk1, i64 sv0, i64 sv1, i64 ldm, float scale) {
+    pdl_begin();
+    __shared__ __align__(16) __half ks[TC_KEYS * D], vs[TC_KEYS * D];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane >> 2, tig = lane & 3;
+    const int g = blockIdx.y, R = T * r, row0 = (blockIdx.x * 4 + warp) * 16;
+    const int ra = row0 + grp, rb = ra + 8;  // this thread's two rows
+    u32 qa[D / 16][4];
+#pragma unroll
+    for (int kc = 0; kc < D / 16; kc++) {
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const int rr = (x & 1) ? rb : ra, e = kc * 16 + 2 * tig + ((x & 2) ? 8 : 0);
+            float lo = 0.0f, hi = 0.0f;
+            if (rr < R) {
+                const float *qr = q + (i64)(g * r + rr % r) * sq0 + (i64)(rr / r) * sq1 + e;
+                lo = qr[0] * scale, hi = qr[1] * scale;
+            }
+            qa[kc][x] = pack_h2(lo, hi);
+        }
+    }
+    const __half *ma = mask + (i64)(ra < R ? ra / r : 0) * ldm, *mb = mask + (i64)(rb < R ? rb / r : 0) * ldm;
+    float o[D / 8][4];
+#pragma unroll
+    for (int dn = 0; dn < D / 8; dn++) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
+    float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;  // l: this thread's share of the row sums
+    for (int kv0 = 0; kv0 < n_kv; kv0 += TC_KEYS) {
+        float s[TC_KEYS / 8][4];
+        bool any = false;
+#pragma unroll
+        for (int nt = 0; nt < TC_KEYS / 8; nt++) {
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                const int kv = kv0 + nt * 8 + 2 * tig + (x & 1);
+                const bool a = x < 2;
+                const float mk = (a ? ra : rb) < R && kv < n_kv ? __half2float((a ? ma : mb)[kv]) : -INFINITY;
+                s[nt][x] = mk;  // the mask, the scores added below
+                any |= mk != -INFINITY;
+            }
+        }
+        const bool live = __any_sync(0xffffffff, any);
+        if (!__syncthreads_or(live)) continue;  // also: every warp is done with the last tile
+        for (int x = threadIdx.x; x < TC_KEYS * D / 8; x += 128) {
+            const int j = x / (D / 8), e = (x % (D / 8)) * 8, kj = kv0 + j;
+            uint4 kx = make_uint4(0, 0, 0, 0), vx = kx;
+            if (kj < n_kv) {
+                kx = *(const uint4 *)(k + (i64)g * sk0 + (i64)kj * sk1 + e);
+                vx = *(const uint4 *)(v + (i64)g * sv0 + (i64)kj * sv1 + e);
+            }
+            *(uint4 *)(ks + j * D + e) = kx;
+            *(uint4 *)(vs + j * D + e) = vx;
+        }
+        __syncthreads();
+        if (!live) continue;
+        float mx_a = -INFINITY, mx_b = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < TC_KEYS / 8; nt++) {
+            float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            const __half *kr = ks + (nt * 8 + grp) * D + 2 * tig;
+#pragma unroll
+            for (int kc = 0; kc < D / 16; kc++)
+                mma16816(c, qa[kc], *(const u32 *)(kr + kc * 16), *(const u32 *)(kr + kc * 16 + 8));
+#pragma unroll
+            for (int x = 0; x < 4; x++) s[nt][x] = s[nt][x] == -INFINITY ? -INFINITY : s[nt][x] + c[x];
+            mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
+            mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
+        }
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1) {
+            mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffff, mx_a, off));
+            mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffff, mx_b, off));
+        }
+        const float na = fmaxf(m_a, mx_a), nb = fmaxf(m_b, mx_b);
+        const float ca = na == -INFINITY ? 1.0f : __expf(m_a - na), cb = nb == -INFINITY ? 1.0f : __expf(m_b - nb);
+        m_a = na, m_b = nb;
+        l_a *= ca, l_b *= cb;
+#pragma unroll
+        for (int nt = 0; nt < TC_KEYS / 8; nt++) {
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                const float mm = x < 2 ? na : nb;
+                s[nt][x] = mm == -INFINITY ? 0.0f : __expf(s[nt][x] - mm);
+            }
+            l_a += s[nt][0] + s[nt][1];
+            l_b += s[nt][2] + s[nt][3];
+        }
+#pragma unroll
+        for (int dn = 0; dn < D / 8; dn++) o[dn][0] *= ca, o[dn][1] *= ca, o[dn][2] *= cb, o[dn][3] *= cb;
+#pragma unroll
+        for (int kc = 0; kc < TC_KEYS / 16; kc++) {
+            const u32 pa[4] = {pack_h2(s[2 * kc][0], s[2 * kc][1]), pack_h2(s[2 * kc][2], s[2 * kc][3]),
+                               pack_h2(s[2 * kc + 1][0], s[2 * kc + 1][1]), pack_h2(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+            const u16 *vr = (const u16 *)vs + (kc * 16 + 2 * tig) * D + grp;
+#pragma unroll
+            for (int dn = 0; dn < D / 8; dn++) {
+                const u16 *vc = vr + dn * 8;
+                mma16816(o[dn], pa, pack_u16(vc[0], vc[D]), pack_u16(vc[8 * D], vc[9 * D]));
+            }
+        }
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+        l_a += __shfl_xor_sync(0xffffffff, l_a, off);
+        l_b += __shfl_xor_sync(0xffffffff, l_b, off);
+    }
+    const int hq = gridDim.y * r;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int rr = half ? rb : ra;
+        const float l = half ? l_b : l_a, inv = l > 0.0f ? 1.0f / l : 0.0f;
+        if (rr >= R) continue;
+        float *orow = out + ((i64)(rr / r) * hq + g * r + rr % r) * d + 2 * tig;
+#pragma unroll
+        for (int dn = 0; dn < D / 8; dn++) {
+            orow[dn * 8] = o[dn][2 * half] * inv;
+            orow[dn * 8 + 1] = o[dn][2 * half + 1] * inv;
+        }
+    }
+}

@@ -21,6 +21,7 @@ GEMV_COLS = (1, 2, 4, 8)  # token rows one product kernel serves; other counts a
 FA_EPL = (1, 2, 4, 8)  # head-dimension elements per lane of flash_attn (head dims up to 256)
 NO_WEIGHT = -1
 DECODE_DIMS = (64, 128, 256)  # head dimensions attn_decode is built for
+TC_DIMS = (64, 128)  # head dimensions flash_attn_tc (prompt attention on tensor cores) is built for
 GLU_ACTS = {"swiglu": 1, "geglu": 2}  # glu_act's template argument (common.cuh)
 
 
@@ -49,7 +50,8 @@ def _instances() -> dict[str, list[str]]:
         + [f"unary4<{f}>" for f in (0, 1, 2)] + [f"gated<{f}>" for f in (1, 2)]
         + [f"set_rows<{_t(d)}>" for d in FLOATS] + [f"soft_max<{m}>" for m in (NO_WEIGHT, 0, 1)],
         "attention.cu": [f"flash_attn<{_t(k)}, {e}>" for k in FLOATS for e in FA_EPL]
-        + [f"attn_decode<{_t(k)}, {d}>" for k in FLOATS for d in DECODE_DIMS],
+        + [f"attn_decode<{_t(k)}, {d}>" for k in FLOATS for d in DECODE_DIMS]
+        + [f"flash_attn_tc<{d}>" for d in TC_DIMS],
     }
 
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from ggrun.core.backends.cuda.binding import (NULL, Launch, binds, disjoint, estrides, f32, fuses, grid1d, i32, i64,
                                               launch_step, pad4, ptr, rows_of, threads_for)
-from ggrun.core.backends.cuda.module import DECODE_DIMS, FA_EPL, GLU_ACTS, NO_WEIGHT, TYPE_IDS, kernel
+from ggrun.core.backends.cuda.module import DECODE_DIMS, FA_EPL, GLU_ACTS, NO_WEIGHT, TC_DIMS, TYPE_IDS, kernel
 from ggrun.core.dtypes import DType
 from ggrun.core.ops import ROPE_NEOX
 from ggrun.core.tensor import Tensor
@@ -388,6 +388,25 @@ def _attn_decode(node: Tensor, out, srcs, scratch, backend):
     args = (ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), ptr(scratch) if split > 1 else NULL,
             ptr(backend.tickets(hk)), *_attention_args(node, srcs, chunk), _q8_dest(node, backend))
     return launch_step(node.op, Launch(fn, (hk, split), (128,), (*args, i32(0)), smem, prologue=True))
+
+
+TC_BLOCK_ROWS = 64  # query rows of a flash_attn_tc block: 4 warps of 16
+
+
+@binds("flash_attn")
+def _flash_attn_tc(node: Tensor, out, srcs, scratch, backend):
+    """Prompts over an f16 cache: flash_attn_tc, scores and weighted values on tensor cores, where a
+    KV head's query rows fill whole blocks and need no key split."""
+    q, k, v, mask = srcs
+    hq, t, d = q.shape
+    hk, n_kv, _ = k.shape
+    if (d not in TC_DIMS or node.srcs[1].dtype is not DType.F16 or t * (hq // hk) < TC_BLOCK_ROWS
+            or flash_split(node) > 1 or not _attention_operands(node, out, srcs) or not _aligned8(k, v)):
+        return None
+    fn = kernel("attention.cu", f"flash_attn_tc<{d}>")
+    args = _attention_args(node, srcs, n_kv)
+    args = (ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), *args[:4], *args[5:])
+    return launch_step(node.op, Launch(fn, (-(-t * (hq // hk) // TC_BLOCK_ROWS), hk), (128,), args))
 
 
 @binds("flash_attn")
