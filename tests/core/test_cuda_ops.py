@@ -23,6 +23,7 @@ from tests.core.test_cpu_matmul import K_QUANTS, TYPES, weight_data  # noqa: E40
 F32, F16, I32 = DType.F32, DType.F16, DType.I32
 NMSE_MUL_MAT = 5e-4
 NMSE_GLU = 1e-3  # two products' 8-bit activation error, multiplied through the gate's activation
+NMSE_LAYER = 2e-3  # a decode layer's chain: four products' 8-bit activations, through attention and the gate
 NMSE_ELEMENTWISE = 1e-6
 NMSE_ATTENTION = 5e-4
 rng = np.random.default_rng(7)
@@ -329,8 +330,9 @@ def test_q8_handoffs(gpu, n_tokens):
          ("up", n_ff, n_embd), ("down", n_embd, n_ff)])}
     shapes = {"wq": (hq * d, n_embd), "wk": (hk * d, n_embd), "wo": (n_embd, hq * d), "gate": (n_ff, n_embd),
               "up": (n_ff, n_embd), "down": (n_embd, n_ff)}
-    xd, hd, nw = values(n_tokens, n_embd), values(n_tokens, n_embd), values(n_embd)
-    kd, vd = values(n_kv, hk * d).astype(np.float16), values(n_kv, hk * d).astype(np.float16)
+    own = np.random.default_rng(100 + n_tokens)  # its own numbers, whatever ran before it
+    xd, hd, nw = values(n_tokens, n_embd, gen=own), values(n_tokens, n_embd, gen=own), values(n_embd, gen=own)
+    kd, vd = (values(n_kv, hk * d, gen=own).astype(np.float16) for _ in range(2))
     md = np.where(np.arange(n_kv)[None, :] > 200 + np.arange(n_tokens)[:, None], -np.inf, 0).astype(np.float16)
 
     def build(lf):
@@ -346,6 +348,6 @@ def test_q8_handoffs(gpu, n_tokens):
         o = ops.mul_mat(ws["wo"], ops.reshape(att, (n_tokens, hq * d)))
         ffn = ops.mul_mat(ws["down"], ops.mul_mat_glu(ws["gate"], ws["up"], normed, "swiglu"))
         return ops.add(o, ffn)
-    check(gpu, build, NMSE_GLU)
+    check(gpu, build, NMSE_LAYER)
     if n_tokens <= 8:  # only the gated product, normed's second reader, quantizes for itself
         assert _kernel_names(gpu, build).count("quantize_q8_1") == 1, _kernel_names(gpu, build)
