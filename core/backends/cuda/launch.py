@@ -49,7 +49,7 @@ def _driver():
 def _device(device: int) -> tuple[bool, int]:
     """(compute capability 9.0 or later, multiprocessors)."""
     dev = cupy.cuda.Device(device)
-    return dev.compute_capability >= "90", dev.attributes["MultiProcessorCount"]
+    return int(dev.compute_capability) >= 90, dev.attributes["MultiProcessorCount"]
 
 
 def available() -> bool:
@@ -63,10 +63,11 @@ def plan(launches: list) -> None:
     """Which of a split's launches (binding.Launch, in order; None for work that is not one) start early.
 
     Every kernel may, except that a kernel with a prologue (a product prefetching its weights) is launched
-    in the plain way after a kernel whose blocks cover every multiprocessor: there its blocks would take
-    only the places the kernel before leaves as it ends, and their prefetches slow that kernel's last
-    blocks (llama-1b's down projection after the gated product: 0.69 -> 0.83 ms a decode step, H100).
-    A prologue runs only in a launch that starts early (its last argument says so)."""
+    in the plain way first in a split, after work that is not a launch, and after a kernel whose blocks
+    cover every multiprocessor (its blocks would take only the places that kernel leaves as it ends,
+    and their prefetches slow its last blocks: llama-1b's down projection after the gated product,
+    0.69 -> 0.83 ms a decode step, H100). A prologue runs only in a launch that starts early (its last
+    argument says so)."""
     if not available():
         return
     sms = _device(cupy.cuda.Device().id)[1]
