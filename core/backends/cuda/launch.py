@@ -16,6 +16,7 @@ compare); devices before 9.0 never use it.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 from functools import lru_cache
 
@@ -74,18 +75,11 @@ def plan(launches: list) -> None:
     before = None
     for item in launches:
         if item is not None:
-            fills = before is None or _blocks(before.grid) >= sms
+            fills = before is None or math.prod(int(x) for x in before.grid) >= sms
             item.early = not (item.prologue and fills)
             if item.prologue:
                 item.args = item.args[:-1] + (np.int32(item.early),)
         before = item
-
-
-def _blocks(grid: tuple) -> int:
-    n = 1
-    for g in grid:
-        n *= int(g)
-    return n
 
 
 def _triple(dims: tuple) -> tuple[int, int, int]:

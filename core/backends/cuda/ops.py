@@ -405,7 +405,7 @@ def _flash_attn_tc(node: Tensor, out, srcs, scratch, backend):
         return None
     fn = kernel("attention.cu", f"flash_attn_tc<{d}>")
     args = _attention_args(node, srcs, n_kv)
-    args = (ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), *args[:4], *args[5:])
+    args = (ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), *args[:4], *args[5:])  # all but chunk: one key chunk
     return launch_step(node.op, Launch(fn, (-(-t * (hq // hk) // TC_BLOCK_ROWS), hk), (128,), args))
 
 
