@@ -250,10 +250,12 @@ def attention_case(kv_dtype, t: int, n_kv: int, hq: int, hk: int, d: int, seen: 
                                                   (7, 256, 4, 1, 256, None), (64, 300, 8, 2, 128, None),
                                                   (3, 40, 2, 2, 16, None), (1, 4096, 32, 8, 64, 37),
                                                   (2, 8192, 8, 8, 128, 3000), (8, 512, 16, 4, 64, 200),
-                                                  (130, 160, 16, 4, 64, None), (129, 200, 8, 2, 128, None)])
+                                                  (130, 160, 16, 4, 64, None), (129, 200, 8, 2, 128, None),
+                                                  (1, 300, 4, 1, 256, None), (2, 700, 4, 2, 128, 650)])
 def test_flash_attn(gpu, kv_dtype, t, n_kv, hq, hk, d, seen):
-    """Prompt rows (a warp per row; up to 520 rows a KV head) and decode rows (attn_decode: key chunks
-    merged by the last block), with key chunks that no row sees."""
+    """Prompt rows (a warp per row; up to 520 rows a KV head) and decode rows (attn_decode, and
+    attn_decode_rows for up to four rows a KV head: key chunks merged by the last block), with key
+    chunks that no row sees."""
     check(gpu, attention_case(kv_dtype, t, n_kv, hq, hk, d, seen), NMSE_ATTENTION)
 
 

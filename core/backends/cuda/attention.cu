@@ -138,6 +138,40 @@ template <> __device__ __forceinline__ void ld8<T_BF16>(const void *p, i64 i, fl
     for (int x = 0; x < 4; x++) out[2 * x] = __uint_as_float(w[x] << 16), out[2 * x + 1] = __uint_as_float(w[x] & 0xFFFF0000u);
 }
 
+// Decode attention over several key chunks (blockIdx.y of gridDim.y): each block has written its rows'
+// partial maximum, sum and unnormalized output to `part` ([chunk][T * hq rows][D + 2]); the last block
+// of KV head blockIdx.x to get here (a ticket in `tickets`, which it resets to 0) merges them into `out`
+// (and its q8_1 blocks), so one launch does all. Every thread of the block calls it.
+template <int D>
+__device__ __forceinline__ void merge_chunks(const float *part, float *out, block_q8_1 *q8, int *tickets, int R,
+                                             int T, int r) {
+    __shared__ bool last;
+    const int g = blockIdx.x, split = gridDim.y, hq = gridDim.x * r, lane = threadIdx.x & 31;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(tickets + g, 1) == split - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int x = threadIdx.x; x < R * D; x += blockDim.x) {  // whole warps: a warp's 32 elements are one q8 block
+        const int i = x / D, e = x % D;
+        const i64 orow = (i64)(i / r) * hq + g * r + i % r;
+        float mx = -INFINITY;
+        for (int c = 0; c < split; c++) mx = fmaxf(mx, __ldcg(part + ((i64)c * T * hq + orow) * (D + 2)));
+        float num = 0.0f, den = 0.0f;
+        for (int c = 0; c < split; c++) {
+            const float *pr = part + ((i64)c * T * hq + orow) * (D + 2);  // other blocks wrote it: read from L2
+            const float mc = __ldcg(pr), w = mc == -INFINITY ? 0.0f : __expf(mc - mx);
+            num += w * __ldcg(pr + 2 + e);
+            den += w * __ldcg(pr + 1);
+        }
+        const float res = den > 0.0f ? num / den : 0.0f;
+        out[orow * D + e] = res;
+        if (q8 != nullptr) quantize_warp(res, q8 + (orow * D + e - lane) / 32);
+    }
+    if (threadIdx.x == 0) tickets[g] = 0;
+}
+
 #define DEC_THREADS 128
 #define DEC_RT 4  // query rows the value pass accumulates at once (registers: DEC_RT * 8)
 #define DEC_UNROLL 4  // keys each thread loads before using them (loads in flight together)
@@ -162,7 +196,6 @@ __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
     extern __shared__ __align__(16) float smem[];
     __shared__ float row_m[DECODE_ROWS], row_l[DECODE_ROWS];
     __shared__ int lo, hi;
-    __shared__ bool last;
     const int R = T * r, g = blockIdx.x, split = gridDim.y, s = blockIdx.y, hq = gridDim.x * r;
     const int kv0 = s * chunk, C = min(n_kv, kv0 + chunk) - kv0;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, o = threadIdx.x % LPK, kl = threadIdx.x / LPK;
@@ -298,30 +331,162 @@ __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
         }
         __syncthreads();
     }
-    if (split == 1) return;
-    __threadfence();
+    if (split > 1) merge_chunks<D>(part, out, q8, tickets, R, T, r);
+}
+
+#define DS_WARPS 8  // warps of attn_decode_rows
+#define DS_ROWS 4   // query rows of a KV head's group that attn_decode_rows serves (one token, up to 4 heads)
+#define DS_UNROLL 4  // keys each lane group loads at once
+
+// Decode attention for up to DS_ROWS query rows of a KV head (one token of a group of up to four heads,
+// the common decode step), built for latency: every warp takes its own keys, D / 8 lanes per key (eight
+// elements each, one 16-byte load of f16), and loads DS_UNROLL keys and their values together, so a pass
+// over a few hundred keys is one or two round trips to memory. Each lane keeps a running maximum, sum
+// and weighted value sum per row (online softmax), so values need no second pass; lanes of a warp merge
+// by shuffles, warps through shared memory. Same arguments, chunks and merging of chunks as attn_decode.
+template <int TK, int D>
+__global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_rows(
+    const float *q, const void *k, const void *v, const __half *mask, float *out, float *part, int *tickets,
+    int d, int T, int r, int n_kv, int chunk, i64 sq0, i64 sq1, i64 sk0, i64 sk1, i64 sv0, i64 sv1, i64 ldm,
+    float scale, block_q8_1 *q8, int pf) {
+    constexpr int LPK = D / 8, KPW = 32 / LPK, KPB = KPW * DS_WARPS;  // lanes a key, keys a warp step, a block step
+    __shared__ __align__(16) float qs[DS_ROWS][D];
+    __shared__ __align__(16) float wacc[DS_WARPS][DS_ROWS][D];
+    __shared__ float wm[DS_WARPS][DS_ROWS], wl[DS_WARPS][DS_ROWS];
+    __shared__ int lo, hi;
+    const int R = T * r, g = blockIdx.x, s = blockIdx.y, hq = gridDim.x * r;
+    const int kv0 = s * chunk, C = min(n_kv, kv0 + chunk) - kv0;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, o = lane % LPK, kl = lane / LPK;
+    if (threadIdx.x == 0) lo = C, hi = 0;
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(tickets + g, 1) == split - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    for (int x = threadIdx.x; x < R * D; x += DEC_THREADS) {
-        const int i = x / D, e = x % D;
-        const i64 orow = (i64)(i / r) * hq + g * r + i % r;
-        float mx = -INFINITY;
-        for (int c = 0; c < split; c++) mx = fmaxf(mx, __ldcg(part + ((i64)c * T * hq + orow) * (D + 2)));
-        float num = 0.0f, den = 0.0f;
-        for (int c = 0; c < split; c++) {
-            const float *pr = part + ((i64)c * T * hq + orow) * (D + 2);  // other blocks wrote it: read from L2
-            const float mc = __ldcg(pr), w = mc == -INFINITY ? 0.0f : __expf(mc - mx);
-            num += w * __ldcg(pr + 2 + e);
-            den += w * __ldcg(pr + 1);
-        }
-        const float res = den > 0.0f ? num / den : 0.0f;
-        out[orow * D + e] = res;
-        if (q8 != nullptr) quantize_warp(res, q8 + (orow * D + e - lane) / 32);
+    // the chunk's visible span from the mask (a step input: read before pdl_begin), then its cached rows into L2
+    for (int jj = 0; jj < C; jj += DS_WARPS * 32) {
+        const int j = jj + threadIdx.x;
+        bool seen = false;
+        for (int t = 0; t < T && j < C; t++) seen |= __half2float(mask[(i64)t * ldm + kv0 + j]) != -INFINITY;
+        const int wlo = warp_min_i(seen ? j : C), whi = warp_max_i(seen ? j + 1 : 0);
+        if (lane == 0 && whi > 0) atomicMin(&lo, wlo), atomicMax(&hi, whi);
     }
-    if (threadIdx.x == 0) tickets[g] = 0;
+    __syncthreads();
+    const int j0 = lo, j1 = hi;
+    for (int j = j0 + threadIdx.x; pf && j < j1; j += DS_WARPS * 32) {
+        prefetch_l2((const u8 *)k + ((i64)g * sk0 + (i64)(kv0 + j) * sk1) * Block<TK>::BYTES, D * Block<TK>::BYTES, 0, 1);
+        prefetch_l2((const u8 *)v + ((i64)g * sv0 + (i64)(kv0 + j) * sv1) * Block<TK>::BYTES, D * Block<TK>::BYTES, 0, 1);
+    }
+    pdl_begin();
+    for (int x = threadIdx.x; x < DS_ROWS * D; x += DS_WARPS * 32) {  // rows past R repeat the last (never written)
+        const int i = min(x / D, R - 1), e = x % D;
+        qs[x / D][e] = q[(i64)(g * r + i % r) * sq0 + (i64)(i / r) * sq1 + e];
+    }
+    __syncthreads();
+    float qr[DS_ROWS][8], m[DS_ROWS], l[DS_ROWS], acc[DS_ROWS][8];
+#pragma unroll
+    for (int i = 0; i < DS_ROWS; i++) {
+        m[i] = -INFINITY, l[i] = 0.0f;
+#pragma unroll
+        for (int x = 0; x < 8; x++) qr[i][x] = qs[i][o * 8 + x] * scale, acc[i][x] = 0.0f;
+    }
+    for (int jw = j0 + warp * KPW; jw < j1; jw += KPB * DS_UNROLL) {  // the same rounds for a warp's lanes (shuffles)
+        const int jb = jw + kl;
+        float kx[DS_UNROLL][8], vx[DS_UNROLL][8], sc[DS_UNROLL][DS_ROWS];
+#pragma unroll
+        for (int u = 0; u < DS_UNROLL; u++) {
+            const int j = jb + u * KPB;
+            if (j < j1) {
+                ld8<TK>(k, (i64)g * sk0 + (i64)(kv0 + j) * sk1 + o * 8, kx[u]);
+                ld8<TK>(v, (i64)g * sv0 + (i64)(kv0 + j) * sv1 + o * 8, vx[u]);
+            } else {  // past the span: weight 0, and values that keep 0 * value finite
+#pragma unroll
+                for (int x = 0; x < 8; x++) kx[u][x] = vx[u][x] = 0.0f;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < DS_UNROLL; u++)
+#pragma unroll
+            for (int i = 0; i < DS_ROWS; i++) {
+                float dot = 0.0f;
+#pragma unroll
+                for (int x = 0; x < 8; x++) dot += qr[i][x] * kx[u][x];
+                sc[u][i] = dot;
+            }
+#pragma unroll
+        for (int off = LPK / 2; off > 0; off >>= 1)
+#pragma unroll
+            for (int u = 0; u < DS_UNROLL; u++)
+#pragma unroll
+                for (int i = 0; i < DS_ROWS; i++) sc[u][i] += __shfl_xor_sync(0xffffffff, sc[u][i], off);
+#pragma unroll
+        for (int i = 0; i < DS_ROWS; i++) {
+            const int t = min(i, R - 1) / r;
+            float mn = m[i];
+#pragma unroll
+            for (int u = 0; u < DS_UNROLL; u++) {
+                const int j = jb + u * KPB;
+                const float mk = j < j1 ? __half2float(mask[(i64)t * ldm + kv0 + j]) : -INFINITY;
+                sc[u][i] = mk == -INFINITY ? -INFINITY : sc[u][i] + mk;
+                mn = fmaxf(mn, sc[u][i]);
+            }
+            if (mn == -INFINITY) continue;  // nothing visible to this row yet
+            const float corr = __expf(m[i] - mn);
+            l[i] *= corr;
+#pragma unroll
+            for (int x = 0; x < 8; x++) acc[i][x] *= corr;
+#pragma unroll
+            for (int u = 0; u < DS_UNROLL; u++) {
+                const float p = __expf(sc[u][i] - mn);
+                l[i] += p;
+#pragma unroll
+                for (int x = 0; x < 8; x++) acc[i][x] += p * vx[u][x];
+            }
+            m[i] = mn;
+        }
+    }
+    // the warp's key groups merged by shuffles (lanes o of every group hold the same elements)
+#pragma unroll
+    for (int off = LPK; off < 32; off <<= 1)
+#pragma unroll
+        for (int i = 0; i < DS_ROWS; i++) {
+            const float mo = __shfl_xor_sync(0xffffffff, m[i], off), lo_ = __shfl_xor_sync(0xffffffff, l[i], off);
+            const float mn = fmaxf(m[i], mo);
+            const float a = mn == -INFINITY ? 0.0f : __expf(m[i] - mn), b = mn == -INFINITY ? 0.0f : __expf(mo - mn);
+            l[i] = l[i] * a + lo_ * b;
+#pragma unroll
+            for (int x = 0; x < 8; x++) acc[i][x] = acc[i][x] * a + __shfl_xor_sync(0xffffffff, acc[i][x], off) * b;
+            m[i] = mn;
+        }
+    if (kl == 0) {
+#pragma unroll
+        for (int i = 0; i < DS_ROWS; i++) {
+#pragma unroll
+            for (int x = 0; x < 8; x++) wacc[warp][i][o * 8 + x] = acc[i][x];
+            if (o == 0) wm[warp][i] = m[i], wl[warp][i] = l[i];
+        }
+    }
+    __syncthreads();
+    for (int x = threadIdx.x; x < R * D; x += DS_WARPS * 32) {  // whole warps: a warp's 32 elements are one q8 block
+        const int i = x / D, e = x % D;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < DS_WARPS; w++) mx = fmaxf(mx, wm[w][i]);
+        float num = 0.0f, den = 0.0f;
+#pragma unroll
+        for (int w = 0; w < DS_WARPS; w++) {
+            const float f = wm[w][i] == -INFINITY ? 0.0f : __expf(wm[w][i] - mx);
+            num += f * wacc[w][i][e];
+            den += f * wl[w][i];
+        }
+        const i64 orow = (i64)(i / r) * hq + g * r + i % r;
+        if (gridDim.y == 1) {
+            const float res = den > 0.0f ? num / den : 0.0f;
+            out[orow * D + e] = res;
+            if (q8 != nullptr) quantize_warp(res, q8 + (orow * D + e - lane) / 32);
+        } else {
+            float *pr = part + ((i64)s * T * hq + orow) * (D + 2);
+            if (e == 0) pr[0] = mx, pr[1] = den;
+            pr[2 + e] = num;
+        }
+    }
+    if (gridDim.y > 1) merge_chunks<D>(part, out, q8, tickets, R, T, r);
 }
 
 // Prompt attention on tensor cores (mma.sync m16n8k16: f16 inputs, f32 sums) for an f16 cache and head

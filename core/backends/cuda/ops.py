@@ -305,6 +305,7 @@ DECODE_ROWS = 32  # query rows per KV head up to which attention runs attn_decod
 DECODE_SMEM = 96 << 10  # its shared memory: query rows, one chunk's weights, 4096 floats of value sums
 DECODE_SUMS = 4096
 DECODE_MIN_KEYS = 256  # keys per block before a cache is split over blocks
+DECODE_FEW_ROWS = 4  # query rows per KV head up to which attn_decode_rows serves (attention.cu's DS_ROWS)
 
 
 def _decode_chunk(node: Tensor) -> int | None:
@@ -382,12 +383,15 @@ def _attn_decode(node: Tensor, out, srcs, scratch, backend):
     hq, t, d = q.shape
     hk, n_kv, _ = k.shape
     split = -(-n_kv // chunk)
+    args = (ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), ptr(scratch) if split > 1 else NULL,
+            ptr(backend.tickets(hk)), *_attention_args(node, srcs, chunk), _q8_dest(node, backend), i32(0))
+    if t * (hq // hk) <= DECODE_FEW_ROWS:  # one token's heads: the kernel built for latency
+        fn = kernel("attention.cu", f"attn_decode_rows<{_tid(node.srcs[1].dtype)}, {d}>")
+        return launch_step(node.op, Launch(fn, (hk, split), (256,), args, prologue=True))
     fn = kernel("attention.cu", f"attn_decode<{_tid(node.srcs[1].dtype)}, {d}>")
     smem = _decode_smem(node, chunk)
     fn.max_dynamic_shared_size_bytes = max(fn.max_dynamic_shared_size_bytes, smem)
-    args = (ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), ptr(scratch) if split > 1 else NULL,
-            ptr(backend.tickets(hk)), *_attention_args(node, srcs, chunk), _q8_dest(node, backend))
-    return launch_step(node.op, Launch(fn, (hk, split), (128,), (*args, i32(0)), smem, prologue=True))
+    return launch_step(node.op, Launch(fn, (hk, split), (128,), args, smem, prologue=True))
 
 
 TC_BLOCK_ROWS = 64  # query rows of a flash_attn_tc block: 4 warps of 16
