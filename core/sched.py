@@ -42,6 +42,7 @@ class Split:
     copies: list[Tensor] = field(default_factory=list)  # the copies the nodes read (pipeline slot 0's)
     calls: list | None = None  # kernel calls with resolved arrays, valid while the plan holds
     slot_calls: dict = field(default_factory=dict)  # pipeline slot (1..) -> its calls, reading that slot's copies
+    tally: dict[str, CopyCount] | None = None  # what one compute's copies add to the counts, per kind
 
     @property
     def copy_bytes(self) -> int:
@@ -348,12 +349,22 @@ class Scheduler:
         into = sg.slots[slot] if sg.n_slots > 1 else {}
         if sg.n_slots > 1:
             b.wait_event(self._slot_events.get((b.name, slot)))
-        pairs = [(c.srcs[0], into.get(id(c), c)) for c in split.copies]
-        b.copy_tensors(pairs)
-        for src, dst in pairs:
-            count = self.copy_counts[self.copy_kind(sg.home(src), b)]
-            count.n += 1
-            count.nbytes += dst.nbytes
+        b.copy_tensors([(c.srcs[0], into.get(id(c), c)) for c in split.copies])
+        for kind, add in self._tally(sg, split).items():
+            count = self.copy_counts[kind]
+            count.n += add.n
+            count.nbytes += add.nbytes
+
+    def _tally(self, sg: ScheduledGraph, split: Split) -> dict[str, CopyCount]:
+        """The copies one compute makes for the split, and their bytes, per kind: the same every time
+        (every pipeline slot's copy has the shape of slot 0's), so counted once per split."""
+        if split.tally is None:
+            split.tally = {}
+            for c in split.copies:
+                add = split.tally.setdefault(self.copy_kind(sg.home(c.srcs[0]), split.backend), CopyCount())
+                add.n += 1
+                add.nbytes += c.nbytes
+        return split.tally
 
     def _calls(self, sg: ScheduledGraph, split: Split, slot: int):
         """The split's prepared kernel calls for `slot`: made once per plan, those of slot k > 0 with

@@ -61,5 +61,5 @@ def split_batch(batch: Batch, n_ubatch: int) -> list[UBatch]:
     out = []
     for i in range(0, len(batch), n_ubatch):
         sl = slice(i, i + n_ubatch)
-        out.append(UBatch(toks[sl], pos[sl], seq[sl], np.flatnonzero(need[sl]).astype(np.int32), i))
+        out.append(UBatch(toks[sl], pos[sl], seq[sl], need[sl].nonzero()[0].astype(np.int32), i))
     return out

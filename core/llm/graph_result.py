@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ggrun.core.llm.inputs import GraphInput, GraphParams
+from ggrun.core.backends.base import Backend
+from ggrun.core.llm.inputs import GraphInput, GraphParams, UBatchState
 from ggrun.core.sched import ScheduledGraph
 from ggrun.core.tensor import Tensor
 
@@ -23,9 +24,8 @@ class GraphResult:
 
     def reuse_blocker(self, p: GraphParams, kv_version: tuple[int, ...], sched_generation: int) -> str | None:
         """Why this graph cannot serve a micro-batch with params p, or None when it can."""
-        diffs = p.differences(self.params)
-        if diffs:
-            return ", ".join(diffs)
+        if p != self.params:
+            return ", ".join(p.differences(self.params))
         if kv_version != self.kv_version:
             return "KV cache layout changed"
         if sched_generation != self.sched_generation:
@@ -33,3 +33,8 @@ class GraphResult:
         if not all(i.can_reuse(p) for i in self.inputs):
             return "an input cannot be reused"
         return None
+
+    def set_inputs(self, st: UBatchState, cpu: Backend) -> None:
+        """Fill every input of the graph for micro-batch state st (inputs live in the CPU's memory)."""
+        for inp in self.inputs:
+            inp.set_input(st, cpu.array(inp.tensor))

@@ -118,6 +118,10 @@ class KVCache:
     With a `window` it is a sliding-window cache (llama.cpp's iSWA): its layers only attend to
     the last `window` positions, so cells that no token can see again are reused, and it needs
     only about window + n_ubatch cells whatever the context.
+
+    Beside the cells it keeps two numbers: how many are used, and one past the highest used cell, so that
+    a decode step finds its cell and the cells to attend without scanning all n_ctx of them. They always
+    describe `pos`: apply updates them, and every other change of `pos` counts them again (_recount).
     """
 
     def __init__(self, n_ctx: int, n_embd_kv: int, layer_backends: list, n_seq_max: int = 1,
@@ -161,6 +165,7 @@ class KVCache:
         self.shift = np.zeros(n_ctx, dtype=np.int32)
         self.has_shift = False
         self.version = 0
+        self._recount()
 
     @property
     def nbytes(self) -> int:
@@ -171,16 +176,25 @@ class KVCache:
 
     @property
     def n_used(self) -> int:
-        return int(np.count_nonzero(self.pos >= 0))
+        return self._n_used
 
     def n_free(self) -> int:
         return self.n_ctx - self.n_used
 
     def n_kv(self) -> int:
         """Cells the attention reads: up to the last used cell, padded so shapes stay stable."""
+        return min(self.n_ctx, max(self.pad, -(-self._top // self.pad) * self.pad))
+
+    def _recount(self) -> None:
+        """Count the used cells and find the highest one again, after cells were freed or moved."""
         used = np.flatnonzero(self.pos >= 0)
-        top = int(used[-1]) + 1 if len(used) else 0
-        return min(self.n_ctx, max(self.pad, -(-top // self.pad) * self.pad))
+        self._n_used = len(used)
+        self._top = int(used[-1]) + 1 if len(used) else 0
+
+    def _packed(self) -> bool:
+        """Whether the used cells are exactly 0..top-1 (tokens placed in order, none freed below the
+        top), so that every cell from top on is free."""
+        return self._n_used == self._top
 
     def evict_unseen(self, pos: np.ndarray, seq: np.ndarray) -> None:
         """Sliding window: free what no token of this micro-batch, nor any later one, can see: a
@@ -195,9 +209,15 @@ class KVCache:
                 emptied = gone & ~self.seqs.any(axis=1)
                 self.pos[emptied] = -1
                 self.shift[emptied] = 0
+                self._recount()
 
     def find_slot(self, n_tokens: int) -> np.ndarray | None:
-        """The lowest free cells for n_tokens tokens, or None when the cache cannot hold them."""
+        """The lowest free cells for n_tokens tokens, or None when the cache cannot hold them.
+        Without a scan while the cells are packed (the usual case: one sequence decoding)."""
+        if self._packed():
+            if self._top + n_tokens > self.n_ctx:
+                return None
+            return np.arange(self._top, self._top + n_tokens, dtype=np.int32)
         free = np.flatnonzero(self.pos < 0)
         if len(free) < n_tokens:
             return None
@@ -207,9 +227,14 @@ class KVCache:
         """Record that `cells` now hold tokens at `pos` of sequences `seq`."""
         if seq.size and (seq.max() >= self.n_seq_max or seq.min() < 0):
             raise BadInput(f"sequence id out of range 0..{self.n_seq_max - 1}")
+        appended = self._packed() and _is_range(cells, self._top) and pos.min() >= 0
         self.pos[cells] = pos
         self.seqs[cells] = False
         self.seqs[cells, seq] = True
+        if appended:  # the cells just past the top: still packed, n more used
+            self._n_used = self._top = self._top + len(cells)
+        else:
+            self._recount()
 
     def fill_mask(self, out: np.ndarray, pos: np.ndarray, seq: np.ndarray, window: int | None = None) -> None:
         """KQ mask [tokens, n_kv]: 0 where a token may see a cell (same sequence, not later, and
@@ -219,7 +244,9 @@ class KVCache:
         visible = self.seqs[:n_kv, seq].T & (cell_pos <= pos[:, None]) & (cell_pos >= 0)
         if window is not None:
             visible &= pos[:, None] - cell_pos < window
-        out[...] = np.where(visible, 0.0, -np.inf)
+        # all hidden, then the visible cells opened: no float64 temporary of the mask's size (np.where)
+        out.fill(-np.inf)
+        out[visible] = 0
 
     def _cells(self, seq: int, p0: int, p1: int) -> np.ndarray:
         p1 = np.iinfo(np.int32).max if p1 < 0 else p1
@@ -239,6 +266,7 @@ class KVCache:
         emptied = sel & ~self.seqs.any(axis=1)
         self.pos[emptied] = -1
         self.shift[emptied] = 0
+        self._recount()
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Let sequence dst share src's cells in [p0, p1): no data moves."""
@@ -254,6 +282,7 @@ class KVCache:
         gone = sel & (self.pos < 0)
         self.pos[gone] = -1
         self.seqs[gone] = False
+        self._recount()
         self.has_shift = True
         self.version += 1
 
@@ -262,3 +291,11 @@ class KVCache:
         self.seqs[:] = False
         self.shift[:] = 0
         self.has_shift = False
+        self._recount()
+
+
+def _is_range(cells: np.ndarray, start: int) -> bool:
+    """Whether `cells` are start, start + 1, ... in that order (one cell: a single comparison)."""
+    if not len(cells) or cells[0] != start:
+        return False
+    return len(cells) == 1 or bool((np.diff(cells) == 1).all())

@@ -11,7 +11,6 @@ import numpy as np
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import RuntimeFailure
 from ggrun.core.llm.batch import UBatch
-from ggrun.core.llm.inputs import UBatchState
 from ggrun.core.llm.model import Model
 from ggrun.core.llm.session import Session, SessionParams
 from ggrun.core.ops import OPS
@@ -161,9 +160,7 @@ def _random_ubatch(model: Model, n: int, seed: int) -> UBatch:
 
 
 def _set_inputs(session: Session, res, ub: UBatch) -> None:
-    st = session.place_ubatch(ub)
-    for inp in res.inputs:
-        inp.set_input(st, session.sched.cpu.array(inp.tensor))
+    res.set_inputs(session.place_ubatch(ub), session.sched.cpu)
 
 
 def _run_checked(sched: Scheduler, sg, plans) -> int:

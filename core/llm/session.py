@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -257,11 +258,11 @@ class Session:
         return np.concatenate(outs) if len(outs) > 1 else outs[0]
 
     def _check_batch(self, batch: Batch) -> None:
+        """Every token id must be in the vocabulary (min and max of the list: no array made for it)."""
         if not len(batch):
             return
-        toks = np.asarray(batch.tokens)
         n_vocab = self.model.hp.n_vocab
-        if toks.min() < 0 or toks.max() >= n_vocab:
+        if min(batch.tokens) < 0 or max(batch.tokens) >= n_vocab:
             raise BadInput(f"token id out of range 0..{n_vocab - 1}")
 
     def place_ubatch(self, ub: UBatch) -> UBatchState:
@@ -286,13 +287,7 @@ class Session:
                         self.kv_swa.n_kv() if self.kv_swa is not None else 0)
         res = self._graph_for(p)
         t0 = time.perf_counter()
-        cpu = self.sched.cpu
-
-        def set_inputs() -> None:
-            for inp in res.inputs:
-                inp.set_input(st, cpu.array(inp.tensor))
-
-        set_inputs()
+        res.set_inputs(st, self.sched.cpu)
         with np.errstate(all="ignore"):  # a NaN is reported once, below, not as numpy warnings per kernel
             self.sched.compute(res.sg)
         out = self.sched.get_tensor(res.logits) if ub.n_outputs else None
@@ -302,10 +297,11 @@ class Session:
         if self.debug:  # one line per micro-batch, printed once its compute time is known
             print(self._debug_line + (f" compute {1e3 * dt:.2f} ms" if self.debug >= 2 else ""), file=sys.stderr)
         if out is not None and not np.isfinite(out).all():
-            raise self._non_finite(ub, out, res, set_inputs)
+            raise self._non_finite(ub, out, res, partial(res.set_inputs, st, self.sched.cpu))
         return out
 
-    def _non_finite(self, ub: UBatch, logits: np.ndarray, res: GraphResult, set_inputs) -> NonFiniteLogits:
+    def _non_finite(self, ub: UBatch, logits: np.ndarray, res: GraphResult,
+                    set_inputs: Callable[[], None]) -> NonFiniteLogits:
         """The error for non-finite logits of micro-batch ub; with check_numerics, naming the first
         node that produced a non-finite value (the micro-batch is recomputed node by node)."""
         p0, p1 = int(ub.pos.min()), int(ub.pos.max())
