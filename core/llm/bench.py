@@ -8,9 +8,11 @@ a saved state instead). Timing goes through an injectable clock so tests can che
 """
 from __future__ import annotations
 
+import gc
 import platform
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -88,7 +90,8 @@ def fill_depth(session: Session, n_depth: int, rng: np.random.Generator) -> None
 
 def run_once(session: Session, test: BenchTest, rng: np.random.Generator) -> None:
     """One repetition after the cache holds exactly test.n_depth tokens: random valid tokens, the prompt
-    in batches of n_batch, then one decode step per generated token."""
+    in batches of n_batch, then one decode step per generated token (the tokens drawn together first, the
+    same ones as drawn one by one, so that a step times decoding, not the random generator)."""
     if test.n_depth:
         session.seq_rm(0, test.n_depth, -1)
     else:
@@ -97,8 +100,8 @@ def run_once(session: Session, test: BenchTest, rng: np.random.Generator) -> Non
         eval_prompt(session, _random_tokens(session, test.n_prompt, rng), session.params.n_batch,
                     start_pos=test.n_depth)
     pos = test.n_depth + test.n_prompt
-    for _ in range(test.n_gen):
-        session.decode(Batch.of_sequence(_random_tokens(session, 1, rng), pos))
+    for token in _random_tokens(session, test.n_gen, rng):
+        session.decode(Batch.of_sequence([token], pos))
         pos += 1
 
 
@@ -120,19 +123,33 @@ def run_bench(session: Session, test: BenchTest, repetitions: int, warmup: bool 
             say("warmup generation run")
         run_once(session, BenchTest(test.n_prompt, min(test.n_gen, 1), test.n_depth), rng)
     res = BenchResult(test)
-    for i in range(repetitions):
-        if test.n_depth and i:
-            say(f"depth run {i + 1}/{repetitions} (cached)")
-        if test.n_prompt:
-            say(f"prompt run {i + 1}/{repetitions}")
-        if test.n_gen:
-            say(f"generation run {i + 1}/{repetitions}")
-        t0 = clock()
-        run_once(session, test, rng)
-        res.samples_ns.append(int(round((clock() - t0) * 1e9)))
-        if on_rep:
-            on_rep(i)
+    with _no_collections():
+        for i in range(repetitions):
+            if test.n_depth and i:
+                say(f"depth run {i + 1}/{repetitions} (cached)")
+            if test.n_prompt:
+                say(f"prompt run {i + 1}/{repetitions}")
+            if test.n_gen:
+                say(f"generation run {i + 1}/{repetitions}")
+            t0 = clock()
+            run_once(session, test, rng)
+            res.samples_ns.append(int(round((clock() - t0) * 1e9)))
+            if on_rep:
+                on_rep(i)
     return res
+
+
+@contextmanager
+def _no_collections():
+    """Python's cycle collector off while repetitions are timed (as timeit does): a full collection walks
+    every object the model and its graphs made, tens of milliseconds that would land in one repetition."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def cpu_description() -> str:
