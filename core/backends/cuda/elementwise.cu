@@ -87,3 +87,17 @@ __global__ void soft_max(const float *a, const void *mask, float *out, int n, in
     float inv = 1.0f / block_sum(s, sh);
     for (int i = threadIdx.x; i < n; i += blockDim.x) o[i] *= inv;
 }
+
+// A split's host inputs straight from its pinned region to their places, read through the device's
+// mapping of pinned memory: one launch in place of a copy per input (uploads.py). Block i copies input i,
+// table[3 i .. 3 i + 2] = (byte offset in the region, device address, bytes), 16 bytes a thread where
+// both ends are 16-byte aligned, the rest byte by byte.
+extern "C" __global__ void gather_inputs(const u8 *region, const i64 *table) {
+    pdl_begin();
+    const i64 off = table[3 * blockIdx.x], n = table[3 * blockIdx.x + 2];
+    u8 *dst = (u8 *)table[3 * blockIdx.x + 1];
+    const u8 *src = region + off;
+    const i64 n16 = (((i64)src | (i64)dst) & 15) == 0 ? n / 16 : 0;
+    for (i64 i = threadIdx.x; i < n16; i += blockDim.x) ((uint4 *)dst)[i] = ((const uint4 *)src)[i];
+    for (i64 i = n16 * 16 + threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+}

@@ -2,8 +2,8 @@
 (kernels get compiled and loaded), are captured into a CUDA graph the second time, and from then
 on the graph is launched: one launch for the whole split. The engine makes a new Prepared when it
 replans (a new graph shape, a changed cache layout), so a reused ggrun graph is what replays.
-Per-token inputs reach fixed device addresses by copies out of a pinned region, captured with the
-kernels (uploads.py).
+Per-token inputs reach fixed device addresses from a pinned region, by a kernel captured with the
+others (uploads.py).
 
 GGRUN_GRAPH_DEBUG=1 reports each capture, and why a split is not captured.
 """
@@ -23,7 +23,7 @@ def _debug() -> bool:
 
 class Prepared:
     """The steps of one split, the pinned region its host inputs pass through (uploads.py), and its
-    captured CUDA graph once it has one: the inputs' copies out of the region, then the steps."""
+    captured CUDA graph once it has one: the inputs' launch out of the region, then the steps."""
 
     def __init__(self, steps: list[Step]) -> None:
         self.steps = steps
@@ -40,7 +40,7 @@ class Prepared:
         """Copy ups (host arrays to device addresses) and run the steps, on stream."""
         self.runs += 1
         if self.region is not None and self.region.layout != layout(ups):
-            self.region = self.graph = None  # a captured graph copies out of the old region's places
+            self.region = self.graph = None  # a captured graph reads the old region's places
         if ups and self.region is None:
             self.region = UploadRegion(ups)
         if self.region is not None:
@@ -50,23 +50,23 @@ class Prepared:
         elif not use_graphs or self.blocker is not None or self.runs == 1:
             if use_graphs and self.runs == 2 and self.blocker and _debug():
                 print(f"cuda graph: {self.blocker}", file=sys.stderr)
-            self._issue(stream)
+            self._issue()
         else:
             self._capture(stream)
             self.graph.launch(stream)
         if self.region is not None:
             self.region.issued(stream)
 
-    def _issue(self, stream) -> None:
+    def _issue(self) -> None:
         if self.region is not None:
-            self.region.issue(stream)
+            self.region.issue()
         for step in self.steps:
             step()
 
     def _capture(self, stream) -> None:
         stream.begin_capture()
         try:
-            self._issue(stream)
+            self._issue()
         finally:
             graph = stream.end_capture()
         self.graph = graph
