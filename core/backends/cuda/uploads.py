@@ -6,8 +6,8 @@ step. Instead each prepared split owns a pinned host region with a fixed place f
 step writes the inputs' bytes there, and one kernel (gather_inputs) reads them through the device's
 mapping of pinned memory and writes each to its place. It is captured into the split's CUDA graph
 with the other kernels, so one graph launch does both; as a graph's copy nodes, the four inputs of a
-decode step took some 18 us of the step (their gaps included), the kernel about 4. The region is written again only
-after the last launch that reads it has run (an event).
+decode step took some 18 us of the step (their gaps included), the kernel about 4. The region is
+written again only after the last launch that reads it has run (an event).
 """
 from __future__ import annotations
 
