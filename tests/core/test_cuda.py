@@ -132,23 +132,28 @@ def test_cuda_graph_replay_and_invalidation(tiny_llama_factory, gpu, monkeypatch
 
 
 def test_split_inputs_are_copied_by_the_split_run(gpu):
-    """A split's host inputs go up from its pinned region as part of its run: eagerly, then captured
-    into the CUDA graph, then replayed, each run with new values; other destinations get a new
-    region, and the graph that copied into the old ones is dropped and captured again."""
+    """A split's host inputs go up from its pinned region as part of its run (small ones by one kernel,
+    large ones by copies): eagerly, then captured into the CUDA graph, then replayed, each run with new
+    values; other destinations get a new region, and the graph that copied into the old ones is dropped
+    and captured again."""
     import cupy
 
     from ggrun.core.backends.cuda.binding import Step
     from ggrun.core.backends.cuda.graphs import Prepared
+    from ggrun.core.backends.cuda.uploads import GATHER_BYTES
 
     with gpu._dev, gpu.stream:
         dst, other, out = (cupy.zeros(64, dtype=cupy.float32) for _ in range(3))
+        big = cupy.zeros(GATHER_BYTES // 4 + 1000, dtype=cupy.float32)
         prepared = Prepared([Step(lambda: cupy.multiply(dst, 2.0, out=out), True, "double")])
         graphs = []
         for i, where in enumerate([dst, dst, dst, dst, other, dst, dst]):
             host = np.full(64, i, dtype=np.float32)
-            prepared.run(gpu.stream, True, [(host, where.data.ptr)])
+            big_host = np.arange(big.size, dtype=np.float32) + i
+            prepared.run(gpu.stream, True, [(host, where.data.ptr), (big_host, big.data.ptr)])
             gpu.stream.synchronize()
             assert float(where[0]) == i
+            np.testing.assert_array_equal(cupy.asnumpy(big), big_host)
             if where is dst:
                 np.testing.assert_array_equal(cupy.asnumpy(out), 2.0 * i)
             graphs.append(prepared.graph)

@@ -50,23 +50,23 @@ class Prepared:
         elif not use_graphs or self.blocker is not None or self.runs == 1:
             if use_graphs and self.runs == 2 and self.blocker and _debug():
                 print(f"cuda graph: {self.blocker}", file=sys.stderr)
-            self._issue()
+            self._issue(stream)
         else:
             self._capture(stream)
             self.graph.launch(stream)
         if self.region is not None:
             self.region.issued(stream)
 
-    def _issue(self) -> None:
+    def _issue(self, stream) -> None:
         if self.region is not None:
-            self.region.issue()
+            self.region.issue(stream)
         for step in self.steps:
             step()
 
     def _capture(self, stream) -> None:
         stream.begin_capture()
         try:
-            self._issue()
+            self._issue(stream)
         finally:
             graph = stream.end_capture()
         self.graph = graph

@@ -3,11 +3,13 @@
 A decode step's inputs (the embedded token, positions, cache rows, mask, output rows) are a few
 hundred bytes each; copying them one call at a time cost more host time than any kernel of the
 step. Instead each prepared split owns a pinned host region with a fixed place for each input: a
-step writes the inputs' bytes there, and one kernel (gather_inputs) reads them through the device's
-mapping of pinned memory and writes each to its place. It is captured into the split's CUDA graph
-with the other kernels, so one graph launch does both; as a graph's copy nodes, the four inputs of a
-decode step took some 18 us of the step (their gaps included), the kernel about 4. The region is
-written again only after the last launch that reads it has run (an event).
+step writes the inputs' bytes there, and one kernel (gather_inputs) reads the small ones through the
+device's mapping of pinned memory and writes each to its place; it is captured into the split's CUDA
+graph with the other kernels, so one graph launch does both. As a graph's copy nodes, the four inputs
+of a decode step took some 18 us of the step (their gaps included), the kernel about 4. Larger inputs
+(a prompt's embeddings and mask) are copied by the copy engines, which a block reading host memory
+over the bus cannot match: through the kernel, a 512-token prompt of llama-135m took 1.6x as long.
+The region is written again only after the last launch that reads it has run (an event).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from ggrun.core.backends.cuda.module import kernel
 
 ALIGN = 256
 MOST_BYTES = 4 << 20  # inputs beyond this go up through the backend's staging memory instead
+GATHER_BYTES = 64 << 10  # inputs up to this size go up by gather_inputs, larger ones by a copy each
 
 Upload = tuple[np.ndarray, int]  # a contiguous host array, and the device address it goes to
 
@@ -42,8 +45,10 @@ class UploadRegion:
         self._mem = cupy.cuda.alloc_pinned_memory(max(at, ALIGN))
         self._host = np.frombuffer(self._mem, dtype=np.uint8, count=max(at, ALIGN))
         self._read = None  # event after the last launch reading the region
-        self._table = cupy.asarray(np.array([(at, dst, n) for at, (dst, n) in zip(self.offsets, self.layout)],
-                                            dtype=np.int64).reshape(-1))
+        places = list(zip(self.offsets, self.layout))
+        self._small = [(at, dst, n) for at, (dst, n) in places if n <= GATHER_BYTES]
+        self._large = [(at, dst, n) for at, (dst, n) in places if n > GATHER_BYTES]
+        self._table = cupy.asarray(np.array(self._small, dtype=np.int64).reshape(-1)) if self._small else None
 
     def fill(self, ups: Sequence[Upload]) -> None:
         """The uploads' bytes into their places, once the copies of the last run have read them."""
@@ -52,11 +57,16 @@ class UploadRegion:
         for (a, _), at in zip(ups, self.offsets):
             self._host[at:at + a.nbytes] = a.reshape(-1).view(np.uint8)
 
-    def issue(self) -> None:
-        """The launch copying the inputs to the device, on the current stream (recorded into a graph when
-        it captures); the pinned region's host address serves on the device too (unified addressing)."""
-        args = (np.uint64(self._mem.ptr), np.uint64(self._table.data.ptr))
-        kernel("elementwise.cu", "gather_inputs")((len(self.layout),), (256,), args)
+    def issue(self, stream) -> None:
+        """The copies of the large inputs and the launch copying the small ones to the device, on stream
+        (recorded into a graph when it captures); the pinned region's host address serves on the device
+        too (unified addressing)."""
+        for at, dst, n in self._large:
+            cupy.cuda.runtime.memcpyAsync(dst, self._mem.ptr + at, n, cupy.cuda.runtime.memcpyHostToDevice,
+                                          stream.ptr)
+        if self._table is not None:
+            args = (np.uint64(self._mem.ptr), np.uint64(self._table.data.ptr))
+            kernel("elementwise.cu", "gather_inputs")((len(self._small),), (256,), args)  # the current stream: stream
 
     def issued(self, stream) -> None:
         """Mark the point of stream after which the region may be written again."""
