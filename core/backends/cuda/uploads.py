@@ -8,7 +8,7 @@ device's mapping of pinned memory and writes each to its place; it is captured i
 graph with the other kernels, so one graph launch does both. As a graph's copy nodes, the four inputs
 of a decode step took some 18 us of the step (their gaps included), the kernel about 4. Larger inputs
 (a prompt's embeddings and mask) are copied by the copy engines, which a block reading host memory
-over the bus cannot match: through the kernel, a 512-token prompt of llama-135m took 1.6x as long.
+over the bus cannot match: through the kernel, a 512-token prompt of llama-135m took 1.5-1.8x as long.
 The region is written again only after the last launch that reads it has run (an event).
 """
 from __future__ import annotations
@@ -59,14 +59,14 @@ class UploadRegion:
 
     def issue(self, stream) -> None:
         """The copies of the large inputs and the launch copying the small ones to the device, on stream
-        (recorded into a graph when it captures); the pinned region's host address serves on the device
-        too (unified addressing)."""
+        (the current one, where cupy launches; recorded into a graph when it captures). The pinned
+        region's host address serves on the device too (unified addressing)."""
         for at, dst, n in self._large:
             cupy.cuda.runtime.memcpyAsync(dst, self._mem.ptr + at, n, cupy.cuda.runtime.memcpyHostToDevice,
                                           stream.ptr)
         if self._table is not None:
             args = (np.uint64(self._mem.ptr), np.uint64(self._table.data.ptr))
-            kernel("elementwise.cu", "gather_inputs")((len(self._small),), (256,), args)  # the current stream: stream
+            kernel("elementwise.cu", "gather_inputs")((len(self._small),), (256,), args)
 
     def issued(self, stream) -> None:
         """Mark the point of stream after which the region may be written again."""
