@@ -42,6 +42,7 @@ class Split:
     copies: list[Tensor] = field(default_factory=list)  # the copies the nodes read (pipeline slot 0's)
     calls: list | None = None  # kernel calls with resolved arrays, valid while the plan holds
     slot_calls: dict = field(default_factory=dict)  # pipeline slot (1..) -> its calls, reading that slot's copies
+    copy_runs: dict = field(default_factory=dict)  # pipeline slot -> what makes its copies (Backend.plan_copies)
     tally: dict[str, CopyCount] | None = None  # what one compute's copies add to the counts, per kind
 
     @property
@@ -313,6 +314,7 @@ class Scheduler:
         for split in sg.splits:
             split.calls = None
             split.slot_calls = {}
+            split.copy_runs = {}
         return sg.plans
 
     def buffer_sizes(self) -> dict[str, int]:
@@ -346,10 +348,13 @@ class Scheduler:
     def _copy_inputs(self, sg: ScheduledGraph, split: Split, slot: int) -> None:
         """The split's copies into `slot`, after the split that read that slot last is done with it."""
         b = split.backend
-        into = sg.slots[slot] if sg.n_slots > 1 else {}
         if sg.n_slots > 1:
             b.wait_event(self._slot_events.get((b.name, slot)))
-        b.copy_tensors([(c.srcs[0], into.get(id(c), c)) for c in split.copies])
+        copy = split.copy_runs.get(slot)
+        if copy is None:
+            into = sg.slots[slot] if sg.n_slots > 1 else {}
+            copy = split.copy_runs[slot] = b.plan_copies([(c.srcs[0], into.get(id(c), c)) for c in split.copies])
+        copy()
         for kind, add in self._tally(sg, split).items():
             count = self.copy_counts[kind]
             count.n += add.n

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -106,10 +106,14 @@ class Backend(ABC):
         """Copy src (on any backend) into dst (on this backend), through the host."""
         self.set_tensor(dst, src.root.buffer.backend.get_tensor(src))
 
-    def copy_tensors(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
-        """copy_tensor for each (src, dst) pair: a split's inputs, which a backend may copy together."""
-        for src, dst in pairs:
-            self.copy_tensor(src, dst)
+    def plan_copies(self, pairs: list[tuple[Tensor, Tensor]]) -> Callable[[], None]:
+        """What copies a split's inputs, the (src, dst) pairs, before each run of the split: made once per
+        plan (the pairs stay the same while it holds), so that a backend may resolve them once and copy
+        them together. Here: copy_tensor for each pair."""
+        def copy() -> None:
+            for src, dst in pairs:
+                self.copy_tensor(src, dst)
+        return copy
 
     def record_event(self) -> Any:
         """A marker after the work issued to this backend so far (a CUDA event on its stream), for

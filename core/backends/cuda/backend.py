@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from functools import partial
+from typing import Callable
 
 import cupy
 import numpy as np
@@ -227,7 +228,7 @@ class CUDABackend(Backend):
             if src.nbytes <= PINNED_RESULT_BYTES:  # a decode step's logits: straight into pinned memory
                 mem = cupy.cuda.alloc_pinned_memory(max(1, src.nbytes))
                 out = np.frombuffer(mem, dtype=src.dtype, count=src.size).reshape(src.shape)
-                cupy.cuda.runtime.memcpyAsync(out.ctypes.data, src.data.ptr, src.nbytes, D2H, self.stream.ptr)
+                cupy.cuda.runtime.memcpyAsync(mem.ptr, src.data.ptr, src.nbytes, D2H, self.stream.ptr)
                 self.stream.synchronize()
                 return out
             out = np.empty(src.shape, dtype=src.dtype)
@@ -241,11 +242,11 @@ class CUDABackend(Backend):
             out.reshape(-1).view(np.uint8)[...] = host
             return out
 
-    def copy_tensors(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
-        """A split's inputs: the host arrays bound for contiguous tensors wait for the split's run, whose
-        CUDA graph copies them from a pinned region (uploads.py); other pairs are copied now."""
-        self._flush()
-        ups = []
+    def plan_copies(self, pairs: list[tuple[Tensor, Tensor]]) -> Callable[[], None]:
+        """A split's inputs, resolved once: the host arrays bound for contiguous tensors are handed to the
+        split's run, whose CUDA graph copies them from a pinned region (uploads.py; one list, the same every
+        call, so the region knows it); other pairs, and uploads too large for a region, are copied by each call."""
+        ups, others = [], []
         for src, dst in pairs:
             owner = src.root.buffer.backend
             a = owner.array(src) if owner.memory_pool == "CPU" else None
@@ -253,12 +254,18 @@ class CUDABackend(Backend):
             if a is not None and a.flags.c_contiguous and d.flags.c_contiguous and a.nbytes == d.nbytes:
                 ups.append((a, d.data.ptr))
             else:
+                others.append((src, dst))
+        staged = sum(a.nbytes for a, _ in ups) > uploads.MOST_BYTES
+        direct, ups = (ups, []) if staged else ([], ups)
+
+        def copy() -> None:
+            self._flush()
+            for src, dst in others:
                 self.copy_tensor(src, dst)
-        if sum(a.nbytes for a, _ in ups) > uploads.MOST_BYTES:
-            for a, dst_ptr in ups:
+            for a, dst_ptr in direct:
                 self._upload(a, dst_ptr)
-        else:
             self._pending = ups
+        return copy
 
     def _flush(self) -> None:
         """Copy inputs still waiting for a split's run (any other call on the backend comes after them)."""

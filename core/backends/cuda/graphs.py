@@ -14,7 +14,7 @@ import sys
 from typing import Sequence
 
 from ggrun.core.backends.cuda.binding import Step
-from ggrun.core.backends.cuda.uploads import Upload, UploadRegion, layout
+from ggrun.core.backends.cuda.uploads import Upload, UploadRegion
 
 
 def _debug() -> bool:
@@ -39,7 +39,7 @@ class Prepared:
     def run(self, stream, use_graphs: bool, ups: Sequence[Upload] = ()) -> None:
         """Copy ups (host arrays to device addresses) and run the steps, on stream."""
         self.runs += 1
-        if self.region is not None and self.region.layout != layout(ups):
+        if self.region is not None and not self.region.serves(ups):
             self.region = self.graph = None  # a captured graph reads the old region's places
         if ups and self.region is None:
             self.region = UploadRegion(ups)

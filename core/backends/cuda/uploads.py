@@ -45,17 +45,29 @@ class UploadRegion:
         self._mem = cupy.cuda.alloc_pinned_memory(max(at, ALIGN))
         self._host = np.frombuffer(self._mem, dtype=np.uint8, count=max(at, ALIGN))
         self._read = None  # event after the last launch reading the region
+        self.ups: Sequence[Upload] | None = None  # the uploads last filled in, and their places:
+        self._copies: list[tuple[np.ndarray, np.ndarray]] = []  # (place in the region, the array's bytes)
         places = list(zip(self.offsets, self.layout))
         self._small = [(at, dst, n) for at, (dst, n) in places if n <= GATHER_BYTES]
         self._large = [(at, dst, n) for at, (dst, n) in places if n > GATHER_BYTES]
         self._table = cupy.asarray(np.array(self._small, dtype=np.int64).reshape(-1)) if self._small else None
 
+    def serves(self, ups: Sequence[Upload]) -> bool:
+        """Whether ups fit this region's places: the list filled in last (a split's copies hand the same
+        one to every run), or one of the same layout."""
+        return ups is self.ups or self.layout == layout(ups)
+
     def fill(self, ups: Sequence[Upload]) -> None:
-        """The uploads' bytes into their places, once the copies of the last run have read them."""
+        """The uploads' bytes into their places, once the copies of the last run have read them. The
+        byte views of a list's arrays and places are made when a list is first seen."""
         if self._read is not None:
             self._read.synchronize()
-        for (a, _), at in zip(ups, self.offsets):
-            self._host[at:at + a.nbytes] = a.reshape(-1).view(np.uint8)
+        if ups is not self.ups:
+            self.ups = ups
+            self._copies = [(self._host[at:at + a.nbytes], a.reshape(-1).view(np.uint8))
+                            for (a, _), at in zip(ups, self.offsets)]
+        for place, data in self._copies:
+            np.copyto(place, data)
 
     def issue(self, stream) -> None:
         """The copies of the large inputs and the launch copying the small ones to the device, on stream
