@@ -228,6 +228,54 @@ def test_rope_qkv_fused(gpu, gemma, cache, n_tokens):
     assert len(_kernel_names(gpu, build)) == 2  # the fused kernel and the attention: the two stores launch nothing
 
 
+@pytest.mark.parametrize("n_tokens", [1, 2])
+@pytest.mark.parametrize("cache", [F16, F32])
+@pytest.mark.parametrize("gemma,n_dims", [(False, 64), (False, 32), (True, 64)], ids=["llama", "llama-half", "gemma3"])
+def test_qkv_products_rope_fused(gpu, gemma, n_dims, cache, n_tokens):
+    """q, k and v products of one token, then RoPE and the cache writes: for llama's rotation (also of part
+    of each head) one launch does all (mmvq_rope_qkv); gemma3's (per-head norms, NeoX pairs) and two tokens
+    keep the product and rope_qkv. The attention over the caches and both caches agree with the reference."""
+    hq, hk, d, n_kv, n_embd = 4, 2, 64, 16, 128
+    own = np.random.default_rng(40 + n_tokens)
+    x = values(n_tokens, n_embd, gen=own)
+    w = {name: weight_data(DType.Q4_0, m, n_embd, seed=i) for i, (name, m) in enumerate(
+        [("wq", hq * d), ("wk", hk * d), ("wv", hk * d)])}
+    qn, kn = values(d, gen=own), values(d, gen=own)
+    idx = own.permutation(n_kv)[:n_tokens].astype(np.int32)
+    pos = (np.arange(n_tokens) + 30).astype(np.int32)
+    kc0, vc0 = (values(n_kv, hk * d, gen=own).astype(cache.np_dtype) for _ in range(2))
+    mode = ROPE_NEOX if gemma else ROPE_NORMAL
+    caches = {}
+
+    def build(lf):
+        p, ix = lf.input("pos", I32, pos), lf.input("idx", I32, idx)
+        ws = [lf.weight(name, DType.Q4_0, (data.shape[0], n_embd), data) for name, data in w.items()]
+        q, k, v = ops.mul_mat_multi(tuple(ws), lf.input("x", F32, x), ("q", "k", "v"))
+        norm = {n: lf.weight(n, F32, (d,), nw) if gemma else None for n, nw in (("qn", qn), ("kn", kn))}
+        q = ops.rope(ops.reshape(q, (n_tokens, hq, d)), p, n_dims, mode, 10000.0, 1.0, out_scale=0.125,
+                     norm=norm["qn"], eps=1e-6)
+        caches["k"], caches["v"] = lf.weight("kc", cache, (n_kv, hk * d), kc0), lf.weight("vc", cache, (n_kv, hk * d), vc0)
+        k_all = ops.rope_set_rows(caches["k"], ops.reshape(k, (n_tokens, hk, d)), ix, p, n_dims, mode, 10000.0, 1.0,
+                                  norm=norm["kn"], eps=1e-6)
+        v_all = ops.set_rows(caches["v"], v, ix)
+        keys, vals = (ops.permute(ops.view(c, (n_kv, hk, d)), (1, 0, 2)) for c in (k_all, v_all))
+        mask = np.zeros((n_tokens, n_kv), dtype=np.float16)
+        return ops.flash_attn(ops.permute(q, (1, 0, 2)), keys, vals, lf.input("mask", F16, mask), scale=1.0)
+
+    def results(backend):
+        sched, sg, leafs, out = planned(backend, build)
+        for t, data in leafs.feeds.items():
+            sched.set_tensor(t, data)
+        sched.compute(sg)
+        return [sched.get_tensor(c).astype(np.float64) for c in (out, caches["k"], caches["v"])]
+    for got, want in zip(results(gpu), results(ReferenceBackend())):
+        assert nmse(got, want) < NMSE_LAYER
+    names = _kernel_names(gpu, build)
+    fused = not gemma and n_tokens == 1
+    assert any("mmvq_rope_qkv" in n for n in names) == fused, names
+    assert any("rope_qkv" in n and "mmvq" not in n for n in names) == (not fused), names
+
+
 def attention_case(kv_dtype, t: int, n_kv: int, hq: int, hk: int, d: int, seen: int | None = None):
     """A fused-attention graph builder: t query rows per head over n_kv cached keys, causal, and only
     the first `seen` cells visible (the rest of a padded cache) when given."""

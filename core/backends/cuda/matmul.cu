@@ -118,6 +118,52 @@ __global__ void mmvq(const u8 *w0, const u8 *w1, const u8 *w2, float *o0, float 
     }
 }
 
+// One token's q, k and v products (mmvq's three weights; `pos` and `idx` of token 0) and what the layer does
+// with them before attention (rope_qkv, rope.cu): q and k rotated (ROPE_NORMAL, no head norm; q times
+// q_scale), q into q_out, k and v into row idx[0] of their caches (type D). A rotated pair is two
+// consecutive rows, so two warps of one block: they meet in shared memory. The plain products are written
+// too, as mmvq does.
+template <int T, int D>
+__global__ void mmvq_rope_qkv(const u8 *w0, const u8 *w1, const u8 *w2, float *o0, float *o1, float *o2, int m0,
+                              int m1, const block_q8_1 *y, int ncols, i64 row_bytes, int rows, const int *pos,
+                              const int *idx, float *q_out, void *k_dst, void *v_dst, i64 ldd_k, i64 ldd_v,
+                              float q_scale, int n_dims, int d, float theta_scale, float freq_scale, int pf) {
+    __shared__ float vals[32];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    int row = blockIdx.x * (blockDim.x / 32) + warp, part = 0;
+    const bool live = row < rows;
+    const u8 *w = w0;
+    float *out = o0;
+    if (row >= m0 + m1) {
+        w = w2, out = o2, part = 2, row -= m0 + m1;
+    } else if (row >= m0) {
+        w = w1, out = o1, part = 1, row -= m0;
+    }
+    const int nb = ncols / 32;
+    const u8 *wr = w + row * row_bytes;
+    if (live && pf) prefetch_l2(wr, row_bytes, lane, 32);
+    pdl_begin();
+    float v = 0.0f;
+    if (live) {
+        for (int b = lane; b < nb; b += 32) v += vdot<T>(wr + (i64)b * Block<T>::BYTES, y[b]);
+        v = warp_sum(v);
+        if (lane == 0) out[row] = v;
+    }
+    if (lane == 0) vals[warp] = v;
+    __syncthreads();
+    if (!live || lane != 0) return;
+    const int e = row % d;
+    if (part < 2 && e < n_dims) {
+        const float theta = freq_scale * (float)pos[0] * powf(theta_scale, (float)(e / 2));
+        float sn, cs;
+        sincosf(theta, &sn, &cs);
+        const float x0 = vals[warp & ~1], x1 = vals[warp | 1];
+        v = e & 1 ? x0 * sn + x1 * cs : x0 * cs - x1 * sn;
+    }
+    if (part == 0) q_out[row] = v * q_scale;
+    else st<D>(part == 1 ? k_dst : v_dst, (i64)idx[0] * (part == 1 ? ldd_k : ldd_v) + row, v);
+}
+
 // out[c, row] = act(G[row] . y[c]) * (U[row] . y[c]): a gated feed-forward's first half (F: 1 swiglu,
 // 2 geglu), both products of a row in one warp so neither leaves registers. With q8 (launched with
 // 32 warps a block, rows a multiple of 32) the block also writes its 32 outputs of each token row as

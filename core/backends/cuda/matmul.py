@@ -13,10 +13,12 @@ from __future__ import annotations
 import numpy as np
 from cupy.cuda import cublas, device
 
-from ggrun.core.backends.cuda.binding import (Launch, Step, binds, estrides, grid1d, i32, i64, launch_step, ptr,
-                                              rows_of)
+from ggrun.core.backends.cuda.binding import (Launch, Step, binds, estrides, f32, fuses, grid1d, i32, i64,
+                                              launch_step, ptr, rows_of)
 from ggrun.core.backends.cuda.handoff import Q8_1_BYTES
-from ggrun.core.backends.cuda.module import DP4A_TYPES, GEMV_COLS, GLU_ACTS, TYPE_IDS, kernel
+from ggrun.core.backends.cuda.module import DP4A_TYPES, GEMV_COLS, GLU_ACTS, NO_WEIGHT, TYPE_IDS, kernel
+from ggrun.core.backends.cuda.ops import rope_params, rope_qkv, weight_id
+from ggrun.core.ops import ROPE_NEOX
 from ggrun.core.dtypes import DType
 from ggrun.core.tensor import Tensor
 
@@ -149,6 +151,41 @@ def _gemv(node: Tensor, parts: list, b, ldb: int, scratch, k: int, n: int, fed_a
             launches.append(Launch(fn, (-(-m // WARPS),), (32 * WARPS,), args))
         row0 += c
     return launch_step(node.op, *launches)
+
+
+@fuses("mul_mat_multi", "rope", "rope_set_rows", "set_rows")
+def _qkv_rope(nodes: list[Tensor], outs: list, srcs: list, backend):
+    """One token's q, k and v products and the layer's RoPE and cache writes after them (rope_qkv) in one
+    mmvq_rope_qkv launch, after the activations' quantization unless the node before wrote them: llama's
+    rotation (ROPE_NORMAL) without a head norm, its pairs in consecutive rows of one block."""
+    qkv, rq, rk, sv = nodes
+    case = _weight_case(qkv)
+    if case is None or len(case[0]) != 3 or case[2] != 1 or not reads_q8(qkv):
+        return None
+    (m0, m1, m2), k, _ = case
+    qt = qkv.srcs[0].dtype
+    views = ((rq.srcs[0], 0), (rk.srcs[1], m0), (sv.srcs[1], m0 + m1))
+    d, n_dims = rk.srcs[1].shape[-1], rq.params["n_dims"]
+    if (qt.name not in DP4A_TYPES or any(w.dtype is not qt for w in _weights(qkv))
+            or any(a.root is not qkv or a.view_offset != at * 4 for a, at in views)
+            or rq.params["mode"] == ROPE_NEOX or weight_id(rq, 2) != NO_WEIGHT or d % 2 or n_dims % 2
+            or m0 % d or rope_qkv(nodes[1:], outs[1:], srcs[1:], backend) is None):
+        return None
+    launches = []
+    y = _fed_at(qkv, backend)
+    if y is None:
+        y = backend.array(qkv.scratch).data.ptr
+        launches.append(_quantize(srcs[0][-1], k, y, k, 1))
+    q_out, k_out, v_out = outs[1:]
+    base = outs[0].data.ptr
+    dims_arg, d_arg, _, _, theta_scale, freq_scale, _, _ = rope_params(rk, d, 1, 1.0)  # as rope_qkv takes them
+    args = (*(ptr(w) for w in srcs[0][:3]), np.uint64(base), np.uint64(base + m0 * 4), np.uint64(base + (m0 + m1) * 4),
+            i32(m0), i32(m1), np.uint64(y), i32(k), i64(qt.row_bytes(k)), i32(m0 + m1 + m2), ptr(srcs[1][1]),
+            ptr(srcs[2][2]), ptr(q_out), ptr(k_out), ptr(v_out), i64(estrides(k_out)[0]), i64(estrides(v_out)[0]),
+            f32(rq.params.get("out_scale", 1.0)), dims_arg, d_arg, theta_scale, freq_scale, i32(0))
+    fn = kernel("matmul.cu", f"mmvq_rope_qkv<{TYPE_IDS[qt.name]}, {TYPE_IDS[rk.dtype.name]}>")
+    launches.append(Launch(fn, (-(-(m0 + m1 + m2) // WARPS),), (32 * WARPS,), args, prologue=True))
+    return launch_step("mmvq_rope_qkv", *launches)
 
 
 def _same_type_groups(parts: list) -> list[list]:

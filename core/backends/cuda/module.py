@@ -35,6 +35,7 @@ def _instances() -> dict[str, list[str]]:
     norm_w = [NO_WEIGHT] + [_t(f) for f in FLOATS]
     return {
         "matmul.cu": [f"mmvq<{_t(q)}, {c}>" for q in DP4A_TYPES for c in GEMV_COLS]
+        + [f"mmvq_rope_qkv<{_t(q)}, {_t(d)}>" for q in DP4A_TYPES for d in FLOATS]
         + [f"mmvq_glu<{_t(q)}, {c}, {f}>" for q in DP4A_TYPES for c in GEMV_COLS for f in GLU_ACTS.values()]
         + [f"gemv<{_t(q)}, {c}>" for q in weights for c in GEMV_COLS]
         + [f"dequant_f16<{_t(q)}>" for q in weights] + [f"dequant_f16_x8<{_t(q)}>" for q in weights]

@@ -25,7 +25,7 @@ def _is_float(*dtypes: DType) -> bool:
     return all(d in FLOAT_TYPES for d in dtypes)
 
 
-def _weight_id(node: Tensor, i: int) -> int | None:
+def weight_id(node: Tensor, i: int) -> int | None:
     """Template id of an optional 1-d float weight source (NO_WEIGHT when absent), None if unusable."""
     if i >= len(node.srcs):
         return NO_WEIGHT
@@ -168,7 +168,7 @@ def _soft_max(node: Tensor, out, srcs, scratch, backend):
 
 def _rms_norm(node: Tensor, out, srcs, scratch, backend):
     x, o = rows_of(srcs[0]), rows_of(out)
-    wid = _weight_id(node, 1)
+    wid = weight_id(node, 1)
     if x is None or o is None or wid is None or node.srcs[0].dtype is not DType.F32:
         return None
     rows, n, ldx = x
@@ -199,11 +199,11 @@ def _norm(node: Tensor, out, srcs, scratch, backend):
 def _add_rms_norm(node: Tensor, out, srcs, scratch, backend):
     x, h = srcs[:2]
     post = len(srcs) > 3
-    wid = _weight_id(node, 2)
+    wid = weight_id(node, 2)
     if (not (x.flags.c_contiguous and h.flags.c_contiguous and out.flags.c_contiguous) or wid in (None, NO_WEIGHT)
             or any(s.dtype is not DType.F32 for s in node.srcs[:2])):
         return None
-    if post and (_weight_id(node, 3) != wid):
+    if post and (weight_id(node, 3) != wid):
         return None
     n = x.shape[-1]
     rows = x.size // n
@@ -216,7 +216,7 @@ def _add_rms_norm(node: Tensor, out, srcs, scratch, backend):
 # ---- RoPE ------------------------------------------------------------------------------------
 
 
-def _rope_params(node: Tensor, d: int, heads: int, out_scale: float) -> tuple:
+def rope_params(node: Tensor, d: int, heads: int, out_scale: float) -> tuple:
     p = node.params
     n_dims = p["n_dims"]
     theta_scale = p["freq_base"] ** (-2.0 / n_dims)
@@ -234,13 +234,13 @@ def _heads(a) -> tuple[int, int, int, int] | None:
 @binds("rope")
 def _rope(node: Tensor, out, srcs, scratch, backend):
     a = _heads(srcs[0])
-    wid = _weight_id(node, 2)
+    wid = weight_id(node, 2)
     if a is None or wid is None or node.srcs[0].dtype is not DType.F32 or not out.flags.c_contiguous:
         return None
     t, heads, d, lda = a
     k = kernel("rope.cu", f"rope<{wid}>")
     args = (ptr(srcs[0]), ptr(srcs[1]), ptr(srcs[2]) if wid != NO_WEIGHT else NULL, ptr(out), i64(lda),
-            *_rope_params(node, d, heads, node.params.get("out_scale", 1.0)))
+            *rope_params(node, d, heads, node.params.get("out_scale", 1.0)))
     return launch_step(node.op, Launch(k, (t * heads,), (threads_for(node.params["n_dims"] // 2, 512),), args))
 
 
@@ -248,14 +248,14 @@ def _rope(node: Tensor, out, srcs, scratch, backend):
 def _rope_set_rows(node: Tensor, out, srcs, scratch, backend):
     dst, a_arr, idx, pos = srcs[:4]
     a = _heads(a_arr)
-    wid = _weight_id(node, 4)
+    wid = weight_id(node, 4)
     if (a is None or wid is None or node.srcs[1].dtype is not DType.F32 or not _is_float(node.dtype)
             or out.ndim != 2 or out.strides[1] != out.itemsize):
         return None
     t, heads, d, lda = a
     k = kernel("rope.cu", f"rope_set_rows<{wid}, {_tid(node.dtype)}>")
     args = (ptr(a_arr), ptr(pos), ptr(idx), ptr(srcs[4]) if wid != NO_WEIGHT else NULL, ptr(out), i64(lda),
-            i64(estrides(out)[0]), *_rope_params(node, d, heads, 1.0))
+            i64(estrides(out)[0]), *rope_params(node, d, heads, 1.0))
     return launch_step(node.op, Launch(k, (t * heads,), (threads_for(node.params["n_dims"] // 2, 512),), args))
 
 
@@ -263,15 +263,15 @@ ROPE_SHARED = ("n_dims", "mode", "freq_base", "freq_scale", "eps")  # what the q
 
 
 @fuses("rope", "rope_set_rows", "set_rows")
-def _rope_qkv(nodes: list[Tensor], outs: list, srcs: list, backend):
+def rope_qkv(nodes: list[Tensor], outs: list, srcs: list, backend):
     """The queries' RoPE, the keys' RoPE into the cache and the values' cache write of one layer
     (three nodes, consecutive in every attention block) in one launch: each is a few tiny blocks."""
     rq, rk, sv = nodes
     (q_arr, pos, *_), (_, k_arr, idx, *_), (_, v_arr, _) = srcs
     q_out, k_out, v_out = outs
     q, k, v = _heads(q_arr), _heads(k_arr), rows_of(v_arr)
-    wid = _weight_id(rq, 2)
-    if (q is None or k is None or v is None or wid is None or _weight_id(rk, 4) != wid
+    wid = weight_id(rq, 2)
+    if (q is None or k is None or v is None or wid is None or weight_id(rk, 4) != wid
             or rk.srcs[3] is not rq.srcs[1] or sv.srcs[2] is not rk.srcs[2]
             or any(rq.params.get(x, 0.0) != rk.params.get(x, 0.0) for x in ROPE_SHARED)
             or any(n.srcs[i].dtype is not DType.F32 for n, i in ((rq, 0), (rk, 1), (sv, 1)))
@@ -290,7 +290,7 @@ def _rope_qkv(nodes: list[Tensor], outs: list, srcs: list, backend):
     wk = ptr(srcs[1][4]) if wid != NO_WEIGHT else NULL
     args = (ptr(q_arr), ptr(k_arr), ptr(v_arr), ptr(pos), ptr(idx), wq, wk, ptr(q_out), ptr(k_out), ptr(v_out),
             i64(ldq), i64(ldk), i64(v[2]), i64(estrides(k_out)[0]), i64(estrides(v_out)[0]), i32(t), i32(hq),
-            f32(rq.params.get("out_scale", 1.0)), *_rope_params(rk, d, hk, 1.0))
+            f32(rq.params.get("out_scale", 1.0)), *rope_params(rk, d, hk, 1.0))
     block = threads_for(rq.params["n_dims"] // 2, 512)
     return launch_step("rope_qkv", Launch(fn, (t * (hq + 2 * hk),), (block,), args))
 
