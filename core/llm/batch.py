@@ -53,13 +53,19 @@ class UBatch:
 
 
 def split_batch(batch: Batch, n_ubatch: int) -> list[UBatch]:
-    """Consecutive slices of at most n_ubatch tokens."""
+    """Consecutive slices of at most n_ubatch tokens; a batch that fits is one micro-batch, unsliced."""
     toks = np.asarray(batch.tokens, dtype=np.int32)
     pos = np.asarray(batch.pos, dtype=np.int32)
     seq = np.asarray(batch.seq, dtype=np.int32)
     need = np.asarray(batch.logits, dtype=bool)
+    if 0 < len(batch) <= n_ubatch:
+        return [UBatch(toks, pos, seq, _rows_needing_logits(need), 0)]
     out = []
     for i in range(0, len(batch), n_ubatch):
         sl = slice(i, i + n_ubatch)
-        out.append(UBatch(toks[sl], pos[sl], seq[sl], need[sl].nonzero()[0].astype(np.int32), i))
+        out.append(UBatch(toks[sl], pos[sl], seq[sl], _rows_needing_logits(need[sl]), i))
     return out
+
+
+def _rows_needing_logits(need: np.ndarray) -> np.ndarray:
+    return need.nonzero()[0].astype(np.int32)

@@ -6,6 +6,7 @@ It records the parameters that fixed its shapes and the states it was planned ag
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from ggrun.core.backends.base import Backend
 from ggrun.core.llm.inputs import GraphInput, GraphParams, UBatchState
@@ -30,9 +31,15 @@ class GraphResult:
             return "KV cache layout changed"
         if sched_generation != self.sched_generation:
             return "scheduler was reset"
-        if not all(i.can_reuse(p) for i in self.inputs):
+        if not self._inputs_fit_params:
             return "an input cannot be reused"
         return None
+
+    @cached_property
+    def _inputs_fit_params(self) -> bool:
+        """Whether every input can serve this graph's own params: asked once, since reuse_blocker asks
+        only for params equal to them, and an input's answer depends on nothing else."""
+        return all(i.can_reuse(self.params) for i in self.inputs)
 
     def set_inputs(self, st: UBatchState, cpu: Backend) -> None:
         """Fill every input of the graph for micro-batch state st (inputs live in the CPU's memory)."""

@@ -121,7 +121,10 @@ class KVCache:
 
     Beside the cells it keeps two numbers: how many are used, and one past the highest used cell, so that
     a decode step finds its cell and the cells to attend without scanning all n_ctx of them. They always
-    describe `pos`: apply updates them, and every other change of `pos` counts them again (_recount).
+    describe `pos`: apply and the window's eviction update them, every other change of `pos` counts them
+    again (_recount). A third bounds the positions held (`_max_pos`, none above it): exact after a count
+    and raised by apply, it stays where it is when cells are freed, so it may end above them, which only
+    costs a decode step its short mask (fill_mask).
     """
 
     def __init__(self, n_ctx: int, n_embd_kv: int, layer_backends: list, n_seq_max: int = 1,
@@ -190,6 +193,7 @@ class KVCache:
         used = np.flatnonzero(self.pos >= 0)
         self._n_used = len(used)
         self._top = int(used[-1]) + 1 if len(used) else 0
+        self._max_pos = int(self.pos.max())  # free cells hold negative positions
 
     def _packed(self) -> bool:
         """Whether the used cells are exactly 0..top-1 (tokens placed in order, none freed below the
@@ -201,14 +205,31 @@ class KVCache:
         sequence's cells at least `window` positions before its first token here."""
         if self.window is None:
             return
-        for s in np.unique(seq):
-            first = int(pos[seq == s].min())
-            gone = self.seqs[:, s] & (self.pos >= 0) & (self.pos <= first - self.window)
-            if gone.any():
-                self.seqs[gone, s] = False
-                emptied = gone & ~self.seqs.any(axis=1)
-                self.pos[emptied] = -1
-                self.shift[emptied] = 0
+        if len(seq):  # before any cell changes: a bad id is refused, not taken as an index
+            self._check_seq_ids(int(seq.min()), int(seq.max()))
+        for s, first in _first_positions(pos, seq):
+            self._evict(s, first - self.window)
+
+    def _evict(self, seq: int, last: int) -> None:
+        """Remove sequence `seq` from its cells at positions up to `last`; free those left empty. Works
+        on the few cells concerned (a decode step evicts one), found below the top."""
+        held = self.seqs[:, seq]
+        if last < 0:
+            return
+        cells = (self.pos[:self._top] <= last).nonzero()[0]
+        if not self._packed():  # free cells (negative positions) lie below the top too
+            cells = cells[self.pos[cells] >= 0]
+        cells = cells[held[cells]]
+        if not len(cells):
+            return
+        held[cells] = False
+        # one sequence: every cell it leaves is empty, no need to look at the others
+        emptied = cells if self.n_seq_max == 1 else cells[~self.seqs[cells].any(axis=1)]
+        if len(emptied):
+            self.pos[emptied] = -1
+            self.shift[emptied] = 0
+            self._n_used -= len(emptied)
+            if emptied[-1] + 1 == self._top:  # the highest used cell went: find the new top
                 self._recount()
 
     def find_slot(self, n_tokens: int) -> np.ndarray | None:
@@ -218,35 +239,69 @@ class KVCache:
             if self._top + n_tokens > self.n_ctx:
                 return None
             return np.arange(self._top, self._top + n_tokens, dtype=np.int32)
-        free = np.flatnonzero(self.pos < 0)
-        if len(free) < n_tokens:
+        if self.n_free() < n_tokens:
             return None
-        return free[:n_tokens].astype(np.int32)
+        return (self.pos < 0).nonzero()[0][:n_tokens].astype(np.int32)
 
     def apply(self, cells: np.ndarray, pos: np.ndarray, seq: np.ndarray) -> None:
         """Record that `cells` now hold tokens at `pos` of sequences `seq`."""
-        if seq.size and (seq.max() >= self.n_seq_max or seq.min() < 0):
-            raise BadInput(f"sequence id out of range 0..{self.n_seq_max - 1}")
+        if len(cells) == 1:
+            self._apply_one(int(cells[0]), int(pos[0]), int(seq[0]))
+            return
+        if seq.size:
+            self._check_seq_ids(int(seq.min()), int(seq.max()))
         appended = self._packed() and _is_range(cells, self._top) and pos.min() >= 0
         self.pos[cells] = pos
         self.seqs[cells] = False
         self.seqs[cells, seq] = True
         if appended:  # the cells just past the top: still packed, n more used
             self._n_used = self._top = self._top + len(cells)
+            self._max_pos = max(self._max_pos, int(pos.max()))
         else:
             self._recount()
+
+    def _apply_one(self, cell: int, pos: int, seq: int) -> None:
+        """apply for one token (a decode step): scalar writes, and the counts kept without a scan."""
+        self._check_seq_ids(seq, seq)
+        was_used = self.pos[cell] >= 0
+        self.pos[cell] = pos
+        self.seqs[cell] = False
+        self.seqs[cell, seq] = True
+        if pos < 0 or cell < 0:  # a cell freed by its position, or counted from the end: count again
+            self._recount()
+            return
+        self._n_used += not was_used
+        self._top = max(self._top, cell + 1)
+        self._max_pos = max(self._max_pos, pos)
+
+    def _check_seq_ids(self, lo: int, hi: int) -> None:
+        if lo < 0 or hi >= self.n_seq_max:
+            raise BadInput(f"sequence id out of range 0..{self.n_seq_max - 1}")
 
     def fill_mask(self, out: np.ndarray, pos: np.ndarray, seq: np.ndarray, window: int | None = None) -> None:
         """KQ mask [tokens, n_kv]: 0 where a token may see a cell (same sequence, not later, and
         with a window, fewer than `window` positions back), else -inf."""
+        # all hidden, then the visible cells opened: no float64 temporary of the mask's size (np.where)
+        out.fill(-np.inf)
+        if len(pos) == 1 and self._sees_all(int(pos[0]), int(seq[0]), window):
+            out[0, :self._top] = 0
+            return
         n_kv = out.shape[1]
         cell_pos = self.pos[None, :n_kv]
         visible = self.seqs[:n_kv, seq].T & (cell_pos <= pos[:, None]) & (cell_pos >= 0)
         if window is not None:
             visible &= pos[:, None] - cell_pos < window
-        # all hidden, then the visible cells opened: no float64 temporary of the mask's size (np.where)
-        out.fill(-np.inf)
         out[visible] = 0
+
+    def _sees_all(self, pos: int, seq: int, window: int | None) -> bool:
+        """Whether a token of `seq` at `pos` sees exactly the cells 0..top-1 (the usual decode step: the
+        cache packed with its sequence's earlier tokens), which a slice of its mask then opens."""
+        if not self._top or not self._packed():
+            return False
+        used = slice(0, self._top)
+        first = 0 if window is None else pos - window + 1  # the first position the window shows
+        return (self._max_pos <= pos and np.count_nonzero(self.seqs[used, seq]) == self._top
+                and (first <= 0 or self.pos[used].min() >= first))
 
     def _cells(self, seq: int, p0: int, p1: int) -> np.ndarray:
         p1 = np.iinfo(np.int32).max if p1 < 0 else p1
@@ -292,6 +347,13 @@ class KVCache:
         self.shift[:] = 0
         self.has_shift = False
         self._recount()
+
+
+def _first_positions(pos: np.ndarray, seq: np.ndarray) -> list[tuple[int, int]]:
+    """Each sequence of a micro-batch with its first (lowest) position there; one token: no array work."""
+    if len(seq) == 1:
+        return [(int(seq[0]), int(pos[0]))]
+    return [(int(s), int(pos[seq == s].min())) for s in np.unique(seq)]
 
 
 def _is_range(cells: np.ndarray, start: int) -> bool:

@@ -30,7 +30,7 @@ from ggrun.core.llm.budget import Budget
 from ggrun.core.llm.kv_cache import (build_k_shift_blocks, cell_record_bytes, check_cache_types, KV_PAD, KVCache,
                                      planned_bytes)
 from ggrun.core.llm.model import Model
-from ggrun.core.llm.numerics import NonFiniteLogits, first_non_finite, non_finite_kind
+from ggrun.core.llm.numerics import NonFiniteLogits, all_finite, first_non_finite, non_finite_kind
 from ggrun.core.sched import Scheduler
 
 
@@ -296,7 +296,7 @@ class Session:
         self.stats.n_tokens += ub.n_tokens
         if self.debug:  # one line per micro-batch, printed once its compute time is known
             print(self._debug_line + (f" compute {1e3 * dt:.2f} ms" if self.debug >= 2 else ""), file=sys.stderr)
-        if out is not None and not np.isfinite(out).all():
+        if out is not None and not all_finite(out):
             raise self._non_finite(ub, out, res, partial(res.set_inputs, st, self.sched.cpu))
         return out
 

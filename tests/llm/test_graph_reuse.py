@@ -14,6 +14,7 @@ import pytest
 from ggrun.core.backends.cpu import CPUBackend
 from ggrun.core.llm.batch import Batch
 from ggrun.core.llm.generate import generate
+from ggrun.core.llm.graph_result import GraphResult
 from ggrun.core.llm.inputs import GraphParams
 from ggrun.core.llm.kv_cache import KV_PAD
 from ggrun.core.llm.model import Model
@@ -382,3 +383,18 @@ def test_reset_scheduler_never_runs_the_stale_graph(tiny):
     fresh = make_session(tiny, 64)
     want = decode_history(fresh, HISTORY + [([70], 14), ([71], 15)])[-2:]
     assert all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+def test_an_input_that_cannot_serve_blocks_reuse(tiny):
+    """Equal params, same cache and scheduler, but an input that cannot serve them: not reused (its answer
+    is asked once, since it depends on the params alone)."""
+    s = make_session(tiny, 64)
+    decode_history(s, HISTORY)
+    kept = s.result
+    asked = []
+    refusing = type("Refusing", (), {"can_reuse": lambda self, p: asked.append(p) or False})()
+    res = GraphResult(kept.params, kept.inputs + [refusing], kept.logits, kept.sg, kept.kv_version,
+                      kept.sched_generation)
+    for _ in range(2):
+        assert res.reuse_blocker(kept.params, s.kv_version, s.sched.generation) == "an input cannot be reused"
+    assert asked == [kept.params]

@@ -13,7 +13,7 @@ from ggrun.core.errors import RuntimeFailure
 from ggrun.core.llm.batch import Batch
 from ggrun.core.llm.generate import generate
 from ggrun.core.llm.model import Model
-from ggrun.core.llm.numerics import HINT, NonFiniteLogits, non_finite_kind
+from ggrun.core.llm.numerics import HINT, NonFiniteLogits, all_finite, non_finite_kind
 from ggrun.core.llm.sampling import Sampler, SamplingParams
 from ggrun.core.llm.session import Session, SessionParams
 from tests.synth import LlamaConfig, tokenizer_metadata, write_variant
@@ -51,6 +51,27 @@ def test_non_finite_kind():
     assert non_finite_kind(np.array([1, -np.inf], np.float16)) == "inf"
     assert non_finite_kind(np.array([np.inf, np.nan])) == "NaN and inf"
     assert non_finite_kind(np.arange(3)) is None
+
+
+def test_all_finite_answers_as_isfinite():
+    """The one-pass sum settles only all-finite logits; a fault anywhere, or finite values whose sum
+    overflows, is read element by element, so the answer is np.isfinite(x).all()'s."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((2, 1000)).astype(np.float32)
+    cases = [logits, logits[:1], logits[:, ::3], np.zeros((0, 5), np.float32),
+             np.full(4, 3e38, np.float32),  # finite, its sum is not
+             np.array([np.finfo(np.float32).max, -np.finfo(np.float32).max] * 3, np.float32),
+             logits.astype(np.float16), logits.astype(np.float64), np.arange(6)]
+    for value in (np.nan, np.inf, -np.inf):
+        for where in (0, 777, 1999):
+            bad = logits.copy()
+            bad.reshape(-1)[where] = value
+            cases.append(bad)
+    both = logits.copy()
+    both[0, 3], both[1, 9] = np.inf, -np.inf  # their sum is NaN: still not finite
+    cases.append(both)
+    for x in cases:
+        assert all_finite(x) is bool(np.isfinite(x).all()), x
 
 
 def test_decode_stops_at_non_finite_logits(nan_model):
