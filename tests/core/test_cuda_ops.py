@@ -184,16 +184,18 @@ def test_rope_set_rows_and_set_rows(gpu, cache):
     check(gpu, build_v, 1e-6)
 
 
-@pytest.mark.parametrize("n_tokens", [1, 5])
-@pytest.mark.parametrize("cache", [F16, F32])
-@pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma3"])
-def test_rope_qkv_fused(gpu, gemma, cache, n_tokens):
+def rope_block(n_tokens: int, cache: DType, gemma: bool, n_dims: int = 64, products: bool = False):
     """An attention block's queries' RoPE, keys' RoPE into the cache and values' cache write (gemma3's:
-    per-head norms, NeoX pairs, scaled queries) run as one launch, and the attention over the caches
-    and both caches' contents agree with the reference."""
-    hq, hk, d, n_kv = 4, 2, 64, 16
-    own = np.random.default_rng(n_tokens)  # its own numbers: the shared generator's stay as other tests had them
-    qd, kd, vd = values(n_tokens, hq, d, gen=own), values(n_tokens, hk, d, gen=own), values(n_tokens, hk * d, gen=own)
+    per-head norms, NeoX pairs, scaled queries), then attention over both caches; q, k and v are inputs, or
+    with `products` one token row's three Q4_0 products. Returns (graph builder, the caches it fills)."""
+    hq, hk, d, n_kv, n_embd = 4, 2, 64, 16, 128
+    own = np.random.default_rng(n_tokens + 40 * products)  # its own numbers, whatever ran before it
+    if products:
+        x = values(n_tokens, n_embd, gen=own)
+        w = {name: weight_data(DType.Q4_0, m, n_embd, seed=i)
+             for i, (name, m) in enumerate([("wq", hq * d), ("wk", hk * d), ("wv", hk * d)])}
+    else:
+        qkv = values(n_tokens, hq, d, gen=own), values(n_tokens, hk, d, gen=own), values(n_tokens, hk * d, gen=own)
     qn, kn = values(d, gen=own), values(d, gen=own)
     idx = own.permutation(n_kv)[:n_tokens].astype(np.int32)
     pos = (np.arange(n_tokens) + 30).astype(np.int32)
@@ -203,17 +205,25 @@ def test_rope_qkv_fused(gpu, gemma, cache, n_tokens):
 
     def build(lf):
         p, ix = lf.input("pos", I32, pos), lf.input("idx", I32, idx)
-        norm = {x: lf.weight(x, F32, (d,), w) if gemma else None for x, w in (("qn", qn), ("kn", kn))}
-        q = ops.rope(lf.input("q", F32, qd), p, d, mode, 10000.0, 1.0, out_scale=0.125 if gemma else 1.0,
-                     norm=norm["qn"], eps=1e-6)
+        if products:
+            ws = tuple(lf.weight(name, DType.Q4_0, (data.shape[0], n_embd), data) for name, data in w.items())
+            q, k, v = ops.mul_mat_multi(ws, lf.input("x", F32, x), ("q", "k", "v"))
+            q, k = ops.reshape(q, (n_tokens, hq, d)), ops.reshape(k, (n_tokens, hk, d))
+        else:
+            q, k, v = (lf.input(name, F32, data) for name, data in zip("qkv", qkv))
+        norm = {n: lf.weight(n, F32, (d,), nw) if gemma else None for n, nw in (("qn", qn), ("kn", kn))}
+        q = ops.rope(q, p, n_dims, mode, 10000.0, 1.0, out_scale=0.125 if gemma else 1.0, norm=norm["qn"], eps=1e-6)
         caches["k"], caches["v"] = lf.weight("kc", cache, (n_kv, hk * d), kc0), lf.weight("vc", cache, (n_kv, hk * d), vc0)
-        k_all = ops.rope_set_rows(caches["k"], lf.input("k", F32, kd), ix, p, d, mode, 10000.0, 1.0,
-                                  norm=norm["kn"], eps=1e-6)
-        v_all = ops.set_rows(caches["v"], lf.input("v", F32, vd), ix)
-        keys, vals = (ops.permute(ops.view(x, (n_kv, hk, d)), (1, 0, 2)) for x in (k_all, v_all))
+        k_all = ops.rope_set_rows(caches["k"], k, ix, p, n_dims, mode, 10000.0, 1.0, norm=norm["kn"], eps=1e-6)
+        v_all = ops.set_rows(caches["v"], v, ix)
+        keys, vals = (ops.permute(ops.view(c, (n_kv, hk, d)), (1, 0, 2)) for c in (k_all, v_all))
         mask = np.zeros((n_tokens, n_kv), dtype=np.float16)
         return ops.flash_attn(ops.permute(q, (1, 0, 2)), keys, vals, lf.input("mask", F16, mask), scale=d ** -0.5)
+    return build, caches
 
+
+def check_block(gpu, build, caches: dict, threshold: float) -> None:
+    """The block's attention and both caches on the GPU against the reference."""
     def results(backend):
         sched, sg, leafs, out = planned(backend, build)
         for t, data in leafs.feeds.items():
@@ -221,7 +231,16 @@ def test_rope_qkv_fused(gpu, gemma, cache, n_tokens):
         sched.compute(sg)
         return [sched.get_tensor(x).astype(np.float64) for x in (out, caches["k"], caches["v"])]
     for got, want in zip(results(gpu), results(ReferenceBackend())):
-        assert nmse(got, want) < NMSE_ATTENTION
+        assert nmse(got, want) < threshold
+
+
+@pytest.mark.parametrize("n_tokens", [1, 5])
+@pytest.mark.parametrize("cache", [F16, F32])
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma3"])
+def test_rope_qkv_fused(gpu, gemma, cache, n_tokens):
+    """The queries' RoPE, the keys' RoPE into the cache and the values' cache write run as one launch."""
+    build, caches = rope_block(n_tokens, cache, gemma)
+    check_block(gpu, build, caches, NMSE_ATTENTION)
     _, sg, _, _ = planned(gpu, build)
     steps = gpu.prepare(sg.splits[0].nodes).steps
     assert [s.name for s in steps] == ["rope_qkv", "rope_set_rows", "set_rows", "flash_attn"]
@@ -232,44 +251,10 @@ def test_rope_qkv_fused(gpu, gemma, cache, n_tokens):
 @pytest.mark.parametrize("cache", [F16, F32])
 @pytest.mark.parametrize("gemma,n_dims", [(False, 64), (False, 32), (True, 64)], ids=["llama", "llama-half", "gemma3"])
 def test_qkv_products_rope_fused(gpu, gemma, n_dims, cache, n_tokens):
-    """q, k and v products of one token, then RoPE and the cache writes: for llama's rotation (also of part
-    of each head) one launch does all (mmvq_rope_qkv); gemma3's (per-head norms, NeoX pairs) and two tokens
-    keep the product and rope_qkv. The attention over the caches and both caches agree with the reference."""
-    hq, hk, d, n_kv, n_embd = 4, 2, 64, 16, 128
-    own = np.random.default_rng(40 + n_tokens)
-    x = values(n_tokens, n_embd, gen=own)
-    w = {name: weight_data(DType.Q4_0, m, n_embd, seed=i) for i, (name, m) in enumerate(
-        [("wq", hq * d), ("wk", hk * d), ("wv", hk * d)])}
-    qn, kn = values(d, gen=own), values(d, gen=own)
-    idx = own.permutation(n_kv)[:n_tokens].astype(np.int32)
-    pos = (np.arange(n_tokens) + 30).astype(np.int32)
-    kc0, vc0 = (values(n_kv, hk * d, gen=own).astype(cache.np_dtype) for _ in range(2))
-    mode = ROPE_NEOX if gemma else ROPE_NORMAL
-    caches = {}
-
-    def build(lf):
-        p, ix = lf.input("pos", I32, pos), lf.input("idx", I32, idx)
-        ws = [lf.weight(name, DType.Q4_0, (data.shape[0], n_embd), data) for name, data in w.items()]
-        q, k, v = ops.mul_mat_multi(tuple(ws), lf.input("x", F32, x), ("q", "k", "v"))
-        norm = {n: lf.weight(n, F32, (d,), nw) if gemma else None for n, nw in (("qn", qn), ("kn", kn))}
-        q = ops.rope(ops.reshape(q, (n_tokens, hq, d)), p, n_dims, mode, 10000.0, 1.0, out_scale=0.125,
-                     norm=norm["qn"], eps=1e-6)
-        caches["k"], caches["v"] = lf.weight("kc", cache, (n_kv, hk * d), kc0), lf.weight("vc", cache, (n_kv, hk * d), vc0)
-        k_all = ops.rope_set_rows(caches["k"], ops.reshape(k, (n_tokens, hk, d)), ix, p, n_dims, mode, 10000.0, 1.0,
-                                  norm=norm["kn"], eps=1e-6)
-        v_all = ops.set_rows(caches["v"], v, ix)
-        keys, vals = (ops.permute(ops.view(c, (n_kv, hk, d)), (1, 0, 2)) for c in (k_all, v_all))
-        mask = np.zeros((n_tokens, n_kv), dtype=np.float16)
-        return ops.flash_attn(ops.permute(q, (1, 0, 2)), keys, vals, lf.input("mask", F16, mask), scale=1.0)
-
-    def results(backend):
-        sched, sg, leafs, out = planned(backend, build)
-        for t, data in leafs.feeds.items():
-            sched.set_tensor(t, data)
-        sched.compute(sg)
-        return [sched.get_tensor(c).astype(np.float64) for c in (out, caches["k"], caches["v"])]
-    for got, want in zip(results(gpu), results(ReferenceBackend())):
-        assert nmse(got, want) < NMSE_LAYER
+    """q, k and v products, then RoPE and the cache writes: for one token and llama's rotation (also of part
+    of each head) one launch does all (mmvq_rope_qkv); gemma3's and two tokens keep the product and rope_qkv."""
+    build, caches = rope_block(n_tokens, cache, gemma, n_dims, products=True)
+    check_block(gpu, build, caches, NMSE_LAYER)
     names = _kernel_names(gpu, build)
     fused = not gemma and n_tokens == 1
     assert any("mmvq_rope_qkv" in n for n in names) == fused, names
