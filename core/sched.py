@@ -392,6 +392,10 @@ class Scheduler:
     def get_tensor(self, t: Tensor) -> np.ndarray:
         return t.root.buffer.backend.get_tensor(t)
 
+    def get_checked(self, t: Tensor) -> tuple[np.ndarray, bool]:
+        """t's elements on the host and whether all are finite (Backend.get_checked)."""
+        return t.root.buffer.backend.get_checked(t)
+
     def set_tensor(self, t: Tensor, data: np.ndarray) -> None:
         t.root.buffer.backend.set_tensor(t, data)
 

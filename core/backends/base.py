@@ -102,6 +102,12 @@ class Backend(ABC):
     def get_tensor(self, t: Tensor) -> np.ndarray:
         """A host copy of t's elements."""
 
+    def get_checked(self, t: Tensor) -> tuple[np.ndarray, bool]:
+        """A host copy of t's elements and whether every one is finite (each step's logits are checked):
+        a backend may check on its device while the values travel. Here: get_tensor, then all_finite."""
+        out = self.get_tensor(t)
+        return out, all_finite(out)
+
     def copy_tensor(self, src: Tensor, dst: Tensor) -> None:
         """Copy src (on any backend) into dst (on this backend), through the host."""
         self.set_tensor(dst, src.root.buffer.backend.get_tensor(src))
@@ -145,3 +151,13 @@ class Backend(ABC):
 
     def __repr__(self) -> str:
         return f"<backend {self.name}: {self.device}>"
+
+
+def all_finite(values: np.ndarray) -> bool:
+    """np.isfinite(values).all() for logits, read in one pass where it can: float32 values all finite
+    have a finite sum (einsum's, which makes no temporary), and NaN or infinity in any element makes the
+    sum non-finite. Only a non-finite sum (a fault, or finite values so large that it overflows) has
+    every element checked."""
+    if values.dtype == np.float32 and np.isfinite(np.einsum("i->", values.reshape(-1))):
+        return True
+    return bool(np.isfinite(values).all())

@@ -2,8 +2,8 @@
 appeared, and on request (`--check-numerics`, GGRUN_GRAPH_DEBUG=1) the graph node that produced the
 first non-finite value, found by recomputing the graph node by node.
 
-The recomputation runs only after a fault was seen; of this module the normal decode path runs only
-all_finite, the check of each micro-batch's logits.
+The recomputation runs only after a fault was seen; the normal decode path only asks the backend
+holding the logits whether they are finite (Backend.get_checked).
 """
 from __future__ import annotations
 
@@ -46,16 +46,6 @@ class NonFiniteLogits(RuntimeFailure):
         """One line: the file, the kind, where (e.g. 'at generation step 3 (position 9)'), the culprit or a hint."""
         head = f"{self.source}: " if self.source else ""
         return f"{head}non-finite logits ({self.kind}) {self.where}; {self.culprit or HINT}"
-
-
-def all_finite(values: np.ndarray) -> bool:
-    """np.isfinite(values).all() for logits, read in one pass where it can: float32 values all finite
-    have a finite sum (einsum's, which makes no temporary), and NaN or infinity in any element makes the
-    sum non-finite. Only a non-finite sum (a fault, or finite values so large that it overflows) has
-    every element checked."""
-    if values.dtype == np.float32 and np.isfinite(np.einsum("i->", values.reshape(-1))):
-        return True
-    return bool(np.isfinite(values).all())
 
 
 def non_finite_kind(values) -> str | None:

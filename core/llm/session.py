@@ -30,7 +30,7 @@ from ggrun.core.llm.budget import Budget
 from ggrun.core.llm.kv_cache import (build_k_shift_blocks, cell_record_bytes, check_cache_types, KV_PAD, KVCache,
                                      planned_bytes)
 from ggrun.core.llm.model import Model
-from ggrun.core.llm.numerics import NonFiniteLogits, all_finite, first_non_finite, non_finite_kind
+from ggrun.core.llm.numerics import NonFiniteLogits, first_non_finite, non_finite_kind
 from ggrun.core.sched import Scheduler
 
 
@@ -290,13 +290,13 @@ class Session:
         res.set_inputs(st, self.sched.cpu)
         with np.errstate(all="ignore"):  # a NaN is reported once, below, not as numpy warnings per kernel
             self.sched.compute(res.sg)
-        out = self.sched.get_tensor(res.logits) if ub.n_outputs else None
+        out, finite = self.sched.get_checked(res.logits) if ub.n_outputs else (None, True)
         dt = time.perf_counter() - t0
         self.stats.compute_s += dt
         self.stats.n_tokens += ub.n_tokens
         if self.debug:  # one line per micro-batch, printed once its compute time is known
             print(self._debug_line + (f" compute {1e3 * dt:.2f} ms" if self.debug >= 2 else ""), file=sys.stderr)
-        if out is not None and not all_finite(out):
+        if not finite:
             raise self._non_finite(ub, out, res, partial(res.set_inputs, st, self.sched.cpu))
         return out
 

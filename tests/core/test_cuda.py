@@ -161,6 +161,36 @@ def test_split_inputs_are_copied_by_the_split_run(gpu):
     assert graphs[4] is not graphs[3] and graphs[5] is not graphs[4] and graphs[6] is graphs[5]
 
 
+@pytest.mark.parametrize("shape", [(1, 128256), (3, 1000), (7,)])
+def test_checked_fetch_gives_the_values_and_finds_every_non_finite_one(gpu, shape):
+    """get_checked (one kernel writing pinned memory and flags) returns exactly get_tensor's values,
+    and says not finite for one NaN, +inf or -inf anywhere, the first and last element included; f16
+    and views take the base class's way and answer the same."""
+    from ggrun.core.context import ImmediateContext
+    from ggrun.core.dtypes import DType
+
+    t = ImmediateContext(gpu).new_tensor("logits", DType.F32, shape)
+    x = gpu.array(t)
+    n = int(np.prod(shape))
+    values = np.random.default_rng(0).standard_normal(n).astype(np.float32).reshape(shape) * 30
+    for at, bad in [(None, None), (0, np.nan), (n - 1, np.inf), (n // 2, -np.inf), (n // 3, np.nan)]:
+        host = values.copy()
+        if at is not None:
+            host.reshape(-1)[at] = bad
+        with gpu._dev:
+            x.set(host)
+            cupy.cuda.Device().synchronize()
+        got, finite = gpu.get_checked(t)
+        np.testing.assert_array_equal(got, host)
+        assert got.shape == shape and finite is (at is None)
+    h = ImmediateContext(gpu).new_tensor("half", DType.F16, (4,))
+    with gpu._dev:
+        gpu.array(h).set(np.array([1, 2, np.inf, 3], dtype=np.float16))
+        cupy.cuda.Device().synchronize()
+    got, finite = gpu.get_checked(h)
+    assert got.dtype == np.float16 and not finite
+
+
 def test_early_launches_give_the_plain_launches_results(tiny_llama_factory, gpu, monkeypatch):
     """Kernels started early (PDL: each waits for the one before, after prefetching what depends on no
     other kernel) give the same bits as kernels launched one after the other, eagerly and replayed."""

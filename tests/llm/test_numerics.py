@@ -8,12 +8,13 @@ import re
 import numpy as np
 import pytest
 
+from ggrun.core.backends.base import all_finite
 from ggrun.core.backends.cpu import CPUBackend
 from ggrun.core.errors import RuntimeFailure
 from ggrun.core.llm.batch import Batch
 from ggrun.core.llm.generate import generate
 from ggrun.core.llm.model import Model
-from ggrun.core.llm.numerics import HINT, NonFiniteLogits, all_finite, non_finite_kind
+from ggrun.core.llm.numerics import HINT, NonFiniteLogits, non_finite_kind
 from ggrun.core.llm.sampling import Sampler, SamplingParams
 from ggrun.core.llm.session import Session, SessionParams
 from tests.synth import LlamaConfig, tokenizer_metadata, write_variant
@@ -110,7 +111,7 @@ def test_generate_names_the_prompt(nan_model):
 def test_generate_names_the_step(good_model, monkeypatch):
     """Logits that turn non-finite after two generated tokens stop generation at step 2."""
     s = session(good_model, check=True)
-    real = s.sched.get_tensor
+    real = s.sched.cpu.get_tensor  # the CPU backend's get_checked reads the logits through it
     calls = []
 
     def get_tensor(t):
@@ -118,7 +119,7 @@ def test_generate_names_the_step(good_model, monkeypatch):
         calls.append(1)
         return out * np.nan if len(calls) == 3 else out
 
-    monkeypatch.setattr(s.sched, "get_tensor", get_tensor)
+    monkeypatch.setattr(s.sched.cpu, "get_tensor", get_tensor)
     tokens: list[int] = []
     with pytest.raises(NonFiniteLogits) as info:
         generate(s, [1, 2, 3], 8, Sampler(SamplingParams(temp=0)), tokens.append, ignore_eos=True)

@@ -28,7 +28,8 @@ from ggrun.core.backends.cuda import matmul as _matmul  # registers kernels
 from ggrun.core.backends.cuda import ops as _ops  # noqa: F401  (registers kernels)
 from ggrun.core.backends.cuda.binding import FUSIONS, TABLE, Step, launches_of, nothing
 from ggrun.core.backends.cuda.graphs import Prepared
-from ggrun.core.backends.cuda.module import TYPE_IDS
+from ggrun.core.backends.cuda.module import TYPE_IDS, kernel
+from ggrun.core.dtypes import DType
 from ggrun.core.backends.kernels import KERNELS
 from ggrun.core.tensor import Tensor
 
@@ -36,6 +37,7 @@ STAGING_BYTES = 16 << 20  # pinned host memory for copies; larger copies go stra
 # results up to this size come back in pinned memory of cupy's pool (returned to it when the array goes),
 # saving the copy out of staging: half a megabyte of logits a decode step
 PINNED_RESULT_BYTES = 1 << 20
+FETCH_BLOCKS = 32  # blocks of fetch_checked: as fast as 132 or 528 for 128k logits (H100)
 H2D, D2H = 1, 2  # cudaMemcpyKind
 PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 TICKETS = 1024  # counters shared by kernels that elect a last block (one per KV head in attention)
@@ -241,6 +243,23 @@ class CUDABackend(Backend):
             self.stream.synchronize()
             out.reshape(-1).view(np.uint8)[...] = host
             return out
+
+    def get_checked(self, t: Tensor) -> tuple[np.ndarray, bool]:
+        """A decode step's logits (f32, contiguous, up to PINNED_RESULT_BYTES): one kernel writes them into
+        pinned memory through the device's mapping and flags non-finite values on the way, so the host
+        never reads them to check (summing 513 KB that a copy had just landed took the H100's host some
+        40 us; copy and check were 56 us, the kernel is 30). Anything else as the base class does."""
+        src = self.array(t)
+        if t.dtype is not DType.F32 or not src.flags.c_contiguous or not 0 < src.nbytes <= PINNED_RESULT_BYTES:
+            return super().get_checked(t)
+        self._flush()
+        with self._dev, self.stream:
+            mem = cupy.cuda.alloc_pinned_memory(src.nbytes + 4 * FETCH_BLOCKS)
+            args = (np.uint64(src.data.ptr), np.int64(src.size), np.uint64(mem.ptr), np.uint64(mem.ptr + src.nbytes))
+            kernel("elementwise.cu", "fetch_checked")((FETCH_BLOCKS,), (256,), args)
+            self.stream.synchronize()
+        flags = np.frombuffer(mem, dtype=np.int32, count=FETCH_BLOCKS, offset=src.nbytes)
+        return np.frombuffer(mem, dtype=np.float32, count=src.size).reshape(src.shape), not flags.any()
 
     def plan_copies(self, pairs: list[tuple[Tensor, Tensor]]) -> Callable[[], None]:
         """A split's inputs, resolved once: the host arrays bound for contiguous tensors are handed to the

@@ -101,3 +101,17 @@ extern "C" __global__ void gather_inputs(const u8 *region, const i64 *table) {
     for (i64 i = threadIdx.x; i < n16; i += blockDim.x) ((uint4 *)dst)[i] = ((const uint4 *)src)[i];
     for (i64 i = n16 * 16 + threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
 }
+
+// x [n] f32 to out (pinned host memory, written through the device's mapping) and flags[b] = whether
+// some value block b wrote is not finite: a step's logits and their check in one launch (get_checked)
+extern "C" __global__ void fetch_checked(const float *x, i64 n, float *out, int *flags) {
+    pdl_begin();
+    int bad = 0;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const float v = x[i];
+        out[i] = v;
+        bad |= !isfinite(v);
+    }
+    bad = __syncthreads_or(bad);
+    if (threadIdx.x == 0) flags[blockIdx.x] = bad;
+}
