@@ -341,16 +341,29 @@ __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
 // Decode attention for up to DS_ROWS query rows of a KV head (one token of a group of up to four heads,
 // the common decode step), built for latency: every warp takes its own keys, D / 8 lanes per key (eight
 // elements each, one 16-byte load of f16), and loads DS_UNROLL keys and their values together, so a pass
-// over a few hundred keys is one or two round trips to memory. Each lane keeps a running maximum, sum
-// and weighted value sum per row (online softmax), so values need no second pass; lanes of a warp merge
-// by shuffles, warps through shared memory. Same arguments, chunks and merging of chunks as attn_decode.
+// over a few hundred keys is one or two round trips to memory. The first round's keys and values are
+// loaded before pdl_begin (while the kernel before runs), all but the rows this step writes (`fresh`,
+// the step's T cache rows; null: every row waits), which come after it with the queries, straight into
+// registers. Each lane keeps a running maximum, sum and weighted value sum per row (online softmax), so
+// values need no second pass; lanes of a warp merge by shuffles, warps through shared memory. Same
+// arguments, chunks and merging of chunks as attn_decode.
+template <int TK, int D>
+__device__ __forceinline__ void ds_load(const void *k, const void *v, i64 ko, i64 vo, bool live, float *kx, float *vx) {
+    if (live) {
+        ld8<TK>(k, ko, kx);
+        ld8<TK>(v, vo, vx);
+    } else {  // past the span: weight 0, and values that keep 0 * value finite
+#pragma unroll
+        for (int x = 0; x < 8; x++) kx[x] = vx[x] = 0.0f;
+    }
+}
+
 template <int TK, int D>
 __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_rows(
     const float *q, const void *k, const void *v, const __half *mask, float *out, float *part, int *tickets,
     int d, int T, int r, int n_kv, int chunk, i64 sq0, i64 sq1, i64 sk0, i64 sk1, i64 sv0, i64 sv1, i64 ldm,
-    float scale, block_q8_1 *q8, int pf) {
+    float scale, block_q8_1 *q8, const int *fresh, int pf) {
     constexpr int LPK = D / 8, KPW = 32 / LPK, KPB = KPW * DS_WARPS;  // lanes a key, keys a warp step, a block step
-    __shared__ __align__(16) float qs[DS_ROWS][D];
     __shared__ __align__(16) float wacc[DS_WARPS][DS_ROWS][D];
     __shared__ float wm[DS_WARPS][DS_ROWS], wl[DS_WARPS][DS_ROWS];
     __shared__ int lo, hi;
@@ -359,7 +372,7 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_rows(
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, o = lane % LPK, kl = lane / LPK;
     if (threadIdx.x == 0) lo = C, hi = 0;
     __syncthreads();
-    // the chunk's visible span from the mask (a step input: read before pdl_begin), then its cached rows into L2
+    // the chunk's visible span from the mask (a step input: read before pdl_begin)
     for (int jj = 0; jj < C; jj += DS_WARPS * 32) {
         const int j = jj + threadIdx.x;
         bool seen = false;
@@ -369,37 +382,51 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_rows(
     }
     __syncthreads();
     const int j0 = lo, j1 = hi;
-    for (int j = j0 + threadIdx.x; pf && j < j1; j += DS_WARPS * 32) {
+    // the first round: rows written in earlier steps into registers, the rest of the span into L2
+    int jw = j0 + warp * KPW;
+    float kx[DS_UNROLL][8], vx[DS_UNROLL][8];
+    bool late[DS_UNROLL];
+#pragma unroll
+    for (int u = 0; u < DS_UNROLL; u++) {
+        const int j = jw + kl + u * KPB;
+        bool now = fresh != nullptr && j < j1;
+        for (int t = 0; t < T && now; t++) now = fresh[t] != kv0 + j;
+        late[u] = !now;
+        ds_load<TK, D>(k, v, (i64)g * sk0 + (i64)(kv0 + j) * sk1 + o * 8, (i64)g * sv0 + (i64)(kv0 + j) * sv1 + o * 8,
+                       now, kx[u], vx[u]);
+    }
+    for (int j = j0 + KPB * DS_UNROLL + threadIdx.x; pf && j < j1; j += DS_WARPS * 32) {
         prefetch_l2((const u8 *)k + ((i64)g * sk0 + (i64)(kv0 + j) * sk1) * Block<TK>::BYTES, D * Block<TK>::BYTES, 0, 1);
         prefetch_l2((const u8 *)v + ((i64)g * sv0 + (i64)(kv0 + j) * sv1) * Block<TK>::BYTES, D * Block<TK>::BYTES, 0, 1);
     }
     pdl_begin();
-    for (int x = threadIdx.x; x < DS_ROWS * D; x += DS_WARPS * 32) {  // rows past R repeat the last (never written)
-        const int i = min(x / D, R - 1), e = x % D;
-        qs[x / D][e] = q[(i64)(g * r + i % r) * sq0 + (i64)(i / r) * sq1 + e];
-    }
-    __syncthreads();
     float qr[DS_ROWS][8], m[DS_ROWS], l[DS_ROWS], acc[DS_ROWS][8];
 #pragma unroll
-    for (int i = 0; i < DS_ROWS; i++) {
+    for (int i = 0; i < DS_ROWS; i++) {  // rows past R repeat the last (never written)
+        const int ii = min(i, R - 1);
+        const float *qrow = q + (i64)(g * r + ii % r) * sq0 + (i64)(ii / r) * sq1 + o * 8;
         m[i] = -INFINITY, l[i] = 0.0f;
 #pragma unroll
-        for (int x = 0; x < 8; x++) qr[i][x] = qs[i][o * 8 + x] * scale, acc[i][x] = 0.0f;
+        for (int x = 0; x < 8; x++) qr[i][x] = qrow[x] * scale, acc[i][x] = 0.0f;
     }
-    for (int jw = j0 + warp * KPW; jw < j1; jw += KPB * DS_UNROLL) {  // the same rounds for a warp's lanes (shuffles)
+#pragma unroll
+    for (int u = 0; u < DS_UNROLL; u++) {
+        const int j = jw + kl + u * KPB;
+        if (late[u])
+            ds_load<TK, D>(k, v, (i64)g * sk0 + (i64)(kv0 + j) * sk1 + o * 8, (i64)g * sv0 + (i64)(kv0 + j) * sv1 + o * 8,
+                           j < j1, kx[u], vx[u]);
+    }
+    for (; jw < j1; jw += KPB * DS_UNROLL) {  // the same rounds for a warp's lanes (shuffles)
         const int jb = jw + kl;
-        float kx[DS_UNROLL][8], vx[DS_UNROLL][8], sc[DS_UNROLL][DS_ROWS];
+        if (jw > j0 + warp * KPW) {
 #pragma unroll
-        for (int u = 0; u < DS_UNROLL; u++) {
-            const int j = jb + u * KPB;
-            if (j < j1) {
-                ld8<TK>(k, (i64)g * sk0 + (i64)(kv0 + j) * sk1 + o * 8, kx[u]);
-                ld8<TK>(v, (i64)g * sv0 + (i64)(kv0 + j) * sv1 + o * 8, vx[u]);
-            } else {  // past the span: weight 0, and values that keep 0 * value finite
-#pragma unroll
-                for (int x = 0; x < 8; x++) kx[u][x] = vx[u][x] = 0.0f;
+            for (int u = 0; u < DS_UNROLL; u++) {
+                const int j = jb + u * KPB;
+                ds_load<TK, D>(k, v, (i64)g * sk0 + (i64)(kv0 + j) * sk1 + o * 8,
+                               (i64)g * sv0 + (i64)(kv0 + j) * sv1 + o * 8, j < j1, kx[u], vx[u]);
             }
         }
+        float sc[DS_UNROLL][DS_ROWS];
 #pragma unroll
         for (int u = 0; u < DS_UNROLL; u++)
 #pragma unroll
