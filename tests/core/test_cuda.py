@@ -222,8 +222,8 @@ def test_early_launches_give_the_plain_launches_results(tiny_llama_factory, gpu,
 
 def test_plan_starts_a_prefetching_product_plainly_after_a_kernel_filling_the_gpu(monkeypatch):
     """launch.plan: every launch starts early, except one with a prologue after a launch whose blocks
-    cover every multiprocessor (or after work that is not a launch); a prologue's last argument says
-    whether it runs."""
+    cover every multiprocessor (or after work that is not a launch) unless its prologue is light; a
+    prologue's last argument says whether it runs."""
     from ggrun.core.backends.cuda import launch
     from ggrun.core.backends.cuda.binding import Launch, i32
 
@@ -235,7 +235,10 @@ def test_plan_starts_a_prefetching_product_plainly_after_a_kernel_filling_the_gp
 
     norm, qkv, glu, down, after_host, tail = mk(1, False), mk(768, True), mk(256, True), mk(512, True), \
         mk(4, True), mk(1, False)
-    launch.plan([norm, qkv, glu, down, None, after_host, tail])
-    assert [x.early for x in (norm, qkv, glu, down, after_host, tail)] == [True, True, False, False, False, True]
-    assert [int(x.args[-1]) for x in (qkv, glu, down, after_host)] == [1, 0, 0, 0]
+    attn = mk(8, True)
+    attn.light = True
+    launch.plan([norm, qkv, attn, glu, down, None, after_host, tail])
+    assert [x.early for x in (norm, qkv, attn, glu, down, after_host, tail)] == [True, True, True, True, False,
+                                                                                False, True]
+    assert [int(x.args[-1]) for x in (qkv, attn, glu, down, after_host)] == [1, 1, 1, 0, 0]
     assert norm.args == (7,) and tail.args == (7,)

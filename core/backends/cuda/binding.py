@@ -49,6 +49,7 @@ class Launch:
     args: tuple
     smem: int = 0
     prologue: bool = False  # work before pdl_begin, done only when started early (the last argument says so)
+    light: bool = False  # its prologue reads little (a few cached rows, not a weight): it always starts early
     early: bool = False  # started while the kernel before still runs (PDL; launch.plan decides)
     _issue: Callable[[], None] | None = field(default=None, init=False, repr=False, compare=False)
 

@@ -412,7 +412,7 @@ def _attn_decode(node: Tensor, out, srcs, scratch, backend):
     if t * (hq // hk) <= DECODE_FEW_ROWS:  # one token's heads: the kernel built for latency
         fn = kernel("attention.cu", f"attn_decode_rows<{_tid(node.srcs[1].dtype)}, {d}>")
         rows_args = args + (_fresh_rows(node, backend), i32(0))
-        return launch_step(node.op, Launch(fn, (hk, split), (256,), rows_args, prologue=True))
+        return launch_step(node.op, Launch(fn, (hk, split), (256,), rows_args, prologue=True, light=True))
     args += (i32(0),)
     fn = kernel("attention.cu", f"attn_decode<{_tid(node.srcs[1].dtype)}, {d}>")
     smem = _decode_smem(node, chunk)
