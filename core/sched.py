@@ -330,29 +330,31 @@ class Scheduler:
 
     def compute(self, sg: ScheduledGraph) -> None:
         """Run the splits in order, each after its copies into this compute's pipeline slot."""
-        slot = self.cur_slot % sg.n_slots
+        n_slots = sg.n_slots
+        slot = self.cur_slot % n_slots
         self.cur_slot = (self.cur_slot + 1) % self.n_copies
         self.slots_used.append(slot)
         for split in sg.splits:
             b = split.backend
             if split.copies:
-                self._copy_inputs(sg, split, slot)
+                self._copy_inputs(sg, split, slot, n_slots)
             b.run_prepared(self._calls(sg, split, slot))
-            if sg.n_slots > 1 and split.copies:
+            if n_slots > 1 and split.copies:
                 self._slot_events[(b.name, slot)] = b.record_event()
         if self.debug >= 2:
             counts = ", ".join(f"{kind} {c.n} ({c.nbytes} bytes)" for kind, c in self.copy_counts.items() if c.n)
-            print(f"sched: computed in slot {slot} of {sg.n_slots}; copies so far: {counts or 'none'}",
+            print(f"sched: computed in slot {slot} of {n_slots}; copies so far: {counts or 'none'}",
                   file=sys.stderr)
 
-    def _copy_inputs(self, sg: ScheduledGraph, split: Split, slot: int) -> None:
-        """The split's copies into `slot`, after the split that read that slot last is done with it."""
+    def _copy_inputs(self, sg: ScheduledGraph, split: Split, slot: int, n_slots: int) -> None:
+        """The split's copies into `slot` (of the graph's n_slots), after the split that read that slot
+        last is done with it."""
         b = split.backend
-        if sg.n_slots > 1:
+        if n_slots > 1:
             b.wait_event(self._slot_events.get((b.name, slot)))
         copy = split.copy_runs.get(slot)
         if copy is None:
-            into = sg.slots[slot] if sg.n_slots > 1 else {}
+            into = sg.slots[slot] if n_slots > 1 else {}
             copy = split.copy_runs[slot] = b.plan_copies([(c.srcs[0], into.get(id(c), c)) for c in split.copies])
         copy()
         for kind, add in self._tally(sg, split).items():

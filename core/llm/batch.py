@@ -26,7 +26,10 @@ class Batch:
 
     @staticmethod
     def of_sequence(tokens: list[int], start_pos: int = 0, seq: int = 0, last_logits: bool = True) -> "Batch":
-        """One sequence's tokens at consecutive positions; logits for the last only (or none)."""
+        """One sequence's tokens at consecutive positions; logits for the last only (or none). A single
+        token (a decode step's batch, made on every step) gets its lists at once, as `add` would fill them."""
+        if len(tokens) == 1:
+            return Batch([int(tokens[0])], [int(start_pos)], [int(seq)], [bool(last_logits)])
         b = Batch()
         for i, t in enumerate(tokens):
             b.add(t, start_pos + i, seq, last_logits and i == len(tokens) - 1)
@@ -57,9 +60,9 @@ def split_batch(batch: Batch, n_ubatch: int) -> list[UBatch]:
     toks = np.asarray(batch.tokens, dtype=np.int32)
     pos = np.asarray(batch.pos, dtype=np.int32)
     seq = np.asarray(batch.seq, dtype=np.int32)
-    need = np.asarray(batch.logits, dtype=bool)
     if 0 < len(batch) <= n_ubatch:
-        return [UBatch(toks, pos, seq, _rows_needing_logits(need), 0)]
+        return [UBatch(toks, pos, seq, _rows_needing_logits(batch.logits), 0)]
+    need = np.asarray(batch.logits, dtype=bool)
     out = []
     for i in range(0, len(batch), n_ubatch):
         sl = slice(i, i + n_ubatch)
@@ -67,5 +70,9 @@ def split_batch(batch: Batch, n_ubatch: int) -> list[UBatch]:
     return out
 
 
-def _rows_needing_logits(need: np.ndarray) -> np.ndarray:
-    return need.nonzero()[0].astype(np.int32)
+def _rows_needing_logits(need) -> np.ndarray:
+    """The rows whose flag in `need` (a list or array of them) is set, as i32; one token (a decode step)
+    without converting its flag to an array first."""
+    if len(need) == 1:
+        return np.zeros(1 if need[0] else 0, dtype=np.int32)
+    return np.asarray(need, dtype=bool).nonzero()[0].astype(np.int32)

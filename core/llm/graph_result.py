@@ -5,8 +5,11 @@ It records the parameters that fixed its shapes and the states it was planned ag
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Callable
+
+import numpy as np
 
 from ggrun.core.backends.base import Backend
 from ggrun.core.llm.inputs import GraphInput, GraphParams, UBatchState
@@ -22,6 +25,8 @@ class GraphResult:
     sg: ScheduledGraph
     kv_version: tuple[int, ...]  # the version of each cache (two with a sliding-window cache)
     sched_generation: int
+    # (plans, cpu, [(set_input, array)]): each input's refresh and its array, for the plans they were resolved in
+    _resolved: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def reuse_blocker(self, p: GraphParams, kv_version: tuple[int, ...], sched_generation: int) -> str | None:
         """Why this graph cannot serve a micro-batch with params p, or None when it can."""
@@ -43,5 +48,14 @@ class GraphResult:
 
     def set_inputs(self, st: UBatchState, cpu: Backend) -> None:
         """Fill every input of the graph for micro-batch state st (inputs live in the CPU's memory)."""
-        for inp in self.inputs:
-            inp.set_input(st, cpu.array(inp.tensor))
+        for set_input, arr in self._input_arrays(cpu):
+            set_input(st, arr)
+
+    def _input_arrays(self, cpu: Backend) -> list[tuple[Callable, np.ndarray]]:
+        """Each input's set_input with the array over its tensor, resolved once per memory plan (alloc
+        makes a new `sg.plans`), as the scheduler resolves kernel calls once: while a graph is reused its
+        inputs stay where they were placed, so finding their arrays again on every step is wasted."""
+        r = self._resolved
+        if r is None or r[0] is not self.sg.plans or r[1] is not cpu:
+            r = self._resolved = (self.sg.plans, cpu, [(i.set_input, cpu.array(i.tensor)) for i in self.inputs])
+        return r[2]

@@ -205,9 +205,10 @@ class KVCache:
         sequence's cells at least `window` positions before its first token here."""
         if self.window is None:
             return
-        if len(seq):  # before any cell changes: a bad id is refused, not taken as an index
-            self._check_seq_ids(int(seq.min()), int(seq.max()))
-        for s, first in _first_positions(pos, seq):
+        firsts = _first_positions(pos, seq)
+        if firsts:  # before any cell changes: a bad id is refused, not taken as an index
+            self._check_seq_ids(firsts[0][0], firsts[-1][0])
+        for s, first in firsts:
             self._evict(s, first - self.window)
 
     def _evict(self, seq: int, last: int) -> None:
@@ -219,7 +220,8 @@ class KVCache:
         cells = (self.pos[:self._top] <= last).nonzero()[0]
         if not self._packed():  # free cells (negative positions) lie below the top too
             cells = cells[self.pos[cells] >= 0]
-        cells = cells[held[cells]]
+        if not self._holds_every_used(seq):
+            cells = cells[held[cells]]
         if not len(cells):
             return
         held[cells] = False
@@ -241,7 +243,10 @@ class KVCache:
             return np.arange(self._top, self._top + n_tokens, dtype=np.int32)
         if self.n_free() < n_tokens:
             return None
-        return (self.pos < 0).nonzero()[0][:n_tokens].astype(np.int32)
+        free = self.pos < 0
+        if n_tokens == 1:  # a decode step (a window cache's is rarely packed): the first, without listing all
+            return np.array([free.argmax()], dtype=np.int32)
+        return free.nonzero()[0][:n_tokens].astype(np.int32)
 
     def apply(self, cells: np.ndarray, pos: np.ndarray, seq: np.ndarray) -> None:
         """Record that `cells` now hold tokens at `pos` of sequences `seq`."""
@@ -265,7 +270,8 @@ class KVCache:
         self._check_seq_ids(seq, seq)
         was_used = self.pos[cell] >= 0
         self.pos[cell] = pos
-        self.seqs[cell] = False
+        if self.n_seq_max > 1:  # with one sequence, the flag set next is the cell's only one
+            self.seqs[cell] = False
         self.seqs[cell, seq] = True
         if pos < 0 or cell < 0:  # a cell freed by its position, or counted from the end: count again
             self._recount()
@@ -283,8 +289,8 @@ class KVCache:
         with a window, fewer than `window` positions back), else -inf."""
         # all hidden, then the visible cells opened: no float64 temporary of the mask's size (np.where)
         out.fill(-np.inf)
-        if len(pos) == 1 and self._sees_all(int(pos[0]), int(seq[0]), window):
-            out[0, :self._top] = 0
+        if len(pos) == 1:
+            self._open_row(out[0], int(pos[0]), int(seq[0]), window)
             return
         n_kv = out.shape[1]
         cell_pos = self.pos[None, :n_kv]
@@ -293,6 +299,23 @@ class KVCache:
             visible &= pos[:, None] - cell_pos < window
         out[visible] = 0
 
+    def _open_row(self, row: np.ndarray, pos: int, seq: int, window: int | None) -> None:
+        """Open one token's row of the mask (a decode step): the slice 0..top when the token sees exactly
+        those cells, else the cells whose position lies from the lowest one it sees (the window's first,
+        or 0, which leaves out free cells) up to its own. Each condition of the formula is a comparison
+        with a number, and those that hold for every used cell are not made: none later than the token
+        (the bound on positions says so), all of its sequence (_holds_every_used)."""
+        if self._sees_all(pos, seq, window):
+            row[:self._top] = 0
+            return
+        cell_pos = self.pos[:row.shape[0]]
+        visible = cell_pos >= (0 if window is None else max(0, pos - window + 1))
+        if self._max_pos > pos:
+            visible &= cell_pos <= pos
+        if not self._holds_every_used(seq):
+            visible &= self.seqs[:row.shape[0], seq]
+        row[visible] = 0
+
     def _sees_all(self, pos: int, seq: int, window: int | None) -> bool:
         """Whether a token of `seq` at `pos` sees exactly the cells 0..top-1 (the usual decode step: the
         cache packed with its sequence's earlier tokens), which a slice of its mask then opens."""
@@ -300,8 +323,15 @@ class KVCache:
             return False
         used = slice(0, self._top)
         first = 0 if window is None else pos - window + 1  # the first position the window shows
-        return (self._max_pos <= pos and np.count_nonzero(self.seqs[used, seq]) == self._top
+        return (self._max_pos <= pos
+                and (self._holds_every_used(seq) or np.count_nonzero(self.seqs[used, seq]) == self._top)
                 and (first <= 0 or self.pos[used].min() >= first))
+
+    def _holds_every_used(self, seq: int) -> bool:
+        """Whether every used cell holds sequence `seq`, known without looking at them: so with one
+        sequence, since a used cell always holds a sequence (apply flags one, and whatever clears a
+        cell's last flag frees it)."""
+        return self.n_seq_max == 1 and seq == 0
 
     def _cells(self, seq: int, p0: int, p1: int) -> np.ndarray:
         p1 = np.iinfo(np.int32).max if p1 < 0 else p1
@@ -350,7 +380,8 @@ class KVCache:
 
 
 def _first_positions(pos: np.ndarray, seq: np.ndarray) -> list[tuple[int, int]]:
-    """Each sequence of a micro-batch with its first (lowest) position there; one token: no array work."""
+    """Each sequence of a micro-batch with its first (lowest) position there, in order of sequence id (the
+    first pair has the lowest, the last the highest); one token: no array work."""
     if len(seq) == 1:
         return [(int(seq[0]), int(pos[0]))]
     return [(int(s), int(pos[seq == s].min())) for s in np.unique(seq)]

@@ -31,7 +31,7 @@ from ggrun.core.llm.kv_cache import (build_k_shift_blocks, cell_record_bytes, ch
                                      planned_bytes)
 from ggrun.core.llm.model import Model
 from ggrun.core.llm.numerics import NonFiniteLogits, first_non_finite, non_finite_kind
-from ggrun.core.sched import Scheduler
+from ggrun.core.sched import ScheduledGraph, Scheduler
 
 
 class KVCacheFull(RuntimeFailure):
@@ -98,6 +98,14 @@ def reuse_enabled_by_env() -> bool:
     return os.environ.get("GGRUN_GRAPH_REUSE", "1") not in ("0", "false", "no")
 
 
+@np.errstate(all="ignore")
+def _compute_quietly(sched: Scheduler, sg: ScheduledGraph) -> None:
+    """Compute a graph with numpy's floating-point warnings off: a NaN is reported once, by the logits'
+    finite check, not as warnings per kernel. errstate as a decorator, as it costs half of a `with` block
+    (each decode step enters it)."""
+    sched.compute(sg)
+
+
 class Session:
     """Decode batches of tokens for a model; logits come back for the tokens that asked."""
 
@@ -113,6 +121,7 @@ class Session:
         self.budget = None if self.virtual else Budget.now(model.backends)
         self.kv_need: dict[str, int] = {}
         self.kv, self.kv_swa = self._make_caches()
+        self._caches = (self.kv,) if self.kv_swa is None else (self.kv, self.kv_swa)
         self.graph_reuse = params.graph_reuse and reuse_enabled_by_env()
         self.debug = graph_debug_level()
         self.check_numerics = params.check_numerics or self.debug >= 1
@@ -159,8 +168,10 @@ class Session:
         return need
 
     @property
-    def caches(self) -> list[KVCache]:
-        return [self.kv] if self.kv_swa is None else [self.kv, self.kv_swa]
+    def caches(self) -> tuple[KVCache, ...]:
+        """The KV cache, and the sliding-window one after it when there is one (made once: every decode
+        step walks them)."""
+        return self._caches
 
     def kv_bytes_by_backend(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -171,7 +182,7 @@ class Session:
 
     @property
     def kv_version(self) -> tuple[int, ...]:
-        return tuple(c.version for c in self.caches)
+        return tuple([c.version for c in self._caches])
 
     @property
     def n_ctx(self) -> int:
@@ -259,27 +270,31 @@ class Session:
 
     def _check_batch(self, batch: Batch) -> None:
         """Every token id must be in the vocabulary (min and max of the list: no array made for it)."""
-        if not len(batch):
-            return
-        n_vocab = self.model.hp.n_vocab
-        if min(batch.tokens) < 0 or max(batch.tokens) >= n_vocab:
-            raise BadInput(f"token id out of range 0..{n_vocab - 1}")
+        toks = batch.tokens
+        if len(toks) and (min(toks) < 0 or max(toks) >= self.model.hp.n_vocab):
+            raise BadInput(f"token id out of range 0..{self.model.hp.n_vocab - 1}")
 
     def place_ubatch(self, ub: UBatch) -> UBatchState:
         """Find cells for the micro-batch in every cache and record them there (the window cache first
         frees what no token can see any more); KVCacheFull when the cache cannot hold it."""
         if self.kv_swa is not None:
             self.kv_swa.evict_unseen(ub.pos, ub.seq)
-        cells = [c.find_slot(ub.n_tokens) for c in self.caches]
-        if any(x is None for x in cells):
-            raise KVCacheFull(f"the KV cache ({self.n_ctx} cells, {self.kv.n_free()} free) cannot hold "
-                              f"{ub.n_tokens} more tokens")
-        for cache, x in zip(self.caches, cells):
+        n = ub.n_tokens
+        cells = []
+        for cache in self._caches:  # every cache has room before any records the micro-batch
+            x = cache.find_slot(n)
+            if x is None:
+                raise KVCacheFull(f"the KV cache ({self.n_ctx} cells, {self.kv.n_free()} free) cannot hold "
+                                  f"{n} more tokens")
+            cells.append(x)
+        for cache, x in zip(self._caches, cells):
             cache.apply(x, ub.pos, ub.seq)
-        return UBatchState(ub, cells[0], self.kv, *(cells[1:] + [self.kv_swa] if self.kv_swa is not None else []))
+        if self.kv_swa is None:
+            return UBatchState(ub, cells[0], self.kv)
+        return UBatchState(ub, cells[0], self.kv, cells[1], self.kv_swa)
 
     def _decode_ubatch(self, ub: UBatch) -> np.ndarray | None:
-        for cache in self.caches:  # keys move to their shifted positions before any cell is reused
+        for cache in self._caches:  # keys move to their shifted positions before any cell is reused
             if cache.has_shift:
                 self._apply_k_shift(cache)
         st = self.place_ubatch(ub)
@@ -288,8 +303,7 @@ class Session:
         res = self._graph_for(p)
         t0 = time.perf_counter()
         res.set_inputs(st, self.sched.cpu)
-        with np.errstate(all="ignore"):  # a NaN is reported once, below, not as numpy warnings per kernel
-            self.sched.compute(res.sg)
+        _compute_quietly(self.sched, res.sg)
         out, finite = self.sched.get_checked(res.logits) if ub.n_outputs else (None, True)
         dt = time.perf_counter() - t0
         self.stats.compute_s += dt

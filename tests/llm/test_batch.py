@@ -28,3 +28,24 @@ def test_split_batch_gives_consecutive_slices(n_tokens, n_ubatch):
             for ub in got] == sliced(b, n_ubatch)
     for ub in got:
         assert all(a.dtype == np.int32 for a in (ub.tokens, ub.pos, ub.seq, ub.out_rows))
+
+
+@pytest.mark.parametrize("tokens, start, seq, last", [
+    ([42], 7, 0, True), ([42], 7, 1, False), (np.array([5], np.int32), np.int64(3), np.int32(1), 1),
+    ([1, 2, 3], 4, 1, True), ([1, 2], 0, 0, False), ([], 0, 0, True)])
+def test_of_sequence_is_what_add_builds(tokens, start, seq, last):
+    """One token's lists made at once hold the values and types `add` gives them, as longer batches do."""
+    want = Batch()
+    for i, t in enumerate(tokens):
+        want.add(t, start + i, seq, bool(last) and i == len(tokens) - 1)
+    got = Batch.of_sequence(tokens, start, seq, last)
+    assert got == want
+    for field in ("tokens", "pos", "seq", "logits"):
+        assert [type(x) for x in getattr(got, field)] == [type(x) for x in getattr(want, field)]
+
+
+@pytest.mark.parametrize("last", [True, False])
+def test_one_token_asks_for_its_logits_or_not(last):
+    (ub,) = split_batch(Batch.of_sequence([9], 30, last_logits=last), 4)
+    assert ub.out_rows.tolist() == ([0] if last else []) and ub.out_rows.dtype == np.int32
+    assert ub.n_outputs == int(last)

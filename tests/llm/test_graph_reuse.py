@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ggrun.core.backends.cpu import CPUBackend
-from ggrun.core.llm.batch import Batch
+from ggrun.core.llm.batch import Batch, split_batch
 from ggrun.core.llm.generate import generate
 from ggrun.core.llm.graph_result import GraphResult
 from ggrun.core.llm.inputs import GraphParams
@@ -383,6 +383,26 @@ def test_reset_scheduler_never_runs_the_stale_graph(tiny):
     fresh = make_session(tiny, 64)
     want = decode_history(fresh, HISTORY + [([70], 14), ([71], 15)])[-2:]
     assert all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+def test_inputs_are_filled_where_the_current_plan_put_them(tiny):
+    """set_inputs finds its inputs' arrays once per plan: kept while the graph is reused, found again when
+    the same graph is planned anew (here into a new buffer), so it never fills memory a plan left."""
+    s = make_session(tiny, 64)
+    decode_history(s, HISTORY)
+    res, cpu = s.result, s.sched.cpu
+    resolved = res._input_arrays(cpu)
+    decode_history(s, [([67], 14)])
+    assert s.result is res and res._input_arrays(cpu) is resolved
+    s.sched.reset()
+    s.sched.alloc(res.sg)
+    new_buf = s.sched.allocators["CPU"].buffer
+    ub = split_batch(Batch.of_sequence([68], 15), 512)[0]
+    res.set_inputs(s.place_ubatch(ub), cpu)
+    assert res._input_arrays(cpu) is not resolved
+    for inp, (_, arr) in zip(res.inputs, res._input_arrays(cpu)):
+        assert inp.tensor.buffer is new_buf and np.shares_memory(arr, cpu.array(inp.tensor))
+    assert cpu.array(res.inputs[0].tensor).tolist() == [68]
 
 
 def test_an_input_that_cannot_serve_blocks_reuse(tiny):

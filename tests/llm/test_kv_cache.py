@@ -56,8 +56,10 @@ def expected_apply(kv: KVCache, cells: np.ndarray, pos: np.ndarray, seq: np.ndar
 
 def check_counts(kv: KVCache) -> None:
     """The numbers kept beside the cells describe them: used cells, one past the highest, and a bound
-    no held position exceeds."""
+    no held position exceeds. Every used cell holds a sequence (what lets a one-sequence cache's short
+    mask skip counting them)."""
     used = np.flatnonzero(kv.pos >= 0)
+    assert kv.seqs[used].any(axis=1).all()
     assert kv.n_used == len(used)
     assert kv._top == (int(used[-1]) + 1 if len(used) else 0)
     if len(used):
@@ -148,18 +150,20 @@ def random_step(kv: KVCache, rng: np.random.Generator, next_pos: list[int], wind
 @pytest.mark.parametrize("seed", range(3))
 def test_decode_paths_match_the_array_formulas(n_seq_max, window, seed):
     """Cells, counts and masks stay those of the formulas through random changes; the short mask (a slice)
-    is taken often enough (with several sequences too, while one holds all the cells) to be what was checked."""
+    and the one-token row found by comparisons are each taken often enough (with several sequences too,
+    while one holds all the cells) to be what was checked."""
     rng = np.random.default_rng(seed)
     kv = new_cache(n_seq_max, window)
     next_pos = [0] * n_seq_max
     windows = [None, 6] if window is None else [window]
-    steps = short = 0
+    steps = short = rows = 0
     original = KVCache._sees_all
 
     def counted(self, *a):
-        nonlocal short
+        nonlocal short, rows
         sees = original(self, *a)
         short += sees
+        rows += not sees
         return sees
 
     KVCache._sees_all = counted
@@ -168,7 +172,7 @@ def test_decode_paths_match_the_array_formulas(n_seq_max, window, seed):
             steps += random_step(kv, rng, next_pos, windows)
     finally:
         KVCache._sees_all = original
-    assert steps > 150 and short > 30
+    assert steps > 150 and short > 30 and rows > 30
 
 
 def test_in_order_decoding_takes_the_short_paths():
@@ -182,6 +186,23 @@ def test_in_order_decoding_takes_the_short_paths():
         assert kv._sees_all(p, 0, 4)
         check_mask(kv, pos, seq, 4, kv.n_kv())
     assert kv.n_used == 4 and sorted(kv.pos[:4]) == [16, 17, 18, 19]
+
+
+def test_a_window_cache_past_a_long_prompt_opens_rows_by_comparison():
+    """A prompt longer than the window leaves free cells below used ones: until the steps have evicted
+    the prompt's last cell the cache is not packed, so each decode step finds its cell among the free ones
+    and opens its mask row by comparisons; then it is packed again and the slice serves. Both as the
+    formulas give."""
+    kv = new_cache(1, 6)
+    seq = np.zeros(1, np.int32)
+    assert place(kv, np.arange(10, dtype=np.int32), np.zeros(10, np.int32))
+    for p in range(10, 30):
+        pos = np.array([p], np.int32)
+        assert place(kv, pos, seq)
+        assert kv._packed() == kv._sees_all(p, 0, 6) == (p >= 15)  # position 9, in cell 9, evicted at 15
+        for n_kv in (kv.n_kv(), N_CTX):
+            check_mask(kv, pos, seq, 6, n_kv)
+    assert kv.n_used == 6 and sorted(kv.pos[kv.pos >= 0]) == list(range(24, 30))
 
 
 def test_short_mask_is_refused_when_a_cell_is_hidden():
