@@ -392,8 +392,8 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_rows(
         bool now = fresh != nullptr && j < j1;
         for (int t = 0; t < T && now; t++) now = fresh[t] != kv0 + j;
         late[u] = !now;
-        ds_load<TK, D>(k, v, (i64)g * sk0 + (i64)(kv0 + j) * sk1 + o * 8, (i64)g * sv0 + (i64)(kv0 + j) * sv1 + o * 8,
-                       now, kx[u], vx[u]);
+        ds_load<TK, D>(k, v, (i64)g * sk0 + (i64)(kv0 + j) * sk1 + o * 8,
+                       (i64)g * sv0 + (i64)(kv0 + j) * sv1 + o * 8, now, kx[u], vx[u]);
     }
     for (int j = j0 + KPB * DS_UNROLL + threadIdx.x; pf && j < j1; j += DS_WARPS * 32) {
         prefetch_l2((const u8 *)k + ((i64)g * sk0 + (i64)(kv0 + j) * sk1) * Block<TK>::BYTES, D * Block<TK>::BYTES, 0, 1);
@@ -413,8 +413,8 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_rows(
     for (int u = 0; u < DS_UNROLL; u++) {
         const int j = jw + kl + u * KPB;
         if (late[u])
-            ds_load<TK, D>(k, v, (i64)g * sk0 + (i64)(kv0 + j) * sk1 + o * 8, (i64)g * sv0 + (i64)(kv0 + j) * sv1 + o * 8,
-                           j < j1, kx[u], vx[u]);
+            ds_load<TK, D>(k, v, (i64)g * sk0 + (i64)(kv0 + j) * sk1 + o * 8,
+                           (i64)g * sv0 + (i64)(kv0 + j) * sv1 + o * 8, j < j1, kx[u], vx[u]);
     }
     for (; jw < j1; jw += KPB * DS_UNROLL) {  // the same rounds for a warp's lanes (shuffles)
         const int jb = jw + kl;

@@ -14,7 +14,9 @@ from ggrun.core.ops import ROPE_NEOX
 from ggrun.core.tensor import Tensor
 
 FLOAT_TYPES = (DType.F32, DType.F16, DType.BF16)
-NORM_PER_THREAD = 4  # elements a thread of add_rms_norm serves where rows allow: a decode row is one block of 512 threads (1024: llama-1b decode graph 578 -> 571 us, H100)
+# elements a thread of add_rms_norm serves where rows allow: a decode row is one block of 512 threads
+# (1024 threads: llama-1b's decode graph took 578 us, not 571; H100)
+NORM_PER_THREAD = 4
 
 
 def _tid(dtype: DType) -> int:
