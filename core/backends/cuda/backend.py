@@ -29,8 +29,8 @@ from ggrun.core.backends.cuda import ops as _ops  # noqa: F401  (registers kerne
 from ggrun.core.backends.cuda.binding import FUSIONS, TABLE, Step, launches_of, nothing
 from ggrun.core.backends.cuda.graphs import Prepared
 from ggrun.core.backends.cuda.module import TYPE_IDS, kernel
-from ggrun.core.dtypes import DType
 from ggrun.core.backends.kernels import KERNELS
+from ggrun.core.dtypes import DType
 from ggrun.core.tensor import Tensor
 
 STAGING_BYTES = 16 << 20  # pinned host memory for copies; larger copies go straight from pageable memory
