@@ -337,7 +337,7 @@ class Scheduler:
         for split in sg.splits:
             b = split.backend
             if split.copies:
-                self._copy_inputs(sg, split, slot, n_slots)
+                self._copy_inputs(sg, split, slot)
             b.run_prepared(self._calls(sg, split, slot))
             if n_slots > 1 and split.copies:
                 self._slot_events[(b.name, slot)] = b.record_event()
@@ -346,10 +346,10 @@ class Scheduler:
             print(f"sched: computed in slot {slot} of {n_slots}; copies so far: {counts or 'none'}",
                   file=sys.stderr)
 
-    def _copy_inputs(self, sg: ScheduledGraph, split: Split, slot: int, n_slots: int) -> None:
-        """The split's copies into `slot` (of the graph's n_slots), after the split that read that slot
-        last is done with it."""
+    def _copy_inputs(self, sg: ScheduledGraph, split: Split, slot: int) -> None:
+        """The split's copies into `slot`, after the split that read that slot last is done with it."""
         b = split.backend
+        n_slots = sg.n_slots
         if n_slots > 1:
             b.wait_event(self._slot_events.get((b.name, slot)))
         copy = split.copy_runs.get(slot)

@@ -214,9 +214,9 @@ class KVCache:
     def _evict(self, seq: int, last: int) -> None:
         """Remove sequence `seq` from its cells at positions up to `last`; free those left empty. Works
         on the few cells concerned (a decode step evicts one), found below the top."""
-        held = self.seqs[:, seq]
         if last < 0:
             return
+        held = self.seqs[:, seq]
         cells = (self.pos[:self._top] <= last).nonzero()[0]
         if not self._packed():  # free cells (negative positions) lie below the top too
             cells = cells[self.pos[cells] >= 0]

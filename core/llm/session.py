@@ -121,7 +121,8 @@ class Session:
         self.budget = None if self.virtual else Budget.now(model.backends)
         self.kv_need: dict[str, int] = {}
         self.kv, self.kv_swa = self._make_caches()
-        self._caches = (self.kv,) if self.kv_swa is None else (self.kv, self.kv_swa)
+        # the KV cache, and the sliding-window one after it when there is one (every decode step walks them)
+        self.caches: tuple[KVCache, ...] = (self.kv,) if self.kv_swa is None else (self.kv, self.kv_swa)
         self.graph_reuse = params.graph_reuse and reuse_enabled_by_env()
         self.debug = graph_debug_level()
         self.check_numerics = params.check_numerics or self.debug >= 1
@@ -167,12 +168,6 @@ class Session:
             need[cpu] = need.get(cpu, 0) + spec["n_ctx"] * cell_record_bytes(spec["n_seq_max"])
         return need
 
-    @property
-    def caches(self) -> tuple[KVCache, ...]:
-        """The KV cache, and the sliding-window one after it when there is one (made once: every decode
-        step walks them)."""
-        return self._caches
-
     def kv_bytes_by_backend(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for cache in self.caches:
@@ -182,7 +177,7 @@ class Session:
 
     @property
     def kv_version(self) -> tuple[int, ...]:
-        return tuple([c.version for c in self._caches])
+        return tuple([c.version for c in self.caches])
 
     @property
     def n_ctx(self) -> int:
@@ -281,20 +276,20 @@ class Session:
             self.kv_swa.evict_unseen(ub.pos, ub.seq)
         n = ub.n_tokens
         cells = []
-        for cache in self._caches:  # every cache has room before any records the micro-batch
+        for cache in self.caches:  # every cache has room before any records the micro-batch
             x = cache.find_slot(n)
             if x is None:
                 raise KVCacheFull(f"the KV cache ({self.n_ctx} cells, {self.kv.n_free()} free) cannot hold "
                                   f"{n} more tokens")
             cells.append(x)
-        for cache, x in zip(self._caches, cells):
+        for cache, x in zip(self.caches, cells):
             cache.apply(x, ub.pos, ub.seq)
         if self.kv_swa is None:
             return UBatchState(ub, cells[0], self.kv)
         return UBatchState(ub, cells[0], self.kv, cells[1], self.kv_swa)
 
     def _decode_ubatch(self, ub: UBatch) -> np.ndarray | None:
-        for cache in self._caches:  # keys move to their shifted positions before any cell is reused
+        for cache in self.caches:  # keys move to their shifted positions before any cell is reused
             if cache.has_shift:
                 self._apply_k_shift(cache)
         st = self.place_ubatch(ub)
