@@ -122,6 +122,9 @@ class Scheduler:
         self.backends = list(backends)
         self.allocators = {b.name: GraphAllocator(b, reuse_memory) for b in self.backends}
         self.generation = 0  # bumped by reset(): plans made before it are stale
+        # bumped by whatever may write the compute buffers (a plan, a compute, a reset): inputs filled
+        # ahead of a compute (a readied decode step) are still there while it has not moved
+        self.activity = 0
         self.debug = int(os.environ.get("GGRUN_SCHED_DEBUG", "0") or 0)
         self.n_copies = n_copies
         self.cur_slot = 0  # the pipeline slot the next compute uses
@@ -290,6 +293,7 @@ class Scheduler:
     # ---- memory -----------------------------------------------------------------------
 
     def _plan_each(self, sg: ScheduledGraph, how: str) -> dict[str, Plan]:
+        self.activity += how != "measure"
         inputs = sg.graph.inputs() + sg.persistent
         plans = {}
         for b in self.backends:
@@ -325,11 +329,13 @@ class Scheduler:
         for a in self.allocators.values():
             a.release()
         self.generation += 1
+        self.activity += 1
 
     # ---- running ----------------------------------------------------------------------
 
     def compute(self, sg: ScheduledGraph) -> None:
         """Run the splits in order, each after its copies into this compute's pipeline slot."""
+        self.activity += 1
         n_slots = sg.n_slots
         slot = self.cur_slot % n_slots
         self.cur_slot = (self.cur_slot + 1) % self.n_copies

@@ -51,6 +51,11 @@ class GraphResult:
         for set_input, arr in self._input_arrays(cpu):
             set_input(st, arr)
 
+    def input_array(self, name: str, cpu: Backend) -> np.ndarray:
+        """The array over the input tensor called `name` (as set_inputs fills it)."""
+        arrays = self._input_arrays(cpu)
+        return next(arr for i, (_, arr) in zip(self.inputs, arrays) if i.tensor.name == name)
+
     def _input_arrays(self, cpu: Backend) -> list[tuple[Callable, np.ndarray]]:
         """Each input's set_input with the array over its tensor, resolved once per memory plan (alloc
         makes a new `sg.plans`), as the scheduler resolves kernel calls once: while a graph is reused its

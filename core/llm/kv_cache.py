@@ -13,7 +13,9 @@ turned alike, and attention's result is turned back, so nothing changes but the 
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 
@@ -168,6 +170,7 @@ class KVCache:
         self.shift = np.zeros(n_ctx, dtype=np.int32)
         self.has_shift = False
         self.version = 0
+        self.changes = 0  # counts every change of the cells: a step readied against them checks it
         self._recount()
 
     @property
@@ -224,6 +227,7 @@ class KVCache:
             cells = cells[held[cells]]
         if not len(cells):
             return
+        self.changes += 1
         held[cells] = False
         # one sequence: every cell it leaves is empty, no need to look at the others
         emptied = cells if self.n_seq_max == 1 else cells[~self.seqs[cells].any(axis=1)]
@@ -250,6 +254,7 @@ class KVCache:
 
     def apply(self, cells: np.ndarray, pos: np.ndarray, seq: np.ndarray) -> None:
         """Record that `cells` now hold tokens at `pos` of sequences `seq`."""
+        self.changes += 1
         if len(cells) == 1:
             self._apply_one(int(cells[0]), int(pos[0]), int(seq[0]))
             return
@@ -279,6 +284,18 @@ class KVCache:
         self._n_used += not was_used
         self._top = max(self._top, cell + 1)
         self._max_pos = max(self._max_pos, pos)
+
+    @contextmanager
+    def trial(self, cells: np.ndarray, pos: np.ndarray, seq: np.ndarray) -> Iterator[None]:
+        """The cells as if apply(cells, pos, seq) had run, and as they were again on leaving (what a
+        readied step's inputs are filled from, before the step is known to come)."""
+        saved = (self.pos[cells], self.seqs[cells], self._n_used, self._top, self._max_pos, self.changes)
+        self.apply(cells, pos, seq)
+        try:
+            yield
+        finally:
+            self.pos[cells], self.seqs[cells] = saved[0], saved[1]
+            self._n_used, self._top, self._max_pos, self.changes = saved[2:]
 
     def _check_seq_ids(self, lo: int, hi: int) -> None:
         if lo < 0 or hi >= self.n_seq_max:
@@ -344,6 +361,7 @@ class KVCache:
         sel = self._cells(seq, p0, p1)
         if not sel.any():
             return
+        self.changes += 1
         if seq < 0:
             self.seqs[sel] = False
         else:
@@ -355,6 +373,7 @@ class KVCache:
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Let sequence dst share src's cells in [p0, p1): no data moves."""
+        self.changes += 1
         self.seqs[self._cells(src, p0, p1), dst] = True
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
@@ -362,6 +381,7 @@ class KVCache:
         sel = self._cells(seq, p0, p1)
         if not sel.any() or delta == 0:
             return
+        self.changes += 1
         self.pos[sel] += delta
         self.shift[sel] += delta
         gone = sel & (self.pos < 0)
@@ -372,6 +392,7 @@ class KVCache:
         self.version += 1
 
     def clear(self) -> None:
+        self.changes += 1
         self.pos[:] = -1
         self.seqs[:] = False
         self.shift[:] = 0

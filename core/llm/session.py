@@ -31,6 +31,7 @@ from ggrun.core.llm.kv_cache import (build_k_shift_blocks, cell_record_bytes, ch
                                      planned_bytes)
 from ggrun.core.llm.model import Model
 from ggrun.core.llm.numerics import NonFiniteLogits, first_non_finite, non_finite_kind
+from ggrun.core.llm.ready_step import ReadyStep
 from ggrun.core.sched import ScheduledGraph, Scheduler
 
 
@@ -130,6 +131,7 @@ class Session:
         self.result: GraphResult | None = None
         self._debug_line = ""
         self.interrupt: Callable[[], bool] | None = None  # polled before each micro-batch (Ctrl-C)
+        self._ready: ReadyStep | None = None  # the next decode step, readied during the last (ready_step.py)
         self.reserved = {} if self.virtual else self.reserve()
 
     def _make_caches(self) -> tuple[KVCache, KVCache | None]:
@@ -252,6 +254,11 @@ class Session:
     def decode(self, batch: Batch) -> np.ndarray:
         """Evaluate `batch`; returns logits [tokens that asked for them, n_vocab] in batch order."""
         self._check_batch(batch)
+        ready, self._ready = self._ready, None
+        if ready is not None and ready.serves(batch, self._stamp()):
+            if self.interrupt is not None and self.interrupt():
+                raise Interrupted()
+            return self._take(ready, batch)
         outs = []
         for ub in split_batch(batch, self.n_ubatch):
             if self.interrupt is not None and self.interrupt():
@@ -298,7 +305,23 @@ class Session:
         res = self._graph_for(p)
         t0 = time.perf_counter()
         res.set_inputs(st, self.sched.cpu)
+        return self._run(st, res, t0)
+
+    def _take(self, ready: ReadyStep, batch: Batch) -> np.ndarray:
+        """Decode the step readied during the last one (ready_step.py): its cell recorded, its token written."""
+        t0 = time.perf_counter()
+        ub = ready.take(batch)
+        self.kv.apply(ready.cells, ub.pos, ub.seq)
+        self._reused(ready.params, ready.res)
+        return self._run(UBatchState(ub, ready.cells, self.kv), ready.res, t0)
+
+    def _run(self, st: UBatchState, res: GraphResult, t0: float) -> np.ndarray | None:
+        """Compute a micro-batch whose inputs are filled (since t0); while the device works, ready the next
+        step of a one-token one; its logits."""
+        ub = st.ub
         _compute_quietly(self.sched, res.sg)
+        if ub.n_tokens == 1 and ub.n_outputs == 1:
+            self._ready = self._ready_next(st, res)
         out, finite = self.sched.get_checked(res.logits) if ub.n_outputs else (None, True)
         dt = time.perf_counter() - t0
         self.stats.compute_s += dt
@@ -306,8 +329,32 @@ class Session:
         if self.debug:  # one line per micro-batch, printed once its compute time is known
             print(self._debug_line + (f" compute {1e3 * dt:.2f} ms" if self.debug >= 2 else ""), file=sys.stderr)
         if not finite:
+            self._ready = None  # the culprit's search fills the inputs again
             raise self._non_finite(ub, out, res, partial(res.set_inputs, st, self.sched.cpu))
         return out
+
+    def _ready_next(self, st: UBatchState, res: GraphResult) -> ReadyStep | None:
+        """The next step of st's one token's sequence, its inputs filled (ready_step.py); None where the host
+        does not wait for a device (logits made on the CPU, whose buffer the inputs share: they are read after
+        this) or the step cannot be foretold: a window's cache, no graph reuse, no free cell, another graph."""
+        if res.logits.root.buffer.backend is self.sched.cpu:
+            return None
+        if not self.graph_reuse or self.kv_swa is not None or self.kv.window is not None:
+            return None
+        cells = self.kv.find_slot(1)
+        if cells is None:
+            return None
+        ub = UBatch(st.ub.tokens, st.ub.pos + 1, st.ub.seq, st.ub.out_rows, 0)
+        with self.kv.trial(cells, ub.pos, ub.seq):
+            p = GraphParams(1, 1, self.kv.n_kv())
+            if res.reuse_blocker(p, self.kv_version, self.sched.generation) is not None:
+                return None
+            res.set_inputs(UBatchState(ub, cells, self.kv), self.sched.cpu)
+        return ReadyStep(res, p, ub, cells, res.input_array("inp_tokens", self.sched.cpu), self._stamp())
+
+    def _stamp(self) -> tuple[int, int]:
+        """What a readied step's inputs were filled against: the cells' changes, the compute buffers' use."""
+        return self.kv.changes, self.sched.activity
 
     def _non_finite(self, ub: UBatch, logits: np.ndarray, res: GraphResult,
                     set_inputs: Callable[[], None]) -> NonFiniteLogits:
@@ -328,8 +375,7 @@ class Session:
         else:
             why = "first graph" if self.result is None else "graph reuse disabled"
         if why is None:
-            self.stats.graphs_reused += 1
-            self._log(True, "reused", p, self.result, (0.0, 0.0))
+            self._reused(p, self.result)
             return self.result
         t0 = time.perf_counter()
         res = self.build(p)
@@ -342,6 +388,10 @@ class Session:
         self.result = res
         self._log(False, f"rebuilt: {why}", p, res, (t1 - t0, t2 - t1))
         return res
+
+    def _reused(self, p: GraphParams, res: GraphResult) -> None:
+        self.stats.graphs_reused += 1
+        self._log(True, "reused", p, res, (0.0, 0.0))
 
     def _log(self, reused: bool, what: str, p: GraphParams, res: GraphResult,
              times: tuple[float, float]) -> None:

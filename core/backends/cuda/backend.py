@@ -176,7 +176,13 @@ class CUDABackend(Backend):
         return None
 
     def run_prepared(self, prepared: Prepared) -> None:
+        """Run a prepared split on the stream. A replay (a decode step) does so without entering the device's and
+        the stream's contexts while the device is current: both, entered and left, took some 4 us of the H100
+        host's time per step."""
         ups, self._pending = self._pending, []
+        if prepared.replays(ups) and cupy.cuda.runtime.getDevice() == self.index:
+            prepared.run(self.stream, self.use_graphs, ups)
+            return
         with self._dev, self.stream:
             prepared.run(self.stream, self.use_graphs, ups)
 

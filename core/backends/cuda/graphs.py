@@ -36,6 +36,13 @@ class Prepared:
     def __len__(self) -> int:
         return len(self.steps)
 
+    def replays(self, ups: Sequence[Upload]) -> bool:
+        """Whether run(ups) only fills the region and launches the captured graph: host calls on the stream and
+        the region's pinned memory, which need neither the current stream nor a kernel's module."""
+        if self.graph is None:
+            return False
+        return self.region.serves(ups) if self.region is not None else not ups
+
     def run(self, stream, use_graphs: bool, ups: Sequence[Upload] = ()) -> None:
         """Copy ups (host arrays to device addresses) and run the steps, on stream."""
         self.runs += 1
