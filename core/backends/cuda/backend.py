@@ -177,7 +177,7 @@ class CUDABackend(Backend):
 
     def run_prepared(self, prepared: Prepared) -> None:
         """Run a prepared split on the stream. A replay (a decode step) does so without entering the device's and
-        the stream's contexts while the device is current: both, entered and left, took some 4 us of the H100
+        the stream's contexts while the device is current: both, entered and left, took 1.5 us of the H100
         host's time per step."""
         ups, self._pending = self._pending, []
         if prepared.replays(ups) and cupy.cuda.runtime.getDevice() == self.index:
