@@ -161,6 +161,40 @@ def test_split_inputs_are_copied_by_the_split_run(gpu):
     assert graphs[4] is not graphs[3] and graphs[5] is not graphs[4] and graphs[6] is graphs[5]
 
 
+def test_a_region_waits_for_its_last_launch_unless_the_host_has_waited_for_the_stream_since(gpu):
+    """fill waits on the event of the last launch reading the region, except when the count of the host's
+    waits for the whole stream has moved past the one that launch was issued at; unknown counts wait."""
+    from ggrun.core.backends.cuda.uploads import UploadRegion
+
+    class Event:
+        waited = 0
+
+        def record(self, stream):
+            pass
+
+        def synchronize(self):
+            self.waited += 1
+
+    with gpu._dev:
+        dst = cupy.zeros(4, dtype=cupy.float32)
+    ups = [(np.arange(4, dtype=np.float32), dst.data.ptr)]
+    region = UploadRegion(ups)
+    region._read = event = Event()
+    waited = []
+    for issued_at, filled_at in [(3, 3), (3, 4), (3, None), (None, 9), (5, 5), (5, 6)]:
+        region.issued(gpu.stream, issued_at)
+        before = event.waited
+        region.fill(ups, filled_at)
+        waited.append(event.waited - before)
+    assert waited == [1, 0, 1, 1, 1, 0]
+    # the backend counts each of its waits for the stream
+    n = gpu.waits
+    with gpu._dev:
+        t = cupy.ones(3, dtype=cupy.float32)
+    gpu._wait()
+    assert gpu.waits == n + 1 and float(t.sum()) == 3.0
+
+
 @pytest.mark.parametrize("shape", [(1, 128256), (3, 1000), (7,)])
 def test_checked_fetch_gives_the_values_and_finds_every_non_finite_one(gpu, shape):
     """get_checked (one kernel writing pinned memory and flags) returns exactly get_tensor's values,

@@ -69,6 +69,7 @@ class CUDABackend(Backend):
             self._staging = cupy.cuda.alloc_pinned_memory(STAGING_BYTES)
         self._host = np.frombuffer(self._staging, dtype=np.uint8, count=STAGING_BYTES)
         self._staged = 0
+        self.waits = 0  # the host's waits for all of the stream's work (_wait) so far
         self._tickets = None
         self._q8_slots = None
         self.handoffs = handoff.NONE
@@ -181,10 +182,15 @@ class CUDABackend(Backend):
         host's time per step."""
         ups, self._pending = self._pending, []
         if prepared.replays(ups) and cupy.cuda.runtime.getDevice() == self.index:
-            prepared.run(self.stream, self.use_graphs, ups)
+            prepared.run(self.stream, self.use_graphs, ups, self.waits)
             return
         with self._dev, self.stream:
-            prepared.run(self.stream, self.use_graphs, ups)
+            prepared.run(self.stream, self.use_graphs, ups, self.waits)
+
+    def _wait(self) -> None:
+        """Wait for all work on the stream, and count it: what was launched before has run (`waits`)."""
+        self.stream.synchronize()
+        self.waits += 1
 
     def compute(self, nodes: list[Tensor]) -> None:
         self.run_prepared(self.prepare(nodes))
@@ -195,7 +201,7 @@ class CUDABackend(Backend):
         """nbytes of pinned staging memory (device-visible address, host array); waits for the
         copies still reading it before handing a region out again."""
         if self._staged + nbytes > STAGING_BYTES:
-            self.stream.synchronize()
+            self._wait()
             self._staged = 0
         start = self._staged
         self._staged += -(-nbytes // 256) * 256
@@ -219,7 +225,7 @@ class CUDABackend(Backend):
         larger than the staging memory (weights at load: straight from pageable memory)."""
         with self._dev:
             if src.nbytes > STAGING_BYTES:
-                self.stream.synchronize()
+                self._wait()
                 cupy.cuda.runtime.memcpy(dst_ptr, src.ctypes.data, src.nbytes, H2D)
                 return
             addr, host = self._stage(src.nbytes)
@@ -237,16 +243,16 @@ class CUDABackend(Backend):
                 mem = cupy.cuda.alloc_pinned_memory(max(1, src.nbytes))
                 out = np.frombuffer(mem, dtype=src.dtype, count=src.size).reshape(src.shape)
                 cupy.cuda.runtime.memcpyAsync(mem.ptr, src.data.ptr, src.nbytes, D2H, self.stream.ptr)
-                self.stream.synchronize()
+                self._wait()
                 return out
             out = np.empty(src.shape, dtype=src.dtype)
             if out.nbytes > STAGING_BYTES:
-                self.stream.synchronize()
+                self._wait()
                 cupy.cuda.runtime.memcpy(out.ctypes.data, src.data.ptr, out.nbytes, D2H)
                 return out
             addr, host = self._stage(out.nbytes)
             cupy.cuda.runtime.memcpyAsync(addr, src.data.ptr, out.nbytes, D2H, self.stream.ptr)
-            self.stream.synchronize()
+            self._wait()
             out.reshape(-1).view(np.uint8)[...] = host
             return out
 
@@ -268,7 +274,7 @@ class CUDABackend(Backend):
             kernel("elementwise.cu", "fetch_checked")((FETCH_BLOCKS,), (256,), args)
             host = np.frombuffer(mem, dtype=np.float32, count=src.size + FETCH_BLOCKS)
             out, flags = host[:src.size].reshape(src.shape), host[src.size:].view(np.int32)
-        self.stream.synchronize()
+        self._wait()
         return out, not flags.any()
 
     def plan_copies(self, pairs: list[tuple[Tensor, Tensor]]) -> Callable[[], None]:

@@ -43,15 +43,17 @@ class Prepared:
             return False
         return self.region.serves(ups) if self.region is not None else not ups
 
-    def run(self, stream, use_graphs: bool, ups: Sequence[Upload] = ()) -> None:
-        """Copy ups (host arrays to device addresses) and run the steps, on stream."""
+    def run(self, stream, use_graphs: bool, ups: Sequence[Upload] = (), waits: int | None = None) -> None:
+        """Copy ups (host arrays to device addresses) and run the steps, on stream; `waits` counts the host's
+        waits for all of the stream's work so far (None: not counted), which tells the region when its last
+        readers are done."""
         self.runs += 1
         if self.region is not None and not self.region.serves(ups):
             self.region = self.graph = None  # a captured graph reads the old region's places
         if ups and self.region is None:
             self.region = UploadRegion(ups)
         if self.region is not None:
-            self.region.fill(ups)
+            self.region.fill(ups, waits)
         if self.graph is not None:
             self.graph.launch(stream)
         elif not use_graphs or self.blocker is not None or self.runs == 1:
@@ -62,7 +64,7 @@ class Prepared:
             self._capture(stream)
             self.graph.launch(stream)
         if self.region is not None:
-            self.region.issued(stream)
+            self.region.issued(stream, waits)
 
     def _issue(self, stream) -> None:
         if self.region is not None:
