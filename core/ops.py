@@ -53,6 +53,7 @@ OPS: dict[str, OpInfo] = {
     "rope_set_rows": OpInfo(writes_into=True),
     "rope_shift": OpInfo(writes_into=True),
     "soft_max": OpInfo(inplace=True),
+    "argmax": OpInfo(),
     "flash_attn": OpInfo(),
     "copy": OpInfo(),  # a scheduler copy of a tensor into another backend's memory
 }
@@ -439,6 +440,18 @@ def soft_max(a: Tensor, mask: Tensor | None = None, scale: float = 1.0, name: st
             raise _fail("soft_max", "mask must be [rows >= a's rows, a's last dim]", a, mask)
         srcs = (a, mask)
     return _node("soft_max", DType.F32, a.shape, srcs, name, scale=float(scale))
+
+
+def argmax(a: Tensor, name: str | None = None) -> Tensor:
+    """i32 [rows]: each row's index of its largest value in a f32 [rows, n] (the first of equal maxima, as
+    np.argmax), or -1 where the row holds NaN or infinity.
+
+    Greedy sampling where the logits are computed: only the ids travel back. The -1 rule keeps the
+    numerics guard: argmax would pick some token from non-finite logits, which must stop decoding instead.
+    """
+    if a.dtype is not DType.F32 or len(a.shape) != 2 or a.shape[1] < 1:
+        raise _fail("argmax", "expects f32 rows [rows, n >= 1]", a)
+    return _node("argmax", DType.I32, (a.shape[0],), (a,), name)
 
 
 def flash_attn(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, name: str | None = None) -> Tensor:

@@ -455,6 +455,13 @@ def _soft_max(xp, node, out, srcs):
     out /= s
 
 
+@kernel("argmax")
+def _argmax(xp, node, out, srcs):
+    """Each row's first largest value's index, -1 for a row holding NaN or infinity (ops.argmax)."""
+    a = srcs[0]
+    out[...] = xp.where(xp.isfinite(a).all(axis=-1), xp.argmax(a, axis=-1), -1)
+
+
 FLASH_CHUNK_BYTES = 16 << 20  # bound on the score temporaries of one chunk of query rows
 
 

@@ -77,22 +77,28 @@ def check_prompt(session: Session, prompt: list[int], n_predict: int) -> None:
         raise BadInput(f"the prompt is {len(prompt)} tokens, longer than the context (-c {session.n_ctx})")
 
 
-def eval_prompt(session: Session, prompt: list[int], n_batch: int, seq: int = 0, start_pos: int = 0) -> np.ndarray:
-    """Decode the prompt in batches of n_batch tokens; logits of its last token."""
-    logits = None
+def eval_prompt(session: Session, prompt: list[int], n_batch: int, seq: int = 0, start_pos: int = 0,
+                decode_last: Callable[[Batch], np.ndarray] | None = None) -> np.ndarray:
+    """Decode the prompt in batches of n_batch tokens; the last token's row of what the last batch's decode
+    gives: its logits, or its token id where `decode_last` is Session.decode_greedy."""
+    row = None
     for i in range(0, len(prompt), n_batch):
         chunk = prompt[i:i + n_batch]
         last = i + n_batch >= len(prompt)
-        out = session.decode(Batch.of_sequence(chunk, start_pos + i, seq, last_logits=last))
+        decode = decode_last if last and decode_last is not None else session.decode
+        out = decode(Batch.of_sequence(chunk, start_pos + i, seq, last_logits=last))
         if last:
-            logits = out[-1]
-    return logits
+            row = out[-1]
+    return row
 
 
 class Generation:
     """Sequence 0 of a session, kept between calls: `tokens` is the sequence in position order (after
     context shifts, as the cache holds it), of which the first `n_cached` have their keys and values
-    in the cache; the token sampled last waits outside until the next decode needs it."""
+    in the cache; the token sampled last waits outside until the next decode needs it.
+
+    A greedy-only sampler over logits computed on a device takes each next token where they are computed
+    (`on_device`: Session.decode_greedy), so that a step brings back a token id, not a row of logits."""
 
     def __init__(self, session: Session, sampler: Sampler, context_shift: bool = False, n_keep: int = 0) -> None:
         self.session = session
@@ -102,6 +108,9 @@ class Generation:
         self.tokens: list[int] = []
         self.n_cached = 0
         self.logits: np.ndarray | None = None  # after the last token of `tokens`, when it is cached
+        self.on_device = sampler.greedy_only and session.logits_on_device
+        self.chosen: int | None = None  # with on_device, the token after the last of `tokens`, in place of logits
+        self._decode = session.decode_greedy if self.on_device else session.decode
         self.totals = GenerationStats()
 
     def extend(self, new: Sequence[int]) -> GenerationStats:
@@ -124,13 +133,14 @@ class Generation:
             self.sampler.accept(t)
         if keep < self.n_cached:
             self.session.seq_rm(0, keep, -1)
-        self.tokens, self.n_cached, self.logits = tokens, keep, None
+        self.tokens, self.n_cached, self.logits, self.chosen = tokens, keep, None, None
         st = GenerationStats(n_reused=keep)
         t0 = time.perf_counter()
         decoded_before = self.session.stats.n_tokens
         todo = tokens[keep:]
         try:
-            self.logits = eval_prompt(self.session, todo, self.session.params.n_batch, start_pos=keep)
+            self._hold(eval_prompt(self.session, todo, self.session.params.n_batch, start_pos=keep,
+                                   decode_last=self._decode))
             st.n_prompt = len(todo)
         except NonFiniteLogits as err:
             raise NonFiniteLogits(err.kind, f"while evaluating the prompt ({len(todo)} token{'s' if len(todo) > 1 else ''})",
@@ -165,7 +175,7 @@ class Generation:
         """Forget the sequence: the cache drops it, and the next prompt starts at position 0."""
         if self.n_cached:
             self.session.seq_rm(0, -1, -1)
-        self.tokens, self.n_cached, self.logits = [], 0, None
+        self.tokens, self.n_cached, self.logits, self.chosen = [], 0, None, None
 
     def generate(self, n_predict: int, on_token: Callable[[int], None], ignore_eos: bool = False,
                  stop: Callable[[list[int]], bool] | None = None) -> tuple[list[int], GenerationStats]:
@@ -178,18 +188,18 @@ class Generation:
         st = GenerationStats()
         out: list[int] = []
         limit = n_predict if n_predict >= 0 else None
-        if self.logits is None or (limit is not None and limit == 0):
-            st.stop_reason = STOP_N_PREDICT if self.logits is not None else STOP_INTERRUPTED
+        ready = self.logits is not None or self.chosen is not None
+        if not ready or (limit is not None and limit == 0):
+            st.stop_reason = STOP_N_PREDICT if ready else STOP_INTERRUPTED
             return out, self._done(st)
         tok = self.session.model.tokenizer
         while True:
             t0 = time.perf_counter()
-            token = self.sampler.sample(self.logits)
+            token = self._next_token()
             self.sampler.accept(token)
             st.sample_s += time.perf_counter() - t0
             st.n_sampled += 1
             self.tokens.append(token)
-            self.logits = None
             if not ignore_eos and tok.is_eog(token):
                 st.stop_reason = STOP_EOG
                 break
@@ -208,6 +218,19 @@ class Generation:
                 st.stop_reason = STOP_INTERRUPTED
                 break
         return out, self._done(st)
+
+    def _hold(self, row: np.ndarray) -> None:
+        """Keep what the last decode gave for the sequence's last token: its token id (on_device) or its logits."""
+        if self.on_device:
+            self.chosen = int(row)
+        else:
+            self.logits = row
+
+    def _next_token(self) -> int:
+        """The token after the sequence: the one chosen on the device, or the sampler's choice from the logits."""
+        token = self.chosen if self.chosen is not None else self.sampler.sample(self.logits)
+        self.logits = self.chosen = None
+        return token
 
     def _done(self, st: GenerationStats) -> GenerationStats:
         self.totals.add(st)
@@ -232,7 +255,7 @@ class Generation:
         pos = self.n_cached
         t1 = time.perf_counter()
         try:
-            self.logits = self.session.decode(Batch.of_sequence([self.tokens[pos]], pos))[-1]
+            self._hold(self._decode(Batch.of_sequence([self.tokens[pos]], pos))[-1])
         except NonFiniteLogits as err:
             raise NonFiniteLogits(err.kind, f"at generation step {st.n_sampled} (position {pos})", err.culprit) from None
         except Interrupted:

@@ -17,16 +17,19 @@ from ggrun.core.tensor import Tensor, new_tensor
 
 @dataclass(frozen=True)
 class GraphParams:
-    """What fixes a graph's shapes: tokens in the micro-batch, rows of logits, cells attended."""
+    """What fixes a graph's shapes: tokens in the micro-batch, rows of logits, cells attended, and whether
+    the graph ends in greedy sampling (the logits' argmax, so that only token ids travel back)."""
 
     n_tokens: int
     n_outputs: int
     n_kv: int
     n_kv_swa: int = 0  # cells attended in the sliding-window cache (iSWA), 0 without one
+    greedy: bool = False
 
     def differences(self, other: "GraphParams") -> list[str]:
         return [f"{k} {getattr(other, k)} -> {getattr(self, k)}"
-                for k in ("n_tokens", "n_outputs", "n_kv", "n_kv_swa") if getattr(self, k) != getattr(other, k)]
+                for k in ("n_tokens", "n_outputs", "n_kv", "n_kv_swa", "greedy")
+                if getattr(self, k) != getattr(other, k)]
 
 
 @dataclass

@@ -254,10 +254,10 @@ class KVCache:
 
     def apply(self, cells: np.ndarray, pos: np.ndarray, seq: np.ndarray) -> None:
         """Record that `cells` now hold tokens at `pos` of sequences `seq`."""
-        self.changes += 1
         if len(cells) == 1:
-            self._apply_one(int(cells[0]), int(pos[0]), int(seq[0]))
+            self.apply_one(int(cells[0]), int(pos[0]), int(seq[0]))
             return
+        self.changes += 1
         if seq.size:
             self._check_seq_ids(int(seq.min()), int(seq.max()))
         appended = self._packed() and _is_range(cells, self._top) and pos.min() >= 0
@@ -270,8 +270,10 @@ class KVCache:
         else:
             self._recount()
 
-    def _apply_one(self, cell: int, pos: int, seq: int) -> None:
-        """apply for one token (a decode step): scalar writes, and the counts kept without a scan."""
+    def apply_one(self, cell: int, pos: int, seq: int) -> None:
+        """apply for one token (a decode step), given as numbers: scalar writes, and the counts kept without
+        a scan."""
+        self.changes += 1
         self._check_seq_ids(seq, seq)
         was_used = self.pos[cell] >= 0
         self.pos[cell] = pos

@@ -11,7 +11,7 @@ every input again.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -27,12 +27,18 @@ class ReadyStep:
     ub: UBatch  # the step, its token id a stand-in
     cells: np.ndarray  # the cell its token gets
     tokens: np.ndarray  # the token ids' input: the one thing left to fill
-    stamp: tuple[int, int]  # the cells' change count and the scheduler's activity it was filled against
+    stamp: tuple  # what it was made for (Session._stamp): the cells, the compute buffers, greedy or not
+    pos: int = field(init=False)  # the step's position, sequence and cell as numbers
+    seq: int = field(init=False)
+    cell: int = field(init=False)
 
-    def serves(self, batch: Batch, stamp: tuple[int, int]) -> bool:
+    def __post_init__(self) -> None:
+        self.pos, self.seq, self.cell = int(self.ub.pos[0]), int(self.ub.seq[0]), int(self.cells[0])
+
+    def serves(self, batch: Batch, stamp: tuple) -> bool:
         """Whether `batch` is this step (one token of the sequence, at the position, asking logits) and the
         inputs filled for it still stand."""
-        return (len(batch.tokens) == 1 and batch.pos[0] == self.ub.pos[0] and batch.seq[0] == self.ub.seq[0]
+        return (len(batch.tokens) == 1 and batch.pos[0] == self.pos and batch.seq[0] == self.seq
                 and bool(batch.logits[0]) and stamp == self.stamp)
 
     def take(self, batch: Batch) -> UBatch:

@@ -68,6 +68,12 @@ class Sampler:
             self._bias_ids = np.asarray(ids, dtype=np.int64)
             self._bias = np.asarray(bias, dtype=np.float32)
 
+    @property
+    def greedy_only(self) -> bool:
+        """Whether every choice is the argmax of the model's own logits: temperature 0, no logit bias, no
+        penalties. Then the argmax may run where the logits are computed (Session.decode_greedy)."""
+        return self.p.temp <= 0 and not self.p.logit_bias and not self.p.penalties_on
+
     def reset(self) -> None:
         """Forget the recent tokens: a new sequence or a new turn starts (the random stream goes on)."""
         self.recent.clear()

@@ -19,6 +19,7 @@ from typing import Callable
 
 import numpy as np
 
+from ggrun.core import ops
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import BadInput, Interrupted, RuntimeFailure
 from ggrun.core.graph import build_graph
@@ -131,6 +132,7 @@ class Session:
         self.result: GraphResult | None = None
         self._debug_line = ""
         self.interrupt: Callable[[], bool] | None = None  # polled before each micro-batch (Ctrl-C)
+        self._greedy = False  # decode_greedy runs: graphs end in the logits' argmax, only token ids come back
         self._ready: ReadyStep | None = None  # the next decode step, readied during the last (ready_step.py)
         self.reserved = {} if self.virtual else self.reserve()
 
@@ -196,13 +198,14 @@ class Session:
         build = Build(self.model.hp, inputs, self.kv, p, self.params.flash_attn, self.model.numerics == "llama",
                       self.kv_swa)
         logits = self.model.arch.build(build, self.model.weights)
-        graph = build_graph([logits])
+        tokens = ops.argmax(logits, name="result_argmax") if p.greedy else None
+        graph = build_graph([logits] if tokens is None else [logits, tokens])
         sg = self.sched.schedule(graph)
         # only inputs the graph reads get memory: a gemma3 of fewer than 6 layers has no global layer,
         # so nothing reads the global cache's rows or mask
         read = {id(t) for t in graph.leafs}
         used = [i for i in inputs.all() if id(i.tensor) in read]
-        return GraphResult(p, used, logits, sg, self.kv_version, self.sched.generation)
+        return GraphResult(p, used, logits, sg, self.kv_version, self.sched.generation, tokens)
 
     def plan_worst_case(self, all_logits: bool = True) -> tuple[GraphResult, dict, float]:
         """Build and measure the worst-case graph without allocating: (graph, plans, plan seconds)."""
@@ -270,6 +273,34 @@ class Session:
             return np.zeros((0, self.model.hp.n_vocab), dtype=np.float32)
         return np.concatenate(outs) if len(outs) > 1 else outs[0]
 
+    def decode_greedy(self, batch: Batch) -> np.ndarray:
+        """Evaluate `batch` as decode does, choosing each next token where the logits are computed: returns the
+        argmax of each row of logits (i32 [tokens that asked for them], in batch order), and only those ids
+        come back to the host. Non-finite logits raise NonFiniteLogits as in decode."""
+        self._greedy = True
+        try:
+            out = self.decode(batch)
+        finally:
+            self._greedy = False
+        return out if out.ndim == 1 else np.zeros(0, dtype=np.int32)
+
+    def _fetch(self, res: GraphResult) -> tuple[np.ndarray, bool]:
+        """What a computed micro-batch gives back and whether its logits are finite: the logits, or from a graph
+        ending in their argmax (decode_greedy's) the token ids. A row the argmax marks -1 brings the logits back
+        instead, for the error to say what they hold."""
+        if res.tokens is None:
+            return self.sched.get_checked(res.logits)
+        ids = self.sched.get_tensor(res.tokens)
+        if (ids < 0).any():
+            return self.sched.get_tensor(res.logits), False
+        return ids, True
+
+    @property
+    def logits_on_device(self) -> bool:
+        """Whether the logits are computed off the host (the output head on a GPU), where decode_greedy saves
+        bringing them back each step; on the CPU they are in host memory already."""
+        return self.model.placement.output is not self.model.placement.input
+
     def _check_batch(self, batch: Batch) -> None:
         """Every token id must be in the vocabulary (min and max of the list: no array made for it)."""
         toks = batch.tokens
@@ -301,7 +332,7 @@ class Session:
                 self._apply_k_shift(cache)
         st = self.place_ubatch(ub)
         p = GraphParams(ub.n_tokens, ub.n_outputs, self.kv.n_kv(),
-                        self.kv_swa.n_kv() if self.kv_swa is not None else 0)
+                        self.kv_swa.n_kv() if self.kv_swa is not None else 0, self._greedy and ub.n_outputs > 0)
         res = self._graph_for(p)
         t0 = time.perf_counter()
         res.set_inputs(st, self.sched.cpu)
@@ -311,7 +342,7 @@ class Session:
         """Decode the step readied during the last one (ready_step.py): its cell recorded, its token written."""
         t0 = time.perf_counter()
         ub = ready.take(batch)
-        self.kv.apply(ready.cells, ub.pos, ub.seq)
+        self.kv.apply_one(ready.cell, ready.pos, ready.seq)
         self._reused(ready.params, ready.res)
         return self._run(UBatchState(ub, ready.cells, self.kv), ready.res, t0)
 
@@ -322,7 +353,7 @@ class Session:
         _compute_quietly(self.sched, res.sg)
         if ub.n_tokens == 1 and ub.n_outputs == 1:
             self._ready = self._ready_next(st, res)
-        out, finite = self.sched.get_checked(res.logits) if ub.n_outputs else (None, True)
+        out, finite = self._fetch(res) if ub.n_outputs else (None, True)
         dt = time.perf_counter() - t0
         self.stats.compute_s += dt
         self.stats.n_tokens += ub.n_tokens
@@ -346,15 +377,16 @@ class Session:
             return None
         ub = UBatch(st.ub.tokens, st.ub.pos + 1, st.ub.seq, st.ub.out_rows, 0)
         with self.kv.trial(cells, ub.pos, ub.seq):
-            p = GraphParams(1, 1, self.kv.n_kv())
+            p = GraphParams(1, 1, self.kv.n_kv(), greedy=self._greedy)
             if res.reuse_blocker(p, self.kv_version, self.sched.generation) is not None:
                 return None
             res.set_inputs(UBatchState(ub, cells, self.kv), self.sched.cpu)
         return ReadyStep(res, p, ub, cells, res.input_array("inp_tokens", self.sched.cpu), self._stamp())
 
-    def _stamp(self) -> tuple[int, int]:
-        """What a readied step's inputs were filled against: the cells' changes, the compute buffers' use."""
-        return self.kv.changes, self.sched.activity
+    def _stamp(self) -> tuple[int, int, bool]:
+        """What a readied step was made for: the cells' changes and the compute buffers' use its inputs were filled
+        against, and whether its graph ends in greedy sampling (decode_greedy)."""
+        return self.kv.changes, self.sched.activity, self._greedy
 
     def _non_finite(self, ub: UBatch, logits: np.ndarray, res: GraphResult,
                     set_inputs: Callable[[], None]) -> NonFiniteLogits:

@@ -212,6 +212,18 @@ __device__ __forceinline__ float block_sum(float v, float *sh) {
     return warp_sum(v);
 }
 
+// Whether this block is the last of n to get here, counted by *ticket (the last block resets it to 0 when
+// done): every thread calls it once its block has written what the last one merges, which then sees it.
+__device__ __forceinline__ bool last_block(int *ticket, int n) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == n - 1;
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
 // load / store one element of a float tensor (T_F32, T_F16, T_BF16)
 template <int T> __device__ __forceinline__ float ld(const void *p, i64 i);
 template <> __device__ __forceinline__ float ld<T_F32>(const void *p, i64 i) { return ((const float *)p)[i]; }

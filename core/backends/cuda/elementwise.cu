@@ -1,6 +1,6 @@
 // Element-wise ops over up to 4-d strided operands (strides in elements), results contiguous
 // unless said: copies and casts, broadcast add/mul, scale, activations, gated activations,
-// row writes into the KV cache, softmax rows.
+// row writes into the KV cache, softmax rows, greedy sampling's argmax of rows.
 
 #define STRIDES4(p) i64 p##0, i64 p##1, i64 p##2, i64 p##3
 // offset of flat index i of a contiguous [*, n1, n2, n3] in an operand with strides s0..s3
@@ -86,6 +86,83 @@ __global__ void soft_max(const float *a, const void *mask, float *out, int n, in
     }
     float inv = 1.0f / block_sum(s, sh);
     for (int i = threadIdx.x; i < n; i += blockDim.x) o[i] *= inv;
+}
+
+// Greedy sampling (ops.argmax): each row's index of its largest value, the first of equal maxima, or -1
+// where the row holds NaN or infinity. Values compare as integer keys whose order is the floats' (-0 and
+// +0 equal, as np.argmax has them): --use_fast_math would compare denormals as zero.
+#define KEY_NONE (-2147483647 - 1)
+#define IDX_NONE 2147483647
+__device__ __forceinline__ int order_key(u32 b) { return (b >> 31) ? -(int)(b & 0x7fffffffu) : (int)b; }
+
+// the largest key over the block and the smallest index holding it: every thread gets both; `shk` and
+// `shi` hold 32 ints each
+__device__ __forceinline__ void block_argmax(int &key, int &idx, int *shk, int *shi) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int m = warp_max_i(key);
+    idx = warp_min_i(key == m ? idx : IDX_NONE);
+    __syncthreads();
+    if (lane == 0) {
+        shk[warp] = m;
+        shi[warp] = idx;
+    }
+    __syncthreads();
+    const bool held = lane < (blockDim.x + 31) / 32;
+    key = held ? shk[lane] : KEY_NONE;
+    m = warp_max_i(key);
+    idx = warp_min_i(held && key == m ? shi[lane] : IDX_NONE);
+    key = m;
+}
+
+// Row blockIdx.x of x [rows, ldx], elements [blockIdx.y * chunk, + chunk) in this block. A row split over
+// several blocks (gridDim.y > 1) leaves each block's (key, index or -1) in part [rows][gridDim.y][2]; the
+// last of the row's blocks to get there (a ticket in `tickets`, which it resets to 0) merges them, so one
+// launch serves a 128k-wide row with enough blocks to read it at memory speed.
+extern "C" __global__ void argmax_rows(const float *x, int *out, int *part, int *tickets, int n, i64 ldx, int chunk) {
+    pdl_begin();
+    __shared__ int shk[32], shi[32];
+    const i64 r = blockIdx.x;
+    const u32 *row = (const u32 *)(x + r * ldx);
+    const int split = gridDim.y, start = (int)blockIdx.y * chunk, end = min(n, start + chunk);
+    int key = KEY_NONE, idx = IDX_NONE, bad = 0;
+#pragma unroll 4
+    for (int i = start + threadIdx.x; i < end; i += blockDim.x) {
+        const u32 b = row[i];
+        bad |= (b & 0x7f800000u) == 0x7f800000u;
+        const int k = order_key(b);
+        if (k > key) {  // a thread's indices rise: the first of its equal maxima stays
+            key = k;
+            idx = i;
+        }
+    }
+    block_argmax(key, idx, shk, shi);
+    bad = __syncthreads_or(bad);
+    if (split == 1) {
+        if (threadIdx.x == 0) out[r] = bad ? -1 : idx;
+        return;
+    }
+    int *mine = part + 2 * (r * split + blockIdx.y);
+    if (threadIdx.x == 0) {
+        mine[0] = key;
+        mine[1] = bad ? -1 : idx;
+    }
+    if (!last_block(tickets + r, split)) return;
+    key = KEY_NONE, idx = IDX_NONE, bad = 0;
+    for (int c = threadIdx.x; c < split; c += blockDim.x) {  // other blocks wrote them: read from L2
+        const int *theirs = part + 2 * (r * split + c);
+        const int k = __ldcg(theirs), i = __ldcg(theirs + 1);
+        bad |= i < 0;
+        if (k > key) {
+            key = k;
+            idx = i;
+        }
+    }
+    block_argmax(key, idx, shk, shi);
+    bad = __syncthreads_or(bad);
+    if (threadIdx.x == 0) {
+        out[r] = bad ? -1 : idx;
+        tickets[r] = 0;
+    }
 }
 
 // A split's host inputs straight from its pinned region to their places, read through the device's

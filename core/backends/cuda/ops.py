@@ -467,3 +467,37 @@ def _flash_attn(node: Tensor, out, srcs, scratch, backend):
                                                                            i32(split))))
     return launch_step(node.op, *launches)
 
+
+# ---- greedy sampling ---------------------------------------------------------------------------
+
+ARGMAX_THREADS = 256
+ARGMAX_MIN_CHUNK = 1024  # elements a block reads at least: 4 a thread
+
+
+def _argmax_split(node: Tensor) -> tuple[int, int]:
+    """(elements per block, blocks per row) of argmax_rows. Rows are split over blocks until the launch has
+    about SM_TARGET blocks: one 1024-thread block would read a decode step's 128k logits from one
+    multiprocessor, a load after another; 126 blocks of 256 threads read 4 each, all at once (H100, launches
+    back to back: 24.7 us against 9.7, the pace of the launches themselves). Rows that fill the GPU by
+    themselves take a block each (and no tickets)."""
+    rows, n = node.srcs[0].shape
+    chunk = max(ARGMAX_MIN_CHUNK, -(-n // max(1, SM_TARGET // max(rows, 1))))
+    return chunk, -(-n // chunk)
+
+
+def _argmax_scratch(node: Tensor) -> int:
+    """Each block's (key, index) when rows are split over blocks."""
+    _, split = _argmax_split(node)
+    return 0 if split == 1 else node.srcs[0].shape[0] * split * 8
+
+
+@binds("argmax", scratch=_argmax_scratch)
+def _argmax(node: Tensor, out, srcs, scratch, backend):
+    a = rows_of(srcs[0])
+    if a is None or not out.flags.c_contiguous:
+        return None
+    rows, n, lda = a
+    chunk, split = _argmax_split(node)
+    part, tickets = (ptr(scratch), ptr(backend.tickets(rows))) if split > 1 else (NULL, NULL)
+    args = (ptr(srcs[0]), ptr(out), part, tickets, i32(n), i64(lda), i32(chunk))
+    return launch_step(node.op, Launch(kernel("elementwise.cu", "argmax_rows"), (rows, split), (ARGMAX_THREADS,), args))
