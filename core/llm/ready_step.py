@@ -42,6 +42,7 @@ class ReadyStep:
                 and bool(batch.logits[0]) and stamp == self.stamp)
 
     def take(self, batch: Batch) -> UBatch:
-        """The step with batch's token, which goes into the token ids' input."""
+        """The step with batch's token, which goes into the token ids' input; that input is the step's token
+        array too (filled from itself if filled again), saving an array a step."""
         self.tokens[0] = batch.tokens[0]
-        return UBatch(np.array(batch.tokens, dtype=np.int32), self.ub.pos, self.ub.seq, self.ub.out_rows, 0)
+        return UBatch(self.tokens, self.ub.pos, self.ub.seq, self.ub.out_rows, 0)

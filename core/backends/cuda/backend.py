@@ -38,6 +38,7 @@ STAGING_BYTES = 16 << 20  # pinned host memory for copies; larger copies go stra
 # saving the copy out of staging: half a megabyte of logits a decode step
 PINNED_RESULT_BYTES = 1 << 20
 FETCH_BLOCKS = 32  # blocks of fetch_checked: as fast as 132 or 528 for 128k logits (H100)
+NO_FLAGS = bytes(4 * FETCH_BLOCKS)  # the flags of fetch_checked when every value is finite
 H2D, D2H = 1, 2  # cudaMemcpyKind
 PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 TICKETS = 1024  # counters shared by kernels that elect a last block (one per KV head in attention)
@@ -273,9 +274,9 @@ class CUDABackend(Backend):
             args = (np.uint64(src.data.ptr), np.int64(src.size), np.uint64(mem.ptr), np.uint64(mem.ptr + src.nbytes))
             kernel("elementwise.cu", "fetch_checked")((FETCH_BLOCKS,), (256,), args)
             host = np.frombuffer(mem, dtype=np.float32, count=src.size + FETCH_BLOCKS)
-            out, flags = host[:src.size].reshape(src.shape), host[src.size:].view(np.int32)
+            out, flags = host[:src.size].reshape(src.shape), memoryview(host[src.size:])
         self._wait()
-        return out, not flags.any()
+        return out, flags.tobytes() == NO_FLAGS  # compared as bytes: numpy's any() took 2.5 us of the H100's host
 
     def plan_copies(self, pairs: list[tuple[Tensor, Tensor]]) -> Callable[[], None]:
         """A split's inputs, resolved once: the host arrays bound for contiguous tensors are handed to the
