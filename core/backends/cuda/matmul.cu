@@ -1,6 +1,6 @@
 // Weight products. Few tokens (decode): activations quantized to q8_1 blocks and integer dot
-// products (__dp4a) against the legacy block types, as ggml's mmvq; other types decode their
-// blocks in the GEMV. Many tokens: weights decoded to f16 tiles for a cuBLAS GEMM (host side).
+// products (__dp4a) against the legacy block types and Q4_K, Q5_K, Q6_K, as ggml's mmvq; other types
+// decode their blocks in the GEMV. Many tokens: weights decoded to f16 tiles for a cuBLAS GEMM (host side).
 
 // x [rows, ncols] (row stride ldx elements) -> y [rows, ncols / 32] q8_1 blocks; one warp per block
 extern "C" __global__ void quantize_q8_1(const float *x, block_q8_1 *y, int ncols, i64 ldx, int rows) {
@@ -81,6 +81,68 @@ template <> __device__ __forceinline__ float vdot<T_Q8_0>(const u8 *b, const blo
     return ld_f16(b) * __low2float(y.ds) * (float)s;
 }
 
+// The k-quants against one q8_1 block: sub-block j (32 elements) of the 256 of the super-block at b, as
+// ggml's vec_dot_q*_K_q8_1: a sub-block's min meets the sum of the block's int8 activations.
+template <int T> __device__ __forceinline__ float vdot_k(const u8 *b, int j, const block_q8_1 &y);
+
+// the sum of a q8_1 block's 32 int8 activations
+__device__ __forceinline__ int q8_sum(const int *u) {
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) s = __dp4a(0x01010101, u[i], s);
+    return s;
+}
+// Q4_K: sub-block j's nibbles are the low (j even) or high halves of bytes 32 (j / 2) .. + 31 of qs
+template <> __device__ __forceinline__ float vdot_k<T_Q4_K>(const u8 *b, int j, const block_q8_1 &y) {
+    const int *u = (const int *)y.qs, *q = (const int *)(b + 16 + 32 * (j >> 1));
+    const int shift = 4 * (j & 1);
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) s = __dp4a((q[i] >> shift) & 0x0F0F0F0F, u[i], s);
+    float sc, m;
+    k4_scale_min(b + 4, j, sc, m);
+    return __low2float(y.ds) * (ld_f16(b) * sc * (float)s - ld_f16(b + 2) * m * (float)q8_sum(u));
+}
+// Q5_K: as Q4_K, each element's fifth bit is bit j of its byte of qh
+template <> __device__ __forceinline__ float vdot_k<T_Q5_K>(const u8 *b, int j, const block_q8_1 &y) {
+    const int *u = (const int *)y.qs, *q = (const int *)(b + 48 + 32 * (j >> 1)), *h = (const int *)(b + 16);
+    const int shift = 4 * (j & 1);
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int v = ((q[i] >> shift) & 0x0F0F0F0F) | (((h[i] >> j) & 0x01010101) << 4);
+        s = __dp4a(v, u[i], s);
+    }
+    float sc, m;
+    k4_scale_min(b + 4, j, sc, m);
+    return __low2float(y.ds) * (ld_f16(b) * sc * (float)s - ld_f16(b + 2) * m * (float)q8_sum(u));
+}
+// Q6_K: sub-block j is part k = j % 4 of half j / 4: four low bits from ql, two high from qh, minus 32; a
+// signed scale per 16 elements. Blocks of 210 bytes align only to 2.
+template <> __device__ __forceinline__ float vdot_k<T_Q6_K>(const u8 *b, int j, const block_q8_1 &y) {
+    const int *u = (const int *)y.qs;
+    const int half = j >> 2, k = j & 3;
+    const u8 *ql = b + 64 * half + 32 * (k & 1), *qh = b + 128 + 32 * half;
+    const int shift = 4 * (k >> 1);
+    int s0 = 0, s1 = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int lo = (ld_i32_a2(ql + 4 * i) >> shift) & 0x0F0F0F0F;
+        const int hi = ((ld_i32_a2(qh + 4 * i) >> (2 * k)) & 0x03030303) << 4;
+        const int v = __vsubss4(lo | hi, 0x20202020);
+        if (i < 4) s0 = __dp4a(v, u[i], s0);
+        else s1 = __dp4a(v, u[i], s1);
+    }
+    const i8 *sc = (const i8 *)(b + 192 + 8 * half + 2 * k);
+    return ld_f16(b + 208) * __low2float(y.ds) * ((float)sc[0] * (float)s0 + (float)sc[1] * (float)s1);
+}
+
+// vdot of the 32 weights of row `row` that q8_1 block b of the activations meets
+template <int T> __device__ __forceinline__ float vdot_at(const u8 *row, int b, const block_q8_1 &y) {
+    if constexpr (Block<T>::QK == 32) return vdot<T>(row + (i64)b * Block<T>::BYTES, y);
+    else return vdot_k<T>(row + (i64)(b >> 3) * Block<T>::BYTES, b & 7, y);
+}
+
 // out[c, row] = W[row] . y[c] for NC token rows; a warp per weight row, its lanes over the blocks.
 // Up to three weights of one type and width in one launch (q, k and v; gate and up): global row
 // `row` falls in weight 0 (rows [0, m0)), 1 ([m0, m0 + m1)) or 2 (the rest, up to `rows`); each
@@ -107,9 +169,8 @@ __global__ void mmvq(const u8 *w0, const u8 *w1, const u8 *w2, float *o0, float 
 #pragma unroll
     for (int c = 0; c < NC; c++) acc[c] = 0.0f;
     for (int b = lane; b < nb; b += 32) {
-        const u8 *blk = wr + (i64)b * Block<T>::BYTES;
 #pragma unroll
-        for (int c = 0; c < NC; c++) acc[c] += vdot<T>(blk, y[(i64)c * nb + b]);
+        for (int c = 0; c < NC; c++) acc[c] += vdot_at<T>(wr, b, y[(i64)c * nb + b]);
     }
 #pragma unroll
     for (int c = 0; c < NC; c++) {
@@ -145,7 +206,7 @@ __global__ void mmvq_rope_qkv(const u8 *w0, const u8 *w1, const u8 *w2, float *o
     pdl_begin();
     float v = 0.0f;
     if (live) {
-        for (int b = lane; b < nb; b += 32) v += vdot<T>(wr + (i64)b * Block<T>::BYTES, y[b]);
+        for (int b = lane; b < nb; b += 32) v += vdot_at<T>(wr, b, y[b]);
         v = warp_sum(v);
         if (lane == 0) out[row] = v;
     }
@@ -188,8 +249,8 @@ __global__ void mmvq_glu(const u8 *wg, const u8 *wu, const block_q8_1 *y, float 
 #pragma unroll
             for (int c = 0; c < NC; c++) {
                 const block_q8_1 &yb = y[(i64)c * nb + b];
-                ag[c] += vdot<T>(gr + (i64)b * Block<T>::BYTES, yb);
-                au[c] += vdot<T>(ur + (i64)b * Block<T>::BYTES, yb);
+                ag[c] += vdot_at<T>(gr, b, yb);
+                au[c] += vdot_at<T>(ur, b, yb);
             }
         }
 #pragma unroll
