@@ -27,7 +27,7 @@ class ReadyStep:
     ub: UBatch  # the step, its token id a stand-in
     cells: np.ndarray  # the cell its token gets
     tokens: np.ndarray  # the token ids' input: the one thing left to fill
-    stamp: tuple  # what it was made for (Session._stamp): the cells, the compute buffers, greedy or not
+    stamp: tuple[int, int]  # the cells' change count and the scheduler's activity it was filled against
     pos: int = field(init=False)  # the step's position, sequence and cell as numbers
     seq: int = field(init=False)
     cell: int = field(init=False)
@@ -35,7 +35,7 @@ class ReadyStep:
     def __post_init__(self) -> None:
         self.pos, self.seq, self.cell = int(self.ub.pos[0]), int(self.ub.seq[0]), int(self.cells[0])
 
-    def serves(self, batch: Batch, stamp: tuple) -> bool:
+    def serves(self, batch: Batch, stamp: tuple[int, int]) -> bool:
         """Whether `batch` is this step (one token of the sequence, at the position, asking logits) and the
         inputs filled for it still stand."""
         return (len(batch.tokens) == 1 and batch.pos[0] == self.pos and batch.seq[0] == self.seq

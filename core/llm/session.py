@@ -132,7 +132,6 @@ class Session:
         self.result: GraphResult | None = None
         self._debug_line = ""
         self.interrupt: Callable[[], bool] | None = None  # polled before each micro-batch (Ctrl-C)
-        self._greedy = False  # decode_greedy runs: graphs end in the logits' argmax, only token ids come back
         self._ready: ReadyStep | None = None  # the next decode step, readied during the last (ready_step.py)
         self.reserved = {} if self.virtual else self.reserve()
 
@@ -256,19 +255,7 @@ class Session:
 
     def decode(self, batch: Batch) -> np.ndarray:
         """Evaluate `batch`; returns logits [tokens that asked for them, n_vocab] in batch order."""
-        self._check_batch(batch)
-        ready, self._ready = self._ready, None
-        if ready is not None and ready.serves(batch, self._stamp()):
-            if self.interrupt is not None and self.interrupt():
-                raise Interrupted()
-            return self._take(ready, batch)
-        outs = []
-        for ub in split_batch(batch, self.n_ubatch):
-            if self.interrupt is not None and self.interrupt():
-                raise Interrupted()
-            logits = self._decode_ubatch(ub)
-            if logits is not None:
-                outs.append(logits)
+        outs = self._decode(batch, greedy=False)
         if not outs:
             return np.zeros((0, self.model.hp.n_vocab), dtype=np.float32)
         return np.concatenate(outs) if len(outs) > 1 else outs[0]
@@ -277,12 +264,26 @@ class Session:
         """Evaluate `batch` as decode does, choosing each next token where the logits are computed: returns the
         argmax of each row of logits (i32 [tokens that asked for them], in batch order), and only those ids
         come back to the host. Non-finite logits raise NonFiniteLogits as in decode."""
-        self._greedy = True
-        try:
-            out = self.decode(batch)
-        finally:
-            self._greedy = False
-        return out if out.ndim == 1 else np.zeros(0, dtype=np.int32)
+        outs = self._decode(batch, greedy=True)
+        return np.concatenate(outs) if outs else np.zeros(0, dtype=np.int32)
+
+    def _decode(self, batch: Batch, greedy: bool) -> list[np.ndarray]:
+        """What each micro-batch of `batch` that asked for logits gives back (_fetch), in order; with greedy,
+        graphs end in the logits' argmax."""
+        self._check_batch(batch)
+        ready, self._ready = self._ready, None
+        if ready is not None and ready.params.greedy == greedy and ready.serves(batch, self._stamp()):
+            if self.interrupt is not None and self.interrupt():
+                raise Interrupted()
+            return [self._take(ready, batch)]
+        outs = []
+        for ub in split_batch(batch, self.n_ubatch):
+            if self.interrupt is not None and self.interrupt():
+                raise Interrupted()
+            out = self._decode_ubatch(ub, greedy)
+            if out is not None:
+                outs.append(out)
+        return outs
 
     def _fetch(self, res: GraphResult) -> tuple[np.ndarray, bool]:
         """What a computed micro-batch gives back and whether its logits are finite: the logits, or from a graph
@@ -326,13 +327,13 @@ class Session:
             return UBatchState(ub, cells[0], self.kv)
         return UBatchState(ub, cells[0], self.kv, cells[1], self.kv_swa)
 
-    def _decode_ubatch(self, ub: UBatch) -> np.ndarray | None:
+    def _decode_ubatch(self, ub: UBatch, greedy: bool) -> np.ndarray | None:
         for cache in self.caches:  # keys move to their shifted positions before any cell is reused
             if cache.has_shift:
                 self._apply_k_shift(cache)
         st = self.place_ubatch(ub)
         p = GraphParams(ub.n_tokens, ub.n_outputs, self.kv.n_kv(),
-                        self.kv_swa.n_kv() if self.kv_swa is not None else 0, self._greedy and ub.n_outputs > 0)
+                        self.kv_swa.n_kv() if self.kv_swa is not None else 0, greedy and ub.n_outputs > 0)
         res = self._graph_for(p)
         t0 = time.perf_counter()
         res.set_inputs(st, self.sched.cpu)
@@ -377,16 +378,15 @@ class Session:
             return None
         ub = UBatch(st.ub.tokens, st.ub.pos + 1, st.ub.seq, st.ub.out_rows, 0)
         with self.kv.trial(cells, ub.pos, ub.seq):
-            p = GraphParams(1, 1, self.kv.n_kv(), greedy=self._greedy)
+            p = GraphParams(1, 1, self.kv.n_kv(), greedy=res.params.greedy)
             if res.reuse_blocker(p, self.kv_version, self.sched.generation) is not None:
                 return None
             res.set_inputs(UBatchState(ub, cells, self.kv), self.sched.cpu)
         return ReadyStep(res, p, ub, cells, res.input_array("inp_tokens", self.sched.cpu), self._stamp())
 
-    def _stamp(self) -> tuple[int, int, bool]:
-        """What a readied step was made for: the cells' changes and the compute buffers' use its inputs were filled
-        against, and whether its graph ends in greedy sampling (decode_greedy)."""
-        return self.kv.changes, self.sched.activity, self._greedy
+    def _stamp(self) -> tuple[int, int]:
+        """What a readied step's inputs were filled against: the cells' changes, the compute buffers' use."""
+        return self.kv.changes, self.sched.activity
 
     def _non_finite(self, ub: UBatch, logits: np.ndarray, res: GraphResult,
                     set_inputs: Callable[[], None]) -> NonFiniteLogits:
