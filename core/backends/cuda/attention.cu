@@ -145,14 +145,8 @@ template <> __device__ __forceinline__ void ld8<T_BF16>(const void *p, i64 i, fl
 template <int D>
 __device__ __forceinline__ void merge_chunks(const float *part, float *out, block_q8_1 *q8, int *tickets, int R,
                                              int T, int r) {
-    __shared__ bool last;
     const int g = blockIdx.x, split = gridDim.y, hq = gridDim.x * r, lane = threadIdx.x & 31;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(tickets + g, 1) == split - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (!last_block(tickets + g, split)) return;
     for (int x = threadIdx.x; x < R * D; x += blockDim.x) {  // whole warps: a warp's 32 elements are one q8 block
         const int i = x / D, e = x % D;
         const i64 orow = (i64)(i / r) * hq + g * r + i % r;

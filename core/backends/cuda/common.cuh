@@ -83,6 +83,12 @@ __device__ __forceinline__ void k4_scale_min(const u8 *s, int sb, float &sc, flo
     }
 }
 
+// Q3_K's six-bit signed scale of 16-element group g (ggml's packing of 12 bytes)
+__device__ __forceinline__ int k3_scale(const u8 *s, int g) {
+    const int lo = (s[g & 7] >> (4 * (g >> 3))) & 0xF, hi = (s[8 + (g & 3)] >> (2 * (g >> 2))) & 3;
+    return (lo | (hi << 4)) - 32;
+}
+
 // element j of the block at b, as ggml's dequantize_row_* gives it
 template <int T> __device__ __forceinline__ float dq(const u8 *b, int j);
 template <> __device__ __forceinline__ float dq<T_F32>(const u8 *b, int j) { return *(const float *)b; }
@@ -117,11 +123,7 @@ template <> __device__ __forceinline__ float dq<T_Q3_K>(const u8 *b, int j) {
     int h = j >> 7, r = j & 127, k = r >> 5, l = r & 31;
     int q = (b[32 + 32 * h + l] >> (2 * k)) & 3;
     if (!((b[l] >> (4 * h + k)) & 1)) q -= 4;
-    int g = j >> 4;
-    const u8 *s = b + 96;
-    int lo = (s[g & 7] >> (4 * (g >> 3))) & 0xF;
-    int hi = (s[8 + (g & 3)] >> (2 * (g >> 2))) & 3;
-    return ld_f16(b + 108) * (float)((lo | (hi << 4)) - 32) * (float)q;
+    return ld_f16(b + 108) * (float)k3_scale(b + 96, j >> 4) * (float)q;
 }
 template <> __device__ __forceinline__ float dq<T_Q4_K>(const u8 *b, int j) {
     int g = j >> 6, w = j & 63;

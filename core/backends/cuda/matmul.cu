@@ -1,5 +1,5 @@
 // Weight products. Few tokens (decode): activations quantized to q8_1 blocks and integer dot
-// products (__dp4a) against the legacy block types and Q4_K, Q5_K, Q6_K, as ggml's mmvq; other types
+// products (__dp4a) against the legacy block types and the k-quants, as ggml's mmvq; other types
 // decode their blocks in the GEMV. Many tokens: weights decoded to f16 tiles for a cuBLAS GEMM (host side).
 
 // x [rows, ncols] (row stride ldx elements) -> y [rows, ncols / 32] q8_1 blocks; one warp per block
@@ -135,6 +135,42 @@ template <> __device__ __forceinline__ float vdot_k<T_Q6_K>(const u8 *b, int j, 
     }
     const i8 *sc = (const i8 *)(b + 192 + 8 * half + 2 * k);
     return ld_f16(b + 208) * __low2float(y.ds) * ((float)sc[0] * (float)s0 + (float)sc[1] * (float)s1);
+}
+
+// Q2_K: sub-block j is the two bits at shift 2 (j % 4) of bytes 32 (j / 4) .. + 31 of qs; its halves of 16
+// elements each have their own byte of scales (scale in the low nibble, min in the high)
+template <> __device__ __forceinline__ float vdot_k<T_Q2_K>(const u8 *b, int j, const block_q8_1 &y) {
+    const int *u = (const int *)y.qs, *q = (const int *)(b + 16 + 32 * (j >> 2));
+    const int shift = 2 * (j & 3);
+    int s0 = 0, s1 = 0, m0 = 0, m1 = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int v = (q[i] >> shift) & 0x03030303;
+        if (i < 4) s0 = __dp4a(v, u[i], s0), m0 = __dp4a(0x01010101, u[i], m0);
+        else s1 = __dp4a(v, u[i], s1), m1 = __dp4a(0x01010101, u[i], m1);
+    }
+    const u8 sc0 = b[2 * j], sc1 = b[2 * j + 1];
+    const float sums = (float)(sc0 & 15) * (float)s0 + (float)(sc1 & 15) * (float)s1;
+    const float mins = (float)(sc0 >> 4) * (float)m0 + (float)(sc1 >> 4) * (float)m1;
+    return __low2float(y.ds) * (ld_f16(b + 80) * sums - ld_f16(b + 82) * mins);
+}
+// Q3_K: as Q2_K's low bits (qs at 32), minus 4 where bit j of the element's byte of hmask is clear; a
+// signed scale per 16 elements. Blocks of 110 bytes align only to 2.
+template <> __device__ __forceinline__ float vdot_k<T_Q3_K>(const u8 *b, int j, const block_q8_1 &y) {
+    const int *u = (const int *)y.qs;
+    const u8 *q = b + 32 + 32 * (j >> 2);
+    const int shift = 2 * (j & 3);
+    int s0 = 0, s1 = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int lo = (ld_i32_a2(q + 4 * i) >> shift) & 0x03030303;
+        const int hi = ((ld_i32_a2(b + 4 * i) >> j) & 0x01010101) << 2;
+        const int v = __vsubss4(lo | hi, 0x04040404);
+        if (i < 4) s0 = __dp4a(v, u[i], s0);
+        else s1 = __dp4a(v, u[i], s1);
+    }
+    const float sums = (float)k3_scale(b + 96, 2 * j) * (float)s0 + (float)k3_scale(b + 96, 2 * j + 1) * (float)s1;
+    return ld_f16(b + 108) * __low2float(y.ds) * sums;
 }
 
 // vdot of the 32 weights of row `row` that q8_1 block b of the activations meets
