@@ -12,6 +12,7 @@ from ggrun.core.backends.base import Backend
 from ggrun.core.llm.hparams import HParams
 from ggrun.core.llm.inputs import GraphInputs, GraphParams
 from ggrun.core.llm.kv_cache import heads_view, KVCache
+from ggrun.core.llm.weights import Weights
 from ggrun.core.tensor import Tensor
 
 
@@ -32,6 +33,19 @@ class Build:
         if self.kv_swa is not None and il in self.kv_swa.layers:
             return self.kv_swa, self.inp.kv_idx_swa.tensor, self.p.n_kv_swa
         return self.kv, self.inp.kv_idx.tensor, self.p.n_kv
+
+
+def embed(b: Build, w: Weights) -> Tensor:
+    """The micro-batch's token embeddings [tokens, n_embd], rows of token_embd. llama.cpp keeps token_embd on
+    the CPU, which looks the rows up and copies them to the first offloaded layer. A tied head offloaded
+    holds token_embd's rows on its device anyway, so where that device runs the lookup, the rows come from
+    there: only the token ids travel, and a GPU decode step has no CPU split (its lookup and its copies)."""
+    table, head = w["token_embd.weight"], w.get("output.weight")
+    if w.tied and head is not None and head is not table and head.root.buffer is not None:
+        lookup = ops.get_rows(head, b.inp.tokens.tensor, name="inp_embd")
+        if head.root.buffer.backend.supports_op(lookup):
+            return lookup
+    return ops.get_rows(table, b.inp.tokens.tensor, name="inp_embd")
 
 
 def norm(b: Build, x: Tensor, w: Tensor, name: str) -> Tensor:

@@ -151,7 +151,7 @@ class Model:
             else:
                 tensors["output.weight"] = _weight(ctx_for(placement.output), gf, "output.weight",
                                                    "token_embd.weight", numerics)
-        weights = Weights(tensors, str(gf.path))
+        weights = Weights(tensors, str(gf.path), tied="output.weight" not in gf.tensors)
         return Model(gf, hp, arch, tokenizer, weights, placement, placement.backends, contexts,
                      time.perf_counter() - t0, numerics)
 

@@ -19,9 +19,10 @@ class LayerWeights:
 class Weights:
     """All weight tensors of a model, placed on their backends."""
 
-    def __init__(self, tensors: dict[str, Tensor], source: str) -> None:
+    def __init__(self, tensors: dict[str, Tensor], source: str, tied: bool = False) -> None:
         self.tensors = tensors
         self.source = source
+        self.tied = tied  # the file has no output.weight: the head is the token embedding (a copy where placed apart)
 
     def __getitem__(self, name: str) -> Tensor:
         t = self.tensors.get(name)

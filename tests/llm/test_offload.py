@@ -61,18 +61,21 @@ def n_kv_for(n_ctx: int, n_cells_used: int) -> int:
     return min(n_ctx, max(KV_PAD, -(-n_cells_used // KV_PAD) * KV_PAD))
 
 
-def predict(s: Shape, ngl: int) -> dict:
+def predict(s: Shape, ngl: int, tied: bool = False) -> dict:
     """Splits as (backend, [copied sources]) with the bytes of each copy, and sim's byte counters
-    over one compute (copies in and out, plus the logits read back when the head is on SIM)."""
+    over one compute (copies in and out, plus the logits read back when the head is on SIM). A tied
+    head on SIM serves the embedding lookup: the token ids travel, and the CPU computes nothing."""
     off = min(ngl, s.n_layer)
     if off == 0:
         return dict(splits=[("CPU", [])], sim_in=0, sim_out=0)
     first = s.n_layer - off
-    into_sim = _stream_into(s.n_tokens, first - 1, s.n_embd) + [
-        ("inp_pos", s.n_tokens * I32), ("inp_kv_idx", s.n_tokens * I32), ("inp_kq_mask", s.n_tokens * s.n_kv * F16)]
+    lookup_on_sim = tied and ngl > s.n_layer
+    into_sim = ([("inp_tokens", s.n_tokens * I32)] if lookup_on_sim else _stream_into(s.n_tokens, first - 1, s.n_embd))
+    into_sim += [("inp_pos", s.n_tokens * I32), ("inp_kv_idx", s.n_tokens * I32),
+                 ("inp_kq_mask", s.n_tokens * s.n_kv * F16)]
     if s.n_outputs < s.n_tokens:
         into_sim.append(("inp_out_ids", s.n_outputs * I32))
-    splits = [("CPU", []), ("SIM", into_sim)]
+    splits = [("SIM", into_sim)] if lookup_on_sim else [("CPU", []), ("SIM", into_sim)]
     if ngl > s.n_layer:
         out = s.n_outputs * s.n_vocab * F32  # logits, read back by the session
     else:
@@ -160,8 +163,8 @@ def assert_same_run(got: Run, ref: Run, atol: float = LOGITS_ATOL) -> None:
         np.testing.assert_allclose(a, b, rtol=0, atol=atol)
 
 
-def assert_predicted(run: Run, shape_prompt: Shape, shape_step: Shape, ngl: int) -> None:
-    p_prompt, p_step = predict(shape_prompt, ngl), predict(shape_step, ngl)
+def assert_predicted(run: Run, shape_prompt: Shape, shape_step: Shape, ngl: int, tied: bool = False) -> None:
+    p_prompt, p_step = predict(shape_prompt, ngl, tied), predict(shape_step, ngl, tied)
     assert run.prompt_splits == sorted_prediction(p_prompt)
     assert run.step_splits == sorted_prediction(p_step)
     assert run.step_sim == (p_step["sim_in"], p_step["sim_out"])
@@ -219,7 +222,8 @@ def test_tiny_offload_equals_cpu_and_copies_what_the_rules_predict(tiny, tiny_re
 
 
 def test_tiny_offload_with_a_tied_head(tiny_llama_factory):
-    """A tied head on the device gets its own copy of the embedding; the lookup stays on the CPU."""
+    """A tied head on the device gets its own copy of the embedding, which serves the lookup there too:
+    the token ids are copied in place of the embedded rows, and no split is left on the CPU."""
     path = tiny_llama_factory(n_layer=N_LAYER, tied_output=True)
     ref = greedy_run(Model.load(path, [CPUBackend()]), PROMPT, 3)
     model = Model.load(path, [SimBackend(), CPUBackend()], N_LAYER + 1)
@@ -228,7 +232,7 @@ def test_tiny_offload_with_a_tied_head(tiny_llama_factory):
     np.testing.assert_array_equal(model.backends[0].get_tensor(head), model.backends[1].get_tensor(emb))
     run = greedy_run(model, PROMPT, 3)
     assert_same_run(run, ref)
-    assert_predicted(run, *tiny_shapes(model), N_LAYER + 1)
+    assert_predicted(run, *tiny_shapes(model), N_LAYER + 1, tied=True)
 
 
 def test_tiny_all_logits_prompt_needs_no_output_ids(tiny):
@@ -383,12 +387,12 @@ def test_smollm2_offload_copies_what_the_rules_predict(smol):
     step = Shape(hp.n_layer, hp.n_embd, hp.n_vocab, 1, 1, n_kv_for(N_CTX, n + 1))
     for ngl, run in smol["runs"].items():
         if ngl != "cpu":
-            assert_predicted(run, prompt, step, ngl)
+            assert_predicted(run, prompt, step, ngl, tied=True)
     # the figures of one decoded token at -ngl 15 / n_layer + 1, written out for SmolLM2 (n_embd 576,
-    # n_vocab 49152, 256 cells): stream and feed-forward output 2304 B each (the embedding alone before
-    # layer 0), positions 4, rows 4, mask 512
+    # n_vocab 49152, 256 cells, a tied head): stream and feed-forward output 2304 B each, positions 4,
+    # rows 4, mask 512; fully offloaded, the token id (4) in place of the embedded row
     mid, full = smol["runs"][hp.n_layer // 2], smol["runs"][hp.n_layer + 1]
     assert (len(mid.step_splits), sum(len(c) for _, c in mid.step_splits), mid.step_sched_bytes) == (3, 7, 9736)
     assert mid.step_sim == (5128, 4608)
-    assert (len(full.step_splits), sum(len(c) for _, c in full.step_splits), full.step_sched_bytes) == (2, 4, 2824)
-    assert full.step_sim == (2824, 196608)
+    assert (len(full.step_splits), sum(len(c) for _, c in full.step_splits), full.step_sched_bytes) == (1, 4, 524)
+    assert full.step_sim == (524, 196608)

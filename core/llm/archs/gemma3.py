@@ -46,7 +46,7 @@ def rope_freq_base_of(hp: HParams):
 def build(b: Build, w: Weights) -> Tensor:
     """Logits [n_outputs, n_vocab] of the micro-batch in b.inp."""
     hp = b.hp
-    x = ops.get_rows(w["token_embd.weight"], b.inp.tokens.tensor, name="inp_embd")
+    x = blocks.embed(b, w)
     x = ops.scale(x, math.sqrt(hp.n_embd), name="inp_scaled")
     base_of = rope_freq_base_of(hp)
     ffn = None  # the previous layer's feed-forward output, normalised and added with the next norm

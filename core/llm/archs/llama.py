@@ -16,7 +16,7 @@ ROPE_MODE = ops.ROPE_NORMAL
 def build(b: Build, w: Weights) -> Tensor:
     """Logits [n_outputs, n_vocab] of the micro-batch in b.inp."""
     hp = b.hp
-    x = ops.get_rows(w["token_embd.weight"], b.inp.tokens.tensor, name="inp_embd")
+    x = blocks.embed(b, w)
     ffn = None  # the previous layer's feed-forward output, added to the stream with the next norm
     for il in range(hp.n_layer):
         L = w.layer(il)
