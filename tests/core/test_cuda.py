@@ -131,6 +131,30 @@ def test_cuda_graph_replay_and_invalidation(tiny_llama_factory, gpu, monkeypatch
         np.testing.assert_allclose(replayed, eager, rtol=0, atol=1e-5)
 
 
+def test_prompt_graphs_with_cublas_products_are_captured_and_replayed(tiny_llama_factory, gpu):
+    """A prompt micro-batch's products are cuBLAS GEMMs (blas.py): the same prompt decoded again reuses its graph,
+    which is captured on its second run and replayed on the third, each time with the eager run's logits."""
+    from ggrun.core.backends.cuda import blas
+    assert blas.available()
+    path = tiny_llama_factory(n_layer=2)
+    prompt = Batch.of_sequence(list(range(3, 20)))
+    results = {}
+    for graphs in (False, True):
+        backend = CUDABackend(0)
+        backend.use_graphs = graphs
+        m = Model.load(path, [backend, CPUBackend()], 99, numerics="f32")
+        s = Session(m, SessionParams(n_ctx=128, n_ubatch=32))
+        results[graphs] = []
+        for _ in range(3):
+            s.clear()
+            results[graphs].append(s.decode(prompt).copy())
+        calls = [sp.calls for sp in s.result.sg.splits if sp.backend is backend]
+        assert any("cuBLAS" in step.name for c in calls for step in c.steps)
+        assert all((c.graph is not None) == graphs and c.runs == 3 for c in calls), [(c.runs, c.blocker) for c in calls]
+    for eager, replayed in zip(results[False], results[True]):
+        np.testing.assert_array_equal(replayed, eager)
+
+
 def test_split_inputs_are_copied_by_the_split_run(gpu):
     """A split's host inputs go up from its pinned region as part of its run (small ones by one kernel,
     large ones by copies): eagerly, then captured into the CUDA graph, then replayed, each run with new

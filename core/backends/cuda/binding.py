@@ -28,8 +28,8 @@ def fuses(*ops: str):
 
 @dataclass
 class Step:
-    """One node's work: `run()` issues it on the current stream. Steps that call only ggrun's own
-    kernels can be captured into a CUDA graph; cuBLAS calls and cupy array code cannot."""
+    """One node's work: `run()` issues it on the current stream. Steps that call ggrun's own kernels and
+    cuBLAS through blas.py can be captured into a CUDA graph; cupy array code cannot."""
 
     run: Callable[[], None]
     capturable: bool = True

@@ -5,14 +5,16 @@ the result) times up to GEMV_MAX_ROWS token rows: the legacy block
 types quantize the activations to q8_1 blocks in the node's scratch and take integer dot products
 (mmvq, as ggml's CUDA backend); other types decode their blocks inside the product (gemv). More
 token rows: the weight is decoded to f16 one tile of rows at a time into scratch and multiplied
-by cuBLAS (f32 accumulation), the activations converted to f16 once. Products of two float
+by cuBLAS (f32 accumulation; blas.py, which CUDA graphs capture), the activations converted to f16
+once. Products of two float
 operands (attention without the fused op) run a plain strided kernel.
 """
 from __future__ import annotations
 
 import numpy as np
-from cupy.cuda import cublas, device
+from cupy.cuda import cublas
 
+from ggrun.core.backends.cuda import blas
 from ggrun.core.backends.cuda.binding import (Launch, Step, binds, estrides, f32, fuses, grid1d, i32, i64,
                                               launch_step, ptr, rows_of)
 from ggrun.core.backends.cuda.handoff import Q8_1_BYTES
@@ -236,16 +238,14 @@ def _gemm(parts: list, b, ldb: int, scratch, backend, k: int, n: int) -> Step:
             tiles.append((Launch(dequant, grid, block, args), rows, out_at + r0 * 4, m))
 
     def run() -> None:
-        handle = device.get_cublas_handle()
-        cublas.setStream(handle, backend.stream.ptr)
         convert()
         for dequant, rows, out_at, m in tiles:
             dequant()
             # column-major: C (rows x n, ld m) = W^T (rows x k) . B (k x n)
-            cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, rows, n, k, _ONE.ctypes.data,
-                          w16, CUDA_R_16F, k, b16, CUDA_R_16F, k, _ZERO.ctypes.data,
-                          out_at, CUDA_R_32F, m, CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
-    return Step(run, capturable=False, name="mul_mat (cuBLAS)")
+            blas.gemm_ex(backend.stream.ptr, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, rows, n, k, _ONE.ctypes.data,
+                         w16, CUDA_R_16F, k, b16, CUDA_R_16F, k, _ZERO.ctypes.data, out_at, CUDA_R_32F, m,
+                         CUBLAS_COMPUTE_32F)
+    return Step(run, capturable=blas.available(), name="mul_mat (cuBLAS)")
 
 
 def _glu_fused(node: Tensor, k: int, n: int) -> bool:
