@@ -106,6 +106,14 @@ def _steps(s: Session, script) -> list[np.ndarray]:
     return out
 
 
+def _offloaded(path, graphs: bool) -> tuple[CUDABackend, Session]:
+    """A session of the model at path wholly on a fresh GPU backend, replaying CUDA graphs or not."""
+    backend = CUDABackend(0)
+    backend.use_graphs = graphs
+    m = Model.load(path, [backend, CPUBackend()], 99, numerics="f32")
+    return backend, Session(m, SessionParams(n_ctx=128, n_ubatch=32))
+
+
 def test_cuda_graph_replay_and_invalidation(tiny_llama_factory, gpu, monkeypatch):
     """Decode steps replay a captured CUDA graph; a new batch shape, a removed sequence range and a
     K-shift invalidate it; every result equals the eager run's."""
@@ -118,10 +126,7 @@ def test_cuda_graph_replay_and_invalidation(tiny_llama_factory, gpu, monkeypatch
     script += [("decode", Batch.of_sequence([61 + i], 24 + i)) for i in range(3)]
     results = {}
     for graphs in (False, True):
-        backend = CUDABackend(0)
-        backend.use_graphs = graphs
-        m = Model.load(path, [backend, CPUBackend()], 99, numerics="f32")
-        s = Session(m, SessionParams(n_ctx=128, n_ubatch=32))
+        backend, s = _offloaded(path, graphs)
         results[graphs] = _steps(s, script)
         if graphs:
             captured = [sp.calls for sp in s.result.sg.splits if sp.backend is backend]
@@ -140,10 +145,7 @@ def test_prompt_graphs_with_cublas_products_are_captured_and_replayed(tiny_llama
     prompt = Batch.of_sequence(list(range(3, 20)))
     results = {}
     for graphs in (False, True):
-        backend = CUDABackend(0)
-        backend.use_graphs = graphs
-        m = Model.load(path, [backend, CPUBackend()], 99, numerics="f32")
-        s = Session(m, SessionParams(n_ctx=128, n_ubatch=32))
+        backend, s = _offloaded(path, graphs)
         results[graphs] = []
         for _ in range(3):
             s.clear()

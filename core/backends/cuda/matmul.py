@@ -5,9 +5,9 @@ the result) times up to GEMV_MAX_ROWS token rows: the legacy block
 types quantize the activations to q8_1 blocks in the node's scratch and take integer dot products
 (mmvq, as ggml's CUDA backend); other types decode their blocks inside the product (gemv). More
 token rows: the weight is decoded to f16 one tile of rows at a time into scratch and multiplied
-by cuBLAS (f32 accumulation; blas.py, which CUDA graphs capture), the activations converted to f16
-once. Products of two float
-operands (attention without the fused op) run a plain strided kernel.
+by cuBLAS (f32 accumulation; through blas.py, which CUDA graphs capture), the activations converted
+to f16 once. Products of two float operands (attention without the fused op) run a plain strided
+kernel.
 """
 from __future__ import annotations
 
