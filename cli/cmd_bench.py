@@ -8,12 +8,9 @@ out), then `interrupted`, exit 130.
 """
 from __future__ import annotations
 
-import functools
 import itertools
-import subprocess
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Optional
 
 import typer
@@ -22,7 +19,7 @@ from rich.progress import Progress
 from ggrun.cli import options as o
 from ggrun.cli.app import app
 from ggrun.cli.bench_output import FORMATS, Printer
-from ggrun.cli.cmd_version import ggrun_version
+from ggrun.cli.cmd_version import build_commit, ggrun_version
 from ggrun.cli.cmdline import command_from
 from ggrun.cli.common import err_console, list_devices, load_model
 from ggrun.cli.interrupt import Interrupt
@@ -335,14 +332,3 @@ def _split_text(split: tuple[float, ...]) -> str:
     """llama-bench's tensor_split field: each proportion as %.2f up to the last non-zero, joined by '/'."""
     last = max((i for i, x in enumerate(split) if x > 0), default=0)
     return "/".join(f"{x:.2f}" for x in (split or (0.0,))[:last + 1])
-
-
-@functools.cache
-def build_commit() -> str:
-    """The git commit ggrun runs from (llama-bench's build_commit), or its version outside a checkout."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return ggrun_version()
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else ggrun_version()
