@@ -59,9 +59,10 @@ def check_positive(**values: int) -> None:
 
 
 def load_model(model: str | None, n_gpu_layers: int = 0, quiet: bool = False, threads: int | None = None,
-               numerics: str = "llama", split: DeviceSplit | None = None) -> Model:
+               numerics: str = "llama", split: DeviceSplit | None = None, check_tensors: bool = False) -> Model:
     """Resolve and load a model on the usable backends, its devices picked and shared as `split` (-dev,
-    -sm, -ts, -mg) says; a progress bar appears when loading is slow."""
+    -sm, -ts, -mg) says, every tensor checked for NaN and infinity with check_tensors; a progress bar
+    appears when loading is slow."""
     if n_gpu_layers < 0:
         raise BadInput(f"-ngl {n_gpu_layers} must not be negative")
     if threads is not None and threads < 1:
@@ -77,7 +78,8 @@ def load_model(model: str | None, n_gpu_layers: int = 0, quiet: bool = False, th
         err_console.print("warning: no device backend is available; -ngl is ignored (see --list-devices)")
     bar = _LazyProgress(f"loading {path.name}", enabled=not quiet)
     try:
-        return Model.load(path, backends, n_gpu_layers, progress=bar.update, numerics=numerics, split=split)
+        return Model.load(path, backends, n_gpu_layers, progress=bar.update, numerics=numerics, split=split,
+                          check_tensors=check_tensors)
     finally:
         bar.close()
 

@@ -55,7 +55,7 @@ COMMON_KEYS = (
     Key("vocab_size", int, 1, 1 << 31),
 )
 ARCH_KEYS: dict[str, tuple[Key, ...]] = {
-    "gemma3": (Key("attention.sliding_window", int, 0, MAX_CONTEXT),),  # 0: no sliding window
+    "gemma3": (Key("attention.sliding_window", int, 1, MAX_CONTEXT),),  # llama.cpp needs a window of 1 or more
 }
 
 # Special token ids a value of -1 (or its uint32 form) marks as absent, as some converters write them.

@@ -25,6 +25,7 @@ from ggrun.core.llm.hparams import HParams
 from ggrun.core.llm.placement import DeviceSplit, Placement
 from ggrun.core.llm.weights import Weights
 from ggrun.loaders.gguf_file import GGUFFile, open_gguf
+from ggrun.loaders.tensor_values import check_tensor_values
 from ggrun.loaders.tokenizer import Tokenizer
 
 ARCHS = {"llama": "ggrun.core.llm.archs.llama", "gemma3": "ggrun.core.llm.archs.gemma3"}
@@ -97,9 +98,10 @@ class Model:
     @staticmethod
     def load(path: str | Path, backends: list[Backend], n_gpu_layers: int = 0,
              progress: Progress | None = None, metadata_only: bool = False, numerics: str = "llama",
-             split: DeviceSplit | None = None) -> "Model":
+             split: DeviceSplit | None = None, check_tensors: bool = False) -> "Model":
         """Open, validate and load a GGUF model onto `backends` (priority order, CPU last), the devices
-        among them picked and shared as `split` (-dev, -sm, -ts, -mg) says.
+        among them picked and shared as `split` (-dev, -sm, -ts, -mg) says. Its small float tensors are
+        checked for NaN and infinity, every tensor with check_tensors (--check-tensors).
 
         With metadata_only, weights are placed in virtual buffers: shapes and backends are
         real, no tensor data is read and no weight memory is taken (for `ggrun measure`).
@@ -120,6 +122,7 @@ class Model:
             return contexts[backend.name]
 
         if not metadata_only:
+            check_tensor_values(gf, every=check_tensors)
             _check_device_weights(gf, placement)
         tensors = {}
         total = gf.file_bytes
