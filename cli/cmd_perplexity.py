@@ -143,7 +143,8 @@ def _eta(i: int, plan: ChunkPlan, t0: float) -> None:
 
 def _run_perplexity(s: PerplexitySettings) -> None:
     text = _read_text(s.file)
-    m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics, split=s.split)
+    m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics, split=s.split,
+                   kv_types=(s.type_k, s.type_v))
     tokens = m.tokenizer.tokenize(text, add_special=True, parse_special=False)
     plan = plan_chunks(len(tokens), s.n_ctx, s.n_chunks)
     session = _session(m, s, plan.n_ctx)
@@ -194,7 +195,8 @@ def _run_perplexity(s: PerplexitySettings) -> None:
 
 def _run_kl_divergence(s: PerplexitySettings) -> None:
     base = LogProbReader(s.kl_divergence_base)
-    m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics, split=s.split)
+    m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics, split=s.split,
+                   kv_types=(s.type_k, s.type_v))
     if base.n_vocab != m.hp.n_vocab:
         raise BadInput(f"{s.kl_divergence_base}: inconsistent vocabulary ({base.n_vocab} in the file, "
                        f"{m.hp.n_vocab} in the model)")
