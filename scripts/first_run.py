@@ -10,7 +10,9 @@ the time to the first token into
   start      interpreter start, imports, the model's file checked (before loading it),
   load       the model loaded (ggrun's `load time`),
   compile    the CPU kernels compiled (from the `compiling the CPU kernels` line to `kernels compiled`),
-  prompt     the session made, the prompt evaluated and the first token sampled.
+  prompt     the session made, the prompt evaluated and the first token sampled,
+and the CPU time (user + system, of ggrun and the helper processes it compiles with) is given beside: on a
+machine shared with other work, the wall times stretch with the load, the CPU time much less.
 
     .venv/bin/python scripts/first_run.py                       # SmolLM2, then gemma-3-270m
     .venv/bin/python scripts/first_run.py -m smollm2 -m gemma3-270m -t 2
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import resource
 import select
 import subprocess
 import sys
@@ -38,6 +41,7 @@ class Run:
     compile_line_s: float | None = None  # when "compiling the CPU kernels" arrived
     compiled_line_s: float | None = None  # when "kernels compiled" arrived
     load_s: float = 0.0
+    cpu_s: float = 0.0  # user + system seconds of the process and its helpers (all cores)
     stderr: list[str] = field(default_factory=list)
 
     def split(self) -> dict[str, float]:
@@ -61,6 +65,7 @@ class Run:
 
 def run(cmd: list[str], env: dict[str, str]) -> Run:
     """Start `cmd`; timestamp its stdout chunks and stderr lines as they arrive."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env)
     r = Run()
@@ -92,6 +97,8 @@ def run(cmd: list[str], env: dict[str, str]) -> Run:
                     r.load_s = float(m.group(1)) / 1e3
     code = proc.wait()
     r.total_s = time.perf_counter() - t0
+    now_used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r.cpu_s = (now_used.ru_utime - used.ru_utime) + (now_used.ru_stime - used.ru_stime)
     if code != 0 or first is None:
         sys.stderr.write("\n".join(r.stderr[-20:]) + "\n")
         raise SystemExit(f"exit {code}: {' '.join(cmd)}")
@@ -112,6 +119,7 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=None, help="threads (default: ggrun's)")
     args = ap.parse_args()
     models = args.model or ["smollm2", "gemma3-270m"]
+    load = os.getloadavg()[0]
     home = Path(os.environ.get("GGRUN_CACHE", Path.home() / ".cache" / "ggrun")).expanduser()
     for name in models:
         if not (home / "models" / KNOWN.get(name, name)).is_file():
@@ -132,12 +140,14 @@ def main() -> None:
             print(f"{label}: first token {r.first_token_s:.1f} s", file=sys.stderr)
     print(f"-p {args.prompt!r} -n {args.n} --temp 0, threads {args.threads or 'default'}; an empty kernel cache "
           f"before the first row, shared by the rows after it")
-    print("| run | first token, s | start | load | compile | prompt | whole run, s |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"load average before: {load:.1f} on {os.cpu_count()} CPUs; GGRUN_COMPILE_JOBS="
+          f"{os.environ.get('GGRUN_COMPILE_JOBS', 'default')}")
+    print("| run | first token, s | start | load | compile | prompt | whole run, s | CPU time, s |")
+    print("|---|---|---|---|---|---|---|---|")
     for label, r in rows:
         s = r.split()
         print(f"| {label} | {r.first_token_s:.1f} | {s['start']:.1f} | {s['load']:.1f} | {s['compile']:.1f} | "
-              f"{s['prompt']:.1f} | {r.total_s:.1f} |")
+              f"{s['prompt']:.1f} | {r.total_s:.1f} | {r.cpu_s:.1f} |")
 
 
 if __name__ == "__main__":

@@ -83,3 +83,19 @@ def test_markers_are_per_instruction_set(monkeypatch):
     base = warmup.marker_dir()
     monkeypatch.setenv("GGRUN_CPU_ISA", "generic")
     assert warmup.marker_dir() != base and warmup.marker_dir().parent == base.parent
+
+
+def test_helper_processes_share_the_builders(tmp_path, monkeypatch):
+    """With a helper process, every builder runs (here or there) and is marked; the kernels it compiled come
+    through numba's cache. The builders of one family run in one process."""
+    monkeypatch.setattr(warmup, "marker_dir", lambda: tmp_path / "markers")
+    todo = warmup.pending(frozenset({warmup.kv(DType.F16)}))
+    assert len(warmup.families(todo)) > 2
+    ran_here = []
+    real_run = warmup.run
+    monkeypatch.setattr(warmup, "run", lambda backend, w: (ran_here.append(w), real_run(backend, w)))
+    warmup.compile_warms(CPUBackend(), todo, helpers=1)
+    assert warmup.pending(frozenset({warmup.kv(DType.F16)})) == []
+    for family in warmup.families(todo):
+        here = [w in ran_here for w in family]
+        assert all(here) or not any(here)
