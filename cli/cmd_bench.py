@@ -258,7 +258,7 @@ def _run_all(s: BenchSettings, configs: list[Config], paths: dict, printer: Prin
             if loaded is None or loaded[0] != key:
                 loaded = None  # the previous model's memory goes before the next one's is taken
                 m = load_model(cfg.model, _gpu_layers(cfg.n_gpu_layers), quiet=True, threads=cfg.n_threads,
-                               numerics=s.numerics, split=cfg.split)
+                               numerics=s.numerics, split=cfg.split, kv_types=(cfg.type_k, cfg.type_v))
                 loaded = (key, m)
             m = loaded[1]
             set_threads(cfg.n_threads)

@@ -130,7 +130,8 @@ def run(s: ParallelSettings) -> None:
         list_devices()
         return
     questions = read_questions(s.file)
-    m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics, split=s.split)
+    m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics, split=s.split,
+                   kv_types=(s.type_k, s.type_v))
     n_ctx = s.n_ctx or m.hp.n_ctx_train
     tok = m.tokenizer
     shared = s.system and s.shared_system

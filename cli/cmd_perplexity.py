@@ -85,7 +85,8 @@ def settings(
         n_gpu_layers=n_gpu_layers, split=o.device_split(device, split_mode, tensor_split, main_gpu), threads=threads,
         numerics=numerics,
         flash_attn=flash_attn != "off" and not no_flash_attn, type_k=cache_type_k, type_v=cache_type_v,
-        output=output, kl_divergence_base=kl_divergence_base, kl_divergence=kl_divergence, check_tensors=check_tensors,
+        output=output, kl_divergence_base=kl_divergence_base, kl_divergence=kl_divergence,
+        check_tensors=check_tensors,
         list_devices=list_devices_)
     if list_devices_:
         return s
@@ -146,7 +147,7 @@ def _eta(i: int, plan: ChunkPlan, t0: float) -> None:
 def _run_perplexity(s: PerplexitySettings) -> None:
     text = _read_text(s.file)
     m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics, split=s.split,
-                   check_tensors=s.check_tensors)
+                   check_tensors=s.check_tensors, kv_types=(s.type_k, s.type_v))
     tokens = m.tokenizer.tokenize(text, add_special=True, parse_special=False)
     plan = plan_chunks(len(tokens), s.n_ctx, s.n_chunks)
     session = _session(m, s, plan.n_ctx)
@@ -198,7 +199,7 @@ def _run_perplexity(s: PerplexitySettings) -> None:
 def _run_kl_divergence(s: PerplexitySettings) -> None:
     base = LogProbReader(s.kl_divergence_base)
     m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics, split=s.split,
-                   check_tensors=s.check_tensors)
+                   check_tensors=s.check_tensors, kv_types=(s.type_k, s.type_v))
     if base.n_vocab != m.hp.n_vocab:
         raise BadInput(f"{s.kl_divergence_base}: inconsistent vocabulary ({base.n_vocab} in the file, "
                        f"{m.hp.n_vocab} in the model)")

@@ -15,7 +15,7 @@ from ggrun.core.backends.cpu.dispatch import binds
 from ggrun.core.backends.cpu.jit import kernel
 from ggrun.core.backends.cpu.kv_quant import CACHE_TYPES, code_of, hadamard, store_row
 from ggrun.core.backends.cpu.vecmath import as_f32, expf, f16_to_f32, f32_to_f16, gelu, gelu_f16_table, gelu_table, silu
-from ggrun.core.backends.cpu.warmup import readonly, warms
+from ggrun.core.backends.cpu.warmup import kv, readonly, rows, warms
 from ggrun.core.dtypes import DType
 
 
@@ -365,7 +365,7 @@ def _warm_attention_parts(lf):
     return ops.add(ops.cast(caches[0], DType.F32), caches[1])
 
 
-@warms
+@warms(needs={kv(DType.Q8_0)})
 def _warm_block_cache_write(lf):
     """The V cache write into a quantized cache (one signature serves Q8_0 and Q4_0)."""
     from ggrun.core import ops
@@ -385,4 +385,4 @@ def _warm_embedding(lf, dtype: DType):
 
 
 for _dtype in (DType.F16, DType.F32):
-    warms(lambda lf, d=_dtype: _warm_embedding(lf, d))
+    warms(lambda lf, d=_dtype: _warm_embedding(lf, d), needs={rows(_dtype)})
