@@ -40,9 +40,9 @@ class Buffer:
         return self._size
 
     def clear(self, value: int = 0) -> None:
-        """Fill every byte with `value`."""
+        """Fill every byte with `value` (by its backend, which knows its device)."""
         if self.storage is not None:
-            self.storage.fill(value)
+            self.backend.fill_bytes(self, 0, self.size, value)
 
     def __repr__(self) -> str:
         return f"Buffer({self.backend.name}, {self.usage}, {self.size} bytes)"
@@ -66,6 +66,15 @@ class Backend(ABC):
         buf = self.alloc_buffer(size, usage)
         buf.clear()
         return buf
+
+    def fill_bytes(self, buf: Buffer, offset: int, nbytes: int, value: int) -> None:
+        """Set nbytes of buffer buf (this backend's) from offset to `value`, in order with the work given to
+        this backend. Here: the host array in place."""
+        buf.storage[offset:offset + nbytes] = value
+
+    def read_bytes(self, buf: Buffer, offset: int, nbytes: int) -> np.ndarray:
+        """A host copy of nbytes of buffer buf (this backend's) from offset, after the work given so far."""
+        return np.array(buf.storage[offset:offset + nbytes])
 
     @abstractmethod
     def supports_op(self, node: Tensor) -> bool: ...
@@ -112,11 +121,14 @@ class Backend(ABC):
         """Copy src (on any backend) into dst (on this backend), through the host."""
         self.set_tensor(dst, src.root.buffer.backend.get_tensor(src))
 
-    def plan_copies(self, pairs: list[tuple[Tensor, Tensor]]) -> Callable[[], None]:
+    def plan_copies(self, pairs: list[tuple[Tensor, Tensor]]) -> Callable[..., None]:
         """What copies a split's inputs, the (src, dst) pairs, before each run of the split: made once per
         plan (the pairs stay the same while it holds), so that a backend may resolve them once and copy
-        them together. Here: copy_tensor for each pair."""
-        def copy() -> None:
+        them together. It takes `free`: an event (record_event's) after which the destinations may be
+        overwritten (a pipeline slot's last reader), or None for after all work given to this backend so
+        far; a copy issued elsewhere than this backend's own queue (another GPU's stream) starts after it.
+        Here: copy_tensor for each pair."""
+        def copy(free: Any = None) -> None:
             for src, dst in pairs:
                 self.copy_tensor(src, dst)
         return copy
