@@ -353,19 +353,16 @@ class Scheduler:
                   file=sys.stderr)
 
     def _copy_inputs(self, sg: ScheduledGraph, split: Split, slot: int) -> None:
-        """The split's copies into `slot`, after the split that read that slot last is done with it (its event,
-        which a copy issued on another device's stream waits for too)."""
+        """The split's copies into `slot`, after the split that read that slot last is done with it."""
         b = split.backend
         n_slots = sg.n_slots
-        free = None
         if n_slots > 1:
-            free = self._slot_events.get((b.name, slot))
-            b.wait_event(free)
+            b.wait_event(self._slot_events.get((b.name, slot)))
         copy = split.copy_runs.get(slot)
         if copy is None:
             into = sg.slots[slot] if n_slots > 1 else {}
             copy = split.copy_runs[slot] = b.plan_copies([(c.srcs[0], into.get(id(c), c)) for c in split.copies])
-        copy(free)
+        copy()
         for kind, add in self._tally(sg, split).items():
             count = self.copy_counts[kind]
             count.n += add.n

@@ -121,14 +121,11 @@ class Backend(ABC):
         """Copy src (on any backend) into dst (on this backend), through the host."""
         self.set_tensor(dst, src.root.buffer.backend.get_tensor(src))
 
-    def plan_copies(self, pairs: list[tuple[Tensor, Tensor]]) -> Callable[..., None]:
+    def plan_copies(self, pairs: list[tuple[Tensor, Tensor]]) -> Callable[[], None]:
         """What copies a split's inputs, the (src, dst) pairs, before each run of the split: made once per
         plan (the pairs stay the same while it holds), so that a backend may resolve them once and copy
-        them together. It takes `free`: an event (record_event's) after which the destinations may be
-        overwritten (a pipeline slot's last reader), or None for after all work given to this backend so
-        far; a copy issued elsewhere than this backend's own queue (another GPU's stream) starts after it.
-        Here: copy_tensor for each pair."""
-        def copy(free: Any = None) -> None:
+        them together. Here: copy_tensor for each pair."""
+        def copy() -> None:
             for src, dst in pairs:
                 self.copy_tensor(src, dst)
         return copy

@@ -4,10 +4,10 @@ engine reuses the graph, all on one stream; host copies go through pinned stagin
 
 Each GPU is a backend of its own (CUDA0, CUDA1, ...): every call that allocates, fills, copies,
 launches, records an event or captures a graph runs with its own device current (cupy's Device
-context) and on its stream, so nothing assumes device 0. A tensor from another GPU is copied device to
-device on the source's stream where the two have peer access (after the kernels that wrote it, before
-its later kernels, as ggml's CUDA backend copies), and this stream waits for the copy's event; without
-peer access it goes through this backend's pinned staging memory. The staging memory is a ring whose
+context) and on its stream, so nothing assumes device 0. A tensor from another GPU arrives on this GPU's
+stream, device to device where the two have peer access, else through this backend's pinned staging
+memory; events order the copy after the source's kernels that wrote the tensor, and the source's later
+kernels after the copy (never a wait for a whole stream). The staging memory is a ring whose
 regions each carry the event after the copy that reads them: a region is handed out again once that
 event has passed, never after a wait for the whole stream. A CUDA error becomes one line naming the
 device (DeviceFailure).
@@ -359,11 +359,10 @@ class CUDABackend(Backend):
         self._wait()
         return out, flags.tobytes() == NO_FLAGS  # compared as bytes: numpy's any() took 2.5 us of the H100's host
 
-    def plan_copies(self, pairs: list[tuple[Tensor, Tensor]]) -> Callable[..., None]:
+    def plan_copies(self, pairs: list[tuple[Tensor, Tensor]]) -> Callable[[], None]:
         """A split's inputs, resolved once: the host arrays bound for contiguous tensors are handed to the
         split's run, whose CUDA graph copies them from a pinned region (uploads.py; one list, the same every
-        call, so the region knows it); other pairs, and uploads too large for a region, are copied by each call
-        (`free`: as Backend.plan_copies says)."""
+        call, so the region knows it); other pairs, and uploads too large for a region, are copied by each call."""
         ups, others = [], []
         for src, dst in pairs:
             owner = src.root.buffer.backend
@@ -377,10 +376,10 @@ class CUDABackend(Backend):
         direct, ups = (ups, []) if staged else ([], ups)
 
         @on_device
-        def copy(self: CUDABackend, free=None) -> None:
+        def copy(self: CUDABackend) -> None:
             self._flush()
             for src, dst in others:
-                self._copy_in(src, dst, free)
+                self._copy_in(src, dst)
             for a, dst_ptr in direct:
                 self._upload(a, dst_ptr)
             self._pending = ups
@@ -396,12 +395,12 @@ class CUDABackend(Backend):
     def copy_tensor(self, src: Tensor, dst: Tensor) -> None:
         """A host tensor's bytes go up through staging; another GPU's, device to device."""
         self._flush()
-        self._copy_in(src, dst, None)
+        self._copy_in(src, dst)
 
-    def _copy_in(self, src: Tensor, dst: Tensor, free) -> None:
+    def _copy_in(self, src: Tensor, dst: Tensor) -> None:
         owner = src.root.buffer.backend
         if isinstance(owner, CUDABackend) and owner is not self:
-            self._copy_from_gpu(owner, src, dst, free)
+            self._copy_from_gpu(owner, src, dst)
             return
         if owner is self:
             a, b = self.array(src), self.array(dst)
@@ -441,12 +440,13 @@ class CUDABackend(Backend):
             self._peer[other.index] = known
         return known
 
-    def _copy_from_gpu(self, owner: "CUDABackend", src: Tensor, dst: Tensor, free=None) -> None:
-        """src (on GPU `owner`) into dst on this GPU. Peer to peer the copy runs on the source's stream, so that
-        it follows the kernels that wrote src and precedes those that write it again without either
-        stream waiting for the whole of the other; it starts once dst may be overwritten: after the event
-        `free` (a pipeline slot's last reader, from the scheduler), else after everything this stream was
-        given so far. This stream then waits for the copy."""
+    def _copy_from_gpu(self, owner: "CUDABackend", src: Tensor, dst: Tensor) -> None:
+        """src (on GPU `owner`) into dst on this GPU, on this GPU's stream: after the source's kernels that wrote
+        src (an event), and the source's later kernels after the copy (an event), so that neither stream waits
+        for the whole of the other. On this stream the copy follows whatever this GPU still computes in dst's
+        memory under an earlier plan, which a copy on the source's stream would not (graphs are planned anew
+        as a prompt's micro-batches see more cells). With pipelined micro-batches the source's next one then
+        starts once this GPU has finished the one before, as the two stages' turns alternate."""
         a, b = owner.array(src), self.array(dst)
         if not b.flags.c_contiguous:  # not a scheduler copy (those are contiguous): through the host
             self.set_tensor(dst, owner.get_tensor(src))
@@ -457,11 +457,11 @@ class CUDABackend(Backend):
         if a.nbytes != b.nbytes:
             raise ValueError(f"copy {src.describe()} -> {dst.describe()}: {a.nbytes} bytes, {b.nbytes} expected")
         if self.peer_access(owner):
-            owner.wait_event(free if free is not None else self.record_event())
-            with owner._dev:
+            self.wait_event(owner.record_event())  # after the kernels that wrote src
+            with self._dev:
                 cupy.cuda.runtime.memcpyPeerAsync(b.data.ptr, self.index, a.data.ptr, owner.index, b.nbytes,
-                                                  owner.stream.ptr)
-            self.wait_event(owner.record_event())
+                                                  self.stream.ptr)
+            owner.wait_event(self.record_event())  # src's memory is written again only after the copy read it
             return
         self._copy_staged(owner, a.data.ptr, b.data.ptr, b.nbytes)
 
