@@ -311,6 +311,60 @@ def write_sparse_big(path: str | os.PathLike[str], *, n_layer: int = 32, n_embd:
     return write_gguf_sparse(path, "llama", config.metadata() | tok_meta, shapes)
 
 
+# Real models' shapes for speed measurements (llama.cpp's make_synthetic presets, llama-70b added):
+# n_layer, n_embd, n_head, n_head_kv, n_ff, n_vocab
+SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
+    "llama-135m": (30, 576, 9, 3, 1536, 49152),
+    "llama-1b": (16, 2048, 32, 8, 8192, 128256),
+    "llama-3b": (28, 3072, 24, 8, 8192, 128256),
+    "llama-8b": (32, 4096, 32, 8, 14336, 128256),
+    "llama-70b": (80, 8192, 64, 8, 28672, 128256),
+}
+RANDOM_BLOCK_TYPES = (QT.Q4_0, QT.Q8_0, QT.F16)
+BLOCK_SCALE = 0.002  # every block's f16 scale: products of random quants stay finite over 80 layers
+
+
+def write_synthetic(path: str | os.PathLike[str], preset: str, weight_type: QT = QT.Q4_0, seed: int = 0) -> Path:
+    """A llama model of a real model's shape (SHAPES) whose matrices are random blocks with small scales (as
+    llama.cpp's make_synthetic.py fills them; for speed measurements only), the head tied to the embedding,
+    and the tiny tokenizer padded to the vocabulary. Tensors are drawn and written one at a time, so a
+    70B model (about 75 GB in Q8_0) never has to fit in memory; it takes minutes, mostly the disk's."""
+    n_layer, n_embd, n_head, n_head_kv, n_ff, n_vocab = SHAPES[preset]
+    qtype = QT(weight_type)
+    if qtype not in RANDOM_BLOCK_TYPES:
+        raise ValueError(f"{qtype.name}: random blocks are written for {[t.name for t in RANDOM_BLOCK_TYPES]}")
+    config = LlamaConfig(n_layer, n_embd, n_head, n_head_kv, n_ff, n_vocab, 8192, rope_base=500000.0,
+                         rms_eps=1e-5, tied_output=True)
+    shapes = {name: (shape, QT.F32 if len(shape) == 1 else qtype) for name, shape in config.tensor_shapes().items()}
+    writer = _writer_with_metadata("llama", config.metadata() | tokenizer_metadata(n_vocab)
+                                   | {"general.name": f"synthetic {preset} {qtype.name}"})
+    for name, (shape, t) in shapes.items():
+        writer.add_tensor_info(name, shape, np.dtype(np.float32), _nbytes(t, shape), raw_dtype=t)
+    path = Path(path)
+    writer.write_header_to_file(path)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for shape, t in shapes.values():
+        writer.write_tensor_data(_random_blocks(rng, shape, t))
+    writer.close()
+    return path
+
+
+def _random_blocks(rng: np.random.Generator, shape: tuple[int, ...], qtype: QT) -> np.ndarray:
+    """A tensor's bytes: norms of ones; f16 values of N(0, 0.02); block types as random quants behind a small
+    scale (each block's first two bytes)."""
+    if qtype == QT.F32:
+        return np.ones(shape, np.float32)
+    if qtype == QT.F16:
+        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16)
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    n_blocks = int(np.prod(shape, dtype=np.int64)) // block_size
+    raw = np.frombuffer(rng.bytes(n_blocks * type_size), np.uint8).reshape(n_blocks, type_size).copy()
+    raw[:, :2] = np.frombuffer(np.float16(BLOCK_SCALE).tobytes(), np.uint8)
+    return raw
+
+
 def write_variant(path: str | os.PathLike[str], config: LlamaConfig | Gemma3Config, *,
                   meta: Mapping[str, Any] | None = None,
                   edit: Callable[[dict[str, np.ndarray]], None] | None = None, seed: int = 0) -> Path:
@@ -394,3 +448,9 @@ def written_once(write, make_dir, prefix: str):
         return written[key]
 
     return once
+
+
+if __name__ == "__main__":  # python -m tests.synth OUT.gguf PRESET TYPE: a synthetic model of a real shape
+    import sys
+
+    print(write_synthetic(sys.argv[1], sys.argv[2], QT[sys.argv[3].upper()]))

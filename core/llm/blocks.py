@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ggrun.core import ops
+from ggrun.core import ops, rowsplit
 from ggrun.core.backends.base import Backend
 from ggrun.core.llm.hparams import HParams
 from ggrun.core.llm.inputs import GraphInputs, GraphParams
@@ -80,8 +80,11 @@ def add_norm(b: Build, x: Tensor, h: Tensor | None, w: Tensor, name: str, stream
 
 def products(x: Tensor, ws: tuple[Tensor, ...], names: tuple[str, ...], name: str) -> list[Tensor]:
     """x [tokens, K] through each weight of ws, named `names`: one mul_mat_multi node `name` where
-    the weights' backend runs that op (on the CPU one kernel call, x quantized once), else one
-    mul_mat node per weight."""
+    the weights' backend runs that op (on the CPU one kernel call, x quantized once), one per device for
+    weights split by rows over devices (rowsplit.products), else one mul_mat node per weight."""
+    by_device = rowsplit.products(ws, x, names, name)  # matrices split by rows over devices (-sm row)
+    if by_device is not None:
+        return by_device
     fused = ops.mul_mat_multi(ws, x, names, name=name)
     home = _home(ws)
     if home is not None and home.supports_op(fused[0].view_src):
@@ -147,6 +150,9 @@ def attention(b: Build, il: int, q: Tensor, k: Tensor, v: Tensor, wo: Tensor, ro
 def gated(x: Tensor, gate: Tensor, up: Tensor, il: int, glu: str, f16_table: bool = False) -> Tensor:
     """glu(x @ gate^T, x @ up^T) ("swiglu" or "geglu"): one mul_mat_glu node where the weights'
     backend runs it (the CPU, CUDA, SIM), else the products (products()) and a swiglu/geglu node."""
+    by_device = rowsplit.mul_mat_glu(gate, up, x, glu, f16_table, name=f"ffn_{glu}-{il}")  # -sm row
+    if by_device is not None:
+        return by_device
     fused = ops.mul_mat_glu(gate, up, x, glu, f16_table, name=f"ffn_{glu}-{il}")
     home = _home((gate, up))
     if home is not None and home.supports_op(fused):
