@@ -11,7 +11,7 @@ from ggrun.core.backends.cpu import CPUBackend
 from ggrun.core.dtypes import DType
 from ggrun.core.llm.generate import eval_prompt, generate
 from ggrun.core.llm.model import Model
-from ggrun.core.llm.parallel import SYSTEM_SEQ, ParallelRunner, SequenceResult
+from ggrun.core.llm.parallel import STOP_CACHE, STOP_TEXT, SYSTEM_SEQ, ParallelRunner, SequenceResult
 from ggrun.core.llm.sampling import Sampler, SamplingParams
 from ggrun.core.llm.session import Session, SessionParams
 
@@ -289,6 +289,41 @@ def test_without_n_predict_a_response_gets_a_share_of_the_cache(tiny):
     r.run(list(SYSTEM), PROMPTS[:2], done.append)
     share = (256 - len(SYSTEM)) // 2
     assert {d.seq: d.n_response for d in done} == {j: share - len(PROMPTS[j][1]) for j in (0, 1)}
+
+
+def test_a_sequence_whose_cache_share_runs_out_is_told_while_the_others_go_on(tiny):
+    """-n 0: the client whose response never ends gets STOP_CACHE at the end of its share; the other, whose
+    response ends by the stop text, and the sequence started after it finish by themselves."""
+    s, r, _ = scripted_runner(tiny, ["x" * 1000, "abUser:", "cdUser:"], n_predict=0, n_ctx=256)
+    done: list[SequenceResult] = []
+    r.run(list(SYSTEM), PROMPTS[:3], done.append)
+    by_job = {d.seq: d for d in done}
+    assert by_job[0].stop_reason == STOP_CACHE
+    assert by_job[0].n_response == (256 - len(SYSTEM)) // 2 - len(PROMPTS[0][1])
+    assert by_job[1].stop_reason == by_job[2].stop_reason == STOP_TEXT
+    assert [by_job[1].response, by_job[2].response] == ["ab", "cd"]
+    assert [d.seq for d in done] == [1, 2, 0]  # the other two ended while sequence 0 went on
+    assert_cache_holds_only_system(s, len(SYSTEM))
+
+
+def test_sequences_join_and_leave_across_buckets(tiny):
+    """Five clients over seven prompts ending at different steps: the step's bucket changes as clients
+    join and leave, and every sequence still gets its alone run's tokens."""
+    n_predict = 9
+    _, _, free, _, _ = run_parallel(tiny, PROMPTS, n_clients=5, n_predict=n_predict)
+    stops = {free[0].response_tokens[1], free[3].response_tokens[4]}
+    tok = tiny.tokenizer
+    saved = tok.eog_ids
+    tok.eog_ids = frozenset(stops)
+    try:
+        r, s, results, _, _ = run_parallel(tiny, PROMPTS, n_clients=5, n_predict=n_predict, ignore_eos=False)
+        for job, (_, prompt) in enumerate(PROMPTS):
+            assert results[job].response_tokens == run_alone(tiny, SYSTEM + prompt, n_predict, ignore_eos=False)[0]
+    finally:
+        tok.eog_ids = saved
+    sizes = {why for reused, why in s.stats.reuse_log if not reused}
+    assert any("n_tokens" in why for why in sizes), "the bucket never changed"
+    assert_cache_holds_only_system(s, len(SYSTEM))
 
 
 # ---- SmolLM2 ------------------------------------------------------------------------------------
