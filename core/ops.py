@@ -54,6 +54,7 @@ OPS: dict[str, OpInfo] = {
     "rope_shift": OpInfo(writes_into=True),
     "soft_max": OpInfo(inplace=True),
     "argmax": OpInfo(),
+    "sample": OpInfo(),
     "flash_attn": OpInfo(),
     "copy": OpInfo(),  # a scheduler copy of a tensor into another backend's memory
 }
@@ -452,6 +453,32 @@ def argmax(a: Tensor, name: str | None = None) -> Tensor:
     if a.dtype is not DType.F32 or len(a.shape) != 2 or a.shape[1] < 1:
         raise _fail("argmax", "expects f32 rows [rows, n >= 1]", a)
     return _node("argmax", DType.I32, (a.shape[0],), (a,), name)
+
+
+SAMPLE_PARAMS = ("temp", "top_k", "top_p", "min_p", "repeat_penalty", "frequency_penalty", "presence_penalty")
+
+
+def sample(logits: Tensor, params: Tensor, draws: Tensor, recent: Tensor, bias_ids: Tensor, bias_vals: Tensor,
+           name: str | None = None) -> Tensor:
+    """i32 [rows]: a token drawn from each row of f32 logits [rows, n] by llama.cpp's sampler chain (logit
+    bias, penalties, top-k, top-p, min-p, temperature, then the draw; the argmax at temperature 0), or -1
+    where the row holds NaN or infinity (the numerics guard, as ops.argmax).
+
+    params f32 [rows, 7] holds each row's SAMPLE_PARAMS; draws i32 [rows, 2] the bits of each row's
+    uniform draw in [0, 1) as a float64 (a seeded generator's, made by the caller); recent i32 [rows, W]
+    the tokens the penalties count (-1: none); bias_ids i32 and bias_vals f32 [rows, NB] the logit bias
+    (id -1: none). Sampling where the logits are computed: only the ids travel back.
+    """
+    rows = logits.shape[0] if len(logits.shape) == 2 else -1
+    if logits.dtype is not DType.F32 or rows < 0 or logits.shape[1] < 1:
+        raise _fail("sample", "expects f32 logits [rows, n >= 1]", logits)
+    for t, dtype, cols in ((params, DType.F32, len(SAMPLE_PARAMS)), (draws, DType.I32, 2), (recent, DType.I32, None),
+                           (bias_ids, DType.I32, None), (bias_vals, DType.F32, None)):
+        if t.dtype is not dtype or len(t.shape) != 2 or t.shape[0] != rows or (cols is not None and t.shape[1] != cols):
+            raise _fail("sample", f"expects {dtype} [{rows}, {cols or 'k'}] beside the logits", logits, t)
+    if bias_ids.shape != bias_vals.shape:
+        raise _fail("sample", "bias ids and values must have one shape", bias_ids, bias_vals)
+    return _node("sample", DType.I32, (rows,), (logits, params, draws, recent, bias_ids, bias_vals), name)
 
 
 def flash_attn(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, name: str | None = None) -> Tensor:

@@ -462,6 +462,50 @@ def _argmax(xp, node, out, srcs):
     out[...] = xp.where(xp.isfinite(a).all(axis=-1), xp.argmax(a, axis=-1), -1)
 
 
+@kernel("sample")
+def _sample(xp, node, out, srcs):
+    """Each row's token by llama.cpp's sampler chain (ops.sample), row by row as core/llm/sampling.py's
+    Sampler computes it: f32 steps, the candidates' probabilities as float64 for the draw."""
+    logits, params, draws, recent, bias_ids, bias_vals = srcs
+    u = draws.view(xp.float64)[:, 0] if draws.flags.c_contiguous else xp.ascontiguousarray(draws).view(xp.float64)[:, 0]
+    for r in range(logits.shape[0]):
+        out[r] = _sample_row(xp, logits[r], params[r], float(u[r]), recent[r], bias_ids[r], bias_vals[r])
+
+
+def _sample_row(xp, logits, params, u: float, recent, bias_ids, bias_vals) -> int:
+    x = logits.astype(xp.float32, copy=True)
+    if not bool(xp.isfinite(x).all()):
+        return -1
+    temp, top_k, top_p, min_p, rp, fp, pp = (xp.float32(v) for v in params.tolist())
+    has = bias_ids >= 0
+    xp.add.at(x, bias_ids[has], bias_vals[has])
+    rec = recent[recent >= 0]
+    if (rp != 1 or fp != 0 or pp != 0) and len(rec):
+        ids, n = xp.unique(rec, return_counts=True)
+        v = x[ids]
+        v = xp.where(v <= 0, v * rp, v / rp)
+        x[ids] = v - n.astype(xp.float32) * fp - pp
+    if temp <= 0:
+        return int(xp.argmax(x))
+    k = int(top_k) if 0 < int(top_k) < len(x) else len(x)
+    ids = xp.argpartition(-x, k - 1)[:k] if k < len(x) else xp.arange(len(x))
+    ids = ids[xp.argsort(-x[ids], kind="stable")]
+    vals = x[ids]
+    probs = xp.exp(vals - vals[0])
+    probs /= probs.sum()
+    keep = len(ids)
+    if top_p < 1:
+        keep = min(keep, int(xp.searchsorted(xp.cumsum(probs), top_p)) + 1)
+    if min_p > 0:
+        keep = min(keep, max(1, int(xp.count_nonzero(probs >= min_p * probs[0]))))
+    vals = vals[:keep]
+    probs = xp.exp((vals - vals.max()) / temp)
+    probs /= probs.sum()
+    cdf = xp.cumsum(probs.astype(xp.float64))
+    cdf /= cdf[-1]
+    return int(ids[int(xp.searchsorted(cdf, u, side="right"))])
+
+
 FLASH_CHUNK_BYTES = 16 << 20  # bound on the score temporaries of one chunk of query rows
 
 
