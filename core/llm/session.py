@@ -27,7 +27,7 @@ from ggrun.core.llm.batch import Batch, UBatch, split_batch
 from ggrun.core.llm.batched_sampler import SamplingRows
 from ggrun.core.llm.buckets import pad_state
 from ggrun.core.llm.blocks import Build, build_k_shift
-from ggrun.core.llm.graph_result import GraphResult
+from ggrun.core.llm.graph_result import GraphCache, GraphResult
 from ggrun.core.llm.inputs import GraphInputs, GraphParams, UBatchState
 from ggrun.core.llm.budget import Budget
 from ggrun.core.llm.kv_cache import (build_k_shift_blocks, cell_record_bytes, check_cache_types, KV_PAD, KVCache,
@@ -131,7 +131,7 @@ class Session:
         self.debug = graph_debug_level()
         self.check_numerics = params.check_numerics or self.debug >= 1
         self.stats = SessionStats()
-        self.result: GraphResult | None = None
+        self.graphs = GraphCache()
         self._debug_line = ""
         self.interrupt: Callable[[], bool] | None = None  # polled before each micro-batch (Ctrl-C)
         self._ready: ReadyStep | None = None  # the next decode step, readied during the last (ready_step.py)
@@ -439,14 +439,14 @@ class Session:
         return NonFiniteLogits(non_finite_kind(logits), where, culprit, source=str(self.model.path))
 
     def _graph_for(self, p: GraphParams) -> GraphResult:
-        """The kept graph when it can serve p, else a newly built and planned one."""
-        if self.result is not None and self.graph_reuse:
-            why = self.result.reuse_blocker(p, self.kv_version, self.sched.generation)
+        """A kept graph that can serve p, else a newly built and planned one (kept in turn)."""
+        if self.graph_reuse:
+            res, why = self.graphs.take(p, self.kv_version, self.sched.generation)
+            if res is not None:
+                self._reused(p, res)
+                return res
         else:
-            why = "first graph" if self.result is None else "graph reuse disabled"
-        if why is None:
-            self._reused(p, self.result)
-            return self.result
+            why = "first graph" if self.stats.graphs_built == 0 else "graph reuse disabled"
         t0 = time.perf_counter()
         res = self.build(p)
         t1 = time.perf_counter()
@@ -455,9 +455,17 @@ class Session:
         self.stats.graphs_built += 1
         self.stats.build_s += t1 - t0
         self.stats.plan_s += t2 - t1
-        self.result = res
+        if self.graph_reuse:
+            self.graphs.keep(res)
+        else:
+            self.graphs.last = res
         self._log(False, f"rebuilt: {why}", p, res, (t1 - t0, t2 - t1))
         return res
+
+    @property
+    def result(self) -> GraphResult | None:
+        """The graph the last micro-batch ran."""
+        return self.graphs.last
 
     def _reused(self, p: GraphParams, res: GraphResult) -> None:
         self.stats.graphs_reused += 1

@@ -126,7 +126,7 @@ def test_decode_sampled_draws_what_the_reference_draws_from_the_logits(tiny):
 
 def test_decode_sampled_reports_non_finite_logits(tmp_path):
     """A NaN in the logits makes the sample op answer -1, and decode_sampled raises as decode does."""
-    path = write_variant(tmp_path / "nan.gguf", LLAMA, edit=poisoned("blk.1.ffn_norm.weight", 5, np.nan))
+    path = write_variant(tmp_path / "nan.gguf", LLAMA, edit=poisoned("blk.1.ffn_down.weight", 5, np.nan))
     s = Session(Model.load(path, [CPUBackend()]), SessionParams(n_ctx=64, n_seq_max=2))
     batch = Batch(np.array([1, 2], np.int32), np.array([0, 0], np.int32), np.array([0, 1], np.int32), np.ones(2, bool))
     with pytest.raises(NonFiniteLogits, match="NaN"):
