@@ -41,6 +41,7 @@ OPS: dict[str, OpInfo] = {
     "add": OpInfo(inplace=True),
     "mul": OpInfo(inplace=True),
     "scale": OpInfo(inplace=True),
+    "softcap": OpInfo(inplace=True),
     "silu": OpInfo(inplace=True),
     "gelu": OpInfo(inplace=True),
     "swiglu": OpInfo(inplace=True),
@@ -213,6 +214,14 @@ def _unary(op: str, a: Tensor, name: str | None, **params) -> Tensor:
 
 def scale(a: Tensor, s: float, name: str | None = None) -> Tensor:
     return _unary("scale", a, name, s=float(s))
+
+
+def softcap(a: Tensor, cap: float, name: str | None = None) -> Tensor:
+    """cap * tanh(a / cap): values squeezed into (-cap, cap), as ggml's scale, tanh, scale (gemma2's
+    soft-capping of attention scores and final logits)."""
+    if not cap > 0:
+        raise _fail("softcap", f"cap {cap} must be positive", a)
+    return _unary("softcap", a, name, cap=float(cap))
 
 
 def silu(a: Tensor, name: str | None = None) -> Tensor:

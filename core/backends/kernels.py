@@ -167,6 +167,12 @@ def _scale(xp, node, out, srcs):
     xp.multiply(_f(xp, node, 0, srcs[0]), xp.float32(node.params["s"]), out=out)
 
 
+@kernel("softcap")
+def _softcap(xp, node, out, srcs):
+    cap = xp.float32(node.params["cap"])
+    xp.multiply(xp.tanh(xp.multiply(_f(xp, node, 0, srcs[0]), xp.float32(1.0) / cap)), cap, out=out)
+
+
 def _silu_into(xp, a, out) -> None:
     t = xp.negative(a, dtype=xp.float32)
     xp.exp(t, out=t)
