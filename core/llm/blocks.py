@@ -152,12 +152,12 @@ def attention(b: Build, il: int, q: Tensor, k: Tensor, v: Tensor, wo: Tensor, ro
     return ops.mul_mat(wo, ops.reshape(merged, (n_tokens, hp.n_head * hp.head_dim)), name=f"attn_out-{il}")
 
 
-def self_attention(b: Build, L: LayerWeights, h: Tensor, il: int, rope_mode: int, *, biases: bool = False,
+def self_attention(b: Build, L: LayerWeights, h: Tensor, il: int, rope_mode: int, *, biases: bool = True,
                    qk_norm: bool = False, q_scale: float = 1.0, kq_scale: float | None = None,
                    freq_base: float | None = None, mask: Tensor | None = None,
                    softcap: float | None = None) -> Tensor:
     """Layer il's attention of h [tokens, n_embd] over the cache, projected back to [tokens, n_embd]:
-    q/k/v products (plus their biases where the family has them and the file holds them), each q and k
+    q/k/v products (plus the biases the file holds, unless the family has none), each q and k
     head RMS-normalised by attn_q_norm/attn_k_norm with qk_norm, RoPE, queries times q_scale, scores
     times kq_scale (default 1/sqrt(head_dim)), on the window's mask when given, soft-capped by softcap."""
     bias = (L.get("attn_q.bias"), L.get("attn_k.bias"), L.get("attn_v.bias")) if biases else (None, None, None)

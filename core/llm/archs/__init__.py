@@ -4,12 +4,20 @@ from __future__ import annotations
 
 from ggrun.core.errors import BadInput
 from ggrun.core.llm.archs.base import Arch
+from ggrun.core.llm.archs.gemma2 import Gemma2
 from ggrun.core.llm.archs.gemma3 import Gemma3
 from ggrun.core.llm.archs.llama import Llama
+from ggrun.core.llm.archs.phi3 import Phi3
+from ggrun.core.llm.archs.qwen2 import Qwen2
+from ggrun.core.llm.archs.qwen3 import Qwen3
 
 ARCHS: dict[str, Arch] = {a.name: a for a in (
     Llama(),
     Gemma3(),
+    Qwen2(),
+    Qwen3(),
+    Gemma2(),
+    Phi3(),
 )}
 
 

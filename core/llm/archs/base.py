@@ -60,14 +60,18 @@ ATTN_V = TensorSpec("attn_v.weight", "[n_head_kv * head_dim, n_embd]", lambda hp
 ATTN_OUT = TensorSpec("attn_output.weight", "[n_embd, n_head * head_dim]", lambda hp: (hp.n_embd, _q(hp)))
 ATTN_QKV = TensorSpec("attn_qkv.weight", "[(n_head + 2 * n_head_kv) * head_dim, n_embd]",
                       lambda hp: (_q(hp) + 2 * hp.n_embd_kv, hp.n_embd))
-ATTN_Q_BIAS = TensorSpec("attn_q.bias", "[n_head * head_dim]", lambda hp: (_q(hp),))
-ATTN_K_BIAS = TensorSpec("attn_k.bias", "[n_head_kv * head_dim]", lambda hp: (hp.n_embd_kv,))
-ATTN_V_BIAS = TensorSpec("attn_v.bias", "[n_head_kv * head_dim]", lambda hp: (hp.n_embd_kv,))
+# q/k/v biases: optional wherever llama.cpp projects through build_qkv (it adds them when the file has them)
+ATTN_Q_BIAS = TensorSpec("attn_q.bias", "[n_head * head_dim]", lambda hp: (_q(hp),), required=False)
+ATTN_K_BIAS = TensorSpec("attn_k.bias", "[n_head_kv * head_dim]", lambda hp: (hp.n_embd_kv,), required=False)
+ATTN_V_BIAS = TensorSpec("attn_v.bias", "[n_head_kv * head_dim]", lambda hp: (hp.n_embd_kv,), required=False)
+ATTN_QKV_BIAS = TensorSpec("attn_qkv.bias", "[(n_head + 2 * n_head_kv) * head_dim]",
+                           lambda hp: (_q(hp) + 2 * hp.n_embd_kv,), required=False)
 FFN_GATE = TensorSpec("ffn_gate.weight", "[n_ff, n_embd]", lambda hp: (hp.n_ff, hp.n_embd))
 FFN_UP = TensorSpec("ffn_up.weight", "[n_ff, n_embd]", lambda hp: (hp.n_ff, hp.n_embd))
 FFN_DOWN = TensorSpec("ffn_down.weight", "[n_embd, n_ff]", lambda hp: (hp.n_embd, hp.n_ff))
 
-LLAMA_LAYER = (ATTN_NORM, ATTN_Q, ATTN_K, ATTN_V, ATTN_OUT, FFN_NORM, FFN_GATE, FFN_UP, FFN_DOWN)
+QKV_BIASES = (ATTN_Q_BIAS, ATTN_K_BIAS, ATTN_V_BIAS)
+LLAMA_LAYER = (ATTN_NORM, ATTN_Q, ATTN_K, ATTN_V, ATTN_OUT, FFN_NORM, FFN_GATE, FFN_UP, FFN_DOWN) + QKV_BIASES
 
 
 class Arch:

@@ -48,8 +48,8 @@ class Gemma3(Arch):
         swa = self.swa_layers(hp)
 
         def attn(L, x, il):
-            return blocks.self_attention(b, L, x, il, self.rope_mode, qk_norm=True, q_scale=hp.extra["attn_scale"],
-                                         kq_scale=1.0, freq_base=self.rope_freq_base(hp, il),
+            return blocks.self_attention(b, L, x, il, self.rope_mode, biases=False, qk_norm=True,
+                                         q_scale=hp.extra["attn_scale"], kq_scale=1.0, freq_base=self.rope_freq_base(hp, il),
                                          mask=b.inp.kq_mask_swa.tensor if swa[il] else None)
 
         h = blocks.decoder(b, w, attn, lambda L, x, il: blocks.ffn_geglu(b, x, L.ffn_gate, L.ffn_up, L.ffn_down, il),
