@@ -55,6 +55,9 @@ OPS: dict[str, OpInfo] = {
     "rope_shift": OpInfo(writes_into=True),
     "soft_max": OpInfo(inplace=True),
     "argmax": OpInfo(),
+    "moe_topk": OpInfo(),
+    "moe_weights": OpInfo(),
+    "mul_mat_id": OpInfo(),
     "flash_attn": OpInfo(),
     "copy": OpInfo(),  # a scheduler copy of a tensor into another backend's memory
 }
@@ -461,6 +464,37 @@ def argmax(a: Tensor, name: str | None = None) -> Tensor:
     if a.dtype is not DType.F32 or len(a.shape) != 2 or a.shape[1] < 1:
         raise _fail("argmax", "expects f32 rows [rows, n >= 1]", a)
     return _node("argmax", DType.I32, (a.shape[0],), (a,), name)
+
+
+def moe_topk(probs: Tensor, k: int, name: str | None = None) -> Tensor:
+    """i32 [tokens, k]: each row's k largest entries of probs f32 [tokens, n_expert], largest first (ggml's
+    argsort_top_k): the experts a mixture-of-experts layer routes each token to."""
+    if probs.dtype is not DType.F32 or len(probs.shape) != 2 or not 1 <= k <= probs.shape[1]:
+        raise _fail("moe_topk", f"expects f32 [tokens, n_expert >= k] (k = {k})", probs)
+    return _node("moe_topk", DType.I32, (probs.shape[0], k), (probs,), name, k=int(k))
+
+
+def moe_weights(probs: Tensor, ids: Tensor, norm: bool, name: str | None = None) -> Tensor:
+    """f32 [tokens, k]: probs [tokens, n_expert] at each token's chosen experts ids [tokens, k]; with norm,
+    divided by their sum (at least 2^-14, as llama.cpp clamps it): the weights of the experts' outputs."""
+    if ids.dtype is not DType.I32 or len(ids.shape) != 2 or ids.shape[0] != probs.shape[0]:
+        raise _fail("moe_weights", "expects ids i32 [tokens, k] for probs [tokens, n_expert]", probs, ids)
+    return _node("moe_weights", DType.F32, ids.shape, (probs, ids), name, norm=bool(norm))
+
+
+def mul_mat_id(w: Tensor, b: Tensor, ids: Tensor, name: str | None = None) -> Tensor:
+    """ggml's mul_mat_id: out[t, j] = w[ids[t, j]] @ b[t, j] for the experts' matrices w [n_expert, M, K]
+    (block-quantized or float), b [tokens, 1 or k, K] (one row for every slot, or one per slot) and
+    ids i32 [tokens, k]; the result is [tokens, k, M]. Only the chosen experts' matrices are read."""
+    if len(w.shape) != 3 or len(b.shape) != 3 or w.shape[2] != b.shape[2]:
+        raise _fail("mul_mat_id", "expects w [n_expert, M, K] and b [tokens, 1 or k, K]", w, b)
+    if ids.dtype is not DType.I32 or len(ids.shape) != 2 or ids.shape[0] != b.shape[0] \
+            or b.shape[1] not in (1, ids.shape[1]):
+        raise _fail("mul_mat_id", "ids must be i32 [tokens, k] with b [tokens, 1 or k, K]", b, ids)
+    _need_float("mul_mat_id", b)
+    if not w.dtype.is_quantized:
+        _need_float("mul_mat_id", w)
+    return _node("mul_mat_id", DType.F32, (ids.shape[0], ids.shape[1], w.shape[1]), (w, b, ids), name)
 
 
 def flash_attn(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, name: str | None = None) -> Tensor:

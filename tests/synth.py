@@ -160,7 +160,7 @@ class Gemma3Config:
 
 
 # What each family's file holds beyond llama's layer: extra per-layer tensors, fused matrices, its keys.
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe")
 _NEOX_HEAD_NORMS = ("attn_q_norm", "attn_k_norm")
 
 
@@ -185,6 +185,9 @@ class FamilyConfig:
     sliding_window: int = 16
     attn_softcap: float = 1.5  # gemma2: caps small enough to bind on a tiny model's scores and logits
     final_softcap: float = 15.0
+    n_expert: int = 8  # qwen3moe: experts of n_ff_exp rows, n_expert_used of them per token
+    n_expert_used: int = 2
+    n_ff_exp: int = 256
 
     def metadata(self) -> dict[str, Any]:
         a = self.arch
@@ -204,6 +207,9 @@ class FamilyConfig:
         }
         if a in ("gemma2", "gemma3"):
             md[f"{a}.attention.sliding_window"] = self.sliding_window
+        if a == "qwen3moe":
+            md |= {"qwen3moe.expert_count": self.n_expert, "qwen3moe.expert_used_count": self.n_expert_used,
+                   "qwen3moe.expert_feed_forward_length": self.n_ff_exp}
         if a == "gemma2":
             md |= {"gemma2.attn_logit_softcapping": self.attn_softcap,
                    "gemma2.final_logit_softcapping": self.final_softcap}
@@ -219,7 +225,13 @@ class FamilyConfig:
         shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (self.n_vocab, n)}
         for i in range(self.n_layer):
             layer: dict[str, tuple[int, ...]] = {"attn_norm.weight": (n,)}
-            if self.arch == "phi3":
+            if self.arch == "qwen3moe":
+                e, fe = self.n_expert, self.n_ff_exp
+                layer |= {"attn_q.weight": (q, n), "attn_k.weight": (kv, n), "attn_v.weight": (kv, n),
+                          "attn_output.weight": (n, q), "ffn_norm.weight": (n,), "ffn_gate_inp.weight": (e, n),
+                          "ffn_gate_exps.weight": (e, fe, n), "ffn_up_exps.weight": (e, fe, n),
+                          "ffn_down_exps.weight": (e, n, fe)}
+            elif self.arch == "phi3":
                 layer |= {"attn_qkv.weight": (q + 2 * kv, n), "attn_output.weight": (n, q), "ffn_norm.weight": (n,),
                           "ffn_up.weight": (2 * ff, n), "ffn_down.weight": (n, ff)}
             else:
@@ -228,7 +240,7 @@ class FamilyConfig:
                           "ffn_up.weight": (ff, n), "ffn_down.weight": (n, ff)}
             if self.arch == "qwen2":
                 layer |= {"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)}
-            if self.arch in ("qwen3", "gemma3"):
+            if self.arch in ("qwen3", "qwen3moe", "gemma3"):
                 layer |= {f"{t}.weight": (self.head_dim,) for t in _NEOX_HEAD_NORMS}
             if self.arch in ("gemma2", "gemma3"):
                 layer |= {"post_attention_norm.weight": (n,), "post_ffw_norm.weight": (n,)}
@@ -246,6 +258,7 @@ class FamilyConfig:
 FAMILY_PRESETS: dict[str, dict[str, Any]] = {
     "llama": {}, "qwen2": {}, "phi3": {},
     "qwen3": {"n_head": 8}, "gemma2": {"n_head": 8}, "gemma3": {"n_layer": 7, "n_head": 8},
+    "qwen3moe": {"n_head": 8},
 }
 
 
@@ -282,7 +295,8 @@ def write_tiny_family(path: str | os.PathLike[str], arch: str, *, n_layer: int =
             tensors[name] = (0.5 * rng.standard_normal(shape)).astype(np.float32)
             continue
         post = name.endswith(("post_attention_norm.weight", "post_ffw_norm.weight"))
-        tensors[name] = _random_weight(rng, shape, weight_type, scale=peak if name == head else 1.0)
+        stored = QT.F32 if name.endswith("ffn_gate_inp.weight") else weight_type  # routers stay F32, as quantized
+        tensors[name] = _random_weight(rng, shape, stored, scale=peak if name == head else 1.0)
         if name == head and len(shape) == 1 or post:
             tensors[name] *= np.float32(peak if name == head else post_norm)
     if edit is not None:

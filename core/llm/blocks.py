@@ -193,6 +193,29 @@ def ffn_geglu(b: Build, x: Tensor, gate: Tensor, up: Tensor, down: Tensor, il: i
     return ops.mul_mat(down, h, name=f"ffn_out-{il}")
 
 
+def ffn_moe(x: Tensor, L: LayerWeights, il: int, n_used: int, norm_weights: bool = True) -> Tensor:
+    """A mixture of SwiGLU experts on x [tokens, n_embd]: the router (ffn_gate_inp) scores the experts, each
+    token goes to its n_used likeliest (softmax, top-k), whose outputs are summed weighted by their
+    probabilities (renormalised to sum 1 with norm_weights), as llama.cpp's build_moe_ffn. The experts'
+    products are mul_mat_id nodes, which read only the chosen experts' matrices."""
+    n = x.shape[0]
+    probs = ops.soft_max(ops.mul_mat(L.ffn_gate_inp, x, name=f"ffn_moe_logits-{il}"), name=f"ffn_moe_probs-{il}")
+    ids = ops.moe_topk(probs, n_used, name=f"ffn_moe_topk-{il}")  # [tokens, n_used]
+    weights = ops.moe_weights(probs, ids, norm_weights, name=f"ffn_moe_weights-{il}")  # [tokens, n_used]
+    xs = ops.reshape(x, (n, 1, x.shape[1]))
+    gate = ops.mul_mat_id(L.ffn_gate_exps, xs, ids, name=f"ffn_moe_gate-{il}")  # [tokens, n_used, n_ff_exp]
+    up = ops.mul_mat_id(L.ffn_up_exps, xs, ids, name=f"ffn_moe_up-{il}")
+    h = ops.swiglu(gate, up, name=f"ffn_moe_swiglu-{il}")
+    experts = ops.mul_mat_id(L.ffn_down_exps, h, ids, name=f"ffn_moe_down-{il}")  # [tokens, n_used, n_embd]
+    experts = ops.mul(experts, ops.reshape(weights, (n, n_used, 1)), name=f"ffn_moe_weighted-{il}")
+    n_embd = experts.shape[2]
+    row = (n_used * n_embd * 4, 4)
+    out = ops.view(experts, (n, n_embd), row, 0, name=f"ffn_moe_expert0-{il}")
+    for j in range(1, n_used):  # summed one expert after another, in llama.cpp's order
+        out = ops.add(out, ops.view(experts, (n, n_embd), row, j * n_embd * 4), name=f"ffn_moe_sum{j}-{il}")
+    return out if n_used > 1 else ops.cont(out, name=f"ffn_moe_out-{il}")
+
+
 Sublayer = Callable[[LayerWeights, Tensor, int], Tensor]
 
 

@@ -10,6 +10,7 @@ from ggrun.core.llm.archs.llama import Llama
 from ggrun.core.llm.archs.phi3 import Phi3
 from ggrun.core.llm.archs.qwen2 import Qwen2
 from ggrun.core.llm.archs.qwen3 import Qwen3
+from ggrun.core.llm.archs.qwen3moe import Qwen3Moe
 
 ARCHS: dict[str, Arch] = {a.name: a for a in (
     Llama(),
@@ -18,6 +19,7 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
     Qwen3(),
     Gemma2(),
     Phi3(),
+    Qwen3Moe(),
 )}
 
 
