@@ -6,6 +6,10 @@ tests/data/ppl_prose.txt and saves its log-probabilities (--kl-divergence-base),
 KL divergence, how often both rank the same token first, and both perplexities (acceptance: mean KLD <= 0.005
 and same top >= 98%).
 
+`--speed qwen3-0.6b` instead measures speed side by side: a model of that family's real shape
+(tests/synth.py SPEED_PRESETS, Q4_K blocks of random quants) under `llama-bench` and `ggrun bench`
+alternating (pp512, tg128, -t 2 by default), with medians and the ratio.
+
 `--save-data` also writes llama.cpp's top token and log-probabilities at every scored position
 (tests/data/families_llama_cpp.json), which tests/llm/test_families.py checks ggrun against without llama.cpp.
 
@@ -14,12 +18,14 @@ $LLAMA_BIN).
 
     .venv/bin/python scripts/arch_vs_llama.py                       # every family, F32, F16 and Q4_K
     .venv/bin/python scripts/arch_vs_llama.py --families qwen3 gemma2 --types F32 --save-data
+    .venv/bin/python scripts/arch_vs_llama.py --speed qwen3-0.6b --rounds 3
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from gguf.constants import GGMLQuantizationType as QT  # noqa: E402
 
 from ggrun.core.llm.kl_divergence import LogProbReader, dequantize_log_probs  # noqa: E402
-from tests.synth import FAMILY_PRESETS, write_tiny_family  # noqa: E402
+from tests.synth import FAMILY_PRESETS, SPEED_PRESETS, write_random_family, write_tiny_family  # noqa: E402
 
 DEFAULT_ANCHOR = Path.home() / ".cache/ggrun-anchor/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
 TEXT = ROOT / "tests" / "data" / "ppl_prose.txt"
@@ -82,6 +88,32 @@ def saved_positions(base: Path, n_chunks: int) -> dict:
         r.close()
 
 
+def bench(cmd: list[str]) -> dict[str, float]:
+    """t/s of pp and tg from a llama-bench-style JSON list (both tools write the same fields)."""
+    out = run(cmd).stdout
+    return {(f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"): float(r["avg_ts"])
+            for r in json.loads(out[out.index("["):])}
+
+
+def speed(bin_dir: Path, preset: str, rounds: int, threads: int) -> None:
+    """llama-bench and ggrun bench alternating on a synthetic model of the preset's shape; medians, ratios."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_random_family(Path(tmp) / f"{preset}-Q4_K.gguf", preset, QT.Q4_K)
+        args = ["-m", str(model), "-p", "512", "-n", "128", "-t", str(threads), "-r", "1", "-o", "json"]
+        ours: dict[str, list[float]] = {}
+        theirs: dict[str, list[float]] = {}
+        for _ in range(rounds):
+            for k, v in bench([str(bin_dir / "llama-bench"), *args]).items():
+                theirs.setdefault(k, []).append(v)
+            for k, v in bench([*ggrun_cmd(), "bench", *args]).items():
+                ours.setdefault(k, []).append(v)
+    print(f"{preset} Q4_K (synthetic), -t {threads}, medians of {rounds} alternating rounds")
+    print(f"{'test':6} {'llama.cpp t/s':>14} {'ggrun t/s':>10} {'ratio':>6}")
+    for test in ("pp512", "tg128"):
+        a, b = statistics.median(ours[test]), statistics.median(theirs[test])
+        print(f"{test:6} {b:14.2f} {a:10.2f} {a / b:6.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-bin", default=os.environ.get("LLAMA_BIN", str(DEFAULT_ANCHOR)))
@@ -89,11 +121,16 @@ def main() -> None:
     ap.add_argument("--types", nargs="+", default=["F32", "F16", "Q4_K"])
     ap.add_argument("--chunks", type=int, default=8, help="chunks of -c 128 scored (63 positions each)")
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--speed", choices=sorted(SPEED_PRESETS), help="measure speed on this preset instead")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of the speed measurement")
     ap.add_argument("--save-data", action="store_true", help=f"write llama.cpp's results to {DATA.relative_to(ROOT)}")
     a = ap.parse_args()
     bin_dir = Path(a.llama_bin)
     if not (bin_dir / "llama-perplexity").exists():
         raise SystemExit(f"no llama-perplexity in {bin_dir} (bash ../shared/tools/cpu_anchor.sh builds it)")
+    if a.speed:
+        speed(bin_dir, a.speed, a.rounds, a.threads)
+        return
     data = json.loads(DATA.read_text()) if a.save_data and DATA.exists() else {}
     print(f"{'family':8} {'type':5} {'mean KLD':>10} {'same top':>9} {'PPL llama.cpp':>14} {'PPL ggrun':>10}  ok")
     failed = 0

@@ -307,6 +307,35 @@ def write_tiny_family(path: str | os.PathLike[str], arch: str, *, n_layer: int =
     return write_gguf(path, arch_name or arch, metadata, tensors)
 
 
+# Real families' shapes for speed measurements (write_random_family): Qwen3-0.6B (tied head, 151936 tokens).
+SPEED_PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": {"arch": "qwen3", "n_layer": 28, "n_embd": 1024, "n_head": 16, "n_head_kv": 8, "head_dim": 128,
+                   "n_ff": 3072, "n_vocab": 151936, "tied_output": True},
+}
+
+
+def write_random_family(path: str | os.PathLike[str], preset: str, weight_type: QT = QT.Q4_K, seed: int = 0) -> Path:
+    """A model of a real family's shape (SPEED_PRESETS) for speed measurements only: matrices are blocks of
+    `weight_type` with random quants and small fixed scales (written in seconds, like make_synthetic.py; the
+    numbers it computes mean nothing), norms near 1, the tiny tokenizer padded to the vocabulary."""
+    options = dict(SPEED_PRESETS[preset])
+    arch = options.pop("arch")
+    tok_meta = tokenizer_metadata(options.pop("n_vocab"))
+    config = FamilyConfig(arch, n_vocab=len(tok_meta["tokenizer.ggml.tokens"]), **options)
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[QT(weight_type)]
+    tensors: dict[str, np.ndarray | QuantizedTensor] = {}
+    for name, shape in config.tensor_shapes().items():
+        if len(shape) == 1:
+            tensors[name] = _random_weight(rng, shape, QT.F32)
+            continue
+        raw = rng.integers(0, 256, size=shape[:-1] + (shape[-1] // block, size), dtype=np.uint8)
+        raw[..., 0:2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)  # d (and Q4_K/Q5_K's dmin after it)
+        raw[..., 2:4] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
+        tensors[name] = QuantizedTensor(raw.reshape(shape[:-1] + (-1,)), QT(weight_type))
+    return write_gguf(path, arch, config.metadata() | tok_meta, tensors)
+
+
 def quantize_q4_k(values: np.ndarray) -> np.ndarray:
     """values [..., K] (K a multiple of 256) as Q4_K blocks (uint8 [..., K / 256 * 144]): per 256-value
     super-block an f16 scale d and min dmin, eight 6-bit sub-block scales and mins, and 4-bit quants, so
