@@ -162,3 +162,30 @@ def test_agrees_with_llama_cpp(family_factory, case):
     print(f"\n{case}: same top {same:.1%}, mean |log p(next) - llama.cpp's| {gap:.4f}")
     assert same >= 0.98
     assert gap < 0.02
+
+
+def shrink_q_bias(tensors: dict) -> None:
+    tensors["blk.1.attn_q.bias"] = tensors["blk.1.attn_q.bias"][:-1]
+
+
+def drop_qkv(tensors: dict) -> None:
+    del tensors["blk.0.attn_qkv.weight"]
+
+
+@pytest.mark.parametrize("arch, options, expected", [
+    ("qwen2", {"edit": shrink_q_bias}, "tensor blk.1.attn_q.bias has shape [255], expected [n_head * head_dim] = [256]"),
+    ("phi3", {"edit": drop_qkv}, "missing tensor blk.0.attn_qkv.weight"),
+    ("qwen3moe", {"extra_metadata": (("qwen3moe.expert_used_count", 9),)},
+     "qwen3moe.expert_used_count = 9, expected at most qwen3moe.expert_count (8)"),
+    ("qwen3moe", {"extra_metadata": (("qwen3moe.expert_count", 0),)}, "qwen3moe.expert_count = 0, expected an integer"),
+    ("gemma2", {"extra_metadata": (("gemma2.final_logit_softcapping", 0.0),)},
+     "gemma2.final_logit_softcapping = 0, expected a finite number above 0"),
+])
+def test_a_bad_family_file_is_one_line(family_factory, arch, options, expected):
+    """Each family's own keys and tensor table are checked before anything loads."""
+    path = family_factory(arch=arch, **options)
+    with open_gguf(path) as gf, pytest.raises(BadInput) as info:
+        Model.read_hparams(gf)
+    message = str(info.value)
+    assert message.startswith(f"{path}: ") and "\n" not in message
+    assert expected in message, message
