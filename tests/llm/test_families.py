@@ -189,3 +189,15 @@ def test_a_bad_family_file_is_one_line(family_factory, arch, options, expected):
     message = str(info.value)
     assert message.startswith(f"{path}: ") and "\n" not in message
     assert expected in message, message
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_offloaded_to_a_device_the_logits_stay(family_factory, arch):
+    """Every layer and the head on the stand-in device (SIM: the reference kernels, as a backend without the
+    CPU's compiled ones): the same logits as on the CPU, f32 numerics."""
+    from ggrun.core.backends.sim import SimBackend
+    path = family_factory(arch=arch)
+    on_cpu = logits_of(Model.load(path, [CPUBackend()], numerics="f32"), PROMPT)
+    model = Model.load(path, [SimBackend(), CPUBackend()], 99, numerics="f32")
+    assert model.placement.output is not model.placement.input
+    np.testing.assert_allclose(logits_of(model, PROMPT), on_cpu, atol=2e-3, rtol=0)
