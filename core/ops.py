@@ -41,6 +41,7 @@ OPS: dict[str, OpInfo] = {
     "add": OpInfo(inplace=True),
     "mul": OpInfo(inplace=True),
     "scale": OpInfo(inplace=True),
+    "softcap": OpInfo(inplace=True),
     "silu": OpInfo(inplace=True),
     "gelu": OpInfo(inplace=True),
     "swiglu": OpInfo(inplace=True),
@@ -55,6 +56,9 @@ OPS: dict[str, OpInfo] = {
     "soft_max": OpInfo(inplace=True),
     "argmax": OpInfo(),
     "sample": OpInfo(),
+    "moe_topk": OpInfo(),
+    "moe_weights": OpInfo(),
+    "mul_mat_id": OpInfo(),
     "flash_attn": OpInfo(),
     "copy": OpInfo(),  # a scheduler copy of a tensor into another backend's memory
 }
@@ -214,6 +218,14 @@ def _unary(op: str, a: Tensor, name: str | None, **params) -> Tensor:
 
 def scale(a: Tensor, s: float, name: str | None = None) -> Tensor:
     return _unary("scale", a, name, s=float(s))
+
+
+def softcap(a: Tensor, cap: float, name: str | None = None) -> Tensor:
+    """cap * tanh(a / cap): values squeezed into (-cap, cap), as ggml's scale, tanh, scale (gemma2's
+    soft-capping of attention scores and final logits)."""
+    if not cap > 0:
+        raise _fail("softcap", f"cap {cap} must be positive", a)
+    return _unary("softcap", a, name, cap=float(cap))
 
 
 def silu(a: Tensor, name: str | None = None) -> Tensor:
@@ -479,6 +491,37 @@ def sample(logits: Tensor, params: Tensor, draws: Tensor, recent: Tensor, bias_i
     if bias_ids.shape != bias_vals.shape:
         raise _fail("sample", "bias ids and values must have one shape", bias_ids, bias_vals)
     return _node("sample", DType.I32, (rows,), (logits, params, draws, recent, bias_ids, bias_vals), name)
+
+
+def moe_topk(probs: Tensor, k: int, name: str | None = None) -> Tensor:
+    """i32 [tokens, k]: each row's k largest entries of probs f32 [tokens, n_expert], largest first (ggml's
+    argsort_top_k): the experts a mixture-of-experts layer routes each token to."""
+    if probs.dtype is not DType.F32 or len(probs.shape) != 2 or not 1 <= k <= probs.shape[1]:
+        raise _fail("moe_topk", f"expects f32 [tokens, n_expert >= k] (k = {k})", probs)
+    return _node("moe_topk", DType.I32, (probs.shape[0], k), (probs,), name, k=int(k))
+
+
+def moe_weights(probs: Tensor, ids: Tensor, norm: bool, name: str | None = None) -> Tensor:
+    """f32 [tokens, k]: probs [tokens, n_expert] at each token's chosen experts ids [tokens, k]; with norm,
+    divided by their sum (at least 2^-14, as llama.cpp clamps it): the weights of the experts' outputs."""
+    if ids.dtype is not DType.I32 or len(ids.shape) != 2 or ids.shape[0] != probs.shape[0]:
+        raise _fail("moe_weights", "expects ids i32 [tokens, k] for probs [tokens, n_expert]", probs, ids)
+    return _node("moe_weights", DType.F32, ids.shape, (probs, ids), name, norm=bool(norm))
+
+
+def mul_mat_id(w: Tensor, b: Tensor, ids: Tensor, name: str | None = None) -> Tensor:
+    """ggml's mul_mat_id: out[t, j] = w[ids[t, j]] @ b[t, j] for the experts' matrices w [n_expert, M, K]
+    (block-quantized or float), b [tokens, 1 or k, K] (one row for every slot, or one per slot) and
+    ids i32 [tokens, k]; the result is [tokens, k, M]. Only the chosen experts' matrices are read."""
+    if len(w.shape) != 3 or len(b.shape) != 3 or w.shape[2] != b.shape[2]:
+        raise _fail("mul_mat_id", "expects w [n_expert, M, K] and b [tokens, 1 or k, K]", w, b)
+    if ids.dtype is not DType.I32 or len(ids.shape) != 2 or ids.shape[0] != b.shape[0] \
+            or b.shape[1] not in (1, ids.shape[1]):
+        raise _fail("mul_mat_id", "ids must be i32 [tokens, k] with b [tokens, 1 or k, K]", b, ids)
+    _need_float("mul_mat_id", b)
+    if not w.dtype.is_quantized:
+        _need_float("mul_mat_id", w)
+    return _node("mul_mat_id", DType.F32, (ids.shape[0], ids.shape[1], w.shape[1]), (w, b, ids), name)
 
 
 def flash_attn(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, name: str | None = None) -> Tensor:

@@ -167,6 +167,12 @@ def _scale(xp, node, out, srcs):
     xp.multiply(_f(xp, node, 0, srcs[0]), xp.float32(node.params["s"]), out=out)
 
 
+@kernel("softcap")
+def _softcap(xp, node, out, srcs):
+    cap = xp.float32(node.params["cap"])
+    xp.multiply(xp.tanh(xp.multiply(_f(xp, node, 0, srcs[0]), xp.float32(1.0) / cap)), cap, out=out)
+
+
 def _silu_into(xp, a, out) -> None:
     t = xp.negative(a, dtype=xp.float32)
     xp.exp(t, out=t)
@@ -367,6 +373,38 @@ def _product(xp, a_t: Tensor, a, b, out) -> None:
     b2 = b.reshape(b_shape + b.shape[-2:])
     o2 = out.reshape(b_shape + out.shape[-2:])
     xp.matmul(b2, xp.swapaxes(a2, -1, -2), out=o2)
+
+
+@kernel("moe_topk")
+def _moe_topk(xp, node, out, srcs):
+    out[...] = xp.argsort(-srcs[0], axis=-1, kind="stable")[:, :node.params["k"]]
+
+
+@kernel("moe_weights")
+def _moe_weights(xp, node, out, srcs):
+    probs, ids = srcs
+    w = xp.take_along_axis(probs, ids.astype(xp.int64), axis=-1)
+    if node.params["norm"]:
+        total = w.sum(axis=-1, keepdims=True, dtype=xp.float64).astype(xp.float32)  # ggml sums rows in double
+        w = w / xp.maximum(total, xp.float32(6.103515625e-5))
+    out[...] = w
+
+
+@kernel("mul_mat_id")
+def _mul_mat_id(xp, node, out, srcs):
+    """Expert by expert among those chosen (only their matrices are read): the rows routed to it through
+    its matrix, with the activation rounding mul_mat applies against it."""
+    w_t = node.srcs[0]
+    w, b, ids = srcs[0], _f(xp, node, 1, srcs[1]), srcs[2]
+    stored = block_rows(xp, w_t, w) if w_t.dtype.is_quantized else w
+    for e in sorted(set(ids.reshape(-1).tolist())):
+        tok, slot = xp.nonzero(ids == e)
+        rows = b[tok, slot if b.shape[1] > 1 else 0]
+        if w_t.dtype.is_quantized:
+            a = dequantized(xp, stored[e], w_t.dtype)
+        else:
+            a = widen(xp, stored[e], w_t.dtype).astype(xp.float32)
+        out[tok, slot] = _mul_mat_operand_b(xp, w_t, rows) @ a.T
 
 
 def rope_angles(xp, pos, n_dims: int, freq_base: float, freq_scale: float):

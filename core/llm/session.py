@@ -143,7 +143,7 @@ class Session:
         those layers sized to the window (llama.cpp's iSWA: n_swa * n_seq + n_ubatch cells, padded),
         so their memory and attention work stop growing with the context."""
         model, p = self.model, self.params
-        swa = model.arch.swa_layers(model.hp) if hasattr(model.arch, "swa_layers") else [False] * model.hp.n_layer
+        swa = model.arch.swa_layers(model.hp)
         window = model.hp.extra.get("swa_window")
         check_cache_types(p.type_k, p.type_v, model.hp.head_dim, p.flash_attn)
         kw = dict(n_seq_max=p.n_seq_max, type_k=p.type_k, type_v=p.type_v, head_dim=model.hp.head_dim,
@@ -487,10 +487,9 @@ class Session:
 
     def _k_shift_graph(self, cache: KVCache):
         """The graph that re-rotates a cache's keys by their cells' shifts, and its shift input."""
-        arch = self.model.arch
-        base_of = arch.rope_freq_base_of(self.model.hp) if hasattr(arch, "rope_freq_base_of") else lambda il: None
+        arch, hp = self.model.arch, self.model.hp
         build = build_k_shift_blocks if cache.type_k.is_quantized else build_k_shift
-        return build(self.model.hp, cache, arch.ROPE_MODE, base_of)
+        return build(hp, cache, arch.rope_mode, lambda il: arch.rope_freq_base(hp, il))
 
     def _apply_k_shift(self, cache: KVCache) -> None:
         """Re-rotate cached keys whose positions moved (seq_add), then clear the shift. The kept

@@ -1,5 +1,5 @@
 """Compiled element-wise and data-movement kernels: the gated feed-forward activations (swiglu,
-geglu with ggml's f16 GELU table), add, mul, scale, softmax rows, f32/f16 row gathers
+geglu with ggml's f16 GELU table), add, mul, scale, soft-capping, softmax rows, f32/f16 row gathers
 (get_rows), KV cache row writes (set_rows; Q8_0 and Q4_0 caches through kv_quant) and strided
 copies (cont).
 
@@ -53,6 +53,13 @@ def silu_flat(a, out):
 def scale_flat(a, s, out):
     for i in range(a.shape[0]):
         out[i] = a[i] * s
+
+
+@kernel
+def softcap_flat(a, cap, out):
+    inv = np.float32(1.0) / cap
+    for i in range(a.shape[0]):
+        out[i] = np.float32(np.tanh(a[i] * inv)) * cap
 
 
 @kernel
@@ -236,6 +243,16 @@ def bind_scale(node, out, srcs, scratch):
     a, o = flat
     s = np.float32(node.params["s"])
     return lambda: scale_flat(a, s, o)
+
+
+@binds("softcap")
+def bind_softcap(node, out, srcs, scratch):
+    flat = _flat_f32(node, [srcs[0], out], 1)
+    if flat is None:
+        return None
+    a, o = flat
+    cap = np.float32(node.params["cap"])
+    return lambda: softcap_flat(a, cap, o)
 
 
 def _bind_binary(fn, node, out, srcs):
