@@ -65,6 +65,8 @@ OPS: dict[str, OpInfo] = {
 
 ROPE_NORMAL = 0
 ROPE_NEOX = 2
+ROW_PARTS = "row_parts"  # a matrix split by rows (core/rowsplit.py's handle) keeps its parts here; no op takes one
+RUN_ON = "run_on"  # a node's params: the backend (by name) the scheduler must run it on
 _FLOATS = (DType.F32, DType.F16, DType.BF16)
 _counter = itertools.count()
 
@@ -302,12 +304,10 @@ def mul_mat(a: Tensor, b: Tensor, name: str | None = None) -> Tensor:
 
     a's batch dimensions may divide b's (grouped-query attention: b's head h reads a's head
     h // (b_heads / a_heads)). a may be block-quantized (a weight as its file stores it, or the heads
-    of a quantized K cache), or a matrix split by rows over backends (core/rowsplit.py).
+    of a quantized K cache). A matrix split by rows over backends takes rowsplit.mul_mat instead.
     """
-    if "row_parts" in a.params:  # one product per part, gathered: core/rowsplit.py
-        from ggrun.core.rowsplit import mul_mat_rows
-
-        return mul_mat_rows(a, b, name)
+    if ROW_PARTS in a.params:
+        raise _fail("mul_mat", "a matrix split by rows multiplies through core/rowsplit.py's mul_mat", a, b)
     if a.dtype.is_quantized:
         _need_float("mul_mat", b)
     else:

@@ -1,8 +1,8 @@
 """Matrices split by rows over several backends (llama.cpp's -sm row).
 
 A *handle* stands for a whole [M, K] matrix and owns no memory; its parts, contiguous row ranges, are
-ordinary weights on their backends. `ops.mul_mat` turns a product with a handle into one product per
-part, each run where its part lives, and concatenates the partial results (columns in row order) on
+ordinary weights on their backends. `mul_mat` (here; the model's blocks call it for every weight) turns
+a product with a handle into one product per part, each run where its part lives, and concatenates the partial results (columns in row order) on
 the handle's main backend. Those are ordinary nodes: the scheduler copies the activations to each
 part's backend and the partial results back, the allocator plans them, graph reuse keeps them.
 
@@ -16,11 +16,10 @@ from __future__ import annotations
 
 from ggrun.core import ops
 from ggrun.core.dtypes import DType
+from ggrun.core.ops import ROW_PARTS, RUN_ON
 from ggrun.core.tensor import Tensor, new_tensor
 
-ROW_PARTS = "row_parts"  # a handle's params: its parts, in row order
 GATHER_ON = "gather_on"  # a handle's params: the backend (by name) that gathers the partial products
-RUN_ON = "run_on"  # a node's params: the backend (by name) the scheduler must run it on
 
 
 def handle(name: str, dtype: DType, shape: tuple[int, ...], parts: list[Tensor], gather_on: str) -> Tensor:
@@ -38,6 +37,11 @@ def handle(name: str, dtype: DType, shape: tuple[int, ...], parts: list[Tensor],
 
 def is_split(t: Tensor) -> bool:
     return ROW_PARTS in t.params
+
+
+def mul_mat(a: Tensor, b: Tensor, name: str | None = None) -> Tensor:
+    """ops.mul_mat(a, b) for a weight `a` that may be a handle (then mul_mat_rows): the model's products."""
+    return mul_mat_rows(a, b, name) if is_split(a) else ops.mul_mat(a, b, name)
 
 
 def mul_mat_rows(a: Tensor, b: Tensor, name: str | None = None) -> Tensor:

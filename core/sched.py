@@ -26,8 +26,7 @@ from ggrun.core.alloc import GraphAllocator, Plan
 from ggrun.core.backends.base import Backend
 from ggrun.core.errors import GraphError, RuntimeFailure
 from ggrun.core.graph import Graph
-from ggrun.core.ops import OPS, copy_to
-from ggrun.core.rowsplit import RUN_ON
+from ggrun.core.ops import OPS, RUN_ON, copy_to
 from ggrun.core.tensor import Tensor
 
 log = logging.getLogger("ggrun.sched")

@@ -90,7 +90,7 @@ def products(x: Tensor, ws: tuple[Tensor, ...], names: tuple[str, ...], name: st
     home = _home(ws)
     if home is not None and home.supports_op(fused[0].view_src):
         return fused
-    return [ops.mul_mat(w, x, name=n) for w, n in zip(ws, names)]
+    return [rowsplit.mul_mat(w, x, name=n) for w, n in zip(ws, names)]
 
 
 def _home(ws: tuple[Tensor, ...]) -> Backend | None:
@@ -152,7 +152,7 @@ def attention(b: Build, il: int, q: Tensor, k: Tensor, v: Tensor, wo: Tensor, ro
         kq = ops.soft_max(kq, kq_mask, scale, name=f"kq_soft_max-{il}")
         kqv = ops.mul_mat(vals, kq, name=f"kqv-{il}")  # [heads, tokens, head_dim]
         merged = ops.cont(ops.permute(kqv, (1, 0, 2)), name=f"kqv_merged-{il}")
-    return ops.mul_mat(wo, ops.reshape(merged, (n_tokens, hp.n_head * hp.head_dim)), name=f"attn_out-{il}")
+    return rowsplit.mul_mat(wo, ops.reshape(merged, (n_tokens, hp.n_head * hp.head_dim)), name=f"attn_out-{il}")
 
 
 def self_attention(b: Build, L: LayerWeights, h: Tensor, il: int, rope_mode: int, *, biases: bool = True,
@@ -190,13 +190,13 @@ def gated(x: Tensor, gate: Tensor, up: Tensor, il: int, glu: str, f16_table: boo
 
 def ffn_swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor, il: int) -> Tensor:
     """down(silu(gate(x)) * up(x)): the llama family's feed-forward."""
-    return ops.mul_mat(down, gated(x, gate, up, il, "swiglu"), name=f"ffn_out-{il}")
+    return rowsplit.mul_mat(down, gated(x, gate, up, il, "swiglu"), name=f"ffn_out-{il}")
 
 
 def ffn_geglu(b: Build, x: Tensor, gate: Tensor, up: Tensor, down: Tensor, il: int) -> Tensor:
     """down(gelu(gate(x)) * up(x)): the gemma family's feed-forward."""
     h = gated(x, gate, up, il, "geglu", f16_table=b.llama_numerics)
-    return ops.mul_mat(down, h, name=f"ffn_out-{il}")
+    return rowsplit.mul_mat(down, h, name=f"ffn_out-{il}")
 
 
 def ffn_moe(x: Tensor, L: LayerWeights, il: int, n_used: int, norm_weights: bool = True) -> Tensor:
@@ -205,7 +205,7 @@ def ffn_moe(x: Tensor, L: LayerWeights, il: int, n_used: int, norm_weights: bool
     probabilities (renormalised to sum 1 with norm_weights), as llama.cpp's build_moe_ffn. The experts'
     products are mul_mat_id nodes, which read only the chosen experts' matrices."""
     n = x.shape[0]
-    probs = ops.soft_max(ops.mul_mat(L.ffn_gate_inp, x, name=f"ffn_moe_logits-{il}"), name=f"ffn_moe_probs-{il}")
+    probs = ops.soft_max(rowsplit.mul_mat(L.ffn_gate_inp, x, name=f"ffn_moe_logits-{il}"), name=f"ffn_moe_probs-{il}")
     ids = ops.moe_topk(probs, n_used, name=f"ffn_moe_topk-{il}")  # [tokens, n_used]
     weights = ops.moe_weights(probs, ids, norm_weights, name=f"ffn_moe_weights-{il}")  # [tokens, n_used]
     xs = ops.reshape(x, (n, 1, x.shape[1]))
@@ -256,7 +256,7 @@ def decoder(b: Build, w: Weights, attn: Sublayer, ffn: Sublayer, sandwich: bool 
 
 def head(b: Build, w: Weights, h: Tensor, softcap: float | None = None) -> Tensor:
     """Logits [n_outputs, n_vocab] of the normalised stream h: the output matrix, soft-capped when asked."""
-    logits = ops.mul_mat(w["output.weight"], h, name="result_output" if softcap is None else "result_uncapped")
+    logits = rowsplit.mul_mat(w["output.weight"], h, name="result_output" if softcap is None else "result_uncapped")
     return logits if softcap is None else ops.softcap(logits, softcap, name="result_output")
 
 
