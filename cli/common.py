@@ -91,12 +91,12 @@ def load_model(model: str | None, n_gpu_layers: int = 0, quiet: bool = False, th
 
 
 def compile_kernels(cpu, tags: frozenset[str], quiet: bool = False) -> None:
-    """Compile the CPU kernels a model with warm-up `tags` needs (core/backends/cpu/warmup.py) that this
+    """Compile the CPU kernels a model with warm-up `tags` needs (core/backends/cpu/precompile.py) that this
     machine has not compiled yet, saying so with a progress bar; later runs find them in numba's cache
     and print nothing."""
-    from ggrun.core.backends.cpu import warmup
+    from ggrun.core.backends.cpu import precompile
 
-    todo = warmup.pending(tags)
+    todo = precompile.pending(tags)
     if not todo:
         return
     t0 = time.perf_counter()
@@ -109,8 +109,8 @@ def compile_kernels(cpu, tags: frozenset[str], quiet: bool = False) -> None:
     with Progress(TextColumn("compiling kernels"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   console=err_console, transient=True, disable=not show) as bar:
         task = bar.add_task("compile", total=len(todo))
-        warmup.compile_warms(cpu, todo, lambda done, total: bar.update(task, completed=done, total=total),
-                             helpers=compile_jobs() - 1)
+        precompile.compile_warms(cpu, todo, lambda done, total: bar.update(task, completed=done, total=total),
+                                 helpers=compile_jobs() - 1)
     if not quiet:
         err_console.print(f"ggrun: kernels compiled in {time.perf_counter() - t0:.1f} s")
 

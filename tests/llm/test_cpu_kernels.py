@@ -8,7 +8,7 @@ import sys
 
 from gguf.constants import GGMLQuantizationType as QT
 
-from ggrun.core.backends.cpu import CPUBackend, warmup
+from ggrun.core.backends.cpu import CPUBackend, precompile, warmup
 from ggrun.core.dtypes import DType
 from ggrun.core.llm.cpu_kernels import warm_tags
 from ggrun.core.llm.model import Model
@@ -20,7 +20,7 @@ COVERAGE = """
 import importlib, json, pkgutil, sys
 from numba.core.registry import CPUDispatcher
 import ggrun.core.backends.cpu as cpu_pkg
-from ggrun.core.backends.cpu import CPUBackend, set_threads, warmup
+from ggrun.core.backends.cpu import CPUBackend, precompile, set_threads, warmup
 from ggrun.core.dtypes import DType
 from ggrun.core.llm.batch import Batch
 from ggrun.core.llm.cpu_kernels import warm_tags
@@ -32,8 +32,8 @@ cpu = CPUBackend()
 model = Model.load(sys.argv[1], [cpu], numerics=sys.argv[2])
 kv = DType[sys.argv[3]]
 tags = warm_tags(model, cpu, (kv,))
-for warm in warmup.selected(tags):
-    warmup.run(cpu, warm)
+for warm in precompile.selected(tags):
+    precompile.run(cpu, warm)
 kernels = {}
 for info in pkgutil.iter_modules(cpu_pkg.__path__):
     module = importlib.import_module(f"{cpu_pkg.__name__}.{info.name}")
@@ -79,7 +79,7 @@ def test_the_set_has_no_products_of_other_weight_types(tiny_llama_factory):
     cpu = CPUBackend()
     model = Model.load(tiny_llama_factory(weight_type=QT.Q4_0, tied_output=True), [cpu])
     tags = warm_tags(model, cpu)
-    products = {tag for w in warmup.selected(tags) for tag in w.needs if tag.startswith("mul_mat")}
+    products = {tag for w in precompile.selected(tags) for tag in w.needs if tag.startswith("mul_mat")}
     assert products == {warmup.product(DType.Q4_0, True, True), warmup.product(None, True, True)}
     assert {tag for tag in tags if tag.startswith("get_rows")} == {warmup.rows(DType.Q4_0)}
     every = {tag for w in warmup.WARMS for tag in w.needs if tag.startswith("mul_mat")}

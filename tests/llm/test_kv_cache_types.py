@@ -177,11 +177,11 @@ def test_llama_cpps_rules_for_cache_types(models, tiny_llama_path):
 def test_warm_up_compiles_every_kernel_quantized_caches_use(models):
     """After the warm-up graphs ran, a session with quantized caches (prompt, decode steps, a K-shift,
     both attention paths) compiles nothing more in the kernels those caches use."""
-    from ggrun.core.backends.cpu import attention, elementwise, rope, warmup
+    from ggrun.core.backends.cpu import attention, elementwise, precompile, rope, warmup
 
     backend = CPUBackend()
-    for warm in warmup.selected(frozenset({warmup.kv(Q8_0), warmup.kv(Q4_0), warmup.kv(F16)})):
-        warmup.run(backend, warm)
+    for warm in precompile.selected(frozenset({warmup.kv(Q8_0), warmup.kv(Q4_0), warmup.kv(F16)})):
+        precompile.run(backend, warm)
     kernels = [attention.flash_attn_cells_serial, attention.flash_attn_cells_parallel, rope.rope_store_blocks,
                rope.rope_shift_rows, elementwise.scatter_blocks]
     before = {k: set(k.signatures) for k in kernels}
