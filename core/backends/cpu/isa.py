@@ -1,6 +1,6 @@
 """The instruction-set level the CPU kernels are compiled for, chosen once per process: the best of
-"avx512" (AVX-512 F/BW/VL with VNNI), "avx2" (AVX2, FMA, F16C) and "generic" (the portable kernels)
-that the CPU has, capped by the environment variable GGRUN_CPU_ISA (as ggml picks its CPU variant by
+"avx512" (AVX-512 F/BW/VL with VNNI), "avx2" (AVX2, FMA, F16C) and "generic" (the portable kernels,
+no AVX2 or FMA) that the CPU has, capped by the environment variable GGRUN_CPU_ISA (as ggml picks its CPU variant by
 feature; the cap lets one machine run and test every path below its best).
 
 A level below the CPU's best also caps what LLVM may emit for every kernel (numba's target features
@@ -25,10 +25,13 @@ NEEDS = {
     "avx512": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512vnni"}),
 }
 # LLVM features a level does not have (by name prefix): everything that implies a higher level's,
-# so that no feature left on turns a dropped one back on
+# so that no feature left on turns a dropped one back on. "generic" keeps AVX and F16C where the CPU
+# has them: every level's kernels convert f16 values, which without F16C LLVM turns into calls of
+# compiler-rt's __truncsfhf2, a symbol numba's JIT does not link (the process would crash).
+_AVX512 = ("avx512", "avx10", "amx", "evex512", "avxvnni", "avxifma", "avxneconvert")
 _ABOVE = {
-    "avx2": ("avx512", "avx10", "amx", "evex512", "avxvnni", "avxifma", "avxneconvert"),
-    "generic": ("avx", "fma", "f16c", "xop", "vaes", "vpclmulqdq", "amx", "evex512", "sha512", "sm3", "sm4"),
+    "avx2": _AVX512,
+    "generic": _AVX512 + ("avx2", "fma", "xop", "vaes", "sha512", "sm3", "sm4"),
 }
 
 

@@ -18,8 +18,9 @@ from ggrun.core.cache import cache_dir
 
 # Files whose code kernels of other files compile in (helpers inlined across modules, and this
 # file's compile flags). numba revalidates a cached kernel against its own source file only, so
-# the cache lives in a directory named by a digest of these: editing one compiles afresh.
-SHARED_SOURCES = ("jit.py", "isa.py", "vecmath.py", "norm.py", "kv_quant.py")
+# the cache lives in a directory named by a digest of these: editing one compiles afresh. (isa.py
+# is not one: what a level compiles for is numba's target, which keys numba's own cache index.)
+SHARED_SOURCES = ("jit.py", "vecmath.py", "norm.py", "kv_quant.py")
 
 
 def sources_digest() -> str:
