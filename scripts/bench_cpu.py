@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """ggrun against llama.cpp on the CPU, side by side in one run: `ggrun bench` and `llama-bench`
-alternate (pp512 and tg128, medians over rounds), then peak RSS and time to first token of
-`ggrun run` and `llama-completion` on the same prompt; prints every figure and the ratios.
+alternate (pp512 and tg128, medians over rounds, and each round's ratio: the machine may be shared),
+then peak RSS and time to first token of `ggrun run` and `llama-completion` on the same prompt; prints
+every figure and the ratios, after the CPU's model, its SIMD flags and ggrun's instruction-set level
+(GGRUN_CPU_ISA caps it: core/backends/cpu/isa.py).
 
 llama.cpp's tools come from `bash ../shared/tools/cpu_anchor.sh` (pass its directory with
 --llama-bin or $LLAMA_BIN); where they are absent their column is skipped, and the output says so.
@@ -87,12 +89,13 @@ def measure_model(name: str, args, llama: Path | None) -> None:
         for k, v in bench_speeds([*ggrun_cmd(), "bench", *bench_args(path, args.threads, args.reps)]).items():
             ours.setdefault(k, []).append(v)
     print(f"\n## {path.name}, -t {args.threads}, medians of {args.rounds} alternating rounds (-r {args.reps} each)")
-    print("| test | llama.cpp t/s | ggrun t/s | ggrun / llama.cpp |")
-    print("|---|---|---|---|")
+    print("| test | llama.cpp t/s | ggrun t/s | ggrun / llama.cpp | each round's ratio |")
+    print("|---|---|---|---|---|")
     for test in ("pp512", "tg128"):
         a = statistics.median(ours[test]) if test in ours else None
         b = statistics.median(theirs[test]) if test in theirs else None
-        print(f"| {test} | {fmt(b, '.1f')} | {fmt(a, '.1f')} | {fmt_ratio(a, b)} |")
+        rounds = " ".join(fmt_ratio(x, y) for x, y in zip(ours.get(test, []), theirs.get(test, [])))
+        print(f"| {test} | {fmt(b, '.1f')} | {fmt(a, '.1f')} | {fmt_ratio(a, b)} | {rounds or '-'} |")
 
     first_ours, first_theirs, rss_ours, rss_theirs = [], [], [], []
     for _ in range(args.rounds):
@@ -125,8 +128,27 @@ def main() -> None:
         print(f"llama.cpp's tools are not in {llama} (build them with `bash ../shared/tools/cpu_anchor.sh`); "
               "their column is skipped")
         llama = None
+    print(cpu_line())
     for name in args.models.split(","):
         measure_model(name.strip(), args, llama)
+
+
+def cpu_line() -> str:
+    """The CPU's model name, its SIMD flags (as /proc/cpuinfo lists them) and ggrun's level."""
+    model, flags = "unknown CPU", []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = [f for f in value.split() if f.startswith(("avx", "fma", "f16c", "amx"))]
+                break
+    except OSError:
+        pass
+    level = subprocess.run([sys.executable, "-c", "from ggrun.core.backends.cpu import isa; print(isa.LEVEL)"],
+                           capture_output=True, text=True).stdout.strip() or "?"
+    return f"CPU: {model}; flags: {' '.join(flags) or '-'}; ggrun's level: {level}"
 
 
 if __name__ == "__main__":
