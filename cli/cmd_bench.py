@@ -8,12 +8,9 @@ out), then `interrupted`, exit 130.
 """
 from __future__ import annotations
 
-import functools
 import itertools
-import subprocess
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Optional
 
 import typer
@@ -22,7 +19,8 @@ from rich.progress import Progress
 from ggrun.cli import options as o
 from ggrun.cli.app import app
 from ggrun.cli.bench_output import FORMATS, Printer
-from ggrun.cli.cmd_version import ggrun_version
+from ggrun.cli.cmd_batched_bench import BatchedBenchSettings, run_batched_bench
+from ggrun.cli.cmd_version import build_commit, ggrun_version
 from ggrun.cli.cmdline import command_from
 from ggrun.cli.common import err_console, list_devices, load_model
 from ggrun.cli.interrupt import Interrupt
@@ -150,15 +148,26 @@ def settings(
     ctx_size: Optional[int] = typer.Option(None, "-c", "--ctx-size", help="Context size (default: what each test needs)"),
     repetitions: int = typer.Option(5, "-r", "--repetitions", help="Timed repetitions per test"),
     numerics: o.Numerics = "llama",
-    output: str = typer.Option("md", "-o", "--output", help="md, csv, json, jsonl or sql"),
+    output: str = typer.Option("md", "-o", "--output", "--output-format", help="md, csv, json, jsonl or sql (--batched: md, json, jsonl)"),
     progress: bool = typer.Option(False, "--progress", help="Print llama-bench's progress lines on stderr"),
     no_warmup: bool = typer.Option(False, "--no-warmup", help="Skip the untimed warm-up run of each test"),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="Log each repetition on stderr"),
     list_devices_: o.ListDevices = False,
-) -> BenchSettings:
-    """Benchmark prompt processing and generation (like llama-bench)."""
+    batched: bool = typer.Option(False, "--batched", help="llama-batched-bench's job: B sequences at once (-npp, -ntg, -npl, -pps)"),
+    npp: Optional[list[str]] = typer.Option(None, "-npp", help="--batched: prompt tokens per sequence (default 128)"),
+    ntg: Optional[list[str]] = typer.Option(None, "-ntg", help="--batched: generated tokens per sequence (default 128)"),
+    npl: Optional[list[str]] = typer.Option(None, "-npl", help="--batched: sequences decoded at once (default 1)"),
+    pps: bool = typer.Option(False, "-pps", help="--batched: one prompt shared by every sequence"),
+) -> BenchSettings | BatchedBenchSettings:
+    """Benchmark prompt processing and generation (like llama-bench; with --batched like llama-batched-bench)."""
     if list_devices_:
         return BenchSettings(list_devices=True)
+    if batched:
+        return _batched_settings(model, npp, ntg, npl, pps, ctx_size, batch_size, ubatch_size, threads,
+                                 n_gpu_layers, device, split_mode, tensor_split, main_gpu, cache_type_k,
+                                 cache_type_v, flash_attn, graph_reuse, numerics, output)
+    if npp or ntg or npl or pps:
+        raise BadInput("-npp, -ntg, -npl and -pps belong to bench --batched")
     if output not in FORMATS:
         raise BadInput(f"-o {output}: choose one of {', '.join(FORMATS)}")
     if repetitions < 1:
@@ -184,6 +193,47 @@ def settings(
         graph_reuse=tuple(bool(x) for x in reuse), n_ctx=ctx_size, repetitions=repetitions, numerics=numerics,
         output=output, progress=progress, warmup=not no_warmup, verbose=verbose)
     s.configs()  # every combination is checked before a model is read
+    return s
+
+
+def _one(values: Optional[list[str]], flag: str) -> str | None:
+    """The single value of an option that --batched takes once (llama-batched-bench has no lists of it)."""
+    items = str_values(values, [])
+    if len(items) > 1:
+        raise BadInput(f"{flag} {','.join(items)}: bench --batched takes one value")
+    return items[0] if items else None
+
+
+def _batched_settings(model, npp, ntg, npl, pps, ctx_size, batch_size, ubatch_size, threads, n_gpu_layers, device,
+                      split_mode, tensor_split, main_gpu, cache_type_k, cache_type_v, flash_attn, graph_reuse,
+                      numerics, output) -> BatchedBenchSettings:
+    """The record of a `bench --batched` line: the lists llama-batched-bench takes, one value of the rest."""
+    if ctx_size is not None and ctx_size < 1:
+        raise BadInput(f"-c {ctx_size} must be positive")
+    one = {flag: _one(v, flag) for flag, v in (("-m", model), ("-b", batch_size), ("-ub", ubatch_size),
+                                               ("-t", threads), ("-ngl", n_gpu_layers), ("-dev", device),
+                                               ("-sm", split_mode), ("-ts", tensor_split), ("-mg", main_gpu),
+                                               ("-ctk", cache_type_k), ("-ctv", cache_type_v),
+                                               ("-fa", flash_attn), ("--graph-reuse", graph_reuse))}
+
+    def num(flag: str, default: int, minimum: int = 1) -> int:
+        v = one[flag]
+        return default if v is None else int_values([v], flag, [default], allow_negative=flag == "-ngl",
+                                                     minimum=minimum)[0]
+
+    dev = one["-dev"]
+    split = DeviceSplit(devices=None if dev in (None, "auto") else o.parse_devices(dev), mode=one["-sm"] or "layer",
+                        tensor_split=_tensor_split(one["-ts"] or "0"), main_gpu=num("-mg", 0, 0))
+    split.check()
+    s = BatchedBenchSettings(
+        model=one["-m"] or "smollm2", npp=int_values(npp, "-npp", [128]), ntg=int_values(ntg, "-ntg", [128]),
+        npl=int_values(npl, "-npl", [1], minimum=1), shared=pps, n_ctx=ctx_size, n_batch=num("-b", 2048),
+        n_ubatch=num("-ub", 512), n_threads=None if one["-t"] is None else num("-t", 1),
+        n_gpu_layers=num("-ngl", 0, -1), split=split,
+        type_k=_cache_type(one["-ctk"] or "f16", "-ctk"), type_v=_cache_type(one["-ctv"] or "f16", "-ctv"),
+        flash_attn=_flash_attn(one["-fa"] or "auto"), graph_reuse=num("--graph-reuse", 1, 0) != 0,
+        numerics=numerics, output=output)
+    s.check()
     return s
 
 
@@ -217,7 +267,10 @@ def _cache_type(value: str, flag: str) -> DType:
         raise BadInput(f"{flag} {err}") from None
 
 
-def run(s: BenchSettings) -> None:
+def run(s: BenchSettings | BatchedBenchSettings) -> None:
+    if isinstance(s, BatchedBenchSettings):
+        run_batched_bench(s, _gpu_layers(s.n_gpu_layers))
+        return
     if s.list_devices:
         list_devices()
         return
@@ -261,7 +314,7 @@ def _run_all(s: BenchSettings, configs: list[Config], paths: dict, printer: Prin
             if loaded is None or loaded[0] != key:
                 loaded = None  # the previous model's memory goes before the next one's is taken
                 m = load_model(cfg.model, _gpu_layers(cfg.n_gpu_layers), quiet=True, threads=cfg.n_threads,
-                               numerics=s.numerics, split=cfg.split)
+                               numerics=s.numerics, split=cfg.split, kv_types=(cfg.type_k, cfg.type_v))
                 loaded = (key, m)
             m = loaded[1]
             set_threads(cfg.n_threads)
@@ -335,14 +388,3 @@ def _split_text(split: tuple[float, ...]) -> str:
     """llama-bench's tensor_split field: each proportion as %.2f up to the last non-zero, joined by '/'."""
     last = max((i for i, x in enumerate(split) if x > 0), default=0)
     return "/".join(f"{x:.2f}" for x in (split or (0.0,))[:last + 1])
-
-
-@functools.cache
-def build_commit() -> str:
-    """The git commit ggrun runs from (llama-bench's build_commit), or its version outside a checkout."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return ggrun_version()
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else ggrun_version()

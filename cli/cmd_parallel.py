@@ -27,7 +27,7 @@ from ggrun.cli.parallel_prompts import QUESTIONS, STOP_TEXT, SYSTEM_PROMPT, make
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import BadInput, Interrupted
 from ggrun.core.llm.placement import DeviceSplit
-from ggrun.core.llm.parallel import ParallelRunner, ParallelSummary, SequenceResult
+from ggrun.core.llm.parallel import STOP_CACHE, ParallelRunner, ParallelSummary, SequenceResult
 from ggrun.core.llm.sampling import SamplingParams
 from ggrun.core.llm.session import Session, SessionParams
 
@@ -130,7 +130,8 @@ def run(s: ParallelSettings) -> None:
         list_devices()
         return
     questions = read_questions(s.file)
-    m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics, split=s.split)
+    m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics, split=s.split,
+                   kv_types=(s.type_k, s.type_v))
     n_ctx = s.n_ctx or m.hp.n_ctx_train
     tok = m.tokenizer
     shared = s.system and s.shared_system
@@ -163,10 +164,13 @@ app.command("parallel")(command_from(settings, run))
 
 
 def _print_result(r: SequenceResult, s: ParallelSettings, cache_misses: int) -> None:
+    if r.stop_reason == STOP_CACHE:  # the one stop that is not the response's own end: said on stderr
+        err_console.print(f"Client {r.client:3d}, seq {r.seq:3d}: stopped after {r.n_response} tokens, {STOP_CACHE} "
+                          "(give -n or a larger -c)", markup=False)
     if s.json:
         rec = {"client": r.client, "seq": r.seq, "input": r.input, "response": r.response,
                "response_tokens": r.response_tokens, "n_prompt": r.n_prompt, "n_response": r.n_response,
-               "seconds": r.seconds}
+               "seconds": r.seconds, "stop_reason": r.stop_reason}
         if r.skipped:
             rec["skipped"] = r.skipped
         print(json.dumps(rec), flush=True)

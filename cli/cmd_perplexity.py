@@ -55,6 +55,7 @@ class PerplexitySettings:
     output: str = "text"
     kl_divergence_base: str | None = None  # the log-probability file: written, or read with kl_divergence
     kl_divergence: bool = False
+    check_tensors: bool = False
     list_devices: bool = False
 
     @property
@@ -76,7 +77,7 @@ def settings(
         help="Save this run's log-probabilities to FILE (llama.cpp's format); with --kl-divergence, read them"),
     kl_divergence: bool = typer.Option(
         False, "--kl-divergence", help="Compare with the run saved in --kl-divergence-base (text and -c come from it)"),
-    list_devices_: o.ListDevices = False,
+    check_tensors: o.CheckTensors = False, list_devices_: o.ListDevices = False,
 ) -> PerplexitySettings:
     """Perplexity of a text, scored as llama-perplexity scores it (chunks of -c tokens, second halves)."""
     s = PerplexitySettings(
@@ -84,7 +85,9 @@ def settings(
         n_gpu_layers=n_gpu_layers, split=o.device_split(device, split_mode, tensor_split, main_gpu), threads=threads,
         numerics=numerics,
         flash_attn=flash_attn != "off" and not no_flash_attn, type_k=cache_type_k, type_v=cache_type_v,
-        output=output, kl_divergence_base=kl_divergence_base, kl_divergence=kl_divergence, list_devices=list_devices_)
+        output=output, kl_divergence_base=kl_divergence_base, kl_divergence=kl_divergence,
+        check_tensors=check_tensors,
+        list_devices=list_devices_)
     if list_devices_:
         return s
     if output not in ("text", "json"):
@@ -143,7 +146,8 @@ def _eta(i: int, plan: ChunkPlan, t0: float) -> None:
 
 def _run_perplexity(s: PerplexitySettings) -> None:
     text = _read_text(s.file)
-    m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics, split=s.split)
+    m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics, split=s.split,
+                   check_tensors=s.check_tensors, kv_types=(s.type_k, s.type_v))
     tokens = m.tokenizer.tokenize(text, add_special=True, parse_special=False)
     plan = plan_chunks(len(tokens), s.n_ctx, s.n_chunks)
     session = _session(m, s, plan.n_ctx)
@@ -194,7 +198,8 @@ def _run_perplexity(s: PerplexitySettings) -> None:
 
 def _run_kl_divergence(s: PerplexitySettings) -> None:
     base = LogProbReader(s.kl_divergence_base)
-    m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics, split=s.split)
+    m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics, split=s.split,
+                   check_tensors=s.check_tensors, kv_types=(s.type_k, s.type_v))
     if base.n_vocab != m.hp.n_vocab:
         raise BadInput(f"{s.kl_divergence_base}: inconsistent vocabulary ({base.n_vocab} in the file, "
                        f"{m.hp.n_vocab} in the model)")

@@ -2,6 +2,7 @@
 option checks, and llama.cpp-style timing lines on stderr."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -9,7 +10,9 @@ import typer
 
 from ggrun.core.backends.cpu import cached_loads, set_threads
 from ggrun.core.backends.registry import probe, usable_backends
+from ggrun.core.dtypes import DType
 from ggrun.core.errors import BadInput
+from ggrun.core.llm.cpu_kernels import warm_tags
 from ggrun.core.llm.model import NUMERICS, Model
 from ggrun.core.llm.placement import DeviceSplit
 from ggrun.loaders.download import resolve_model
@@ -59,9 +62,12 @@ def check_positive(**values: int) -> None:
 
 
 def load_model(model: str | None, n_gpu_layers: int = 0, quiet: bool = False, threads: int | None = None,
-               numerics: str = "llama", split: DeviceSplit | None = None) -> Model:
+               numerics: str = "llama", split: DeviceSplit | None = None,
+               kv_types: tuple[DType, ...] = (DType.F16,), check_tensors: bool = False) -> Model:
     """Resolve and load a model on the usable backends, its devices picked and shared as `split` (-dev,
-    -sm, -ts, -mg) says; a progress bar appears when loading is slow."""
+    -sm, -ts, -mg) says, every tensor checked for NaN and infinity with check_tensors; a progress bar
+    appears when loading is slow. The CPU kernels its graphs meet (with KV caches of `kv_types`) are
+    compiled first where this machine has not compiled them yet."""
     if n_gpu_layers < 0:
         raise BadInput(f"-ngl {n_gpu_layers} must not be negative")
     if threads is not None and threads < 1:
@@ -71,36 +77,55 @@ def load_model(model: str | None, n_gpu_layers: int = 0, quiet: bool = False, th
     set_threads(threads)
     path = resolve_model(model)
     backends = usable_backends()
-    compile_kernels(backends[-1], quiet)
-    cached_loads.skip_compiler_set_up()
     if n_gpu_layers > 0 and len(backends) == 1:
         err_console.print("warning: no device backend is available; -ngl is ignored (see --list-devices)")
     bar = _LazyProgress(f"loading {path.name}", enabled=not quiet)
     try:
-        return Model.load(path, backends, n_gpu_layers, progress=bar.update, numerics=numerics, split=split)
+        m = Model.load(path, backends, n_gpu_layers, progress=bar.update, numerics=numerics, split=split,
+                       check_tensors=check_tensors)
     finally:
         bar.close()
+    compile_kernels(backends[-1], warm_tags(m, backends[-1], kv_types), quiet)
+    cached_loads.skip_compiler_set_up()
+    return m
 
 
-def compile_kernels(cpu, quiet: bool = False) -> None:
-    """Compile the CPU backend's kernels on the first run on this machine, saying so with a progress
-    bar; later runs find them in numba's cache and print nothing."""
+def compile_kernels(cpu, tags: frozenset[str], quiet: bool = False) -> None:
+    """Compile the CPU kernels a model with warm-up `tags` needs (core/backends/cpu/warmup.py) that this
+    machine has not compiled yet, saying so with a progress bar; later runs find them in numba's cache
+    and print nothing."""
     from ggrun.core.backends.cpu import warmup
 
-    if not warmup.needs_compile():
+    todo = warmup.pending(tags)
+    if not todo:
         return
     t0 = time.perf_counter()
     if not quiet:
-        err_console.print("ggrun: compiling the CPU kernels for this machine (once; later runs load them from the cache)")
+        err_console.print("ggrun: compiling the CPU kernels this model needs (once per machine; later runs load "
+                          "them from the cache)")
     from rich.progress import BarColumn, Progress, TextColumn
 
     show = not quiet and sys.stderr.isatty()
     with Progress(TextColumn("compiling kernels"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   console=err_console, transient=True, disable=not show) as bar:
-        task = bar.add_task("compile", total=None)
-        warmup.compile_all(cpu, lambda done, total: bar.update(task, completed=done, total=total))
+        task = bar.add_task("compile", total=len(todo))
+        warmup.compile_warms(cpu, todo, lambda done, total: bar.update(task, completed=done, total=total),
+                             helpers=compile_jobs() - 1)
     if not quiet:
         err_console.print(f"ggrun: kernels compiled in {time.perf_counter() - t0:.1f} s")
+
+
+def compile_jobs() -> int:
+    """Processes that compile the CPU kernels at once: $GGRUN_COMPILE_JOBS, else the CPUs this process may
+    use, up to 4 (the warm-up of one model has a few families of kernels to share out)."""
+    from ggrun.core.backends.cpu.threads import usable_cpus
+
+    value = os.environ.get("GGRUN_COMPILE_JOBS", "")
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise BadInput(f"GGRUN_COMPILE_JOBS={value}: give a positive number of processes")
+        return int(value)
+    return min(usable_cpus(), 4)
 
 
 class _LazyProgress:

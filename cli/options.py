@@ -122,6 +122,7 @@ NoGraphReuse = Annotated[bool, typer.Option("--no-graph-reuse", help="Rebuild an
 Verbose = Annotated[bool, typer.Option("-v", "--verbose", help="More logging on stderr")]
 Threads = Annotated[Optional[int], typer.Option("-t", "--threads", help="CPU threads for matrix products (default: all cores)")]
 Numerics = Annotated[str, typer.Option("--numerics", help="llama: round operands as llama.cpp's CPU kernels do (agrees with its numbers); f32: plain f32 (results independent of batching)")]
+CheckTensors = Annotated[bool, typer.Option("--check-tensors", help="Check every tensor of the model for NaN and infinity before it runs (reads the whole file once; the small float tensors are always checked)")]
 CheckNumerics = Annotated[bool, typer.Option("--check-numerics", help="On NaN or infinite logits, recompute the graph node by node and name the first node that produced one (also GGRUN_GRAPH_DEBUG=1)")]
 
 # ---- run (llama-cli / llama-completion) ----------------------------------------------------------------------

@@ -59,6 +59,7 @@ class RunSettings:
     n_keep: int = 0
     graph_reuse: bool = True
     check_numerics: bool = False
+    check_tensors: bool = False
     verbose: bool = False
     list_devices: bool = False
 
@@ -105,7 +106,8 @@ def run_settings(
     repeat_last_n: o.RepeatLastN = 64, presence_penalty: o.PresencePenalty = 0.0,
     frequency_penalty: o.FrequencyPenalty = 0.0, logit_bias: o.LogitBias = None,
     context_shift: o.ContextShift = False, n_keep: o.Keep = 0, list_devices_: o.ListDevices = False,
-    no_graph_reuse: o.NoGraphReuse = False, check_numerics: o.CheckNumerics = False, verbose: o.Verbose = False,
+    no_graph_reuse: o.NoGraphReuse = False, check_numerics: o.CheckNumerics = False, check_tensors: o.CheckTensors = False,
+    verbose: o.Verbose = False,
 ) -> RunSettings:
     """Generate text from a prompt, or chat (like llama-completion and llama-cli)."""
     if prompt is not None and file is not None:
@@ -143,7 +145,8 @@ def run_settings(
         in_suffix=esc(in_suffix), escape=escape, display_prompt=display_prompt, verbose_prompt=verbose_prompt,
         special=special, chat_template=chat_template, chat_template_file=chat_template_file, ignore_eos=ignore_eos,
         sampling=sampling, context_shift=context_shift, n_keep=n_keep, graph_reuse=not no_graph_reuse,
-        check_numerics=check_numerics, verbose=verbose, list_devices=list_devices_)
+        check_numerics=check_numerics, check_tensors=check_tensors, verbose=verbose,
+        list_devices=list_devices_)
 
 
 def process_escapes(text: str) -> str:

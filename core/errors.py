@@ -67,6 +67,13 @@ class RuntimeFailure(GGRunError):
     exit_code = 1
 
 
+class DeviceFailure(RuntimeFailure):
+    """A device (a GPU) failed a call that ggrun made correctly: one line naming the device and its error."""
+
+    def __init__(self, device: str, what: str) -> None:
+        super().__init__(f"{device} failed: {what}")
+
+
 class Interrupted(GGRunError):
     """The user asked to stop (Ctrl-C). Raised only at a safe point (a session polls before each
     micro-batch), so what was computed so far stays consistent; a command shows what it has, and the

@@ -41,6 +41,7 @@ OPS: dict[str, OpInfo] = {
     "add": OpInfo(inplace=True),
     "mul": OpInfo(inplace=True),
     "scale": OpInfo(inplace=True),
+    "softcap": OpInfo(inplace=True),
     "silu": OpInfo(inplace=True),
     "gelu": OpInfo(inplace=True),
     "swiglu": OpInfo(inplace=True),
@@ -54,6 +55,10 @@ OPS: dict[str, OpInfo] = {
     "rope_shift": OpInfo(writes_into=True),
     "soft_max": OpInfo(inplace=True),
     "argmax": OpInfo(),
+    "sample": OpInfo(),
+    "moe_topk": OpInfo(),
+    "moe_weights": OpInfo(),
+    "mul_mat_id": OpInfo(),
     "flash_attn": OpInfo(),
     "copy": OpInfo(),  # a scheduler copy of a tensor into another backend's memory
 }
@@ -213,6 +218,14 @@ def _unary(op: str, a: Tensor, name: str | None, **params) -> Tensor:
 
 def scale(a: Tensor, s: float, name: str | None = None) -> Tensor:
     return _unary("scale", a, name, s=float(s))
+
+
+def softcap(a: Tensor, cap: float, name: str | None = None) -> Tensor:
+    """cap * tanh(a / cap): values squeezed into (-cap, cap), as ggml's scale, tanh, scale (gemma2's
+    soft-capping of attention scores and final logits)."""
+    if not cap > 0:
+        raise _fail("softcap", f"cap {cap} must be positive", a)
+    return _unary("softcap", a, name, cap=float(cap))
 
 
 def silu(a: Tensor, name: str | None = None) -> Tensor:
@@ -452,6 +465,63 @@ def argmax(a: Tensor, name: str | None = None) -> Tensor:
     if a.dtype is not DType.F32 or len(a.shape) != 2 or a.shape[1] < 1:
         raise _fail("argmax", "expects f32 rows [rows, n >= 1]", a)
     return _node("argmax", DType.I32, (a.shape[0],), (a,), name)
+
+
+SAMPLE_PARAMS = ("temp", "top_k", "top_p", "min_p", "repeat_penalty", "frequency_penalty", "presence_penalty")
+
+
+def sample(logits: Tensor, params: Tensor, draws: Tensor, recent: Tensor, bias_ids: Tensor, bias_vals: Tensor,
+           name: str | None = None) -> Tensor:
+    """i32 [rows]: a token drawn from each row of f32 logits [rows, n] by llama.cpp's sampler chain (logit
+    bias, penalties, top-k, top-p, min-p, temperature, then the draw; the argmax at temperature 0), or -1
+    where the row holds NaN or infinity (the numerics guard, as ops.argmax).
+
+    params f32 [rows, 7] holds each row's SAMPLE_PARAMS; draws i32 [rows, 2] the bits of each row's
+    uniform draw in [0, 1) as a float64 (a seeded generator's, made by the caller); recent i32 [rows, W]
+    the tokens the penalties count (-1: none); bias_ids i32 and bias_vals f32 [rows, NB] the logit bias
+    (id -1: none). Sampling where the logits are computed: only the ids travel back.
+    """
+    rows = logits.shape[0] if len(logits.shape) == 2 else -1
+    if logits.dtype is not DType.F32 or rows < 0 or logits.shape[1] < 1:
+        raise _fail("sample", "expects f32 logits [rows, n >= 1]", logits)
+    for t, dtype, cols in ((params, DType.F32, len(SAMPLE_PARAMS)), (draws, DType.I32, 2), (recent, DType.I32, None),
+                           (bias_ids, DType.I32, None), (bias_vals, DType.F32, None)):
+        if t.dtype is not dtype or len(t.shape) != 2 or t.shape[0] != rows or (cols is not None and t.shape[1] != cols):
+            raise _fail("sample", f"expects {dtype} [{rows}, {cols or 'k'}] beside the logits", logits, t)
+    if bias_ids.shape != bias_vals.shape:
+        raise _fail("sample", "bias ids and values must have one shape", bias_ids, bias_vals)
+    return _node("sample", DType.I32, (rows,), (logits, params, draws, recent, bias_ids, bias_vals), name)
+
+
+def moe_topk(probs: Tensor, k: int, name: str | None = None) -> Tensor:
+    """i32 [tokens, k]: each row's k largest entries of probs f32 [tokens, n_expert], largest first (ggml's
+    argsort_top_k): the experts a mixture-of-experts layer routes each token to."""
+    if probs.dtype is not DType.F32 or len(probs.shape) != 2 or not 1 <= k <= probs.shape[1]:
+        raise _fail("moe_topk", f"expects f32 [tokens, n_expert >= k] (k = {k})", probs)
+    return _node("moe_topk", DType.I32, (probs.shape[0], k), (probs,), name, k=int(k))
+
+
+def moe_weights(probs: Tensor, ids: Tensor, norm: bool, name: str | None = None) -> Tensor:
+    """f32 [tokens, k]: probs [tokens, n_expert] at each token's chosen experts ids [tokens, k]; with norm,
+    divided by their sum (at least 2^-14, as llama.cpp clamps it): the weights of the experts' outputs."""
+    if ids.dtype is not DType.I32 or len(ids.shape) != 2 or ids.shape[0] != probs.shape[0]:
+        raise _fail("moe_weights", "expects ids i32 [tokens, k] for probs [tokens, n_expert]", probs, ids)
+    return _node("moe_weights", DType.F32, ids.shape, (probs, ids), name, norm=bool(norm))
+
+
+def mul_mat_id(w: Tensor, b: Tensor, ids: Tensor, name: str | None = None) -> Tensor:
+    """ggml's mul_mat_id: out[t, j] = w[ids[t, j]] @ b[t, j] for the experts' matrices w [n_expert, M, K]
+    (block-quantized or float), b [tokens, 1 or k, K] (one row for every slot, or one per slot) and
+    ids i32 [tokens, k]; the result is [tokens, k, M]. Only the chosen experts' matrices are read."""
+    if len(w.shape) != 3 or len(b.shape) != 3 or w.shape[2] != b.shape[2]:
+        raise _fail("mul_mat_id", "expects w [n_expert, M, K] and b [tokens, 1 or k, K]", w, b)
+    if ids.dtype is not DType.I32 or len(ids.shape) != 2 or ids.shape[0] != b.shape[0] \
+            or b.shape[1] not in (1, ids.shape[1]):
+        raise _fail("mul_mat_id", "ids must be i32 [tokens, k] with b [tokens, 1 or k, K]", b, ids)
+    _need_float("mul_mat_id", b)
+    if not w.dtype.is_quantized:
+        _need_float("mul_mat_id", w)
+    return _node("mul_mat_id", DType.F32, (ids.shape[0], ids.shape[1], w.shape[1]), (w, b, ids), name)
 
 
 def flash_attn(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, name: str | None = None) -> Tensor:

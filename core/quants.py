@@ -75,6 +75,35 @@ def dequantize(raw: np.ndarray, qtype: QT, shape: tuple[int, ...]) -> np.ndarray
     return out.reshape(shape)
 
 
+# The IEEE exponent bits of each float width: all set means NaN or infinity.
+_EXPONENT_MASKS: dict[QT, tuple[np.dtype, int]] = {
+    QT.F32: (np.dtype("<u4"), 0x7F800000), QT.F16: (np.dtype("<u2"), 0x7C00), QT.BF16: (np.dtype("<u2"), 0x7F80),
+}
+_F16_SCALE_FIELDS = ("d", "m", "dmin")  # the f16 scale and minimum fields of ggml's blocks
+
+
+def first_non_finite(raw: np.ndarray, qtype: QT) -> int | None:
+    """Index of the first value (F32, F16, BF16) or block (block-quantized types: its f16 scales) of
+    `raw` that holds NaN or infinity, or None when all are finite, as ggml_validate_row_data checks.
+
+    Read from the bits, so nothing is converted; a quantized block's integer codes cannot be non-finite."""
+    qtype = QT(qtype)
+    if qtype in _EXPONENT_MASKS:
+        dtype, mask = _EXPONENT_MASKS[qtype]
+        bits = np.frombuffer(raw, dtype=dtype) if raw.ctypes.data % dtype.itemsize else raw.view(dtype)
+        bad = np.flatnonzero((bits & mask) == mask)
+        return int(bad[0]) if len(bad) else None
+    if qtype not in _BLOCK_DTYPES:
+        return None
+    blocks = raw.view(_BLOCK_DTYPES[qtype])
+    bad_blocks = np.zeros(len(blocks), dtype=bool)
+    for name in _F16_SCALE_FIELDS:
+        if name in blocks.dtype.names:
+            bad_blocks |= (blocks[name].view(np.uint16) & 0x7C00) == 0x7C00
+    bad = np.flatnonzero(bad_blocks)
+    return int(bad[0]) if len(bad) else None
+
+
 def quantize_q8_0(x: np.ndarray) -> np.ndarray:
     """f32 values [..., n] (n whole blocks of 32) as Q8_0 bytes [..., n / 32 * 34], rounded as ggml's
     CPU from_float for Q8_0 does on x86 (quantize_row_q8_0): d = amax / 127 stored as f16, and

@@ -2,11 +2,22 @@
 (`ggrun parallel`'s system prompt and questions) served by -np clients sharing each decode, then by a
 single client, with the same model, context and sampling; prints both speeds and their ratio.
 
+With --llama, `ggrun parallel` against llama.cpp's `llama-parallel` instead: the same command line for
+both (-np, -ns, -n, -c, -t, -s, --temp), each as its own process, alternating over --rounds, for every
+-np of a comma list; prints each tool's generated t/s (its summary's "Total gen tokens" speed) and the
+ratio of the medians. llama.cpp's tools come from `bash /work/shared/tools/cpu_anchor.sh` (--llama-bin
+or $LLAMA_BIN).
+
 Usage: python scripts/bench_parallel.py [-m MODEL] [-np 4] [-ns 16] [-n 64] [-c 4096] [--temp 0] [-t THREADS]
+       python scripts/bench_parallel.py --llama [-m MODEL] [-np 1,4,8] [-ns 16] [-n 64] [-t 2] [--rounds 2]
 """
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,10 +49,48 @@ def line(name: str, s: ParallelSummary) -> str:
             f"cache misses {s.cache_misses}  graphs reused {s.graphs_reused}")
 
 
+DEFAULT_ANCHOR = Path.home() / ".cache/ggrun-anchor/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
+GEN_SPEED = re.compile(r"Total gen tokens:\s*(\d+), speed:\s*([\d.]+) t/s")
+
+
+def gen_speed(cmd: list[str]) -> tuple[int, float]:
+    """(generated tokens, their t/s) from a parallel tool's summary, on stdout or stderr."""
+    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TERM="dumb"))
+    m = GEN_SPEED.search(out.stdout + out.stderr)
+    if out.returncode != 0 or m is None:
+        raise SystemExit(f"failed ({out.returncode}): {' '.join(cmd)}\n{(out.stdout + out.stderr)[-2000:]}")
+    return int(m.group(1)), float(m.group(2))
+
+
+def against_llama(a, n_parallel: list[int]) -> None:
+    """ggrun parallel and llama-parallel alternating with one command line; medians of generated t/s."""
+    llama = Path(a.llama_bin) / "llama-parallel"
+    if not llama.exists():
+        raise SystemExit(f"{llama} is missing: build it with `bash /work/shared/tools/cpu_anchor.sh`")
+    model = a.model if Path(a.model).is_file() else str(resolve_model(a.model))
+    ggrun = Path(__file__).resolve().parents[1] / ".venv/bin/ggrun"
+    print(f"{Path(model).name}: -ns {a.sequences} -n {a.n_predict} -c {a.ctx_size} --temp {a.temp} -s {a.seed} "
+          f"-t {a.threads or 'default'}", flush=True)
+    for np_ in n_parallel:
+        args = ["-m", model, "-np", str(np_), "-ns", str(a.sequences), "-n", str(a.n_predict), "-c", str(a.ctx_size),
+                "--temp", str(a.temp), "-s", str(a.seed)] + (["-t", str(a.threads)] if a.threads else [])
+        speeds: dict[str, list[float]] = {"ggrun": [], "llama": []}
+        for r in range(a.rounds):
+            for who in (("ggrun", "llama") if r % 2 == 0 else ("llama", "ggrun")):
+                cmd = [str(ggrun), "parallel", *args] if who == "ggrun" else [str(llama), *args]
+                speeds[who].append(gen_speed(cmd)[1])
+        g, ll = statistics.median(speeds["ggrun"]), statistics.median(speeds["llama"])
+        print(f"-np {np_:3d}: ggrun {g:7.2f} t/s {speeds['ggrun']}, llama-parallel {ll:7.2f} t/s {speeds['llama']}, "
+              f"ratio {g / ll:.2f}x", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default="smollm2", help="GGUF file or known model name (default smollm2)")
-    ap.add_argument("-np", "--parallel", type=int, default=4, help="clients of the batched run")
+    ap.add_argument("-np", "--parallel", default="4", help="clients of the batched run (--llama: a comma list)")
+    ap.add_argument("--llama", action="store_true", help="ggrun parallel against llama-parallel")
+    ap.add_argument("--rounds", type=int, default=2, help="--llama: alternating rounds per -np")
+    ap.add_argument("--llama-bin", default=os.environ.get("LLAMA_BIN", str(DEFAULT_ANCHOR)))
     ap.add_argument("-ns", "--sequences", type=int, default=16)
     ap.add_argument("-n", "--n-predict", type=int, default=64)
     ap.add_argument("-c", "--ctx-size", type=int, default=4096)
@@ -50,6 +99,10 @@ def main() -> None:
     ap.add_argument("-s", "--seed", type=int, default=1)
     ap.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for matrix products")
     a = ap.parse_args()
+    if a.llama:
+        against_llama(a, [int(x) for x in a.parallel.split(",")])
+        return
+    a.parallel = int(a.parallel)
 
     set_threads(a.threads)
     model = Model.load(resolve_model(a.model), usable_backends())

@@ -1,5 +1,6 @@
-"""Write synthetic GGUF files for tests and scripts: tiny llama and gemma3 models with random weights and
-a tiny byte-level BPE tokenizer, and huge sparse ones whose tensor data never reaches the disk.
+"""Write synthetic GGUF files for tests and scripts: tiny models of every family ggrun runs (llama, gemma3,
+and through FamilyConfig qwen2, qwen3, gemma2, phi3) with random weights and a tiny byte-level BPE
+tokenizer, and huge sparse ones whose tensor data never reaches the disk.
 
 A test helper only: it writes files, and it never imports ggrun's own code so that it can check it.
 """
@@ -29,6 +30,9 @@ TINY_MERGES: tuple[str, ...] = (
 
 # Types write_tiny_llama can store weight matrices in (those gguf.quants can quantize).
 WEIGHT_TYPES: frozenset[QT] = frozenset({QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
+# write_tiny_family adds Q4_K (encoded here: gguf.quants has no Q4_K encoder); its rows must be whole
+# 256-value super-blocks.
+FAMILY_WEIGHT_TYPES: frozenset[QT] = WEIGHT_TYPES | {QT.Q4_K}
 
 # numpy scalar types map to the GGUF value type of the same width; plain Python values follow
 # llama.cpp's conventions (counts are uint32, floats float32, token types int32).
@@ -153,6 +157,216 @@ class Gemma3Config:
             }
         shapes["output_norm.weight"] = (self.n_embd,)
         return shapes
+
+
+# What each family's file holds beyond llama's layer: extra per-layer tensors, fused matrices, its keys.
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe")
+_NEOX_HEAD_NORMS = ("attn_q_norm", "attn_k_norm")
+
+
+@dataclass(frozen=True)
+class FamilyConfig:
+    """Hyperparameters of a model of any family in FAMILIES, enough to write its metadata and tensor shapes.
+    head_dim is written as attention.key_length (qwen3 and the gemmas: it need not be n_embd / n_head);
+    the gemmas tie their head to the embedding; sliding_window serves gemma2/gemma3."""
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_vocab: int
+    n_ctx_train: int = 4096
+    rope_base: float = 10000.0
+    rms_eps: float = 1e-6
+    tied_output: bool = False
+    sliding_window: int = 16
+    attn_softcap: float = 1.5  # gemma2: caps small enough to bind on a tiny model's scores and logits
+    final_softcap: float = 15.0
+    n_expert: int = 8  # qwen3moe: experts of n_ff_exp rows, n_expert_used of them per token
+    n_expert_used: int = 2
+    n_ff_exp: int = 256
+
+    def metadata(self) -> dict[str, Any]:
+        a = self.arch
+        md = {
+            "general.name": "tiny synthetic model",  # not "phi3": llama.cpp then looks for Phi-3's own tokens
+            f"{a}.context_length": self.n_ctx_train,
+            f"{a}.embedding_length": self.n_embd,
+            f"{a}.block_count": self.n_layer,
+            f"{a}.feed_forward_length": self.n_ff,
+            f"{a}.attention.head_count": self.n_head,
+            f"{a}.attention.head_count_kv": self.n_head_kv,
+            f"{a}.attention.key_length": self.head_dim,
+            f"{a}.attention.value_length": self.head_dim,
+            f"{a}.rope.freq_base": float(self.rope_base),
+            f"{a}.rope.dimension_count": self.head_dim,
+            f"{a}.attention.layer_norm_rms_epsilon": float(self.rms_eps),
+        }
+        if a in ("gemma2", "gemma3"):
+            md[f"{a}.attention.sliding_window"] = self.sliding_window
+        if a == "qwen3moe":
+            md |= {"qwen3moe.expert_count": self.n_expert, "qwen3moe.expert_used_count": self.n_expert_used,
+                   "qwen3moe.expert_feed_forward_length": self.n_ff_exp}
+        if a == "gemma2":
+            md |= {"gemma2.attn_logit_softcapping": self.attn_softcap,
+                   "gemma2.final_logit_softcapping": self.final_softcap}
+        return md
+
+    @property
+    def tied(self) -> bool:
+        return self.tied_output or self.arch in ("gemma2", "gemma3")
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """llama.cpp's tensor names of the family with shapes in numpy order (a matrix is (out, in))."""
+        n, ff, q, kv = self.n_embd, self.n_ff, self.n_head * self.head_dim, self.n_head_kv * self.head_dim
+        shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (self.n_vocab, n)}
+        for i in range(self.n_layer):
+            layer: dict[str, tuple[int, ...]] = {"attn_norm.weight": (n,)}
+            if self.arch == "qwen3moe":
+                e, fe = self.n_expert, self.n_ff_exp
+                layer |= {"attn_q.weight": (q, n), "attn_k.weight": (kv, n), "attn_v.weight": (kv, n),
+                          "attn_output.weight": (n, q), "ffn_norm.weight": (n,), "ffn_gate_inp.weight": (e, n),
+                          "ffn_gate_exps.weight": (e, fe, n), "ffn_up_exps.weight": (e, fe, n),
+                          "ffn_down_exps.weight": (e, n, fe)}
+            elif self.arch == "phi3":
+                layer |= {"attn_qkv.weight": (q + 2 * kv, n), "attn_output.weight": (n, q), "ffn_norm.weight": (n,),
+                          "ffn_up.weight": (2 * ff, n), "ffn_down.weight": (n, ff)}
+            else:
+                layer |= {"attn_q.weight": (q, n), "attn_k.weight": (kv, n), "attn_v.weight": (kv, n),
+                          "attn_output.weight": (n, q), "ffn_norm.weight": (n,), "ffn_gate.weight": (ff, n),
+                          "ffn_up.weight": (ff, n), "ffn_down.weight": (n, ff)}
+            if self.arch == "qwen2":
+                layer |= {"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)}
+            if self.arch in ("qwen3", "qwen3moe", "gemma3"):
+                layer |= {f"{t}.weight": (self.head_dim,) for t in _NEOX_HEAD_NORMS}
+            if self.arch in ("gemma2", "gemma3"):
+                layer |= {"post_attention_norm.weight": (n,), "post_ffw_norm.weight": (n,)}
+            shapes |= {f"blk.{i}.{k}": v for k, v in layer.items()}
+        shapes["output_norm.weight"] = (n,)
+        if not self.tied:
+            shapes["output.weight"] = (self.n_vocab, n)
+        return shapes
+
+
+# The tiny model of each family that tests/llm/test_families.py and scripts/arch_vs_llama.py compare with
+# llama.cpp (write_tiny_family's options beyond its defaults: n_embd 256, so that every matrix row is whole
+# Q4_K super-blocks): qwen3 and the gemmas get a head size apart from n_embd / n_head (8 heads of 64), gemma3
+# seven layers so that a global layer (5) sits among the sliding-window ones.
+FAMILY_PRESETS: dict[str, dict[str, Any]] = {
+    "llama": {}, "qwen2": {}, "phi3": {},
+    "qwen3": {"n_head": 8}, "gemma2": {"n_head": 8}, "gemma3": {"n_layer": 7, "n_head": 8},
+    "qwen3moe": {"n_head": 8},
+}
+
+
+def write_tiny_family(path: str | os.PathLike[str], arch: str, *, n_layer: int = 4, n_embd: int = 256,
+                      n_head: int = 4, n_head_kv: int = 2, head_dim: int = 64, n_ff: int = 512,
+                      n_vocab: int | None = None, weight_type: QT = QT.F32, peak: float = 4.0,
+                      post_norm: float = 4.0, router_scale: float = 8.0, sliding_window: int = 16, tied_output: bool = False, seed: int = 0,
+                      extra_metadata: Mapping[str, Any] | None = None,
+                      edit: Callable[[dict[str, Any]], None] | None = None, arch_name: str | None = None) -> Path:
+    """Write a small model of family `arch` (FAMILIES) with random weights and the tiny BPE tokenizer.
+
+    Weights are drawn as write_tiny_llama draws them (matrices N(0, 1/fan_in), norms near 1 in F32, biases
+    N(0, 0.5^2) in F32); the logits are then scaled by `peak` (the output matrix, or with a tied head the
+    output norm's weights) so that the next-token distributions are peaked (top probabilities well above
+    the vocabulary's flat 1/n), where a wrong formula shows at once. A tied head would mostly predict the
+    input token again (its embedding is the stream's largest part), so the gemmas' post-norm weights are
+    scaled by `post_norm`, making the layers' contributions outweigh it. A mixture of experts' router is
+    scaled by `router_scale`, so that near ties between experts (where a last-bit difference picks another
+    expert, in llama.cpp as in ggrun) are rare. Matrices are stored in
+    `weight_type` (FAMILY_WEIGHT_TYPES). Changed on purpose: `edit` changes the dict of tensors in place
+    before it is written, and `arch_name` writes the file as another general.architecture (its keys too)."""
+    weight_type = QT(weight_type)
+    if arch not in FAMILIES:
+        raise ValueError(f"unknown family {arch}; known: {', '.join(FAMILIES)}")
+    if weight_type not in FAMILY_WEIGHT_TYPES:
+        raise ValueError(f"weight_type {weight_type.name} is not one the writer can encode")
+    tok_meta = tokenizer_metadata(n_vocab)
+    config = FamilyConfig(arch, n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff,
+                          len(tok_meta["tokenizer.ggml.tokens"]), tied_output=tied_output,
+                          sliding_window=sliding_window)
+    rng = np.random.default_rng(seed)
+    head = "output_norm.weight" if config.tied else "output.weight"
+    tensors = {}
+    for name, shape in config.tensor_shapes().items():
+        if name.endswith(".bias"):
+            tensors[name] = (0.5 * rng.standard_normal(shape)).astype(np.float32)
+            continue
+        post = name.endswith(("post_attention_norm.weight", "post_ffw_norm.weight"))
+        router = name.endswith("ffn_gate_inp.weight")  # stays F32, as in quantized files; scaled by `router`
+        tensors[name] = _random_weight(rng, shape, QT.F32 if router else weight_type,
+                                       scale=peak if name == head else router_scale if router else 1.0)
+        if name == head and len(shape) == 1 or post:
+            tensors[name] *= np.float32(peak if name == head else post_norm)
+    if edit is not None:
+        edit(tensors)
+    metadata = config.metadata() | tok_meta | dict(extra_metadata or {})
+    if arch_name is not None:
+        metadata = {k.replace(f"{arch}.", f"{arch_name}.", 1): v for k, v in metadata.items()}
+    return write_gguf(path, arch_name or arch, metadata, tensors)
+
+
+# Real families' shapes for speed measurements (write_random_family): Qwen3-0.6B (tied head, 151936 tokens).
+SPEED_PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": {"arch": "qwen3", "n_layer": 28, "n_embd": 1024, "n_head": 16, "n_head_kv": 8, "head_dim": 128,
+                   "n_ff": 3072, "n_vocab": 151936, "tied_output": True},
+}
+
+
+def write_random_family(path: str | os.PathLike[str], preset: str, weight_type: QT = QT.Q4_K, seed: int = 0) -> Path:
+    """A model of a real family's shape (SPEED_PRESETS) for speed measurements only: matrices are blocks of
+    `weight_type` with random quants and small fixed scales (written in seconds, like make_synthetic.py; the
+    numbers it computes mean nothing), norms near 1, the tiny tokenizer padded to the vocabulary."""
+    options = dict(SPEED_PRESETS[preset])
+    arch = options.pop("arch")
+    tok_meta = tokenizer_metadata(options.pop("n_vocab"))
+    config = FamilyConfig(arch, n_vocab=len(tok_meta["tokenizer.ggml.tokens"]), **options)
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[QT(weight_type)]
+    tensors: dict[str, np.ndarray | QuantizedTensor] = {}
+    for name, shape in config.tensor_shapes().items():
+        if len(shape) == 1:
+            tensors[name] = _random_weight(rng, shape, QT.F32)
+            continue
+        raw = rng.integers(0, 256, size=shape[:-1] + (shape[-1] // block, size), dtype=np.uint8)
+        raw[..., 0:2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)  # d (and Q4_K/Q5_K's dmin after it)
+        raw[..., 2:4] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
+        tensors[name] = QuantizedTensor(raw.reshape(shape[:-1] + (-1,)), QT(weight_type))
+    return write_gguf(path, arch, config.metadata() | tok_meta, tensors)
+
+
+def quantize_q4_k(values: np.ndarray) -> np.ndarray:
+    """values [..., K] (K a multiple of 256) as Q4_K blocks (uint8 [..., K / 256 * 144]): per 256-value
+    super-block an f16 scale d and min dmin, eight 6-bit sub-block scales and mins, and 4-bit quants, so
+    that x = d * sc * q - dmin * m. A plain min/max fit (llama.cpp searches better scales): the file only
+    has to be valid Q4_K; both runners decode the same bytes."""
+    x = np.asarray(values, dtype=np.float32)
+    outer, k = x.shape[:-1], x.shape[-1]
+    if k % 256:
+        raise ValueError(f"Q4_K rows must be multiples of 256 values, got {k}")
+    sub = x.reshape(-1, 8, 32)  # [super-blocks, sub-blocks, values]
+    lo = np.minimum(sub.min(axis=2), 0.0)
+    scale = (sub.max(axis=2) - lo) / 15.0
+    mins = -lo
+    d = (scale.max(axis=1) / 63.0).astype(np.float16)
+    dmin = (mins.max(axis=1) / 63.0).astype(np.float16)
+    df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.rint(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(np.divide(mins, dminf, out=np.zeros_like(mins), where=dminf > 0)), 0, 63).astype(np.uint8)
+    step = (df * sc)[:, :, None]
+    q = np.divide(sub + (dminf * m)[:, :, None], step, out=np.zeros_like(sub), where=step > 0)
+    q = np.clip(np.rint(q), 0, 15).astype(np.uint8)
+    packed = np.zeros((sub.shape[0], 12), dtype=np.uint8)  # ggml's get_scale_min_k4 layout
+    packed[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    packed[:, 4:8] = m[:, 0:4] | ((m[:, 4:8] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:8] & 0xF) | ((m[:, 4:8] & 0xF) << 4)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # 64 values per 32 bytes: low then high nibbles
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, qs], axis=1)
+    return blocks.reshape(*outer, k // 256 * 144)
 
 
 @dataclass(frozen=True)
@@ -311,6 +525,60 @@ def write_sparse_big(path: str | os.PathLike[str], *, n_layer: int = 32, n_embd:
     return write_gguf_sparse(path, "llama", config.metadata() | tok_meta, shapes)
 
 
+# Real models' shapes for speed measurements (llama.cpp's make_synthetic presets, llama-70b added):
+# n_layer, n_embd, n_head, n_head_kv, n_ff, n_vocab
+SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
+    "llama-135m": (30, 576, 9, 3, 1536, 49152),
+    "llama-1b": (16, 2048, 32, 8, 8192, 128256),
+    "llama-3b": (28, 3072, 24, 8, 8192, 128256),
+    "llama-8b": (32, 4096, 32, 8, 14336, 128256),
+    "llama-70b": (80, 8192, 64, 8, 28672, 128256),
+}
+RANDOM_BLOCK_TYPES = (QT.Q4_0, QT.Q8_0, QT.F16)
+BLOCK_SCALE = 0.002  # every block's f16 scale: products of random quants stay finite over 80 layers
+
+
+def write_synthetic(path: str | os.PathLike[str], preset: str, weight_type: QT = QT.Q4_0, seed: int = 0) -> Path:
+    """A llama model of a real model's shape (SHAPES) whose matrices are random blocks with small scales (as
+    llama.cpp's make_synthetic.py fills them; for speed measurements only), the head tied to the embedding,
+    and the tiny tokenizer padded to the vocabulary. Tensors are drawn and written one at a time, so a
+    70B model (about 75 GB in Q8_0) never has to fit in memory; it takes minutes, mostly the disk's."""
+    n_layer, n_embd, n_head, n_head_kv, n_ff, n_vocab = SHAPES[preset]
+    qtype = QT(weight_type)
+    if qtype not in RANDOM_BLOCK_TYPES:
+        raise ValueError(f"{qtype.name}: random blocks are written for {[t.name for t in RANDOM_BLOCK_TYPES]}")
+    config = LlamaConfig(n_layer, n_embd, n_head, n_head_kv, n_ff, n_vocab, 8192, rope_base=500000.0,
+                         rms_eps=1e-5, tied_output=True)
+    shapes = {name: (shape, QT.F32 if len(shape) == 1 else qtype) for name, shape in config.tensor_shapes().items()}
+    writer = _writer_with_metadata("llama", config.metadata() | tokenizer_metadata(n_vocab)
+                                   | {"general.name": f"synthetic {preset} {qtype.name}"})
+    for name, (shape, t) in shapes.items():
+        writer.add_tensor_info(name, shape, np.dtype(np.float32), _nbytes(t, shape), raw_dtype=t)
+    path = Path(path)
+    writer.write_header_to_file(path)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for shape, t in shapes.values():
+        writer.write_tensor_data(_random_blocks(rng, shape, t))
+    writer.close()
+    return path
+
+
+def _random_blocks(rng: np.random.Generator, shape: tuple[int, ...], qtype: QT) -> np.ndarray:
+    """A tensor's bytes: norms of ones; f16 values of N(0, 0.02); block types as random quants behind a small
+    scale (each block's first two bytes)."""
+    if qtype == QT.F32:
+        return np.ones(shape, np.float32)
+    if qtype == QT.F16:
+        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16)
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    n_blocks = int(np.prod(shape, dtype=np.int64)) // block_size
+    raw = np.frombuffer(rng.bytes(n_blocks * type_size), np.uint8).reshape(n_blocks, type_size).copy()
+    raw[:, :2] = np.frombuffer(np.float16(BLOCK_SCALE).tobytes(), np.uint8)
+    return raw
+
+
 def write_variant(path: str | os.PathLike[str], config: LlamaConfig | Gemma3Config, *,
                   meta: Mapping[str, Any] | None = None,
                   edit: Callable[[dict[str, np.ndarray]], None] | None = None, seed: int = 0) -> Path:
@@ -331,14 +599,19 @@ def write_variant(path: str | os.PathLike[str], config: LlamaConfig | Gemma3Conf
     return write_gguf(path, arch, metadata, tensors)
 
 
-def _random_weight(rng: np.random.Generator, shape: tuple[int, ...], qtype: QT) -> np.ndarray | QuantizedTensor:
+def _random_weight(rng: np.random.Generator, shape: tuple[int, ...], qtype: QT,
+                   scale: float = 1.0) -> np.ndarray | QuantizedTensor:
     if len(shape) == 1:
         return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
     values = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+    if scale != 1.0:
+        values = values * np.float32(scale)
     if qtype == QT.F32:
         return values
     if qtype == QT.F16:
         return values.astype(np.float16)
+    if qtype == QT.Q4_K:
+        return QuantizedTensor(quantize_q4_k(values), qtype)
     return QuantizedTensor(quantize(values, qtype), qtype)
 
 
@@ -394,3 +667,9 @@ def written_once(write, make_dir, prefix: str):
         return written[key]
 
     return once
+
+
+if __name__ == "__main__":  # python -m tests.synth OUT.gguf PRESET TYPE: a synthetic model of a real shape
+    import sys
+
+    print(write_synthetic(sys.argv[1], sys.argv[2], QT[sys.argv[3].upper()]))

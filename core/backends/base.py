@@ -40,9 +40,9 @@ class Buffer:
         return self._size
 
     def clear(self, value: int = 0) -> None:
-        """Fill every byte with `value`."""
+        """Fill every byte with `value` (by its backend, which knows its device)."""
         if self.storage is not None:
-            self.storage.fill(value)
+            self.backend.fill_bytes(self, 0, self.size, value)
 
     def __repr__(self) -> str:
         return f"Buffer({self.backend.name}, {self.usage}, {self.size} bytes)"
@@ -66,6 +66,15 @@ class Backend(ABC):
         buf = self.alloc_buffer(size, usage)
         buf.clear()
         return buf
+
+    def fill_bytes(self, buf: Buffer, offset: int, nbytes: int, value: int) -> None:
+        """Set nbytes of buffer buf (this backend's) from offset to `value`, in order with the work given to
+        this backend. Here: the host array in place."""
+        buf.storage[offset:offset + nbytes] = value
+
+    def read_bytes(self, buf: Buffer, offset: int, nbytes: int) -> np.ndarray:
+        """A host copy of nbytes of buffer buf (this backend's) from offset, after the work given so far."""
+        return np.array(buf.storage[offset:offset + nbytes])
 
     @abstractmethod
     def supports_op(self, node: Tensor) -> bool: ...

@@ -167,6 +167,12 @@ def _scale(xp, node, out, srcs):
     xp.multiply(_f(xp, node, 0, srcs[0]), xp.float32(node.params["s"]), out=out)
 
 
+@kernel("softcap")
+def _softcap(xp, node, out, srcs):
+    cap = xp.float32(node.params["cap"])
+    xp.multiply(xp.tanh(xp.multiply(_f(xp, node, 0, srcs[0]), xp.float32(1.0) / cap)), cap, out=out)
+
+
 def _silu_into(xp, a, out) -> None:
     t = xp.negative(a, dtype=xp.float32)
     xp.exp(t, out=t)
@@ -369,6 +375,38 @@ def _product(xp, a_t: Tensor, a, b, out) -> None:
     xp.matmul(b2, xp.swapaxes(a2, -1, -2), out=o2)
 
 
+@kernel("moe_topk")
+def _moe_topk(xp, node, out, srcs):
+    out[...] = xp.argsort(-srcs[0], axis=-1, kind="stable")[:, :node.params["k"]]
+
+
+@kernel("moe_weights")
+def _moe_weights(xp, node, out, srcs):
+    probs, ids = srcs
+    w = xp.take_along_axis(probs, ids.astype(xp.int64), axis=-1)
+    if node.params["norm"]:
+        total = w.sum(axis=-1, keepdims=True, dtype=xp.float64).astype(xp.float32)  # ggml sums rows in double
+        w = w / xp.maximum(total, xp.float32(6.103515625e-5))
+    out[...] = w
+
+
+@kernel("mul_mat_id")
+def _mul_mat_id(xp, node, out, srcs):
+    """Expert by expert among those chosen (only their matrices are read): the rows routed to it through
+    its matrix, with the activation rounding mul_mat applies against it."""
+    w_t = node.srcs[0]
+    w, b, ids = srcs[0], _f(xp, node, 1, srcs[1]), srcs[2]
+    stored = block_rows(xp, w_t, w) if w_t.dtype.is_quantized else w
+    for e in sorted(set(ids.reshape(-1).tolist())):
+        tok, slot = xp.nonzero(ids == e)
+        rows = b[tok, slot if b.shape[1] > 1 else 0]
+        if w_t.dtype.is_quantized:
+            a = dequantized(xp, stored[e], w_t.dtype)
+        else:
+            a = widen(xp, stored[e], w_t.dtype).astype(xp.float32)
+        out[tok, slot] = _mul_mat_operand_b(xp, w_t, rows) @ a.T
+
+
 def rope_angles(xp, pos, n_dims: int, freq_base: float, freq_scale: float):
     """cos and sin [tokens, 1, n_dims/2] of each position's rotation angles."""
     inv = freq_base ** (-xp.arange(0, n_dims, 2, dtype=xp.float64) / n_dims)
@@ -460,6 +498,50 @@ def _argmax(xp, node, out, srcs):
     """Each row's first largest value's index, -1 for a row holding NaN or infinity (ops.argmax)."""
     a = srcs[0]
     out[...] = xp.where(xp.isfinite(a).all(axis=-1), xp.argmax(a, axis=-1), -1)
+
+
+@kernel("sample")
+def _sample(xp, node, out, srcs):
+    """Each row's token by llama.cpp's sampler chain (ops.sample), row by row as core/llm/sampling.py's
+    Sampler computes it: f32 steps, the candidates' probabilities as float64 for the draw."""
+    logits, params, draws, recent, bias_ids, bias_vals = srcs
+    u = draws.view(xp.float64)[:, 0] if draws.flags.c_contiguous else xp.ascontiguousarray(draws).view(xp.float64)[:, 0]
+    for r in range(logits.shape[0]):
+        out[r] = _sample_row(xp, logits[r], params[r], float(u[r]), recent[r], bias_ids[r], bias_vals[r])
+
+
+def _sample_row(xp, logits, params, u: float, recent, bias_ids, bias_vals) -> int:
+    x = logits.astype(xp.float32, copy=True)
+    if not bool(xp.isfinite(x).all()):
+        return -1
+    temp, top_k, top_p, min_p, rp, fp, pp = (xp.float32(v) for v in params.tolist())
+    has = bias_ids >= 0
+    xp.add.at(x, bias_ids[has], bias_vals[has])
+    rec = recent[recent >= 0]
+    if (rp != 1 or fp != 0 or pp != 0) and len(rec):
+        ids, n = xp.unique(rec, return_counts=True)
+        v = x[ids]
+        v = xp.where(v <= 0, v * rp, v / rp)
+        x[ids] = v - n.astype(xp.float32) * fp - pp
+    if temp <= 0:
+        return int(xp.argmax(x))
+    k = int(top_k) if 0 < int(top_k) < len(x) else len(x)
+    ids = xp.argpartition(-x, k - 1)[:k] if k < len(x) else xp.arange(len(x))
+    ids = ids[xp.argsort(-x[ids], kind="stable")]
+    vals = x[ids]
+    probs = xp.exp(vals - vals[0])
+    probs /= probs.sum()
+    keep = len(ids)
+    if top_p < 1:
+        keep = min(keep, int(xp.searchsorted(xp.cumsum(probs), top_p)) + 1)
+    if min_p > 0:
+        keep = min(keep, max(1, int(xp.count_nonzero(probs >= min_p * probs[0]))))
+    vals = vals[:keep]
+    probs = xp.exp((vals - vals.max()) / temp)
+    probs /= probs.sum()
+    cdf = xp.cumsum(probs.astype(xp.float64))
+    cdf /= cdf[-1]
+    return int(ids[int(xp.searchsorted(cdf, u, side="right"))])
 
 
 FLASH_CHUNK_BYTES = 16 << 20  # bound on the score temporaries of one chunk of query rows

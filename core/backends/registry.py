@@ -14,6 +14,7 @@ from typing import Callable
 
 from ggrun.core.backends.base import Backend
 from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.errors import DeviceFailure
 
 SIM_DESCRIPTION = "stand-in device for tests (numpy kernels, own memory)"
 
@@ -44,8 +45,16 @@ def _cuda_infos() -> list[BackendInfo]:
     if n < 1:
         return [BackendInfo("CUDA", "NVIDIA GPU via cupy", False, "no GPU found", None)]
     from ggrun.core.backends.cuda import CUDABackend, describe_device
+    from ggrun.core.backends.cuda.backend import DEVICE_ERRORS
 
-    return [BackendInfo(f"CUDA{i}", describe_device(i), True, "", lambda i=i: CUDABackend(i)) for i in range(n)]
+    infos = []
+    for i in range(n):
+        try:
+            desc = describe_device(i)
+        except DEVICE_ERRORS as err:  # a GPU that cannot even say what it is: one line naming it
+            raise DeviceFailure(f"CUDA{i}", f"{type(err).__name__}: {err}") from err
+        infos.append(BackendInfo(f"CUDA{i}", desc, True, "", lambda i=i: CUDABackend(i)))
+    return infos
 
 
 def sim_count() -> int:

@@ -8,7 +8,8 @@ import numpy as np
 
 @dataclass
 class Batch:
-    """Tokens to evaluate: each with a position, a sequence id, and whether it needs logits."""
+    """Tokens to evaluate: each with a position, a sequence id, and whether it needs logits. The four
+    may be lists or numpy arrays (a step of many sequences is made as arrays, without a loop)."""
 
     tokens: list[int] = field(default_factory=list)
     pos: list[int] = field(default_factory=list)
@@ -45,10 +46,16 @@ class UBatch:
     seq: np.ndarray  # i32 [n]
     out_rows: np.ndarray  # i32 [n_outputs]: rows of this micro-batch that need logits
     first: int  # index of its first token in the batch
+    n_pad: int = 0  # rows at the end that only pad it to its bucket's size (buckets.py)
 
     @property
     def n_tokens(self) -> int:
         return len(self.tokens)
+
+    @property
+    def n_real(self) -> int:
+        """Rows that are the batch's tokens (all but the padding)."""
+        return len(self.tokens) - self.n_pad
 
     @property
     def n_outputs(self) -> int:

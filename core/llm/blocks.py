@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
-from ggrun.core import ops
+from ggrun.core import ops, rowsplit
 from ggrun.core.backends.base import Backend
 from ggrun.core.llm.hparams import HParams
 from ggrun.core.llm.inputs import GraphInputs, GraphParams
 from ggrun.core.llm.kv_cache import heads_view, KVCache
-from ggrun.core.llm.weights import Weights
+from ggrun.core.llm.weights import LayerWeights, Weights
 from ggrun.core.tensor import Tensor
 
 
@@ -80,8 +81,11 @@ def add_norm(b: Build, x: Tensor, h: Tensor | None, w: Tensor, name: str, stream
 
 def products(x: Tensor, ws: tuple[Tensor, ...], names: tuple[str, ...], name: str) -> list[Tensor]:
     """x [tokens, K] through each weight of ws, named `names`: one mul_mat_multi node `name` where
-    the weights' backend runs that op (on the CPU one kernel call, x quantized once), else one
-    mul_mat node per weight."""
+    the weights' backend runs that op (on the CPU one kernel call, x quantized once), one per device for
+    weights split by rows over devices (rowsplit.products), else one mul_mat node per weight."""
+    by_device = rowsplit.products(ws, x, names, name)  # matrices split by rows over devices (-sm row)
+    if by_device is not None:
+        return by_device
     fused = ops.mul_mat_multi(ws, x, names, name=name)
     home = _home(ws)
     if home is not None and home.supports_op(fused[0].view_src):
@@ -95,11 +99,14 @@ def _home(ws: tuple[Tensor, ...]) -> Backend | None:
     return homes.pop() if len(homes) == 1 else None
 
 
-def project_qkv(b: Build, x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, il: int) -> tuple[Tensor, Tensor, Tensor]:
-    """x [tokens, n_embd] through the query, key and value weights, split into heads:
+def project_qkv(b: Build, x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, il: int,
+                biases: tuple[Tensor | None, ...] = (None, None, None)) -> tuple[Tensor, Tensor, Tensor]:
+    """x [tokens, n_embd] through the query, key and value weights (plus each bias given), split into heads:
     q [tokens, n_head, head_dim], k and v [tokens, n_head_kv, head_dim]."""
     hp = b.hp
     q, k, v = products(x, (wq, wk, wv), (f"q-{il}", f"k-{il}", f"v-{il}"), name=f"qkv-{il}")
+    q, k, v = (y if bias is None else ops.add(y, bias, name=f"{y.name}_biased")
+               for y, bias in zip((q, k, v), biases))
     n = x.shape[0]
     return (ops.reshape(q, (n, hp.n_head, hp.head_dim)), ops.reshape(k, (n, hp.n_head_kv, hp.head_dim)),
             ops.reshape(v, (n, hp.n_head_kv, hp.head_dim)))
@@ -116,10 +123,12 @@ def rope(b: Build, x: Tensor, mode: int, freq_base: float | None = None, out_sca
 
 def attention(b: Build, il: int, q: Tensor, k: Tensor, v: Tensor, wo: Tensor, rope_mode: int,
               freq_base: float | None = None, kq_scale: float | None = None, mask: Tensor | None = None,
-              k_norm: Tensor | None = None) -> Tensor:
+              k_norm: Tensor | None = None, softcap: float | None = None) -> Tensor:
     """Rotate k [tokens, heads_kv, head_dim] (each head first normalised by k_norm when given) as it
     is written into layer il's cache (one node), write v, attend with q [tokens, heads, head_dim]
-    (already rotated) over the first n_kv cells, and project with wo."""
+    (already rotated) over the first n_kv cells, and project with wo. With softcap, the scores are
+    soft-capped before the softmax (gemma2): the fused attention has no capping, so that takes the
+    scores path."""
     hp = b.hp
     n_tokens = q.shape[0]
     cache, idx, n_kv = b.cache_of(il)
@@ -132,21 +141,43 @@ def attention(b: Build, il: int, q: Tensor, k: Tensor, v: Tensor, wo: Tensor, ro
     qh = ops.permute(q, (1, 0, 2))  # [heads, tokens, head_dim]
     scale = kq_scale if kq_scale is not None else 1.0 / math.sqrt(hp.head_dim)
     kq_mask = b.inp.kq_mask.tensor if mask is None else mask
-    if b.flash_attn:
+    if b.flash_attn and softcap is None:
         vals = ops.permute(heads_view(v_all, n_kv, hp.n_head_kv, hp.head_dim), (1, 0, 2))  # [heads_kv, n_kv, head_dim]
         merged = ops.flash_attn(qh, keys, vals, kq_mask, scale, name=f"fattn-{il}")  # [tokens, heads, head_dim]
     else:
         vals = ops.permute(heads_view(v_all, n_kv, hp.n_head_kv, hp.head_dim), (1, 2, 0))  # [heads_kv, head_dim, n_kv]
         kq = ops.mul_mat(keys, qh, name=f"kq-{il}")  # [heads, tokens, n_kv]
+        if softcap is not None:
+            kq = ops.softcap(kq, softcap, name=f"kq_capped-{il}")
         kq = ops.soft_max(kq, kq_mask, scale, name=f"kq_soft_max-{il}")
         kqv = ops.mul_mat(vals, kq, name=f"kqv-{il}")  # [heads, tokens, head_dim]
         merged = ops.cont(ops.permute(kqv, (1, 0, 2)), name=f"kqv_merged-{il}")
     return ops.mul_mat(wo, ops.reshape(merged, (n_tokens, hp.n_head * hp.head_dim)), name=f"attn_out-{il}")
 
 
+def self_attention(b: Build, L: LayerWeights, h: Tensor, il: int, rope_mode: int, *, biases: bool = True,
+                   qk_norm: bool = False, q_scale: float = 1.0, kq_scale: float | None = None,
+                   freq_base: float | None = None, mask: Tensor | None = None,
+                   softcap: float | None = None) -> Tensor:
+    """Layer il's attention of h [tokens, n_embd] over the cache, projected back to [tokens, n_embd]:
+    q/k/v products (plus the biases the file holds, unless the family has none), each q and k
+    head RMS-normalised by attn_q_norm/attn_k_norm with qk_norm, RoPE, queries times q_scale, scores
+    times kq_scale (default 1/sqrt(head_dim)), on the window's mask when given, soft-capped by softcap."""
+    bias = (L.get("attn_q.bias"), L.get("attn_k.bias"), L.get("attn_v.bias")) if biases else (None, None, None)
+    q, k, v = project_qkv(b, h, L.attn_q, L.attn_k, L.attn_v, il, bias)
+    q_norm = L.attn_q_norm if qk_norm else None
+    name = f"q_scaled-{il}" if q_scale != 1.0 else None
+    q = rope(b, q, rope_mode, freq_base, out_scale=q_scale, norm=q_norm, name=name)
+    return attention(b, il, q, k, v, L.attn_output, rope_mode, freq_base, kq_scale=kq_scale, mask=mask,
+                     k_norm=L.attn_k_norm if qk_norm else None, softcap=softcap)
+
+
 def gated(x: Tensor, gate: Tensor, up: Tensor, il: int, glu: str, f16_table: bool = False) -> Tensor:
     """glu(x @ gate^T, x @ up^T) ("swiglu" or "geglu"): one mul_mat_glu node where the weights'
     backend runs it (the CPU, CUDA, SIM), else the products (products()) and a swiglu/geglu node."""
+    by_device = rowsplit.mul_mat_glu(gate, up, x, glu, f16_table, name=f"ffn_{glu}-{il}")  # -sm row
+    if by_device is not None:
+        return by_device
     fused = ops.mul_mat_glu(gate, up, x, glu, f16_table, name=f"ffn_{glu}-{il}")
     home = _home((gate, up))
     if home is not None and home.supports_op(fused):
@@ -158,12 +189,75 @@ def gated(x: Tensor, gate: Tensor, up: Tensor, il: int, glu: str, f16_table: boo
 
 
 def ffn_swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor, il: int) -> Tensor:
+    """down(silu(gate(x)) * up(x)): the llama family's feed-forward."""
     return ops.mul_mat(down, gated(x, gate, up, il, "swiglu"), name=f"ffn_out-{il}")
 
 
 def ffn_geglu(b: Build, x: Tensor, gate: Tensor, up: Tensor, down: Tensor, il: int) -> Tensor:
+    """down(gelu(gate(x)) * up(x)): the gemma family's feed-forward."""
     h = gated(x, gate, up, il, "geglu", f16_table=b.llama_numerics)
     return ops.mul_mat(down, h, name=f"ffn_out-{il}")
+
+
+def ffn_moe(x: Tensor, L: LayerWeights, il: int, n_used: int, norm_weights: bool = True) -> Tensor:
+    """A mixture of SwiGLU experts on x [tokens, n_embd]: the router (ffn_gate_inp) scores the experts, each
+    token goes to its n_used likeliest (softmax, top-k), whose outputs are summed weighted by their
+    probabilities (renormalised to sum 1 with norm_weights), as llama.cpp's build_moe_ffn. The experts'
+    products are mul_mat_id nodes, which read only the chosen experts' matrices."""
+    n = x.shape[0]
+    probs = ops.soft_max(ops.mul_mat(L.ffn_gate_inp, x, name=f"ffn_moe_logits-{il}"), name=f"ffn_moe_probs-{il}")
+    ids = ops.moe_topk(probs, n_used, name=f"ffn_moe_topk-{il}")  # [tokens, n_used]
+    weights = ops.moe_weights(probs, ids, norm_weights, name=f"ffn_moe_weights-{il}")  # [tokens, n_used]
+    xs = ops.reshape(x, (n, 1, x.shape[1]))
+    gate = ops.mul_mat_id(L.ffn_gate_exps, xs, ids, name=f"ffn_moe_gate-{il}")  # [tokens, n_used, n_ff_exp]
+    up = ops.mul_mat_id(L.ffn_up_exps, xs, ids, name=f"ffn_moe_up-{il}")
+    h = ops.swiglu(gate, up, name=f"ffn_moe_swiglu-{il}")
+    experts = ops.mul_mat_id(L.ffn_down_exps, h, ids, name=f"ffn_moe_down-{il}")  # [tokens, n_used, n_embd]
+    experts = ops.mul(experts, ops.reshape(weights, (n, n_used, 1)), name=f"ffn_moe_weighted-{il}")
+    n_embd = experts.shape[2]
+    row = (n_used * n_embd * 4, 4)
+    out = ops.view(experts, (n, n_embd), row, 0, name=f"ffn_moe_expert0-{il}")
+    for j in range(1, n_used):  # summed one expert after another, in llama.cpp's order
+        out = ops.add(out, ops.view(experts, (n, n_embd), row, j * n_embd * 4), name=f"ffn_moe_sum{j}-{il}")
+    return out if n_used > 1 else ops.cont(out, name=f"ffn_moe_out-{il}")
+
+
+Sublayer = Callable[[LayerWeights, Tensor, int], Tensor]
+
+
+def decoder(b: Build, w: Weights, attn: Sublayer, ffn: Sublayer, sandwich: bool = False,
+            embd_scale: float | None = None) -> Tensor:
+    """The stack every family shares: token embeddings (times embd_scale), then per layer
+    x += attn(norm(x)), x += ffn(norm(x)), and the output norm of the stream [n_outputs, n_embd].
+
+    `attn` and `ffn` map (layer weights, normalised stream, layer) to what is added. With `sandwich`
+    (the gemma family) each result is first normalised by the layer's post_attention_norm/post_ffw_norm.
+    Each addition happens inside the next norm's node (add_norm), and the last layer keeps only the rows
+    that need logits before its tail."""
+    hp = b.hp
+    x = embed(b, w)
+    if embd_scale is not None:
+        x = ops.scale(x, embd_scale, name="inp_scaled")
+    out = None  # the previous layer's feed-forward output, added to the stream with the next norm
+    for il in range(hp.n_layer):
+        L = w.layer(il)
+        post = w.layer(il - 1).post_ffw_norm if sandwich and il else None
+        x, h = add_norm(b, x, out, L.attn_norm, f"attn_norm-{il}", stream=f"l_out-{il - 1}", post=post)
+        a = attn(L, h, il)
+        if il == hp.n_layer - 1:
+            a, x = select_outputs(b, a, x)
+        x, h = add_norm(b, x, a, L.ffn_norm, f"ffn_norm-{il}", stream=f"attn_residual-{il}",
+                        post=L.post_attention_norm if sandwich else None)
+        out = ffn(L, h, il)
+    post = w.layer(hp.n_layer - 1).post_ffw_norm if sandwich else None
+    _, h = add_norm(b, x, out, w["output_norm.weight"], "result_norm", stream=f"l_out-{hp.n_layer - 1}", post=post)
+    return h
+
+
+def head(b: Build, w: Weights, h: Tensor, softcap: float | None = None) -> Tensor:
+    """Logits [n_outputs, n_vocab] of the normalised stream h: the output matrix, soft-capped when asked."""
+    logits = ops.mul_mat(w["output.weight"], h, name="result_output" if softcap is None else "result_uncapped")
+    return logits if softcap is None else ops.softcap(logits, softcap, name="result_output")
 
 
 def select_outputs(b: Build, *xs: Tensor) -> tuple[Tensor, ...]:

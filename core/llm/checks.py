@@ -21,11 +21,6 @@ MAX_COUNT = 1 << 16  # layers, heads, head sizes: far above any real model, far 
 MAX_WIDTH = 1 << 24  # embedding and feed-forward widths
 MAX_CONTEXT = 1 << 26  # trained context lengths and sliding windows (real models: up to ~10M)
 
-# The norm weights of both architectures; llama.cpp's converters always store them as F32, and its
-# CPU kernels multiply F32 activations by F32 weights only, so any other type is a corrupt file.
-NORMS = ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm", "attn_q_norm", "attn_k_norm")
-
-
 @dataclass(frozen=True)
 class Key:
     """One metadata key (without the `arch.` prefix) and the range its value must lie in."""
@@ -36,9 +31,11 @@ class Key:
     hi: float
     required: bool = False
     lo_open: bool = False  # the value must be strictly above lo (a float like epsilon)
+    default: Any = None  # an architecture's value when the file lacks the key
+    extra: str | None = None  # the name an architecture's value has in HParams.extra (else the key's name)
 
 
-# Every key HParams.from_metadata reads, for every llama-family architecture.
+# Every key HParams.from_metadata reads, for every architecture (each adds its own: Arch.keys).
 COMMON_KEYS = (
     Key("context_length", int, 1, MAX_CONTEXT, required=True),
     Key("embedding_length", int, 1, MAX_WIDTH, required=True),
@@ -54,9 +51,6 @@ COMMON_KEYS = (
     Key("attention.layer_norm_rms_epsilon", float, 0.0, 1.0, lo_open=True),
     Key("vocab_size", int, 1, 1 << 31),
 )
-ARCH_KEYS: dict[str, tuple[Key, ...]] = {
-    "gemma3": (Key("attention.sliding_window", int, 0, MAX_CONTEXT),),  # 0: no sliding window
-}
 
 # Special token ids a value of -1 (or its uint32 form) marks as absent, as some converters write them.
 NO_TOKEN = (-1, 0xFFFFFFFF)
@@ -102,30 +96,31 @@ def architecture(gf) -> str:
     return arch
 
 
-def check_metadata(gf) -> None:
-    """Types and ranges of every key the architecture and tokenizer read, before any is used."""
+def check_metadata(gf, arch_keys: Sequence[Key] = ()) -> None:
+    """Types and ranges of every key the architecture (the common keys and its own) and the tokenizer
+    read, before any is used."""
     arch = architecture(gf)
-    for key in COMMON_KEYS + ARCH_KEYS.get(arch, ()):
+    for key in COMMON_KEYS + tuple(arch_keys):
         _check_key(gf, f"{arch}.{key.name}", key)
     _check_tokenizer_arrays(gf)
 
 
-def expected_type(key: str, arch: str) -> str | None:
+def expected_type(key: str, arch: str, arch_keys: Sequence[Key] = ()) -> str | None:
     """The GGUF type `key` must have, or None for a key whose type nothing fixes."""
     if key in KEY_TYPES:
         return KEY_TYPES[key]
     if key.startswith(arch + "."):
-        spec = next((k for k in COMMON_KEYS + ARCH_KEYS.get(arch, ()) if f"{arch}.{k.name}" == key), None)
+        spec = next((k for k in COMMON_KEYS + tuple(arch_keys) if f"{arch}.{k.name}" == key), None)
         if spec is not None:
             return "UINT32" if spec.kind is int else "FLOAT32"
     return next((t for pattern, t in _KEY_TYPE_PATTERNS if pattern.fullmatch(key)), None)
 
 
-def _check_types(gf, arch: str) -> None:
+def _check_types(gf, arch: str, arch_keys: Sequence[Key]) -> None:
     """Every key of a fixed type has it (run after every value check, whose messages say more)."""
     types = getattr(gf, "types", {})
     for key, actual in types.items():
-        want = expected_type(key, arch)
+        want = expected_type(key, arch, arch_keys)
         if want is None or actual == want:
             continue
         if want == "UINT32" and _SPECIAL_ID.fullmatch(key) and actual == "INT32" and gf.get(key) == -1:
@@ -191,7 +186,7 @@ def _check_tokenizer_arrays(gf) -> None:
         raise _bad(gf, f"tokenizer.ggml.scores[{bad}]", scores[bad], "a finite number")
 
 
-def check_hparams(gf, hp: HParams) -> None:
+def check_hparams(gf, hp: HParams, arch_keys: Sequence[Key] = ()) -> None:
     """How the hyperparameters relate: heads that divide, head sizes that fit, one vocabulary size."""
     a = hp.arch
     if hp.n_head % hp.n_head_kv:
@@ -216,41 +211,32 @@ def check_hparams(gf, hp: HParams) -> None:
         if _SPECIAL_ID.fullmatch(key) and value not in NO_TOKEN:
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < hp.n_vocab:
                 raise _bad(gf, key, value, f"a token id from 0 to {hp.n_vocab - 1}")
-    _check_types(gf, a)
+    _check_types(gf, a, arch_keys)
 
 
 # ---- tensors -------------------------------------------------------------------------------------
 
 
-def expected_shapes(hp: HParams) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Per-layer tensor shapes (numpy order) by short name, each with the sizes it comes from."""
-    n, ff, hd = hp.n_embd, hp.n_ff, hp.head_dim
-    q, kv = hp.n_head * hd, hp.n_head_kv * hd
-    shapes = {norm: ((n,), "[n_embd]") for norm in NORMS}
-    shapes |= {
-        "attn_q_norm": ((hd,), "[head_dim]"), "attn_k_norm": ((hd,), "[head_dim]"),
-        "attn_q": ((q, n), "[n_head * head_dim, n_embd]"),
-        "attn_k": ((kv, n), "[n_head_kv * head_dim, n_embd]"),
-        "attn_v": ((kv, n), "[n_head_kv * head_dim, n_embd]"),
-        "attn_output": ((n, q), "[n_embd, n_head * head_dim]"),
-        "ffn_gate": ((ff, n), "[n_ff, n_embd]"), "ffn_up": ((ff, n), "[n_ff, n_embd]"),
-        "ffn_down": ((n, ff), "[n_embd, n_ff]"),
-    }
-    return shapes
-
-
-def check_tensors(gf, hp: HParams, layer_tensors: Sequence[str]) -> None:
+def check_tensors(gf, hp: HParams, layer_tensors: Sequence, required: Sequence[tuple[str, ...]]) -> None:
     """Every tensor the graph reads exists with the shape the hyperparameters give, norms are F32,
-    and no block lies beyond block_count (a block_count too small would leave its tensors unplaced)."""
+    and no block lies beyond block_count (a block_count too small would leave its tensors unplaced).
+
+    layer_tensors: the architecture's table of per-layer tensors (archs.base.TensorSpec: name, shape, dims,
+    norm), each checked where present; required: per layer, groups of names of which one must be present
+    (a family may store q/k/v fused or apart)."""
     emb = ((hp.n_vocab, hp.n_embd), "[n_vocab, n_embd]")
     _check_tensor(gf, "token_embd.weight", emb)
     if "output.weight" in gf.tensors:
         _check_tensor(gf, "output.weight", emb)
     _check_tensor(gf, "output_norm.weight", ((hp.n_embd,), "[n_embd]"), norm=True)
-    shapes = expected_shapes(hp)
     for il in range(hp.n_layer):
-        for short in layer_tensors:
-            _check_tensor(gf, f"blk.{il}.{short}.weight", shapes.get(short), norm=short in NORMS)
+        for names in required:
+            if not any(f"blk.{il}.{n}" in gf.tensors for n in names):
+                gf.require_tensor(f"blk.{il}.{names[0]}")  # the one line naming the missing tensor
+        for spec in layer_tensors:
+            name = f"blk.{il}.{spec.name}"
+            if name in gf.tensors:
+                _check_tensor(gf, name, (spec.shape(hp), spec.dims), norm=spec.norm)
     for tname in gf.tensors:
         if tname.startswith("blk."):
             block = tname.split(".")[1]

@@ -65,3 +65,45 @@ class GraphResult:
         if r is None or r[0] is not self.sg.plans or r[1] is not cpu:
             r = self._resolved = (self.sg.plans, cpu, [(i.set_input, cpu.array(i.tensor)) for i in self.inputs])
         return r[2]
+
+
+KEPT_GRAPHS = 8  # shapes a session keeps: a prompt's few n_kv steps, decode buckets, prompt and decode interleaved
+
+
+class GraphCache:
+    """The graphs a session keeps for reuse, one per shape (GraphParams), the least recently used dropped
+    beyond `size`. Keeping only the last graph rebuilt every micro-batch whose shape alternates: a long
+    prompt's micro-batches (n_kv grows with each), a prompt chunk between decode steps, decode buckets,
+    and every repetition of a benchmark. Each kept graph has its own memory plan in the scheduler's
+    compute buffers (one backend runs one graph at a time, in order) and its own prepared kernel calls
+    and captured device graphs, so taking one back costs only its inputs' refresh."""
+
+    def __init__(self, size: int = KEPT_GRAPHS) -> None:
+        self.size = size
+        self._graphs: dict[GraphParams, GraphResult] = {}  # insertion order: least recently used first
+        self.last: GraphResult | None = None
+
+    def take(self, p: GraphParams, kv_version: tuple[int, ...], sched_generation: int) -> tuple[GraphResult | None, str]:
+        """The kept graph that can serve p (None, and why not, when none can): a graph of p's shape
+        planned against states that have since changed is dropped."""
+        res = self._graphs.pop(p, None)
+        if res is None:
+            if self.last is None:
+                return None, "first graph"
+            return None, self.last.reuse_blocker(p, kv_version, sched_generation) or "not kept"
+        why = res.reuse_blocker(p, kv_version, sched_generation)
+        if why is not None:
+            return None, why
+        self._keep(res)
+        return res, ""
+
+    def keep(self, res: GraphResult) -> None:
+        """Keep a newly built graph, dropping the least recently used beyond the size."""
+        self._graphs.pop(res.params, None)
+        self._keep(res)
+        while len(self._graphs) > self.size:
+            del self._graphs[next(iter(self._graphs))]
+
+    def _keep(self, res: GraphResult) -> None:
+        self._graphs[res.params] = res
+        self.last = res

@@ -25,10 +25,11 @@ class GraphParams:
     n_kv: int
     n_kv_swa: int = 0  # cells attended in the sliding-window cache (iSWA), 0 without one
     greedy: bool = False
+    sampler: tuple[int, int] = ()  # the graph ends in ops.sample: (recent tokens, bias entries) per row
 
     def differences(self, other: "GraphParams") -> list[str]:
         return [f"{k} {getattr(other, k)} -> {getattr(self, k)}"
-                for k in ("n_tokens", "n_outputs", "n_kv", "n_kv_swa", "greedy")
+                for k in ("n_tokens", "n_outputs", "n_kv", "n_kv_swa", "greedy", "sampler")
                 if getattr(self, k) != getattr(other, k)]
 
 
@@ -42,6 +43,7 @@ class UBatchState:
     kv: object
     cells_swa: np.ndarray | None = None
     kv_swa: object = None
+    sampling: object = None  # the rows' sampling inputs (batched_sampler.SamplingRows) when the graph samples
 
 
 class GraphInput:
@@ -91,7 +93,14 @@ class InpKQMask(GraphInput):
 
     def set_input(self, st, arr):
         kv = st.kv_swa if self.own_cache else st.kv
-        kv.fill_mask(arr, st.ub.pos, st.ub.seq, self.window)
+        ub = st.ub
+        if not ub.n_pad:
+            kv.fill_mask(arr, ub.pos, ub.seq, self.window)
+            return
+        n = ub.n_real
+        kv.fill_mask(arr[:n], ub.pos[:n], ub.seq[:n], self.window)
+        arr[n:] = -np.inf  # padding rows (buckets.py) see cell 0 only
+        arr[n:, 0] = 0
 
     def can_reuse(self, p):
         return self.tensor.shape == self._shape(p)
@@ -108,6 +117,38 @@ class InpOutIds(GraphInput):
 
     def can_reuse(self, p):
         return self.tensor.shape == (p.n_outputs,)
+
+
+class InpSamplingRows(GraphInput):
+    """One of ops.sample's per-row inputs (a field of batched_sampler.SamplingRows, [rows, cols]); rows past
+    the micro-batch's outputs (padding) get `neutral`, which samples greedily."""
+
+    def __init__(self, p: GraphParams, field: str, dtype: DType, cols: int, neutral) -> None:
+        self.tensor = _input(f"inp_sample_{field}", dtype, (p.n_outputs, cols))
+        self.field = field
+        self.neutral = neutral
+
+    def set_input(self, st, arr):
+        rows = getattr(st.sampling, self.field)
+        n = len(rows)
+        arr[:n] = rows
+        arr[n:] = self.neutral
+
+    def can_reuse(self, p):
+        return self.tensor.shape[0] == p.n_outputs
+
+
+NEUTRAL_SAMPLING = (0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0)  # temperature 0: the argmax, no penalty
+
+
+def sampling_inputs(p: GraphParams) -> list[InpSamplingRows]:
+    """ops.sample's inputs after the logits: parameters, draws, recent tokens, bias ids and values."""
+    n_recent, n_bias = p.sampler
+    return [InpSamplingRows(p, "params", DType.F32, len(NEUTRAL_SAMPLING), np.array(NEUTRAL_SAMPLING, np.float32)),
+            InpSamplingRows(p, "draws", DType.I32, 2, 0),
+            InpSamplingRows(p, "recent", DType.I32, n_recent, -1),
+            InpSamplingRows(p, "bias_ids", DType.I32, n_bias, -1),
+            InpSamplingRows(p, "bias_vals", DType.F32, n_bias, 0.0)]
 
 
 class InpKShift(GraphInput):
@@ -131,6 +172,7 @@ class GraphInputs:
     out_ids: InpOutIds | None
     kq_mask_swa: InpKQMask | None = None
     kv_idx_swa: InpPerToken | None = None  # rows of the sliding-window cache (iSWA), when there is one
+    sampling: list[InpSamplingRows] | None = None  # ops.sample's inputs, when the graph samples
 
     @staticmethod
     def for_params(p: GraphParams, swa_window: int | None = None) -> "GraphInputs":
@@ -141,8 +183,9 @@ class GraphInputs:
                            InpKQMask(p),
                            InpOutIds(p) if p.n_outputs < p.n_tokens else None,
                            InpKQMask(p, swa_window, own) if swa_window else None,
-                           InpPerToken(p, "inp_kv_idx_swa", lambda st: st.cells_swa) if own else None)
+                           InpPerToken(p, "inp_kv_idx_swa", lambda st: st.cells_swa) if own else None,
+                           sampling_inputs(p) if p.sampler else None)
 
     def all(self) -> list[GraphInput]:
         return [i for i in (self.tokens, self.pos, self.kv_idx, self.kq_mask, self.out_ids, self.kq_mask_swa,
-                            self.kv_idx_swa) if i is not None]
+                            self.kv_idx_swa) if i is not None] + (self.sampling or [])

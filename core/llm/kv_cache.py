@@ -26,6 +26,7 @@ from ggrun.core.errors import BadInput
 from ggrun.core.graph import Graph, build_graph
 from ggrun.core.llm.hparams import HParams
 from ggrun.core.llm.inputs import InpKShift
+from ggrun.core.llm.kv_blocks import find_cells
 from ggrun.core.tensor import Tensor, new_tensor
 
 KV_PAD = 256
@@ -167,6 +168,7 @@ class KVCache:
             self.layers[il] = CacheRows(k, v)
         self.pos = np.full(n_ctx, -1, dtype=np.int32)
         self.seqs = np.zeros((n_ctx, n_seq_max), dtype=bool)
+        self.tail = np.full(n_seq_max, -1, dtype=np.int32)  # the last cell apply gave each sequence (kv_blocks)
         self.shift = np.zeros(n_ctx, dtype=np.int32)
         self.has_shift = False
         self.version = 0
@@ -238,9 +240,13 @@ class KVCache:
             if emptied[-1] + 1 == self._top:  # the highest used cell went: find the new top
                 self._recount()
 
-    def find_slot(self, n_tokens: int) -> np.ndarray | None:
-        """The lowest free cells for n_tokens tokens, or None when the cache cannot hold them.
-        Without a scan while the cells are packed (the usual case: one sequence decoding)."""
+    def find_slot(self, n_tokens: int, seq: np.ndarray | None = None) -> np.ndarray | None:
+        """Free cells for n_tokens tokens, or None when the cache cannot hold them. A cache of several
+        sequences, given the tokens' sequences, keeps each sequence in blocks of its own (kv_blocks.py);
+        otherwise the lowest free cells, without a scan while the cells are packed (the usual case: one
+        sequence decoding)."""
+        if seq is not None and self.n_seq_max > 1:
+            return find_cells(self.pos, self.seqs, self.tail, seq)
         if self._packed():
             if self._top + n_tokens > self.n_ctx:
                 return None
@@ -252,6 +258,14 @@ class KVCache:
             return np.array([free.argmax()], dtype=np.int32)
         return free.nonzero()[0][:n_tokens].astype(np.int32)
 
+    def spare_cell(self) -> int:
+        """The highest free cell (where padding rows write, buckets.py), or -1 when none is free."""
+        if self._top < self.n_ctx:
+            return self.n_ctx - 1
+        back = int(np.argmax(self.pos[::-1] < 0))
+        cell = self.n_ctx - 1 - back
+        return cell if self.pos[cell] < 0 else -1
+
     def apply(self, cells: np.ndarray, pos: np.ndarray, seq: np.ndarray) -> None:
         """Record that `cells` now hold tokens at `pos` of sequences `seq`."""
         if len(cells) == 1:
@@ -261,11 +275,18 @@ class KVCache:
         if seq.size:
             self._check_seq_ids(int(seq.min()), int(seq.max()))
         appended = self._packed() and _is_range(cells, self._top) and pos.min() >= 0
+        were_free = appended or (pos.min() >= 0 and cells.min() >= 0 and bool((self.pos[cells] < 0).all())
+                                 and len(np.unique(cells)) == len(cells))
         self.pos[cells] = pos
         self.seqs[cells] = False
         self.seqs[cells, seq] = True
+        self.tail[seq] = cells
         if appended:  # the cells just past the top: still packed, n more used
             self._n_used = self._top = self._top + len(cells)
+            self._max_pos = max(self._max_pos, int(pos.max()))
+        elif were_free:  # free cells taken (find_slot's): counted without a scan
+            self._n_used += len(cells)
+            self._top = max(self._top, int(cells.max()) + 1)
             self._max_pos = max(self._max_pos, int(pos.max()))
         else:
             self._recount()
@@ -280,6 +301,7 @@ class KVCache:
         if self.n_seq_max > 1:  # with one sequence, the flag set next is the cell's only one
             self.seqs[cell] = False
         self.seqs[cell, seq] = True
+        self.tail[seq] = cell
         if pos < 0 or cell < 0:  # a cell freed by its position, or counted from the end: count again
             self._recount()
             return
@@ -292,12 +314,14 @@ class KVCache:
         """The cells as if apply(cells, pos, seq) had run, and as they were again on leaving (what a
         readied step's inputs are filled from, before the step is known to come)."""
         saved = (self.pos[cells], self.seqs[cells], self._n_used, self._top, self._max_pos, self.changes)
+        tail = self.tail.copy()
         self.apply(cells, pos, seq)
         try:
             yield
         finally:
             self.pos[cells], self.seqs[cells] = saved[0], saved[1]
             self._n_used, self._top, self._max_pos, self.changes = saved[2:]
+            self.tail[:] = tail
 
     def _check_seq_ids(self, lo: int, hi: int) -> None:
         if lo < 0 or hi >= self.n_seq_max:
@@ -395,6 +419,7 @@ class KVCache:
 
     def clear(self) -> None:
         self.changes += 1
+        self.tail[:] = -1
         self.pos[:] = -1
         self.seqs[:] = False
         self.shift[:] = 0

@@ -172,15 +172,15 @@ def _run_checked(sched: Scheduler, sg, plans) -> int:
         for c in split.copies:
             b.copy_tensor(c.srcs[0], c)
         plan = plans[b.name]
-        storage = sched.allocators[b.name].buffer.storage
+        buf = sched.allocators[b.name].buffer
         for node in split.nodes:
             own = node in plan.offsets and id(node) not in inplace and node.nbytes > 0
             if own:
-                _check_placement(b, node, storage, plan.offsets[node])
-                storage[node.offset:node.offset + node.nbytes] = SENTINEL
+                _check_placement(b, node, buf.storage, plan.offsets[node])
+                b.fill_bytes(buf, node.offset, node.nbytes, SENTINEL)
             b.compute([node])
             if own:
-                region = storage[node.offset:node.offset + node.nbytes]
+                region = b.read_bytes(buf, node.offset, node.nbytes)
                 if np.all(region == SENTINEL):
                     raise RuntimeFailure(f"verify: {node.describe()} left its planned memory untouched "
                                          "(its result went somewhere else)")

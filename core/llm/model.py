@@ -9,7 +9,6 @@ without kernels for block formats gets them decoded to f32 at load.
 """
 from __future__ import annotations
 
-import importlib
 import time
 from pathlib import Path
 from typing import Callable
@@ -20,14 +19,14 @@ from ggrun.core.context import ImmediateContext
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import BadInput
 from ggrun.core.llm import checks
+from ggrun.core.llm.archs import Arch, arch_for
 from ggrun.core.llm.budget import Budget
 from ggrun.core.llm.hparams import HParams
 from ggrun.core.llm.placement import DeviceSplit, Placement
 from ggrun.core.llm.weights import Weights
 from ggrun.loaders.gguf_file import GGUFFile, open_gguf
+from ggrun.loaders.tensor_values import check_tensor_values
 from ggrun.loaders.tokenizer import Tokenizer
-
-ARCHS = {"llama": "ggrun.core.llm.archs.llama", "gemma3": "ggrun.core.llm.archs.gemma3"}
 
 Progress = Callable[[int, int], None]
 
@@ -38,17 +37,10 @@ Progress = Callable[[int, int], None]
 NUMERICS = ("llama", "f32")
 
 
-def arch_module(arch: str, source: str):
-    """The graph builder module of an architecture, or BadInput naming the supported ones."""
-    if arch not in ARCHS:
-        raise BadInput(f"{source}: architecture '{arch}' is not supported (supported: {', '.join(ARCHS)})")
-    return importlib.import_module(ARCHS[arch])
-
-
 class Model:
     """Everything read from one GGUF file, ready to build graphs."""
 
-    def __init__(self, gf: GGUFFile, hp: HParams, arch, tokenizer: Tokenizer, weights: Weights,
+    def __init__(self, gf: GGUFFile, hp: HParams, arch: Arch, tokenizer: Tokenizer, weights: Weights,
                  placement: Placement, backends: list[Backend], contexts: dict[str, ImmediateContext],
                  load_seconds: float, numerics: str = "llama") -> None:
         self.gguf = gf
@@ -84,22 +76,22 @@ class Model:
         return max(counts, key=counts.get) if counts else str(ft)
 
     @staticmethod
-    def read_hparams(gf: GGUFFile) -> tuple[HParams, object]:
-        """Hyperparameters and architecture module, validated (core.llm.checks) before anything uses them."""
-        arch = arch_module(checks.architecture(gf), str(gf.path))
-        checks.check_metadata(gf)
-        n_vocab = len(gf.get("tokenizer.ggml.tokens") or []) or gf.require_tensor("token_embd.weight").shape[0]
-        hp = arch.hparams(gf) if hasattr(arch, "hparams") else HParams.from_metadata(gf.get, str(gf.path), n_vocab)
-        checks.check_hparams(gf, hp)
-        _check_tensors(gf, hp, arch)
+    def read_hparams(gf: GGUFFile) -> tuple[HParams, Arch]:
+        """Hyperparameters and architecture, validated (core.llm.checks) before anything uses them."""
+        arch = arch_for(checks.architecture(gf), str(gf.path))
+        checks.check_metadata(gf, arch.keys)
+        hp = arch.hparams(gf)
+        checks.check_hparams(gf, hp, arch.keys)
+        checks.check_tensors(gf, hp, arch.layer_tensors, arch.required_tensors(hp))
         return hp, arch
 
     @staticmethod
     def load(path: str | Path, backends: list[Backend], n_gpu_layers: int = 0,
              progress: Progress | None = None, metadata_only: bool = False, numerics: str = "llama",
-             split: DeviceSplit | None = None) -> "Model":
+             split: DeviceSplit | None = None, check_tensors: bool = False) -> "Model":
         """Open, validate and load a GGUF model onto `backends` (priority order, CPU last), the devices
-        among them picked and shared as `split` (-dev, -sm, -ts, -mg) says.
+        among them picked and shared as `split` (-dev, -sm, -ts, -mg) says. Its small float tensors are
+        checked for NaN and infinity, every tensor with check_tensors (--check-tensors).
 
         With metadata_only, weights are placed in virtual buffers: shapes and backends are
         real, no tensor data is read and no weight memory is taken (for `ggrun measure`).
@@ -120,23 +112,25 @@ class Model:
             return contexts[backend.name]
 
         if not metadata_only:
+            check_tensor_values(gf, every=check_tensors)
             _check_device_weights(gf, placement)
         tensors = {}
         total = gf.file_bytes
         done = 0
         tied = "output.weight" not in gf.tensors and placement.output is placement.input
-        for name, info in gf.tensors.items():
-            ranges = placement.row_ranges(name, info.shape)
-            if ranges:
-                tensors[name] = _split_weight(ctx_for, placement, gf, name, name, numerics)
-                done += info.n_bytes
-                continue
-            ctx = ctx_for(placement.home(name))
-            tensors[name] = _weight(ctx, gf, name, name, numerics)
-            # a matrix gets its kernels' layout; the embedding only when it is the head too (then its
-            # rows are still read as stored, a page per token)
-            if (name != "token_embd.weight" or tied) and ctx.prepare_weight(tensors[name]) and not metadata_only:
-                gf.evict(name)  # read again only by long prompts' products: not held twice meanwhile
+        for source, info in gf.tensors.items():
+            for name, rows in _parts(arch, hp, source, info.shape):
+                shape = (rows[1] - rows[0],) + tuple(info.shape[1:])
+                ranges = placement.row_ranges(name, shape)
+                if ranges:
+                    tensors[name] = _split_weight(ctx_for, placement, gf, name, source, numerics, rows)
+                    continue
+                ctx = ctx_for(placement.home(name))
+                tensors[name] = _weight(ctx, gf, name, source, numerics, rows)
+                # a matrix gets its kernels' layout; the embedding only when it is the head too (then its
+                # rows are still read as stored, a page per token)
+                if (name != "token_embd.weight" or tied) and ctx.prepare_weight(tensors[name]) and not metadata_only:
+                    gf.evict(source)  # read again only by long prompts' products: not held twice meanwhile
             done += info.n_bytes
             if progress:
                 progress(done, total)
@@ -180,13 +174,30 @@ def _weight(ctx: ImmediateContext, gf: GGUFFile, name: str, source: str, numeric
     return t
 
 
-def _split_weight(ctx_for, placement: Placement, gf: GGUFFile, name: str, source: str, numerics: str):
-    """Matrix `source` as `name` split by rows over the devices (-sm row): one weight per device's rows,
-    behind a handle whose products gather on the main device."""
+def _parts(arch: Arch, hp: HParams, source: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, int]]]:
+    """The weights tensor `source` is loaded as, each with its rows of it: itself whole, or for a matrix the
+    architecture stores fused (phi3's attn_qkv) its parts (attn_q, attn_k, attn_v)."""
+    whole = [(source, (0, shape[0] if shape else 1))]
+    if not source.startswith("blk."):
+        return whole
+    prefix, short = source.split(".", 2)[:2], source.split(".", 2)[2]
+    parts, at = [], 0
+    for part, rows in arch.fused(hp, short):
+        parts.append((".".join(prefix + [part]), (at, at + rows)))
+        at += rows
+    return parts or whole
+
+
+def _split_weight(ctx_for, placement: Placement, gf: GGUFFile, name: str, source: str, numerics: str,
+                  rows: tuple[int, int] | None = None):
+    """Matrix `source` (its rows [lo, hi) when `rows` is given) as `name` split by rows over the devices
+    (-sm row): one weight per device's rows, behind a handle whose products gather on the main device."""
     info = gf.tensors[source]
-    parts = [_weight(ctx_for(d), gf, f"{name}@rows{lo}-{hi}", source, numerics, (lo, hi))
-             for d, lo, hi in placement.row_ranges(name, info.shape)]
-    return rowsplit.handle(name, parts[0].dtype, info.shape, parts, placement.rows.main.name)
+    first, end = rows if rows is not None else (0, info.shape[0])
+    shape = (end - first,) + tuple(info.shape[1:])
+    parts = [_weight(ctx_for(d), gf, f"{name}@rows{lo}-{hi}", source, numerics, (first + lo, first + hi))
+             for d, lo, hi in placement.row_ranges(name, shape)]
+    return rowsplit.handle(name, parts[0].dtype, shape, parts, placement.rows.main.name)
 
 
 def _check_device_weights(gf: GGUFFile, placement: Placement) -> None:
@@ -201,7 +212,3 @@ def _check_device_weights(gf: GGUFFile, placement: Placement) -> None:
     if need:
         Budget.now(placement.backends).check({"weights": need}, advice="lower -ngl")
 
-
-def _check_tensors(gf: GGUFFile, hp: HParams, arch) -> None:
-    """Fail before loading anything when a required tensor is missing, misshapen or of the wrong type."""
-    checks.check_tensors(gf, hp, arch.LAYER_TENSORS)

@@ -50,8 +50,16 @@ class NonFiniteLogits(RuntimeFailure):
 
 def non_finite_kind(values) -> str | None:
     """'NaN', 'inf' or 'NaN and inf' when a float array (numpy or cupy) holds such values, else None."""
-    xp = np if isinstance(values, np.ndarray) else importlib.import_module("cupy")
-    if values.dtype.kind != "f" or bool(xp.isfinite(values).all()):
+    if values.dtype.kind != "f":
+        return None
+    if isinstance(values, np.ndarray):
+        return _kind(np, values)
+    with values.device:  # a GPU's array is read by kernels on its own device, whichever is current
+        return _kind(importlib.import_module("cupy"), values)
+
+
+def _kind(xp, values) -> str | None:
+    if bool(xp.isfinite(values).all()):
         return None
     nan, inf = bool(xp.isnan(values).any()), bool(xp.isinf(values).any())
     return "NaN and inf" if nan and inf else "NaN" if nan else "inf"

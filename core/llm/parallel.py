@@ -6,9 +6,15 @@ each generating client and the prompt tokens of newly started ones. A finished s
 frees its cells and the client starts the next one at once (without continuous batching, new
 sequences start only when every client is idle). A response ends at an end-of-generation token, at
 n_predict tokens, or where its text shows `stop_text` (llama-parallel's "User:", the next turn; the
-text is cut there). A sequence that cannot get cells yet waits; one that could never fit is reported
-and skipped. An interrupted session (Ctrl-C) ends the run with the sequences already finished and the
-totals so far.
+text is cut there); without n_predict, at the end of its share of the cache, which its result says
+(stop_reason) while the others go on. A sequence that cannot get cells yet waits; one that could never
+fit is reported and skipped. An interrupted session (Ctrl-C) ends the run with the sequences already
+finished and the totals so far.
+
+A step's host work does not grow with per-token Python: the generating clients' tokens, positions and
+sequence ids are rows of arrays, every row's next token is drawn in the graph (Session.decode_sampled,
+one BatchedSampler slot per client; the argmax where every client samples greedily), and the stop text
+is looked for in each response's new text only (detok.IncrementalText).
 """
 from __future__ import annotations
 
@@ -20,11 +26,17 @@ import numpy as np
 
 from ggrun.core.errors import Interrupted
 from ggrun.core.llm.batch import Batch
+from ggrun.core.llm.batched_sampler import BatchedSampler
+from ggrun.core.llm.detok import IncrementalText
 from ggrun.core.llm.generate import eval_prompt
-from ggrun.core.llm.sampling import Sampler, SamplingParams
+from ggrun.core.llm.sampling import SamplingParams
 from ggrun.core.llm.session import Session
 
 SYSTEM_SEQ = 0
+STOP_EOG = "end of generation"
+STOP_LIMIT = "n_predict reached"
+STOP_TEXT = "stop text"
+STOP_CACHE = "its share of the KV cache is used up"
 
 
 @dataclass
@@ -37,6 +49,7 @@ class SequenceResult:
     response: str
     seconds: float
     skipped: str = ""  # why the sequence was not run, when it could never fit
+    stop_reason: str = ""  # STOP_* above
 
     @property
     def n_prompt(self) -> int:
@@ -79,7 +92,6 @@ class ParallelSummary:
 class _Client:
     id: int
     seq_id: int
-    sampler: Sampler
     job: int = -1  # index of the sequence being served, -1 when idle
     pending: list[int] = field(default_factory=list)  # prompt tokens not yet decoded
     prompt: list[int] = field(default_factory=list)
@@ -88,6 +100,7 @@ class _Client:
     next_token: int = -1  # sampled, to be decoded in the next step
     limit: int = 0  # response tokens this sequence may generate
     t0: float = 0.0
+    text: IncrementalText | None = None  # the response's text, for the stop text
 
     def cells_still_needed(self) -> int:
         """Cells this sequence may still take: its undecoded prompt and the response tokens still to be
@@ -101,14 +114,19 @@ class ParallelRunner:
 
     def __init__(self, session: Session, n_clients: int, n_predict: int, sampling: SamplingParams,
                  n_batch: int, ignore_eos: bool = False, stop_text: str | None = None,
-                 cont_batching: bool = True) -> None:
+                 cont_batching: bool = True, keep_logits: bool = False) -> None:
         self.s = session
         self.n_predict = n_predict
         self.n_batch = n_batch
         self.ignore_eos = ignore_eos
         self.stop_text = stop_text
         self.cont_batching = cont_batching
-        self.clients = [_Client(i, i + 1, Sampler(_seeded(sampling, i), session.n_ctx)) for i in range(n_clients)]
+        self.clients = [_Client(i, i + 1) for i in range(n_clients)]
+        self.sampler = BatchedSampler([_seeded(sampling, i) for i in range(n_clients)], session.n_ctx)
+        self.greedy = sampling.temp <= 0 and not sampling.logit_bias and not sampling.penalties_on
+        self.eog = np.fromiter(session.model.tokenizer.eog_ids, dtype=np.int64)
+        # with keep_logits, every row of logits a job's tokens were drawn from (they come back to the host)
+        self.logits: dict[int, list[np.ndarray]] | None = {} if keep_logits else None
         self.n_system = 0
         self.system: list[int] = []
         self.summary = ParallelSummary()
@@ -181,10 +199,10 @@ class ParallelRunner:
         c.response, c.pos, c.next_token = [], self.n_system, -1
         c.limit = self._limit(tokens)
         c.t0 = time.perf_counter()
+        c.text = IncrementalText(self.s.model.tokenizer, (self.stop_text,) if self.stop_text else ())
         # the repetition penalty sees this sequence's tokens only, as generating it alone would
-        c.sampler.reset()
-        for t in self.system + tokens:
-            c.sampler.accept(t)
+        self.sampler.reset(c.id)
+        self.sampler.accept(c.id, self.system + tokens)
         return "started"
 
     def _limit(self, tokens: list[int]) -> int:
@@ -199,63 +217,74 @@ class ParallelRunner:
         return len(tokens) + max(self._limit(tokens) - 1, 0)
 
     def _step(self, prompts) -> list[SequenceResult]:
-        """One decode: a token of every generating client, then prompt tokens within n_batch."""
-        batch = Batch()
-        rows: list[_Client] = []
+        """One decode: a token of every generating client, then prompt tokens within n_batch; every row that
+        asks logits gets its next token drawn in the graph."""
         gen = [c for c in self.clients if c.job >= 0 and not c.pending]
+        rows = list(gen)
+        tokens = np.fromiter((c.next_token for c in gen), dtype=np.int32, count=len(gen))
+        pos = np.fromiter((c.pos for c in gen), dtype=np.int32, count=len(gen))
+        seq = np.fromiter((c.seq_id for c in gen), dtype=np.int32, count=len(gen))
+        parts = [(tokens, pos, seq, np.ones(len(gen), dtype=bool))]
         for c in gen:
-            batch.add(c.next_token, c.pos, c.seq_id, True)
-            rows.append(c)
             c.pos += 1
+        n = len(gen)
         for c in self.clients:
-            if c.job < 0 or not c.pending:
+            if c.job < 0 or not c.pending or n >= self.n_batch:
                 continue
-            room = self.n_batch - len(batch)
-            if room <= 0:
-                break
-            chunk, c.pending = c.pending[:room], c.pending[room:]
-            for i, t in enumerate(chunk):
-                last = not c.pending and i == len(chunk) - 1
-                batch.add(t, c.pos, c.seq_id, last)
-                c.pos += 1
-                if last:
-                    rows.append(c)
-        logits = self.s.decode(batch)
-        order = {id(c): i for i, c in enumerate(rows)}
+            chunk, c.pending = c.pending[:self.n_batch - n], c.pending[self.n_batch - n:]
+            last = np.zeros(len(chunk), dtype=bool)
+            last[-1] = not c.pending
+            parts.append((np.asarray(chunk, dtype=np.int32), np.arange(c.pos, c.pos + len(chunk), dtype=np.int32),
+                          np.full(len(chunk), c.seq_id, dtype=np.int32), last))
+            c.pos += len(chunk)
+            n += len(chunk)
+            if not c.pending:
+                rows.append(c)
+        batch = Batch(*(np.concatenate(x) if len(parts) > 1 else x[0] for x in zip(*parts)))
+        slots = np.fromiter((c.id for c in rows), dtype=np.int64, count=len(rows))
+        ids = self._draw(batch, slots, rows)
+        self.sampler.accept_rows(slots, ids)
+        ended = np.isin(ids, self.eog) if not self.ignore_eos else np.zeros(len(ids), dtype=bool)
         finished = []
-        for c in rows:
-            if c.pending:
-                continue
-            finished += self._advance(c, logits[order[id(c)]], prompts)
+        for c, tok, eog in zip(rows, ids.tolist(), ended.tolist()):
+            finished += self._advance(c, tok, eog, prompts)
         return finished
 
-    def _advance(self, c: _Client, logits: np.ndarray, prompts) -> list[SequenceResult]:
-        """Sample the client's next token; finish the sequence at EOG, at its limit, or where its text
-        shows stop_text (looked for from the third token on, as llama-parallel does)."""
-        tok = c.sampler.sample(logits)
-        c.sampler.accept(tok)
-        if not self.ignore_eos and self.s.model.tokenizer.is_eog(tok):
-            return [self._finish(c, prompts)]
+    def _draw(self, batch: Batch, slots: np.ndarray, rows: list[_Client]) -> np.ndarray:
+        """Decode the batch; the next token of each client in `rows` (slots: their sampler slots)."""
+        if self.logits is None and self.greedy:
+            return self.s.decode_greedy(batch)
+        if self.logits is None:
+            return self.s.decode_sampled(batch, self.sampler.rows(slots))
+        ids, logits = self.s.decode_sampled(batch, self.sampler.rows(slots), with_logits=True)
+        for c, row in zip(rows, logits):
+            self.logits.setdefault(c.job, []).append(row)
+        return ids
+
+    def _advance(self, c: _Client, tok: int, eog: bool, prompts) -> list[SequenceResult]:
+        """Take the client's next token; finish the sequence at EOG, at its limit, or where its text shows
+        stop_text (looked for from the third token on, as llama-parallel does)."""
+        if eog:
+            return [self._finish(c, prompts, STOP_EOG)]
         c.response.append(tok)
-        if len(c.response) >= c.limit or self._stopped(c):
-            return [self._finish(c, prompts)]
+        c.text.add(tok)
+        if self.stop_text is not None and len(c.response) > 2 and c.text.stop_at >= 0:
+            return [self._finish(c, prompts, STOP_TEXT)]
+        if len(c.response) >= c.limit:
+            return [self._finish(c, prompts, STOP_LIMIT if self.n_predict > 0 else STOP_CACHE)]
         c.next_token = tok
         return []
 
-    def _stopped(self, c: _Client) -> bool:
-        return (self.stop_text is not None and len(c.response) > 2
-                and self.stop_text in self.s.model.tokenizer.detokenize(c.response))
-
-    def _finish(self, c: _Client, prompts) -> SequenceResult:
+    def _finish(self, c: _Client, prompts, why: str) -> SequenceResult:
         text = self.s.model.tokenizer.detokenize(c.response)
         if self.stop_text is not None and self.stop_text in text:
             text = text[:text.index(self.stop_text)]
         res = SequenceResult(c.id, c.job, prompts[c.job][0], c.prompt, list(c.response), text,
-                             time.perf_counter() - c.t0)
+                             time.perf_counter() - c.t0, stop_reason=why)
         self.s.seq_rm(c.seq_id)
         self.summary.n_prompt += len(c.prompt)
         self.summary.n_gen += len(c.response)
-        c.job, c.pending = -1, []
+        c.job, c.pending, c.text = -1, [], None
         return res
 
     def _skipped(self, c: _Client, job: int, prompts) -> SequenceResult:

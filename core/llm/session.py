@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Callable
 
@@ -24,8 +24,10 @@ from ggrun.core.dtypes import DType
 from ggrun.core.errors import BadInput, Interrupted, RuntimeFailure
 from ggrun.core.graph import build_graph
 from ggrun.core.llm.batch import Batch, UBatch, split_batch
+from ggrun.core.llm.batched_sampler import SamplingRows
+from ggrun.core.llm.buckets import pad_state
 from ggrun.core.llm.blocks import Build, build_k_shift
-from ggrun.core.llm.graph_result import GraphResult
+from ggrun.core.llm.graph_result import GraphCache, GraphResult
 from ggrun.core.llm.inputs import GraphInputs, GraphParams, UBatchState
 from ggrun.core.llm.budget import Budget
 from ggrun.core.llm.kv_cache import (build_k_shift_blocks, cell_record_bytes, check_cache_types, KV_PAD, KVCache,
@@ -129,10 +131,11 @@ class Session:
         self.debug = graph_debug_level()
         self.check_numerics = params.check_numerics or self.debug >= 1
         self.stats = SessionStats()
-        self.result: GraphResult | None = None
+        self.graphs = GraphCache()
         self._debug_line = ""
         self.interrupt: Callable[[], bool] | None = None  # polled before each micro-batch (Ctrl-C)
         self._ready: ReadyStep | None = None  # the next decode step, readied during the last (ready_step.py)
+        self._kept_logits: list[np.ndarray] | None = None  # decode_sampled's logits, when asked for
         self.reserved = {} if self.virtual else self.reserve()
 
     def _make_caches(self) -> tuple[KVCache, KVCache | None]:
@@ -140,7 +143,7 @@ class Session:
         those layers sized to the window (llama.cpp's iSWA: n_swa * n_seq + n_ubatch cells, padded),
         so their memory and attention work stop growing with the context."""
         model, p = self.model, self.params
-        swa = model.arch.swa_layers(model.hp) if hasattr(model.arch, "swa_layers") else [False] * model.hp.n_layer
+        swa = model.arch.swa_layers(model.hp)
         window = model.hp.extra.get("swa_window")
         check_cache_types(p.type_k, p.type_v, model.hp.head_dim, p.flash_attn)
         kw = dict(n_seq_max=p.n_seq_max, type_k=p.type_k, type_v=p.type_v, head_dim=model.hp.head_dim,
@@ -198,6 +201,8 @@ class Session:
                       self.kv_swa)
         logits = self.model.arch.build(build, self.model.weights)
         tokens = ops.argmax(logits, name="result_argmax") if p.greedy else None
+        if p.sampler:
+            tokens = ops.sample(logits, *(i.tensor for i in inputs.sampling), name="result_sample")
         graph = build_graph([logits] if tokens is None else [logits, tokens])
         sg = self.sched.schedule(graph)
         # only inputs the graph reads get memory: a gemma3 of fewer than 6 layers has no global layer,
@@ -267,20 +272,44 @@ class Session:
         outs = self._decode(batch, greedy=True)
         return np.concatenate(outs) if outs else np.zeros(0, dtype=np.int32)
 
-    def _decode(self, batch: Batch, greedy: bool) -> list[np.ndarray]:
+    def decode_sampled(self, batch: Batch, rows: SamplingRows,
+                       with_logits: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        """Evaluate `batch` as decode does, drawing each next token where the logits are computed by
+        llama.cpp's sampler chain (ops.sample) with row i of `rows` for the i-th token asking logits: returns
+        the token ids (i32, in batch order), and only those come back to the host, unless with_logits asks
+        for the logits too (then: ids, logits). Non-finite logits raise NonFiniteLogits as in decode."""
+        n_out = int(np.count_nonzero(batch.logits))
+        if len(rows) != n_out:
+            raise ValueError(f"{len(rows)} sampling rows for {n_out} rows of logits")
+        self._kept_logits = [] if with_logits else None
+        try:
+            outs = self._decode(batch, greedy=False, sampling=rows)
+            kept = self._kept_logits
+        finally:
+            self._kept_logits = None
+        ids = np.concatenate(outs) if outs else np.zeros(0, dtype=np.int32)
+        if not with_logits:
+            return ids
+        return ids, (np.concatenate(kept) if kept else np.zeros((0, self.model.hp.n_vocab), dtype=np.float32))
+
+    def _decode(self, batch: Batch, greedy: bool, sampling: SamplingRows | None = None) -> list[np.ndarray]:
         """What each micro-batch of `batch` that asked for logits gives back (_fetch), in order; with greedy,
-        graphs end in the logits' argmax."""
+        graphs end in the logits' argmax, with sampling in ops.sample."""
         self._check_batch(batch)
         ready, self._ready = self._ready, None
-        if ready is not None and ready.params.greedy == greedy and ready.serves(batch, self._stamp()):
+        if (ready is not None and sampling is None and ready.params.greedy == greedy
+                and ready.serves(batch, self._stamp())):
             if self.interrupt is not None and self.interrupt():
                 raise Interrupted()
             return [self._take(ready, batch)]
         outs = []
+        row = 0
         for ub in split_batch(batch, self.n_ubatch):
             if self.interrupt is not None and self.interrupt():
                 raise Interrupted()
-            out = self._decode_ubatch(ub, greedy)
+            rows = sampling.slice(row, row + ub.n_outputs) if sampling is not None and ub.n_outputs else None
+            row += ub.n_outputs
+            out = self._decode_ubatch(ub, greedy, rows)
             if out is not None:
                 outs.append(out)
         return outs
@@ -305,7 +334,10 @@ class Session:
     def _check_batch(self, batch: Batch) -> None:
         """Every token id must be in the vocabulary (min and max of the list: no array made for it)."""
         toks = batch.tokens
-        if len(toks) and (min(toks) < 0 or max(toks) >= self.model.hp.n_vocab):
+        if isinstance(toks, np.ndarray):
+            if len(toks) and (int(toks.min()) < 0 or int(toks.max()) >= self.model.hp.n_vocab):
+                raise BadInput(f"token id out of range 0..{self.model.hp.n_vocab - 1}")
+        elif len(toks) and (min(toks) < 0 or max(toks) >= self.model.hp.n_vocab):
             raise BadInput(f"token id out of range 0..{self.model.hp.n_vocab - 1}")
 
     def place_ubatch(self, ub: UBatch) -> UBatchState:
@@ -316,7 +348,7 @@ class Session:
         n = ub.n_tokens
         cells = []
         for cache in self.caches:  # every cache has room before any records the micro-batch
-            x = cache.find_slot(n)
+            x = cache.find_slot(n, ub.seq)
             if x is None:
                 raise KVCacheFull(f"the KV cache ({self.n_ctx} cells, {self.kv.n_free()} free) cannot hold "
                                   f"{n} more tokens")
@@ -327,13 +359,16 @@ class Session:
             return UBatchState(ub, cells[0], self.kv)
         return UBatchState(ub, cells[0], self.kv, cells[1], self.kv_swa)
 
-    def _decode_ubatch(self, ub: UBatch, greedy: bool) -> np.ndarray | None:
+    def _decode_ubatch(self, ub: UBatch, greedy: bool, sampling: SamplingRows | None = None) -> np.ndarray | None:
         for cache in self.caches:  # keys move to their shifted positions before any cell is reused
             if cache.has_shift:
                 self._apply_k_shift(cache)
-        st = self.place_ubatch(ub)
-        p = GraphParams(ub.n_tokens, ub.n_outputs, self.kv.n_kv(),
-                        self.kv_swa.n_kv() if self.kv_swa is not None else 0, greedy and ub.n_outputs > 0)
+        st = pad_state(self.place_ubatch(ub), self.n_ubatch)
+        if sampling is not None:
+            st = replace(st, sampling=sampling)
+        ub = st.ub
+        p = GraphParams(ub.n_tokens, ub.n_outputs, self.kv.n_kv(), self.kv_swa.n_kv() if self.kv_swa is not None else 0,
+                        greedy and ub.n_outputs > 0, sampling.shape_key if sampling is not None else ())
         res = self._graph_for(p)
         t0 = time.perf_counter()
         res.set_inputs(st, self.sched.cpu)
@@ -357,13 +392,16 @@ class Session:
         out, finite = self._fetch(res) if ub.n_outputs else (None, True)
         dt = time.perf_counter() - t0
         self.stats.compute_s += dt
-        self.stats.n_tokens += ub.n_tokens
+        self.stats.n_tokens += ub.n_real
         if self.debug:  # one line per micro-batch, printed once its compute time is known
-            print(self._debug_line + (f" compute {1e3 * dt:.2f} ms" if self.debug >= 2 else ""), file=sys.stderr)
+            pad = f" bucket {ub.n_tokens} ({ub.n_real} + {ub.n_pad} padding)" if ub.n_pad else ""
+            print(self._debug_line + pad + (f" compute {1e3 * dt:.2f} ms" if self.debug >= 2 else ""), file=sys.stderr)
         if not finite:
             self._ready = None  # the culprit's search fills the inputs again
             raise self._non_finite(ub, out, res, partial(res.set_inputs, st, self.sched.cpu))
-        return out
+        if self._kept_logits is not None and ub.n_outputs:
+            self._kept_logits.append(np.array(self.sched.get_tensor(res.logits)[:ub.n_real]))
+        return out[:ub.n_real] if ub.n_pad else out
 
     def _ready_next(self, st: UBatchState, res: GraphResult) -> ReadyStep | None:
         """The next step of st's one token's sequence, its inputs filled (ready_step.py); None where the host
@@ -373,7 +411,7 @@ class Session:
             return None
         if not self.graph_reuse or self.kv_swa is not None or self.kv.window is not None:
             return None
-        cells = self.kv.find_slot(1)
+        cells = self.kv.find_slot(1, st.ub.seq)
         if cells is None:
             return None
         ub = UBatch(st.ub.tokens, st.ub.pos + 1, st.ub.seq, st.ub.out_rows, 0)
@@ -392,7 +430,7 @@ class Session:
                     set_inputs: Callable[[], None]) -> NonFiniteLogits:
         """The error for non-finite logits of micro-batch ub; with check_numerics, naming the first
         node that produced a non-finite value (the micro-batch is recomputed node by node)."""
-        p0, p1 = int(ub.pos.min()), int(ub.pos.max())
+        p0, p1 = int(ub.pos[:ub.n_real].min()), int(ub.pos[:ub.n_real].max())
         where = f"at position {p0}" if p0 == p1 else f"at positions {p0}..{p1}"
         culprit = None
         if self.check_numerics:
@@ -401,14 +439,14 @@ class Session:
         return NonFiniteLogits(non_finite_kind(logits), where, culprit, source=str(self.model.path))
 
     def _graph_for(self, p: GraphParams) -> GraphResult:
-        """The kept graph when it can serve p, else a newly built and planned one."""
-        if self.result is not None and self.graph_reuse:
-            why = self.result.reuse_blocker(p, self.kv_version, self.sched.generation)
+        """A kept graph that can serve p, else a newly built and planned one (kept in turn)."""
+        if self.graph_reuse:
+            res, why = self.graphs.take(p, self.kv_version, self.sched.generation)
+            if res is not None:
+                self._reused(p, res)
+                return res
         else:
-            why = "first graph" if self.result is None else "graph reuse disabled"
-        if why is None:
-            self._reused(p, self.result)
-            return self.result
+            why = "first graph" if self.stats.graphs_built == 0 else "graph reuse disabled"
         t0 = time.perf_counter()
         res = self.build(p)
         t1 = time.perf_counter()
@@ -417,9 +455,17 @@ class Session:
         self.stats.graphs_built += 1
         self.stats.build_s += t1 - t0
         self.stats.plan_s += t2 - t1
-        self.result = res
+        if self.graph_reuse:
+            self.graphs.keep(res)
+        else:
+            self.graphs.last = res
         self._log(False, f"rebuilt: {why}", p, res, (t1 - t0, t2 - t1))
         return res
+
+    @property
+    def result(self) -> GraphResult | None:
+        """The graph the last micro-batch ran."""
+        return self.graphs.last
 
     def _reused(self, p: GraphParams, res: GraphResult) -> None:
         self.stats.graphs_reused += 1
@@ -441,10 +487,9 @@ class Session:
 
     def _k_shift_graph(self, cache: KVCache):
         """The graph that re-rotates a cache's keys by their cells' shifts, and its shift input."""
-        arch = self.model.arch
-        base_of = arch.rope_freq_base_of(self.model.hp) if hasattr(arch, "rope_freq_base_of") else lambda il: None
+        arch, hp = self.model.arch, self.model.hp
         build = build_k_shift_blocks if cache.type_k.is_quantized else build_k_shift
-        return build(self.model.hp, cache, arch.ROPE_MODE, base_of)
+        return build(hp, cache, arch.rope_mode, lambda il: arch.rope_freq_base(hp, il))
 
     def _apply_k_shift(self, cache: KVCache) -> None:
         """Re-rotate cached keys whose positions moved (seq_add), then clear the shift. The kept

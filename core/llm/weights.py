@@ -15,6 +15,10 @@ class LayerWeights:
     def __getattr__(self, short: str) -> Tensor:
         return self._w[f"blk.{self._il}.{short}.weight"]
 
+    def get(self, name: str) -> Tensor | None:
+        """Tensor `blk.<il>.<name>` (name with its suffix, e.g. "attn_q.bias"), or None where the file has none."""
+        return self._w.get(f"blk.{self._il}.{name}")
+
 
 class Weights:
     """All weight tensors of a model, placed on their backends."""

@@ -61,7 +61,9 @@ def test_list_devices_shows_each_device(two_sims, capsys, monkeypatch):
 
 @pytest.mark.parametrize("split, copies", [
     (["-sm", "layer", "-ts", "1,1"], "device->device 2 (512 bytes)"),  # a decode step: layer 2's two outputs
-    (["-sm", "row", "-ts", "3,1", "-mg", "1"], "device->device 46 "),  # 11 per layer, 2 for the head
+    # 10 per layer (x to the other device and back for q/k/v as one product per device, attention's output,
+    # the gated product and the down projection: 1 + 3 + 2 + 2 + 2), 2 for the head
+    (["-sm", "row", "-ts", "3,1", "-mg", "1"], "device->device 42 "),
 ])
 def test_run_over_two_devices_gives_the_cpus_text(tiny4, split, copies):
     cpu = _process(["run", "-m", tiny4, *TEXT])

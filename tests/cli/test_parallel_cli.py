@@ -155,3 +155,17 @@ def test_empty_prompt_file(monkeypatch, capsys, tiny_llama_path, tmp_path):
     f.write_text("\n  \n", encoding="utf-8")
     code, _, err = ggrun(capsys, monkeypatch, "parallel", "-m", str(tiny_llama_path), "-f", str(f))
     assert code == 2 and len(err.strip().splitlines()) == 1 and "no prompts" in err
+
+
+def test_a_response_that_uses_up_its_share_of_the_cache_is_told(monkeypatch, capsys, tiny_llama_path):
+    """-n 0: a response that never ends by itself stops at its share of the cache, with a line on stderr
+    naming the client and sequence, and its JSON record saying why."""
+    code, out, err = ggrun(capsys, monkeypatch, "parallel", "-m", str(tiny_llama_path), "--temp", "0", "--json",
+                           "-np", "2", "-ns", "3", "-n", "0", "-c", "256", "--ignore-eos", NO_SYSTEM)
+    assert code == 0, err
+    seqs = [json.loads(ln) for ln in out.splitlines()][:-1]
+    assert len(seqs) == 3 and all(r["stop_reason"] for r in seqs)
+    told = [r for r in seqs if r["stop_reason"] == "its share of the KV cache is used up"]
+    assert told, seqs
+    for r in told:
+        assert f"seq {r['seq']:3d}: stopped after {r['n_response']} tokens, its share of the KV cache is used up" in err

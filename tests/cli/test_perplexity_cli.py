@@ -99,6 +99,7 @@ def test_kl_divergence_of_a_model_against_its_own_saved_run(capsys, monkeypatch,
     tokens = tokens_of(bos_llama, TEXT)
     assert (saved.n_ctx, saved.n_chunks) == (32, len(tokens) // 32)
     assert list(saved.tokens) == tokens[:saved.n_ctx * saved.n_chunks]
+    ties = [_tied_tops(saved.chunk(c), saved.n_vocab) for c in range(saved.n_chunks)]
     saved.close()
 
     code, out, err = ggrun(capsys, monkeypatch, "perplexity", "-m", bos_llama, "--kl-divergence-base", base,
@@ -114,10 +115,24 @@ def test_kl_divergence_of_a_model_against_its_own_saved_run(capsys, monkeypatch,
     assert [int(p[0]) for p in parsed] == list(range(1, saved.n_chunks + 1))
     assert float(parsed[-1][1]) == pytest.approx(ppl, abs=1e-4)  # the same model, the same numbers
     assert all(abs(float(p[3])) < 1e-4 for p in parsed)  # KL divergence: only the 16-bit rounding
-    assert all(float(p[4]) == 100.0 for p in parsed)  # same top token everywhere
+    # The same top token wherever the saved row has one top. Where 16-bit rounding made several tokens
+    # share the top (a near-tie), the saved run's top is the first of them, as in llama.cpp, and this
+    # run's may be another: those rows, and only those, may differ (the running percentage is cumulative).
+    compared = [saved.n_rows * (c + 1) for c in range(saved.n_chunks)]
+    sure = [compared[c] - sum(ties[:c + 1]) for c in range(saved.n_chunks)]
+    assert all(float(p[4]) >= 100.0 * s / n - 5e-4 for p, s, n in zip(parsed, sure, compared))
     assert "====== KL divergence statistics ======" in lines  # over 100 tokens compared
-    same = next(line for line in lines if line.startswith("Same top p:"))
-    assert same == "Same top p: 100.000 ± 0.000 %"
+    same = float(re.fullmatch(r"Same top p: ([\d.]+) ± [\d.]+ %",
+                              next(line for line in lines if line.startswith("Same top p:"))).group(1))
+    assert same >= 100.0 * sure[-1] / compared[-1] - 5e-4
+    if sum(ties) == 0:
+        assert same == 100.0
+
+
+def _tied_tops(rows: np.ndarray, n_vocab: int) -> int:
+    """Saved rows whose largest 16-bit log-probability more than one token holds."""
+    q = rows[:, 4:4 + n_vocab]
+    return int(((q == q.max(axis=1, keepdims=True)).sum(axis=1) > 1).sum())
 
 
 @pytest.mark.parametrize("args, fragment", [

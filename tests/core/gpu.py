@@ -1,5 +1,6 @@
 """One skip rule for the CUDA tests: a test module calls `require_gpu()` before importing the CUDA
-backend, and is skipped cleanly where cupy or a usable GPU is missing."""
+backend, and is skipped cleanly where cupy or a usable GPU is missing; `device_indices()` are the GPUs
+a suite runs on, each in turn."""
 from __future__ import annotations
 
 import pytest
@@ -14,3 +15,10 @@ def require_gpu():
     except Exception as err:  # cupy without a driver
         pytest.skip(f"no usable GPU ({err})", allow_module_level=True)
     return cupy
+
+
+def device_indices() -> list[int]:
+    """Every GPU's index (after require_gpu)."""
+    import cupy
+
+    return list(range(cupy.cuda.runtime.getDeviceCount()))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.core.gpu import require_gpu
+from tests.core.gpu import device_indices, require_gpu
 
 cupy = require_gpu()
 
@@ -17,9 +17,10 @@ from ggrun.core.llm.session import Session, SessionParams  # noqa: E402
 from ggrun.core.validate import validate_plan  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def gpu():
-    return CUDABackend(0)
+@pytest.fixture(scope="module", params=device_indices(), ids=lambda i: f"CUDA{i}")
+def gpu(request):
+    """Every GPU of the machine in turn (its KV cache, uploads, graphs and fetches with its device current)."""
+    return CUDABackend(request.param)
 
 
 def _logits(path, backends, ngl, tokens):
@@ -106,9 +107,9 @@ def _steps(s: Session, script) -> list[np.ndarray]:
     return out
 
 
-def _offloaded(path, graphs: bool) -> tuple[CUDABackend, Session]:
-    """A session of the model at path wholly on a fresh GPU backend, replaying CUDA graphs or not."""
-    backend = CUDABackend(0)
+def _offloaded(path, graphs: bool, index: int = 0) -> tuple[CUDABackend, Session]:
+    """A session of the model at path wholly on a fresh backend of GPU `index`, replaying CUDA graphs or not."""
+    backend = CUDABackend(index)
     backend.use_graphs = graphs
     m = Model.load(path, [backend, CPUBackend()], 99, numerics="f32")
     return backend, Session(m, SessionParams(n_ctx=128, n_ubatch=32))
@@ -126,7 +127,7 @@ def test_cuda_graph_replay_and_invalidation(tiny_llama_factory, gpu, monkeypatch
     script += [("decode", Batch.of_sequence([61 + i], 24 + i)) for i in range(3)]
     results = {}
     for graphs in (False, True):
-        backend, s = _offloaded(path, graphs)
+        backend, s = _offloaded(path, graphs, gpu.index)
         results[graphs] = _steps(s, script)
         if graphs:
             captured = [sp.calls for sp in s.result.sg.splits if sp.backend is backend]
@@ -145,7 +146,7 @@ def test_prompt_graphs_with_cublas_products_are_captured_and_replayed(tiny_llama
     prompt = Batch.of_sequence(list(range(3, 20)))
     results = {}
     for graphs in (False, True):
-        backend, s = _offloaded(path, graphs)
+        backend, s = _offloaded(path, graphs, gpu.index)
         results[graphs] = []
         for _ in range(3):
             s.clear()
@@ -218,7 +219,9 @@ def test_a_region_waits_for_its_last_launch_unless_the_host_has_waited_for_the_s
     with gpu._dev:
         t = cupy.ones(3, dtype=cupy.float32)
     gpu._wait()
-    assert gpu.waits == n + 1 and float(t.sum()) == 3.0
+    assert gpu.waits == n + 1
+    with gpu._dev:  # t lives on gpu's device: its sum must run there
+        assert float(t.sum()) == 3.0
 
 
 @pytest.mark.parametrize("shape", [(1, 128256), (3, 1000), (7,)])
@@ -265,12 +268,12 @@ def test_early_launches_give_the_plain_launches_results(tiny_llama_factory, gpu,
     results = {}
     for pdl in ("0", "1"):
         monkeypatch.setenv("GGRUN_CUDA_PDL", pdl)
-        backend = CUDABackend(0)
+        backend = CUDABackend(gpu.index)
         s = Session(Model.load(path, [backend, CPUBackend()], 99, numerics="f32"), SessionParams(n_ctx=128))
         results[pdl] = _steps(s, script)
         launches = [x for sp in s.result.sg.splits if sp.backend is backend for x in launches_of(sp.calls.steps)]
         early = [x for x in launches if x is not None and x.early]
-        if pdl == "0" or int(cupy.cuda.Device().compute_capability) < 90:
+        if pdl == "0" or int(cupy.cuda.Device(gpu.index).compute_capability) < 90:
             assert not early
         else:
             prologues = " ".join(x.kernel.name for x in early if x.prologue)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.core.gpu import require_gpu
+from tests.core.gpu import device_indices, require_gpu
 
 cupy = require_gpu()
 
@@ -22,9 +22,10 @@ from tests.core.test_argmax import ref_argmax, tricky_rows  # noqa: E402
 F32 = DType.F32
 
 
-@pytest.fixture(scope="module")
-def gpu():
-    return CUDABackend(0)
+@pytest.fixture(scope="module", params=device_indices(), ids=lambda i: f"CUDA{i}")
+def gpu(request):
+    """Every GPU of the machine in turn (its KV cache, uploads, graphs and fetches with its device current)."""
+    return CUDABackend(request.param)
 
 
 def check(gpu, x: np.ndarray, build=None) -> np.ndarray:

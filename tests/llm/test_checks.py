@@ -141,6 +141,7 @@ def test_bad_tensor_directory(tmp_path, meta, edit, expected):
 
 @pytest.mark.parametrize("meta, edit, expected", [
     ({"gemma3.attention.sliding_window": 2**31}, None, "gemma3.attention.sliding_window = 2147483648, expected"),
+    ({"gemma3.attention.sliding_window": 0}, None, "gemma3.attention.sliding_window = 0, expected an integer from 1"),
     ({"gemma3.attention.value_length": 16}, None, "gemma3.attention.value_length = 16, expected the key length 32"),
     ({"gemma3.attention.key_length": 0}, None, "gemma3.attention.key_length = 0, expected an integer from 1"),
     ({}, _set("blk.1.attn_q_norm.weight", np.ones(64, np.float32)),

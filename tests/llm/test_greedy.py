@@ -80,7 +80,8 @@ def test_only_the_ids_come_back_from_the_device(sim_model):
 
 
 def test_switching_mode_rebuilds_saying_why(cpu_model):
-    """And the argmax's few bytes fit in the compute buffers reserved for graphs without it."""
+    """A mode met for the first time rebuilds, saying why; switching back takes the graph kept for that
+    mode. And the argmax's few bytes fit in the compute buffers reserved for graphs without it."""
     s = session(cpu_model)
     reserves = {name: a.reserves for name, a in s.sched.allocators.items()}
     token = int(s.decode(Batch.of_sequence(PROMPT))[-1].argmax())
@@ -90,7 +91,7 @@ def test_switching_mode_rebuilds_saying_why(cpu_model):
         token = int(out[-1] if out.ndim == 1 else out[-1].argmax())
     log = [what for _, what in s.stats.reuse_log[-len(steps):]]
     assert log == ["rebuilt: n_tokens 11 -> 1", "reused", "rebuilt: greedy False -> True", "reused", "reused",
-                   "rebuilt: greedy True -> False", "reused"]
+                   "reused", "reused"]
     assert s.result.tokens is None and s.result.params.greedy is False
     s.decode_greedy(Batch.of_sequence(list(range(3, 19)), len(PROMPT) + len(steps)))  # n_ubatch tokens
     assert {name: a.reserves for name, a in s.sched.allocators.items()} == reserves
@@ -99,7 +100,7 @@ def test_switching_mode_rebuilds_saying_why(cpu_model):
 @pytest.fixture(scope="module")
 def nan_path(tmp_path_factory):
     return write_variant(tmp_path_factory.mktemp("nan") / "nan.gguf", LLAMA,
-                         edit=poisoned("blk.1.ffn_norm.weight", 5, np.nan))
+                         edit=poisoned("blk.1.ffn_down.weight", 5, np.nan))
 
 
 @pytest.fixture(scope="module")

@@ -178,18 +178,10 @@ def test_warm_up_compiles_every_kernel_quantized_caches_use(models):
     """After the warm-up graphs ran, a session with quantized caches (prompt, decode steps, a K-shift,
     both attention paths) compiles nothing more in the kernels those caches use."""
     from ggrun.core.backends.cpu import attention, elementwise, rope, warmup
-    from ggrun.core.graph import build_graph
-    from ggrun.core.sched import Scheduler
 
     backend = CPUBackend()
-    for build in warmup.EXTRA:
-        leafs = warmup._Leafs(backend)
-        sched = Scheduler([backend])
-        sg = sched.schedule(build_graph([build(leafs)]))
-        sched.alloc(sg)
-        for t, data in leafs.feeds.items():
-            sched.set_tensor(t, data)
-        sched.compute(sg)
+    for warm in warmup.selected(frozenset({warmup.kv(Q8_0), warmup.kv(Q4_0), warmup.kv(F16)})):
+        warmup.run(backend, warm)
     kernels = [attention.flash_attn_cells_serial, attention.flash_attn_cells_parallel, rope.rope_store_blocks,
                rope.rope_shift_rows, elementwise.scatter_blocks]
     before = {k: set(k.signatures) for k in kernels}

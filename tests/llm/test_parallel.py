@@ -11,7 +11,7 @@ from ggrun.core.backends.cpu import CPUBackend
 from ggrun.core.dtypes import DType
 from ggrun.core.llm.generate import eval_prompt, generate
 from ggrun.core.llm.model import Model
-from ggrun.core.llm.parallel import SYSTEM_SEQ, ParallelRunner, SequenceResult
+from ggrun.core.llm.parallel import STOP_CACHE, STOP_TEXT, SYSTEM_SEQ, ParallelRunner, SequenceResult
 from ggrun.core.llm.sampling import Sampler, SamplingParams
 from ggrun.core.llm.session import Session, SessionParams
 
@@ -48,10 +48,7 @@ def run_parallel(model: Model, prompts, n_clients: int = 3, n_predict: int = 6, 
     """(runner, session, {job: result}, summary, {job: logits rows}) of one parallel run."""
     s = Session(model, SessionParams(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_clients + 1,
                                      type_k=kv_type, type_v=kv_type))
-    r = ParallelRunner(s, n_clients, n_predict, sampling, n_batch, ignore_eos=ignore_eos)
-    if record:
-        for c in r.clients:
-            c.sampler = RecordingSampler(c.sampler.p, n_ctx, client=c)
+    r = ParallelRunner(s, n_clients, n_predict, sampling, n_batch, ignore_eos=ignore_eos, keep_logits=record)
     results: dict[int, SequenceResult] = {}
 
     def done(res: SequenceResult) -> None:
@@ -59,11 +56,7 @@ def run_parallel(model: Model, prompts, n_clients: int = 3, n_predict: int = 6, 
         results[res.seq] = res
 
     summary = r.run(list(system), prompts, done)
-    rows: dict[int, list[np.ndarray]] = {}
-    if record:
-        for c in r.clients:
-            rows.update(c.sampler.rows)
-    return r, s, results, summary, rows
+    return r, s, results, summary, r.logits or {}
 
 
 def run_alone(model: Model, tokens: list[int], n_predict: int, n_ctx: int = 512,
@@ -116,13 +109,13 @@ def test_system_prompt_is_evaluated_once_and_shared(tiny, monkeypatch):
     """The system tokens are decoded once (sequence 0); clients decode only their own tokens, at
     positions after the system prompt, and see the system cells through seq_cp."""
     batches = []
-    real = Session.decode
+    real = Session._decode
 
-    def spy(self, batch):
+    def spy(self, batch, *args, **kw):  # every decode path (logits, argmax, sampled) passes here
         batches.append((list(batch.pos), list(batch.seq)))
-        return real(self, batch)
+        return real(self, batch, *args, **kw)
 
-    monkeypatch.setattr(Session, "decode", spy)
+    monkeypatch.setattr(Session, "_decode", spy)
     _, s, results, summary, _ = run_parallel(tiny, PROMPTS, n_predict=4)
     n_sys = len(SYSTEM)
     system_rows = [(p, q) for pos, seq in batches for p, q in zip(pos, seq) if q == SYSTEM_SEQ]
@@ -196,7 +189,7 @@ def test_finished_client_starts_the_next_sequence_at_once(tiny, monkeypatch):
     n_predict = 6
     _, _, free, _, _ = run_parallel(tiny, PROMPTS, n_predict=n_predict)
     stop = free[1].response_tokens[2]  # some sequences now stop early, at different steps
-    monkeypatch.setattr(tiny.tokenizer, "is_eog", lambda t: t == stop)
+    monkeypatch.setattr(tiny.tokenizer, "eog_ids", frozenset({stop}))
     r, s, results, _, _ = run_parallel(tiny, PROMPTS, n_predict=n_predict, ignore_eos=False)
     lengths = set()
     for job, (_, prompt) in enumerate(PROMPTS):
@@ -232,36 +225,33 @@ def test_more_clients_than_prompts(tiny):
     assert_cache_holds_only_system(s, len(SYSTEM))
 
 
-class ScriptedSampler(Sampler):
-    """Samples the bytes of `text` in turn (the tiny vocabulary's ids 0..255 are the bytes), then 'x'."""
-
-    def __init__(self, text: str) -> None:
-        super().__init__(GREEDY, 512)
-        self.script = list(text.encode())
-
-    def sample(self, logits: np.ndarray) -> int:
-        return self.script.pop(0) if self.script else ord("x")
-
-
 def scripted_runner(model: Model, replies: list[str], n_predict: int, stop_text: str | None = "User:",
                     cont_batching: bool = True, n_clients: int = 2, n_ctx: int = 512):
-    """(session, runner, starts): each new sequence samples the next of `replies`; `starts` logs, as each
-    sequence starts, its job and the jobs of all clients then."""
+    """(session, runner, starts): each new sequence draws the bytes of the next of `replies` in turn (the tiny
+    vocabulary's ids 0..255 are the bytes), then 'x'; `starts` logs, as each sequence starts, its job and the
+    jobs of all clients then."""
     s = Session(model, SessionParams(n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_seq_max=n_clients + 1))
     r = ParallelRunner(s, n_clients, n_predict, GREEDY, 512, ignore_eos=True, stop_text=stop_text,
                        cont_batching=cont_batching)
     scripts = iter(replies)
     starts: list[tuple[int, list[int]]] = []
-    real_start = r._try_start
+    script: dict[int, list[int]] = {}
+    real_start, real_draw = r._try_start, r._draw
 
     def start(c, job, prompts):
         verdict = real_start(c, job, prompts)
         if verdict == "started":
             starts.append((job, [o.job for o in r.clients]))
-            c.sampler = ScriptedSampler(next(scripts))
+            script[c.id] = list(next(scripts).encode())
         return verdict
 
-    r._try_start = start
+    def draw(batch, slots, rows):
+        ids = real_draw(batch, slots, rows)
+        for i, c in enumerate(rows):
+            ids[i] = script[c.id].pop(0) if script[c.id] else ord("x")
+        return ids
+
+    r._try_start, r._draw = start, draw
     return s, r, starts
 
 
@@ -299,6 +289,41 @@ def test_without_n_predict_a_response_gets_a_share_of_the_cache(tiny):
     r.run(list(SYSTEM), PROMPTS[:2], done.append)
     share = (256 - len(SYSTEM)) // 2
     assert {d.seq: d.n_response for d in done} == {j: share - len(PROMPTS[j][1]) for j in (0, 1)}
+
+
+def test_a_sequence_whose_cache_share_runs_out_is_told_while_the_others_go_on(tiny):
+    """-n 0: the client whose response never ends gets STOP_CACHE at the end of its share; the other, whose
+    response ends by the stop text, and the sequence started after it finish by themselves."""
+    s, r, _ = scripted_runner(tiny, ["x" * 1000, "abUser:", "cdUser:"], n_predict=0, n_ctx=256)
+    done: list[SequenceResult] = []
+    r.run(list(SYSTEM), PROMPTS[:3], done.append)
+    by_job = {d.seq: d for d in done}
+    assert by_job[0].stop_reason == STOP_CACHE
+    assert by_job[0].n_response == (256 - len(SYSTEM)) // 2 - len(PROMPTS[0][1])
+    assert by_job[1].stop_reason == by_job[2].stop_reason == STOP_TEXT
+    assert [by_job[1].response, by_job[2].response] == ["ab", "cd"]
+    assert [d.seq for d in done] == [1, 2, 0]  # the other two ended while sequence 0 went on
+    assert_cache_holds_only_system(s, len(SYSTEM))
+
+
+def test_sequences_join_and_leave_across_buckets(tiny):
+    """Five clients over seven prompts ending at different steps: the step's bucket changes as clients
+    join and leave, and every sequence still gets its alone run's tokens."""
+    n_predict = 9
+    _, _, free, _, _ = run_parallel(tiny, PROMPTS, n_clients=5, n_predict=n_predict)
+    stops = {free[0].response_tokens[1], free[3].response_tokens[4]}
+    tok = tiny.tokenizer
+    saved = tok.eog_ids
+    tok.eog_ids = frozenset(stops)
+    try:
+        r, s, results, _, _ = run_parallel(tiny, PROMPTS, n_clients=5, n_predict=n_predict, ignore_eos=False)
+        for job, (_, prompt) in enumerate(PROMPTS):
+            assert results[job].response_tokens == run_alone(tiny, SYSTEM + prompt, n_predict, ignore_eos=False)[0]
+    finally:
+        tok.eog_ids = saved
+    sizes = {why for reused, why in s.stats.reuse_log if not reused}
+    assert any("n_tokens" in why for why in sizes), "the bucket never changed"
+    assert_cache_holds_only_system(s, len(SYSTEM))
 
 
 # ---- SmolLM2 ------------------------------------------------------------------------------------

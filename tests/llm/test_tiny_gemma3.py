@@ -15,7 +15,7 @@ from gguf.constants import GGMLQuantizationType as QT
 
 from ggrun.core.backends.cpu import CPUBackend
 from ggrun.core.dtypes import DType
-from ggrun.core.llm.archs import gemma3
+from ggrun.core.llm.archs import ARCHS
 from ggrun.core.llm.batch import Batch
 from ggrun.core.llm.generate import generate
 from ggrun.core.llm.kv_cache import KVCache
@@ -80,9 +80,9 @@ def test_hparams_of_the_tiny_model(model):
     assert hp.head_dim != hp.n_embd // hp.n_head
     assert hp.extra["swa_window"] == WINDOW
     assert hp.extra["attn_scale"] == pytest.approx(1 / math.sqrt(32))
-    assert [il for il in range(hp.n_layer) if not gemma3.is_swa(hp, il)] == [5]
-    base_of = gemma3.rope_freq_base_of(hp)
-    assert [base_of(il) for il in range(hp.n_layer)] == [1e4] * 5 + [1e6] + [1e4]
+    arch = ARCHS["gemma3"]
+    assert [il for il, swa in enumerate(arch.swa_layers(hp)) if not swa] == [5]
+    assert [arch.rope_freq_base(hp, il) for il in range(hp.n_layer)] == [1e4] * 5 + [1e6] + [1e4]
     assert "output.weight" not in model.gguf.tensors
     assert model.weights["output.weight"] is model.weights["token_embd.weight"]  # tied head
 

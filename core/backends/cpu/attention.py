@@ -23,7 +23,7 @@ from ggrun.core.backends.cpu.jit import kernel
 from ggrun.core.backends.cpu.kv_quant import BLOCK, CACHE_TYPES, code_of, hadamard, load_key, load_row, \
     quantize_q8_0, score_cells
 from ggrun.core.backends.cpu.vecmath import as_f32, expf, f16_to_f32, f32_to_f16, fma
-from ggrun.core.backends.cpu.warmup import warms
+from ggrun.core.backends.cpu.warmup import kv, warms
 from ggrun.core.dtypes import DType
 
 CELLS = 64  # cache cells per tile: converted to f32 once per tile and KV head
@@ -498,6 +498,6 @@ def _warm_flash_attn_cells(lf, n_tokens: int):
 
 for _dtype in (DType.F16, DType.F32):
     for _n in (1, 64):
-        warms(lambda lf, d=_dtype, n=_n: _warm_flash_attn(lf, d, n))
+        warms(lambda lf, d=_dtype, n=_n: _warm_flash_attn(lf, d, n), needs={kv(_dtype)})
 for _n in (1, 64):
-    warms(lambda lf, n=_n: _warm_flash_attn_cells(lf, n))
+    warms(lambda lf, n=_n: _warm_flash_attn_cells(lf, n), needs={kv(DType.Q8_0)})

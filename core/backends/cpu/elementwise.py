@@ -1,5 +1,5 @@
 """Compiled element-wise and data-movement kernels: the gated feed-forward activations (swiglu,
-geglu with ggml's f16 GELU table), add, mul, scale, softmax rows, f32/f16 row gathers
+geglu with ggml's f16 GELU table), add, mul, scale, soft-capping, softmax rows, f32/f16 row gathers
 (get_rows), KV cache row writes (set_rows; Q8_0 and Q4_0 caches through kv_quant) and strided
 copies (cont).
 
@@ -15,7 +15,7 @@ from ggrun.core.backends.cpu.dispatch import binds
 from ggrun.core.backends.cpu.jit import kernel
 from ggrun.core.backends.cpu.kv_quant import CACHE_TYPES, code_of, hadamard, store_row
 from ggrun.core.backends.cpu.vecmath import as_f32, expf, f16_to_f32, f32_to_f16, gelu, gelu_f16_table, gelu_table, silu
-from ggrun.core.backends.cpu.warmup import readonly, warms
+from ggrun.core.backends.cpu.warmup import kv, readonly, rows, warms
 from ggrun.core.dtypes import DType
 
 
@@ -53,6 +53,13 @@ def silu_flat(a, out):
 def scale_flat(a, s, out):
     for i in range(a.shape[0]):
         out[i] = a[i] * s
+
+
+@kernel
+def softcap_flat(a, cap, out):
+    inv = np.float32(1.0) / cap
+    for i in range(a.shape[0]):
+        out[i] = np.float32(np.tanh(a[i] * inv)) * cap
 
 
 @kernel
@@ -238,6 +245,16 @@ def bind_scale(node, out, srcs, scratch):
     return lambda: scale_flat(a, s, o)
 
 
+@binds("softcap")
+def bind_softcap(node, out, srcs, scratch):
+    flat = _flat_f32(node, [srcs[0], out], 1)
+    if flat is None:
+        return None
+    a, o = flat
+    cap = np.float32(node.params["cap"])
+    return lambda: softcap_flat(a, cap, o)
+
+
 def _bind_binary(fn, node, out, srcs):
     """a op b for contiguous f32 operands where b is a's shape or a trailing part of it (repeated)."""
     a, b = srcs
@@ -365,7 +382,7 @@ def _warm_attention_parts(lf):
     return ops.add(ops.cast(caches[0], DType.F32), caches[1])
 
 
-@warms
+@warms(needs={kv(DType.Q8_0)})
 def _warm_block_cache_write(lf):
     """The V cache write into a quantized cache (one signature serves Q8_0 and Q4_0)."""
     from ggrun.core import ops
@@ -385,4 +402,4 @@ def _warm_embedding(lf, dtype: DType):
 
 
 for _dtype in (DType.F16, DType.F32):
-    warms(lambda lf, d=_dtype: _warm_embedding(lf, d))
+    warms(lambda lf, d=_dtype: _warm_embedding(lf, d), needs={rows(_dtype)})

@@ -35,7 +35,7 @@ from ggrun.core.backends.cpu import jit
 from ggrun.core.backends.cpu import quant as Q
 from ggrun.core.backends.cpu.dispatch import binds
 from ggrun.core.backends.cpu.elementwise import f16_gelu_table
-from ggrun.core.backends.cpu.warmup import warms
+from ggrun.core.backends.cpu.warmup import THREADS, product, warms
 from ggrun.core.dtypes import DType
 from ggrun.core.tensor import Tensor
 
@@ -612,7 +612,7 @@ def _warm_glu(lf, n_tokens: int, act_quant: bool, large: bool) -> Tensor:
 
 # the ways models meet: r8 on one thread and on all (decode, prompts), whole and BLAS (f32 numerics)
 for _case in ((1, True, False), (64, True, True), (1, False, False), (64, False, False)):
-    warms(lambda lf, c=_case: _warm_glu(lf, *c))
+    warms(lambda lf, c=_case: _warm_glu(lf, *c), needs={product(None, True, _case[1])} | ({THREADS} if _case[2] else set()))
 
 
 @binds("get_rows")

@@ -4,3 +4,4 @@ from ggrun.core.backends.cpu import rope  # noqa: F401
 from ggrun.core.backends.cpu import elementwise  # noqa: F401
 from ggrun.core.backends.cpu import matmul  # noqa: F401
 from ggrun.core.backends.cpu import attention  # noqa: F401
+from ggrun.core.backends.cpu import sample  # noqa: F401

@@ -18,7 +18,7 @@ from ggrun.core.backends.cpu.jit import kernel
 from ggrun.core.backends.cpu.kv_quant import CACHE_TYPES, code_of, hadamard, load_row, store_row
 from ggrun.core.backends.cpu.norm import inv_rms
 from ggrun.core.backends.cpu.vecmath import to_stored
-from ggrun.core.backends.cpu.warmup import readonly, warms
+from ggrun.core.backends.cpu.warmup import kv, readonly, warms
 from ggrun.core.dtypes import DType
 from ggrun.core.ops import ROPE_NEOX
 
@@ -224,6 +224,6 @@ def _warm_rope_blocks(lf, norm: bool):
 
 for _cache_dtype in (DType.F16, DType.F32):
     for _with_norm in (False, True):
-        warms(lambda lf, d=_cache_dtype, n=_with_norm: _warm_rope(lf, d, n))
+        warms(lambda lf, d=_cache_dtype, n=_with_norm: _warm_rope(lf, d, n), needs={kv(_cache_dtype)})
 for _with_norm in (False, True):
-    warms(lambda lf, n=_with_norm: _warm_rope_blocks(lf, n))
+    warms(lambda lf, n=_with_norm: _warm_rope_blocks(lf, n), needs={kv(DType.Q8_0)})

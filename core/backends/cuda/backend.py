@@ -2,10 +2,15 @@
 kernels (core/backends/cuda/*.cu) bound once per plan and replayed as a CUDA graph while the
 engine reuses the graph, all on one stream; host copies go through pinned staging memory.
 
-Each GPU is a backend of its own (CUDA0, CUDA1, ...): every call runs in its device's context and on
-its stream. A tensor from another GPU arrives on this GPU's stream, device to device where the two
-have peer access, else through this backend's pinned staging memory; events order the copy after the
-source's kernels that wrote the tensor, and the source's later kernels after the copy.
+Each GPU is a backend of its own (CUDA0, CUDA1, ...): every call that allocates, fills, copies,
+launches, records an event or captures a graph runs with its own device current (cupy's Device
+context) and on its stream, so nothing assumes device 0. A tensor from another GPU arrives on this GPU's
+stream, device to device where the two have peer access, else through this backend's pinned staging
+memory; events order the copy after the source's kernels that wrote the tensor, and the source's later
+kernels after the copy (never a wait for a whole stream). The staging memory is a ring whose
+regions each carry the event after the copy that reads them: a region is handed out again once that
+event has passed, never after a wait for the whole stream. A CUDA error becomes one line naming the
+device (DeviceFailure).
 
 Like every backend it reads and writes only its own buffers; host data and other backends'
 tensors arrive through explicit copies. Ops without a kernel here run the shared array
@@ -15,7 +20,8 @@ kernels with cupy (outside any CUDA graph); the scheduler sends what that cannot
 from __future__ import annotations
 
 import os
-from functools import partial
+from collections import deque
+from functools import partial, wraps
 from typing import Callable
 
 import cupy
@@ -23,7 +29,7 @@ import numpy as np
 
 from ggrun.core.backends.array_backend import storage_dtype
 from ggrun.core.backends.base import Backend, Buffer, BufferType
-from ggrun.core.backends.cuda import handoff, launch, uploads
+from ggrun.core.backends.cuda import blas, handoff, launch, uploads
 from ggrun.core.backends.cuda import matmul as _matmul  # registers kernels
 from ggrun.core.backends.cuda import ops as _ops  # noqa: F401  (registers kernels)
 from ggrun.core.backends.cuda.binding import FUSIONS, TABLE, Step, launches_of, nothing
@@ -31,6 +37,7 @@ from ggrun.core.backends.cuda.graphs import Prepared
 from ggrun.core.backends.cuda.module import TYPE_IDS, kernel
 from ggrun.core.backends.kernels import KERNELS
 from ggrun.core.dtypes import DType
+from ggrun.core.errors import DeviceFailure
 from ggrun.core.tensor import Tensor
 
 STAGING_BYTES = 16 << 20  # pinned host memory for copies; larger copies go straight from pageable memory
@@ -43,6 +50,28 @@ H2D, D2H = 1, 2  # cudaMemcpyKind
 PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 TICKETS = 1024  # counters shared by kernels that elect a last block (one per KV head in attention)
 BLOCK_OPS = ("mul_mat", "mul_mat_multi", "mul_mat_glu", "get_rows")  # the ops whose kernels read GGUF blocks
+
+
+def _device_errors() -> tuple[type[BaseException], ...]:
+    """What cupy, cuBLAS and the driver raise when a device fails a call."""
+    names = (("runtime", "CUDARuntimeError"), ("driver", "CUDADriverError"), ("memory", "OutOfMemoryError"),
+             ("cublas", "CUBLASError"), ("compiler", "CompileException"))
+    found = [getattr(getattr(cupy.cuda, mod, None), cls, None) for mod, cls in names]
+    return tuple(e for e in found if isinstance(e, type)) + (launch.LaunchError, blas.BlasError)
+
+
+DEVICE_ERRORS = _device_errors()
+
+
+def on_device(fn: Callable) -> Callable:
+    """A backend method whose CUDA errors become one DeviceFailure line naming the backend's GPU."""
+    @wraps(fn)
+    def call(self: "CUDABackend", *args, **kwargs):
+        try:
+            return fn(self, *args, **kwargs)
+        except DEVICE_ERRORS as err:
+            raise DeviceFailure(f"{self.name} ({self.device})", f"{type(err).__name__}: {err}") from err
+    return call
 
 
 def describe_device(index: int) -> str:
@@ -63,6 +92,12 @@ class CUDABackend(Backend):
     def __init__(self, index: int = 0) -> None:
         self.index = index
         self.name = f"CUDA{index}"
+        self.device = f"GPU {index}"
+        self._start()
+
+    @on_device
+    def _start(self) -> None:
+        index = self.index
         self.device = describe_device(index)
         self._dev = cupy.cuda.Device(index)
         with self._dev:
@@ -70,6 +105,7 @@ class CUDABackend(Backend):
             self._staging = cupy.cuda.alloc_pinned_memory(STAGING_BYTES)
         self._host = np.frombuffer(self._staging, dtype=np.uint8, count=STAGING_BYTES)
         self._staged = 0
+        self._regions: deque[tuple[int, int, object]] = deque()  # staging regions in use: (start, end, event)
         self.waits = 0  # the host's waits for all of the stream's work (_wait) so far
         self._tickets = None
         self._q8_slots = None
@@ -82,15 +118,38 @@ class CUDABackend(Backend):
     def memory_pool(self) -> str:
         return self.name
 
+    @on_device
     def free_memory(self) -> int | None:
         """Free device memory plus what cupy's pool holds unused (it hands that out first)."""
         with self._dev:
             free, _ = cupy.cuda.runtime.memGetInfo()
             return int(free) + int(cupy.get_default_memory_pool().free_bytes())
 
+    @on_device
     def alloc_buffer(self, size: int, usage: str) -> Buffer:
         with self._dev:
             return Buffer(self, cupy.empty(size, dtype=cupy.uint8), usage)
+
+    @on_device
+    def alloc_zeroed(self, size: int, usage: str) -> Buffer:
+        """Zeroed on this GPU and on its stream (the KV cache): a plain fill would run on the current
+        device, which need not be this one, and on the null stream, which this stream does not wait for."""
+        with self._dev, self.stream:
+            return Buffer(self, cupy.zeros(size, dtype=cupy.uint8), usage)
+
+    @on_device
+    def fill_bytes(self, buf: Buffer, offset: int, nbytes: int, value: int) -> None:
+        with self._dev, self.stream:
+            buf.storage[offset:offset + nbytes].fill(value)
+
+    @on_device
+    def read_bytes(self, buf: Buffer, offset: int, nbytes: int) -> np.ndarray:
+        self._flush()
+        out = np.empty(nbytes, np.uint8)
+        with self._dev:
+            self._wait()
+            cupy.cuda.runtime.memcpy(out.ctypes.data, buf.storage.data.ptr + offset, nbytes, D2H)
+        return out
 
     # ---- ops -----------------------------------------------------------------------------
 
@@ -141,6 +200,7 @@ class CUDABackend(Backend):
         t._array = (root.buffer, root.offset, arr)
         return arr
 
+    @on_device
     def prepare(self, nodes: list[Tensor]) -> Prepared:
         """One bound kernel launch per node (the shared array kernels where none binds); launch.plan
         decides which start while the kernel before them still runs."""
@@ -182,32 +242,50 @@ class CUDABackend(Backend):
         the stream's contexts while the device is current: both, entered and left, took 1.5 us of the H100
         host's time per step."""
         ups, self._pending = self._pending, []
-        if prepared.replays(ups) and cupy.cuda.runtime.getDevice() == self.index:
-            prepared.run(self.stream, self.use_graphs, ups, self.waits)
-            return
-        with self._dev, self.stream:
-            prepared.run(self.stream, self.use_graphs, ups, self.waits)
+        try:
+            if prepared.replays(ups) and cupy.cuda.runtime.getDevice() == self.index:
+                prepared.run(self.stream, self.use_graphs, ups, self.waits)
+                return
+            with self._dev, self.stream:
+                prepared.run(self.stream, self.use_graphs, ups, self.waits)
+        except DEVICE_ERRORS as err:  # as on_device says it, without a wrapper's call on every step
+            raise DeviceFailure(f"{self.name} ({self.device})", f"{type(err).__name__}: {err}") from err
 
     def _wait(self) -> None:
-        """Wait for all work on the stream, and count it: what was launched before has run (`waits`)."""
+        """Wait for all work on the stream, and count it: what was launched before has run (`waits`), the
+        staging regions read by it too."""
         self.stream.synchronize()
         self.waits += 1
+        self._regions.clear()
 
+    @on_device
     def compute(self, nodes: list[Tensor]) -> None:
         self.run_prepared(self.prepare(nodes))
 
     # ---- copies ----------------------------------------------------------------------------
 
     def _stage(self, nbytes: int) -> tuple[int, np.ndarray]:
-        """nbytes of pinned staging memory (device-visible address, host array); waits for the
-        copies still reading it before handing a region out again."""
+        """nbytes of pinned staging memory (device-visible address, host array), the next region of the
+        ring; waits only for the events of the earlier copies still reading those bytes. The caller marks
+        the region's copy (`_staged_read`) unless it waits for the stream itself."""
         if self._staged + nbytes > STAGING_BYTES:
-            self._wait()
             self._staged = 0
         start = self._staged
-        self._staged += -(-nbytes // 256) * 256
+        end = start + -(-nbytes // 256) * 256
+        while self._regions and self._regions[0][0] < end and (start < self._regions[0][1]):
+            self._regions.popleft()[2].synchronize()
+        self._staged = end
         return self._staging.ptr + start, self._host[start:start + nbytes]
 
+    def _staged_read(self, addr: int, nbytes: int) -> None:
+        """The region at addr is read by the copy just issued on the stream: it is free after this event."""
+        start = addr - self._staging.ptr
+        with self._dev:
+            event = cupy.cuda.Event(disable_timing=True)
+            event.record(self.stream)
+        self._regions.append((start, start + nbytes, event))
+
+    @on_device
     def set_tensor(self, t: Tensor, data: np.ndarray) -> None:
         self._flush()
         dst = self.array(t)
@@ -232,7 +310,9 @@ class CUDABackend(Backend):
             addr, host = self._stage(src.nbytes)
             host[...] = src.reshape(-1).view(np.uint8)
             cupy.cuda.runtime.memcpyAsync(dst_ptr, addr, src.nbytes, H2D, self.stream.ptr)
+            self._staged_read(addr, src.nbytes)
 
+    @on_device
     def get_tensor(self, t: Tensor) -> np.ndarray:
         self._flush()
         src = self.array(t)
@@ -257,6 +337,7 @@ class CUDABackend(Backend):
             out.reshape(-1).view(np.uint8)[...] = host
             return out
 
+    @on_device
     def get_checked(self, t: Tensor) -> tuple[np.ndarray, bool]:
         """A decode step's logits (f32, contiguous, up to PINNED_RESULT_BYTES): one kernel writes them into
         pinned memory through the device's mapping and flags non-finite values on the way, so the host
@@ -294,14 +375,15 @@ class CUDABackend(Backend):
         staged = sum(a.nbytes for a, _ in ups) > uploads.MOST_BYTES
         direct, ups = (ups, []) if staged else ([], ups)
 
-        def copy() -> None:
+        @on_device
+        def copy(self: CUDABackend) -> None:
             self._flush()
             for src, dst in others:
-                self.copy_tensor(src, dst)
+                self._copy_in(src, dst)
             for a, dst_ptr in direct:
                 self._upload(a, dst_ptr)
             self._pending = ups
-        return copy
+        return partial(copy, self)
 
     def _flush(self) -> None:
         """Copy inputs still waiting for a split's run (any other call on the backend comes after them)."""
@@ -309,9 +391,13 @@ class CUDABackend(Backend):
         for a, dst_ptr in ups:
             self._upload(a, dst_ptr)
 
+    @on_device
     def copy_tensor(self, src: Tensor, dst: Tensor) -> None:
         """A host tensor's bytes go up through staging; another GPU's, device to device."""
         self._flush()
+        self._copy_in(src, dst)
+
+    def _copy_in(self, src: Tensor, dst: Tensor) -> None:
         owner = src.root.buffer.backend
         if isinstance(owner, CUDABackend) and owner is not self:
             self._copy_from_gpu(owner, src, dst)
@@ -325,6 +411,7 @@ class CUDABackend(Backend):
 
     # ---- events and copies between GPUs ------------------------------------------------------
 
+    @on_device
     def record_event(self) -> "cupy.cuda.Event":
         self._flush()
         with self._dev:
@@ -332,11 +419,13 @@ class CUDABackend(Backend):
             event.record(self.stream)
         return event
 
+    @on_device
     def wait_event(self, event) -> None:
         if event is not None:
             with self._dev:
                 self.stream.wait_event(event)
 
+    @on_device
     def peer_access(self, other: "CUDABackend") -> bool:
         """Whether the two GPUs can read each other's memory (cupy's deviceCanAccessPeer both ways);
         enables it the first time, both ways. Without it, copies between them go through host memory."""
@@ -352,7 +441,12 @@ class CUDABackend(Backend):
         return known
 
     def _copy_from_gpu(self, owner: "CUDABackend", src: Tensor, dst: Tensor) -> None:
-        """src (on GPU `owner`) into dst on this GPU, asynchronously on this GPU's stream."""
+        """src (on GPU `owner`) into dst on this GPU, on this GPU's stream: after the source's kernels that wrote
+        src (an event), and the source's later kernels after the copy (an event), so that neither stream waits
+        for the whole of the other. On this stream the copy follows whatever this GPU still computes in dst's
+        memory under an earlier plan, which a copy on the source's stream would not (graphs are planned anew
+        as a prompt's micro-batches see more cells). With pipelined micro-batches the source's next one then
+        starts once this GPU has finished the one before, as the two stages' turns alternate."""
         a, b = owner.array(src), self.array(dst)
         if not b.flags.c_contiguous:  # not a scheduler copy (those are contiguous): through the host
             self.set_tensor(dst, owner.get_tensor(src))
@@ -367,16 +461,14 @@ class CUDABackend(Backend):
             with self._dev:
                 cupy.cuda.runtime.memcpyPeerAsync(b.data.ptr, self.index, a.data.ptr, owner.index, b.nbytes,
                                                   self.stream.ptr)
-            # src's memory (a compute buffer the next graph reuses, or the temporary above) is written
-            # again only after the copy has read it
-            owner.wait_event(self.record_event())
+            owner.wait_event(self.record_event())  # src's memory is written again only after the copy read it
             return
         self._copy_staged(owner, a.data.ptr, b.data.ptr, b.nbytes)
 
     def _copy_staged(self, owner: "CUDABackend", src_ptr: int, dst_ptr: int, nbytes: int) -> None:
         """Through this backend's pinned staging memory, a piece at a time: device to host on the source's
         stream (after what wrote it there), host to device on this stream once that piece has landed.
-        A staging region is handed out again only after this stream finished reading it (_stage)."""
+        A staging region is handed out again only after this stream has read it (_stage's events)."""
         done = 0
         while done < nbytes:
             n = min(STAGING_BYTES, nbytes - done)
@@ -386,6 +478,7 @@ class CUDABackend(Backend):
             self.wait_event(owner.record_event())
             with self._dev:
                 cupy.cuda.runtime.memcpyAsync(dst_ptr + done, addr, n, H2D, self.stream.ptr)
+            self._staged_read(addr, n)
             done += n
 
     def address(self, arr) -> int:

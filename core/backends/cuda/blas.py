@@ -16,6 +16,10 @@ from cupy.cuda import cublas, device
 V, I = ctypes.c_void_p, ctypes.c_int
 
 
+class BlasError(RuntimeError):
+    """A cuBLAS call through ctypes failed (its cublasStatus_t)."""
+
+
 @lru_cache(maxsize=None)
 def _lib() -> ctypes.CDLL | None:
     """The cuBLAS library cupy loaded: opening it by its soname finds the copy already in the process."""
@@ -33,7 +37,7 @@ def available() -> bool:
 
 def _check(what: str, status: int) -> None:
     if status:
-        raise RuntimeError(f"{what} failed: cublasStatus_t {status}")
+        raise BlasError(f"{what} failed: cublasStatus_t {status}")
 
 
 def gemm_ex(stream_ptr: int, transa: int, transb: int, m: int, n: int, k: int, alpha: int, a: int, a_type: int,

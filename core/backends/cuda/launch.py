@@ -26,6 +26,10 @@ import numpy as np
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 
 
+class LaunchError(RuntimeError):
+    """cuLaunchKernelEx refused a launch (its CUresult)."""
+
+
 class _Attr(ctypes.Structure):
     """CUlaunchAttribute: an id, then a 64-byte value union (here the 'serialization allowed' int)."""
     _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
@@ -102,7 +106,7 @@ class PDLLaunch:
         self._config.stream = cupy.cuda.get_current_stream().ptr
         err = _driver()(ctypes.byref(self._config), self.function, self._params, None)
         if err:
-            raise RuntimeError(f"cuLaunchKernelEx failed: CUresult {err}")
+            raise LaunchError(f"cuLaunchKernelEx failed: CUresult {err}")
 
 
 def _arg_bytes(arg) -> ctypes.Array:

@@ -49,8 +49,14 @@ def _q8_dest(node: Tensor, backend) -> np.uint64:
 
 
 def _copy(node: Tensor, out, srcs, scratch, backend):
-    src = srcs[0]
-    if not _is_float(node.srcs[0].dtype, node.dtype):
+    launch = _copy_launch(srcs[0], node.srcs[0].dtype, out, node.dtype)
+    return launch_step(node.op, launch) if launch is not None else None
+
+
+def _copy_launch(src, src_dtype: DType, out, out_dtype: DType) -> Launch | None:
+    """copy4 of src's elements into out (same shape, or both contiguous with as many elements), converting
+    between float types; None where it does not serve."""
+    if not _is_float(src_dtype, out_dtype):
         return None
     if src.shape != out.shape:
         if not (src.flags.c_contiguous and out.flags.c_contiguous) or src.size != out.size:
@@ -61,14 +67,31 @@ def _copy(node: Tensor, out, srcs, scratch, backend):
         return None
     (_, n1, n2, n3), ss = sp
     _, ds = op
-    k = kernel("elementwise.cu", f"copy4<{_tid(node.srcs[0].dtype)}, {_tid(node.dtype)}>")
+    k = kernel("elementwise.cu", f"copy4<{_tid(src_dtype)}, {_tid(out_dtype)}>")
     grid, block = grid1d(out.size)
     args = (ptr(src), ptr(out), i64(out.size), i64(n1), i64(n2), i64(n3), *map(i64, ss), *map(i64, ds))
-    return launch_step(node.op, Launch(k, grid, block, args))
+    return Launch(k, grid, block, args)
 
 
 for _op in ("cont", "cast", "cpy"):
     binds(_op)(_copy)
+
+
+@binds("concat")
+def _concat(node: Tensor, out, srcs, scratch, backend):
+    """Both sources copied into their places of out along the axis (copy4 each): the gather of a product
+    split by rows (core/rowsplit.py) is then a kernel of ours, which CUDA graphs capture."""
+    axis = node.params["axis"] % out.ndim
+    a, b = srcs
+    if a.size == 0 or b.size == 0:
+        return None
+    cut = a.shape[axis]
+    index = (slice(None),) * axis
+    launches = [_copy_launch(x, t.dtype, out[index + (part,)], node.dtype)
+                for x, t, part in ((a, node.srcs[0], slice(0, cut)), (b, node.srcs[1], slice(cut, None)))]
+    if any(launch is None for launch in launches):
+        return None
+    return launch_step(node.op, *launches)
 
 
 def _binary(code: int):

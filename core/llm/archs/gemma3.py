@@ -5,66 +5,54 @@ tied output head."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 from ggrun.core import ops
 from ggrun.core.llm import blocks
+from ggrun.core.llm.archs import base
+from ggrun.core.llm.archs.base import Arch
 from ggrun.core.llm.blocks import Build
+from ggrun.core.llm.checks import Key, MAX_CONTEXT
 from ggrun.core.llm.hparams import HParams
 from ggrun.core.llm.weights import Weights
 from ggrun.core.tensor import Tensor
 
-LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
-                 "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm")
-ROPE_MODE = ops.ROPE_NEOX
 SWA_PATTERN = 6  # layers il with il % 6 < 5 attend within the sliding window
 ROPE_BASE_SWA = 10000.0
 
-
-def hparams(gf) -> HParams:
-    n_vocab = len(gf.get("tokenizer.ggml.tokens") or []) or gf.require_tensor("token_embd.weight").shape[0]
-    hp = HParams.from_metadata(gf.get, str(gf.path), n_vocab)
-    extra = {"swa_window": int(gf.get("gemma3.attention.sliding_window", 0)) or None,
-             "attn_scale": 1.0 / math.sqrt(hp.head_dim)}
-    return replace(hp, extra=extra)
+GEMMA_LAYER = (base.ATTN_NORM, base.ATTN_Q, base.ATTN_K, base.ATTN_V, base.ATTN_OUT, base.POST_ATTN_NORM,
+               base.FFN_NORM, base.FFN_GATE, base.FFN_UP, base.FFN_DOWN, base.POST_FFW_NORM)
 
 
-def is_swa(hp: HParams, il: int) -> bool:
-    return hp.extra.get("swa_window") is not None and il % SWA_PATTERN < SWA_PATTERN - 1
+class Gemma3(Arch):
+    name = "gemma3"
+    rope_mode = ops.ROPE_NEOX
+    # absent: no sliding window; present, a window of at least one cell (llama.cpp's loader needs one)
+    keys = (Key("attention.sliding_window", int, 1, MAX_CONTEXT, default=0, extra="swa_window"),)
+    layer_tensors = GEMMA_LAYER + (base.ATTN_Q_NORM, base.ATTN_K_NORM)
 
+    def hparams(self, gf) -> HParams:
+        hp = super().hparams(gf)
+        hp.extra["swa_window"] = hp.extra["swa_window"] or None
+        hp.extra["attn_scale"] = 1.0 / math.sqrt(hp.head_dim)
+        return hp
 
-def swa_layers(hp: HParams) -> list[bool]:
-    """Which layers attend within the sliding window (they get the window-sized cache)."""
-    return [is_swa(hp, il) for il in range(hp.n_layer)]
+    def swa_layers(self, hp: HParams) -> list[bool]:
+        window = hp.extra.get("swa_window") is not None
+        return [window and il % SWA_PATTERN < SWA_PATTERN - 1 for il in range(hp.n_layer)]
 
+    def rope_freq_base(self, hp: HParams, il: int) -> float:
+        """The local base on sliding-window layers, the file's on the global ones."""
+        return ROPE_BASE_SWA if self.swa_layers(hp)[il] else hp.rope_freq_base
 
-def rope_freq_base_of(hp: HParams):
-    """Per-layer RoPE base: the local base on sliding-window layers (used by the K-shift too)."""
-    return lambda il: ROPE_BASE_SWA if is_swa(hp, il) else hp.rope_freq_base
+    def build(self, b: Build, w: Weights) -> Tensor:
+        hp = b.hp
+        swa = self.swa_layers(hp)
 
+        def attn(L, x, il):
+            return blocks.self_attention(b, L, x, il, self.rope_mode, biases=False, qk_norm=True,
+                                         q_scale=hp.extra["attn_scale"], kq_scale=1.0, freq_base=self.rope_freq_base(hp, il),
+                                         mask=b.inp.kq_mask_swa.tensor if swa[il] else None)
 
-def build(b: Build, w: Weights) -> Tensor:
-    """Logits [n_outputs, n_vocab] of the micro-batch in b.inp."""
-    hp = b.hp
-    x = blocks.embed(b, w)
-    x = ops.scale(x, math.sqrt(hp.n_embd), name="inp_scaled")
-    base_of = rope_freq_base_of(hp)
-    ffn = None  # the previous layer's feed-forward output, normalised and added with the next norm
-    for il in range(hp.n_layer):
-        L = w.layer(il)
-        post = w.layer(il - 1).post_ffw_norm if il else None
-        x, h = blocks.add_norm(b, x, ffn, L.attn_norm, f"attn_norm-{il}", stream=f"l_out-{il - 1}", post=post)
-        q, k, v = blocks.project_qkv(b, h, L.attn_q, L.attn_k, L.attn_v, il)
-        q = blocks.rope(b, q, ROPE_MODE, base_of(il), out_scale=hp.extra["attn_scale"], norm=L.attn_q_norm,
-                        name=f"q_scaled-{il}")  # q_norm, RoPE and the query scale in one node
-        mask = b.inp.kq_mask_swa.tensor if is_swa(hp, il) else None
-        attn = blocks.attention(b, il, q, k, v, L.attn_output, ROPE_MODE, base_of(il), kq_scale=1.0, mask=mask,
-                                k_norm=L.attn_k_norm)
-        if il == hp.n_layer - 1:
-            attn, x = blocks.select_outputs(b, attn, x)
-        x, h = blocks.add_norm(b, x, attn, L.ffn_norm, f"ffn_norm-{il}", stream=f"sa_out-{il}",
-                               post=L.post_attention_norm)
-        ffn = blocks.ffn_geglu(b, h, L.ffn_gate, L.ffn_up, L.ffn_down, il)
-    x, h = blocks.add_norm(b, x, ffn, w["output_norm.weight"], "result_norm", stream=f"l_out-{hp.n_layer - 1}",
-                           post=w.layer(hp.n_layer - 1).post_ffw_norm)
-    return ops.mul_mat(w["output.weight"], h, name="result_output")
+        h = blocks.decoder(b, w, attn, lambda L, x, il: blocks.ffn_geglu(b, x, L.ffn_gate, L.ffn_up, L.ffn_down, il),
+                           sandwich=True, embd_scale=math.sqrt(hp.n_embd))
+        return blocks.head(b, w, h)

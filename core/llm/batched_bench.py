@@ -1,0 +1,116 @@
+"""llama-batched-bench's measurement on a session: for B sequences, a prompt of PP tokens each (or one
+prompt shared by all with `shared`, llama.cpp's -pps), then TG decode steps of B tokens, one per
+sequence; the prompt and the generation are timed apart.
+
+As in llama-batched-bench every token is id 0, the prompt's batch asks logits for its last token only
+and every decode step asks them for all B; the cache is cleared at the start of each prompt's timing
+and, when shared, the prompt's cells are then shared with sequences 1..B-1 (seq_cp). Timing goes
+through an injectable clock so tests can check the arithmetic.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ggrun.core.llm.batch import Batch
+from ggrun.core.llm.session import Session
+
+Clock = Callable[[], float]
+WARMUP_TOKENS = 16  # llama-batched-bench's warm-up: 16 tokens of sequence 0
+
+
+@dataclass(frozen=True)
+class BatchedTest:
+    """One row of the table: prompt tokens per sequence, generated tokens per sequence, sequences."""
+
+    pp: int
+    tg: int
+    pl: int
+    shared: bool = False
+
+    @property
+    def n_kv(self) -> int:
+        """Cells the test fills (llama-batched-bench's N_KV and the context it requires)."""
+        return self.pp + self.pl * self.tg if self.shared else self.pl * (self.pp + self.tg)
+
+
+@dataclass(frozen=True)
+class BatchedResult:
+    """A measured row: prompt and generation seconds, and llama-batched-bench's speeds over them."""
+
+    test: BatchedTest
+    t_pp: float
+    t_tg: float
+
+    @property
+    def t(self) -> float:
+        return self.t_pp + self.t_tg
+
+    @property
+    def speed_pp(self) -> float:
+        """Prompt tokens per second: one prompt's when shared, all B prompts' otherwise."""
+        n = self.test.pp if self.test.shared else self.test.pl * self.test.pp
+        return n / self.t_pp if self.t_pp else 0.0
+
+    @property
+    def speed_tg(self) -> float:
+        return self.test.pl * self.test.tg / self.t_tg if self.t_tg else 0.0
+
+    @property
+    def speed(self) -> float:
+        return self.test.n_kv / self.t if self.t else 0.0
+
+
+def tests_of(npp: tuple[int, ...], ntg: tuple[int, ...], npl: tuple[int, ...], shared: bool) -> list[BatchedTest]:
+    """llama-batched-bench's nesting: prompt lengths outermost, then generation lengths, then sequences."""
+    return [BatchedTest(pp, tg, pl, shared) for pp in npp for tg in ntg for pl in npl]
+
+
+def _decode_in_batches(session: Session, batch: Batch, n_batch: int) -> None:
+    """llama-batched-bench's decode_helper: the batch in slices of n_batch tokens, one decode each."""
+    for i in range(0, len(batch), n_batch):
+        session.decode(Batch(batch.tokens[i:i + n_batch], batch.pos[i:i + n_batch], batch.seq[i:i + n_batch],
+                             batch.logits[i:i + n_batch]))
+
+
+def warm_up(session: Session, n_batch: int) -> None:
+    """Untimed: 16 tokens of sequence 0, fewer in a smaller context (readies what a first run would)."""
+    session.clear()
+    n = min(WARMUP_TOKENS, session.n_ctx)
+    _decode_in_batches(session, Batch.of_sequence([0] * n, 0, 0, last_logits=False), n_batch)
+
+
+def prompt_batch(test: BatchedTest) -> Batch:
+    """Every sequence's prompt (sequence 0's only when shared) in one batch, logits for its last token."""
+    n_seq = 1 if test.shared else test.pl
+    pos = np.tile(np.arange(test.pp, dtype=np.int32), n_seq)
+    seq = np.repeat(np.arange(n_seq, dtype=np.int32), test.pp)
+    logits = np.zeros(len(pos), dtype=bool)
+    logits[-1] = True
+    return Batch(np.zeros(len(pos), dtype=np.int32), pos, seq, logits)
+
+
+def decode_batch(test: BatchedTest, step: int) -> Batch:
+    """Decode step `step`: one token of each of the B sequences at position pp + step, all with logits."""
+    n = test.pl
+    return Batch(np.zeros(n, dtype=np.int32), np.full(n, test.pp + step, dtype=np.int32),
+                 np.arange(n, dtype=np.int32), np.ones(n, dtype=bool))
+
+
+def run_batched(session: Session, test: BatchedTest, n_batch: int, clock: Clock = time.perf_counter) -> BatchedResult:
+    """One row: clear, the prompts (shared to every sequence when asked), then tg steps of B tokens."""
+    t0 = clock()
+    session.clear()
+    if test.pp:
+        _decode_in_batches(session, prompt_batch(test), n_batch)
+    if test.shared:
+        for s in range(1, test.pl):
+            session.seq_cp(0, s)
+    t1 = clock()
+    for i in range(test.tg):
+        _decode_in_batches(session, decode_batch(test, i), n_batch)
+    t2 = clock()
+    return BatchedResult(test, t1 - t0, t2 - t1)

@@ -1,0 +1,108 @@
+"""Sampling for many sequences at once: each sequence's settings, seeded random stream and penalty window
+kept as rows of arrays, handed to the graph's ops.sample (Session.decode_sampled), which draws every
+row's token where the logits are computed; only token ids come back.
+
+Each slot draws as a core.llm.sampling.Sampler with the same settings and seed would (that sampler is
+the reference): one uniform double from its own generator per draw at a positive temperature, none at
+temperature 0; its penalties count the last repeat_last_n tokens it accepted (a ring of them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ggrun.core.llm.sampling import SamplingParams, random_seed
+
+
+@dataclass
+class SamplingRows:
+    """ops.sample's inputs for some rows of logits (see ops.sample for their meaning)."""
+
+    params: np.ndarray  # f32 [rows, 7]
+    draws: np.ndarray  # i32 [rows, 2]: each row's uniform draw, the bits of a float64
+    recent: np.ndarray  # i32 [rows, W]
+    bias_ids: np.ndarray  # i32 [rows, NB]
+    bias_vals: np.ndarray  # f32 [rows, NB]
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    @property
+    def shape_key(self) -> tuple[int, int]:
+        """What fixes the sampling inputs' shapes beside the rows: (W, NB)."""
+        return self.recent.shape[1], self.bias_ids.shape[1]
+
+    def slice(self, a: int, b: int) -> "SamplingRows":
+        return SamplingRows(self.params[a:b], self.draws[a:b], self.recent[a:b], self.bias_ids[a:b],
+                            self.bias_vals[a:b])
+
+
+def param_row(p: SamplingParams) -> np.ndarray:
+    """A slot's ops.sample parameters in f32. top-p is rounded up to an f32, so that the kernel's f32
+    comparison of a cumulative probability with it says what the reference's comparison with the double
+    says (numpy compares an f32 array with a Python float in float64)."""
+    top_p = np.float32(p.top_p)
+    if float(top_p) < p.top_p:
+        top_p = np.nextafter(top_p, np.float32(np.inf))
+    return np.array([p.temp, p.top_k, top_p, p.min_p, p.repeat_penalty, p.frequency_penalty, p.presence_penalty],
+                    dtype=np.float32)
+
+
+class BatchedSampler:
+    """The sampling state of n slots (one sequence at a time each), as rows of arrays."""
+
+    def __init__(self, params: Sequence[SamplingParams], n_ctx: int = 4096) -> None:
+        for p in params:
+            p.check()
+        self.settings = list(params)
+        self.seeds = [p.seed if p.seed >= 0 else random_seed() for p in params]
+        self.rngs = [np.random.default_rng(s) for s in self.seeds]
+        self.params = np.stack([param_row(p) for p in params])
+        self.window = np.array([n_ctx if p.repeat_last_n == -1 else max(p.repeat_last_n, 0) for p in params],
+                               dtype=np.int64)
+        penalized = [w for p, w in zip(params, self.window) if p.penalties_on]
+        self.recent = np.full((len(params), max(penalized, default=1) or 1), -1, dtype=np.int32)
+        self.head = np.zeros(len(params), dtype=np.int64)
+        n_bias = max((len(p.logit_bias) for p in params), default=0) or 1
+        self.bias_ids = np.full((len(params), n_bias), -1, dtype=np.int32)
+        self.bias_vals = np.zeros((len(params), n_bias), dtype=np.float32)
+        for i, p in enumerate(params):
+            for j, (tid, bias) in enumerate(p.logit_bias):
+                self.bias_ids[i, j], self.bias_vals[i, j] = tid, bias
+        self.positive = self.params[:, 0] > 0  # slots that draw (a positive temperature)
+        self.keeps = [p.penalties_on and w > 0 for p, w in zip(params, self.window)]
+
+    def __len__(self) -> int:
+        return len(self.settings)
+
+    def reset(self, slot: int) -> None:
+        """A new sequence in the slot: its penalty window empties (its random stream goes on)."""
+        self.recent[slot] = -1
+        self.head[slot] = 0
+
+    def accept(self, slot: int, tokens: Sequence[int]) -> None:
+        """Tokens of the slot's sequence (a prompt): the last of them enter its penalty window."""
+        if not self.keeps[slot]:
+            return
+        w = int(self.window[slot])
+        for t in list(tokens)[-w:]:
+            self.recent[slot, self.head[slot]] = t
+            self.head[slot] = (self.head[slot] + 1) % w
+
+    def accept_rows(self, slots: np.ndarray, tokens: np.ndarray) -> None:
+        """One token for each of `slots` (a decode step's draws), without a loop over them."""
+        keep = np.asarray(self.keeps)[slots]
+        slots, tokens = slots[keep], tokens[keep]
+        if len(slots):
+            self.recent[slots, self.head[slots]] = tokens
+            self.head[slots] = (self.head[slots] + 1) % self.window[slots]
+
+    def rows(self, slots: np.ndarray) -> SamplingRows:
+        """The sampling inputs of `slots` for one draw each: a uniform double from each drawing slot's stream."""
+        u = np.zeros(len(slots), dtype=np.float64)
+        for i in np.flatnonzero(self.positive[slots]).tolist():
+            u[i] = self.rngs[int(slots[i])].random()
+        return SamplingRows(self.params[slots], u.view(np.int32).reshape(-1, 2), self.recent[slots],
+                            self.bias_ids[slots], self.bias_vals[slots])

@@ -1,0 +1,27 @@
+"""Which CPU kernels a loaded model's graphs meet, as the warm-up's tags (core/backends/cpu/warmup.py):
+the weights its products read on the CPU (their types, repacked or not, with 8-bit or f32 activations),
+the token embedding it looks rows up in, its KV cache types and the thread count."""
+from __future__ import annotations
+
+from typing import Iterable
+
+from ggrun.core.backends.base import Backend
+from ggrun.core.dtypes import DType
+from ggrun.core.llm.model import Model
+from ggrun.core.tensor import Tensor
+
+EMBEDDING = "token_embd.weight"  # looked up by rows; a product's weight too where it is the (tied) head
+
+
+def warm_tags(model: Model, cpu: Backend, kv_types: Iterable[DType] = (DType.F16,)) -> frozenset[str]:
+    """The warm-up tags of `model`'s graphs on backend `cpu` with KV caches of `kv_types`."""
+    from ggrun.core.backends.cpu import jit, warmup
+
+    def here(t: Tensor) -> bool:
+        return t.buffer is not None and t.buffer.backend is cpu
+
+    tensors = model.weights.tensors
+    matrices = {id(t): t for name, t in tensors.items()
+                if name != EMBEDDING and len(t.shape) == 2 and here(t)}
+    tables = [t for t in (tensors.get(EMBEDDING),) if t is not None and here(t)]
+    return warmup.tags(matrices.values(), tables, kv_types, jit.threads())

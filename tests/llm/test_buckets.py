@@ -1,0 +1,111 @@
+"""Decode steps of many sequences: padded to power-of-two buckets (core/llm/buckets.py), so the graph of a
+bucket is reused while sequences join and leave within it and rebuilt when the bucket changes (as
+GGRUN_GRAPH_DEBUG says); padding rows change no real row's logits and take no cell; each sequence's
+tokens go into blocks of cells of its own (core/llm/kv_blocks.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.llm.batch import Batch
+from ggrun.core.llm.buckets import bucket_size
+from ggrun.core.llm.kv_blocks import BLOCK, find_cells
+from ggrun.core.llm.model import Model
+from ggrun.core.llm.session import Session, SessionParams
+
+N_SEQ = 8
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_path) -> Model:
+    return Model.load(tiny_llama_path, [CPUBackend()], numerics="f32")
+
+
+def step(seqs: list[int], pos: list[int], tokens: list[int] | None = None) -> Batch:
+    """One token of each of `seqs` at `pos`, all asking logits."""
+    n = len(seqs)
+    toks = tokens if tokens is not None else [(7 * s + p) % 200 + 1 for s, p in zip(seqs, pos)]
+    return Batch(np.array(toks, np.int32), np.array(pos, np.int32), np.array(seqs, np.int32), np.ones(n, bool))
+
+
+def test_bucket_sizes():
+    assert [bucket_size(n, 512) for n in (1, 2, 3, 4, 5, 8, 9, 100, 129, 256)] == [1, 2, 4, 4, 8, 8, 16, 128, 256, 256]
+    assert bucket_size(300, 300) == 300 and bucket_size(5, 6) == 6 and bucket_size(7, 4) == 7
+
+
+def test_buckets_are_reused_within_and_rebuilt_across(tiny, monkeypatch, capsys):
+    """3 and 4 sequences share bucket 4, 5..8 share bucket 8; joining within a bucket reuses its graph."""
+    monkeypatch.setenv("GGRUN_GRAPH_DEBUG", "1")
+    s = Session(tiny, SessionParams(n_ctx=512, n_seq_max=N_SEQ))
+    capsys.readouterr()
+    pos = [0] * N_SEQ
+    lines = []
+    for n in (3, 4, 3, 5, 8, 6, 3):
+        seqs = list(range(n))
+        s.decode(step(seqs, [pos[q] for q in seqs]))
+        for q in seqs:
+            pos[q] += 1
+        lines.append(capsys.readouterr().err.strip().splitlines()[-1])
+    assert "rebuilt" in lines[0] and "bucket 4 (3 + 1 padding)" in lines[0]
+    assert "reused" in lines[1] and "n_tokens 4" in lines[1] and "padding" not in lines[1]
+    assert "reused" in lines[2] and "bucket 4 (3 + 1 padding)" in lines[2]
+    assert "rebuilt" in lines[3] and "n_tokens 4 -> 8" in lines[3] and "bucket 8 (5 + 3 padding)" in lines[3]
+    assert "reused" in lines[4] and "reused" in lines[5] and "bucket 8 (6 + 2 padding)" in lines[5]
+    assert "rebuilt" in lines[6] and "n_tokens 8 -> 4" in lines[6]
+
+
+def test_padding_changes_no_real_row_and_takes_no_cell(tiny):
+    """Five sequences decoded together (bucket 8) give each the logits it gets alone (f32 numerics), and the
+    cache holds exactly their tokens afterwards."""
+    prompts = [[3, 4, 5], [6, 7], [8], [9, 10, 11, 12], [13, 14]]
+    together = Session(tiny, SessionParams(n_ctx=512, n_seq_max=N_SEQ))
+    for q, p in enumerate(prompts):
+        together.decode(Batch.of_sequence(p, 0, q))
+    used = together.kv.n_used
+    got = together.decode(step(list(range(5)), [len(p) for p in prompts]))
+    assert got.shape == (5, tiny.hp.n_vocab)
+    assert together.kv.n_used == used + 5
+    assert together.result.params.n_tokens == 8
+    for q, p in enumerate(prompts):
+        alone = Session(tiny, SessionParams(n_ctx=512, n_seq_max=1))
+        want = alone.decode(Batch.of_sequence(p + [step([q], [len(p)]).tokens[0]], 0))
+        np.testing.assert_allclose(got[q], want[-1], atol=2e-5, rtol=0, err_msg=f"sequence {q}")
+
+
+def test_decode_steps_keep_each_sequence_in_blocks_of_its_own(tiny):
+    """Prompts and then decode steps of four sequences: every block of cells holds one sequence only."""
+    s = Session(tiny, SessionParams(n_ctx=1024, n_seq_max=4))
+    lens = [70, 5, 40, 1]
+    batch = Batch()
+    for q, n in enumerate(lens):
+        for i in range(n):
+            batch.add(1 + i % 50, i, q)
+    s.decode(batch)
+    pos = list(lens)
+    for _ in range(30):
+        s.decode(step([0, 1, 2, 3], pos))
+        pos = [p + 1 for p in pos]
+    used = np.flatnonzero(s.kv.pos >= 0)
+    owner = s.kv.seqs[used].argmax(axis=1)
+    for block in np.unique(used // BLOCK):
+        assert len(np.unique(owner[used // BLOCK == block])) == 1, f"block {block} mixes sequences"
+    for q in range(4):  # each sequence's positions are all there, once
+        assert sorted(s.kv.pos[s.kv.seqs[:, q]].tolist()) == list(range(pos[q]))
+
+
+def test_find_cells_falls_back_to_any_free_cell():
+    """With no whole free block left, a sequence's new token takes the lowest free cell nobody took."""
+    n = 3 * BLOCK
+    pos = np.full(n, -1, np.int32)
+    seqs = np.zeros((n, 3), bool)
+    tail = np.full(3, -1, np.int32)
+    for b, q in enumerate((0, 1)):  # blocks 0 and 1 full, block 2 holds one cell of sequence 0 at its start
+        pos[b * BLOCK:(b + 1) * BLOCK] = np.arange(BLOCK)
+        seqs[b * BLOCK:(b + 1) * BLOCK, q] = True
+    pos[2 * BLOCK], seqs[2 * BLOCK, 0] = BLOCK, True
+    tail[:] = [2 * BLOCK, BLOCK * 2 - 1, -1]
+    cells = find_cells(pos, seqs, tail, np.array([0, 1, 2], np.int32))
+    assert cells.tolist() == [2 * BLOCK + 1, 2 * BLOCK + 2, 2 * BLOCK + 3]
+    pos[:] = 0
+    assert find_cells(pos, seqs, tail, np.array([0], np.int32)) is None
