@@ -287,6 +287,20 @@ def test_vector_activation_blocks_equal_the_portable_ones(act, level):
         np.testing.assert_array_equal(g, w)
 
 
+def test_avx512_activation_blocks_keep_a_nan():
+    """A NaN in a Q8_0/Q8_1 block makes its scale NaN (a block of NaNs does so on AVX2 too), so that a
+    non-finite activation reaches the logits, where it is caught, rather than becoming zeros."""
+    if "avx512" not in levels_to_test():
+        pytest.skip(f"level avx512: above this CPU's or this run's ({isa.LEVEL})")
+    x = np.ones((1, 96), np.float32)
+    x[0, :32] = np.nan
+    x[0, 40] = np.nan
+    for act in (Q.ACT_Q8_0, Q.ACT_Q8_1):
+        qs, d, s, sums = Q.act_arrays(np.zeros(Q.act_arrays_bytes(1, 96), np.uint8), 1, 96)
+        A.quantize_rows_avx512(act, x, qs, d, s, sums)
+        assert np.isnan(d[0, :2]).all() and d[0, 2] == np.float32(np.float16(1 / 127))
+
+
 @pytest.mark.parametrize("dtype", REPACKED_TYPES, ids=str)
 def test_avx512_products_equal_avx2_bit_for_bit(dtype):
     """The r16 kernels (AVX-512) compute every row's float steps as the r8 kernels (AVX2) do, in

@@ -245,6 +245,16 @@ def zhmaxf(typingctx, x):
 
 
 @intrinsic
+def zanynan(typingctx, a, b):
+    """Whether any of the 32 floats of two vectors is NaN."""
+    def codegen(context, builder, signature, args):
+        x, y = _as(builder, args[0], _ZF), _as(builder, args[1], _ZF)
+        nan = builder.or_(builder.fcmp_unordered("uno", x, x), builder.fcmp_unordered("uno", y, y))
+        return _call(builder, "llvm.vector.reduce.or.v16i1", ir.IntType(1), [nan])
+    return types.boolean(zvec, zvec), codegen
+
+
+@intrinsic
 def f16_round(typingctx, x):
     """x rounded to the nearest f16 value, ties to even, as float32."""
     def codegen(context, builder, signature, args):
@@ -258,10 +268,14 @@ def f16_round(typingctx, x):
 
 @kernel(inline="always")
 def _quantize_q8_0_block(x, o, qs, at, d, s, sums, n, b, with_s):
-    """The 32 floats at byte o of x to one Q8_0/Q8_1 block: quants at qs byte `at`, d, s, sums."""
+    """The 32 floats at byte o of x to one Q8_0/Q8_1 block: quants at qs byte `at`, d, s, sums. A NaN
+    among them makes d NaN (as AVX2's quantizer does for a block of NaNs): a non-finite activation
+    must reach the logits, where it is caught, not turn into a block of zeros."""
     v0 = zf32x16(x, o)
     v1 = zf32x16(x, o + 64)
     amax = zhmaxf(zmaxf(zmaxf(zzero(), zabsf(v0)), zabsf(v1)))
+    if zanynan(v0, v1):
+        amax = np.float32(np.nan)
     inv = zsetf(np.float32(127.0) / amax if amax != 0 else np.float32(0.0))
     q0 = zround(zmulf(v0, inv))
     q1 = zround(zmulf(v1, inv))
