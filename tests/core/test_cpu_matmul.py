@@ -1,10 +1,12 @@
 """The CPU's compiled products with stored weights (core/backends/cpu/matmul.py, quant.py) against
 the reference kernels, op by op: every weight type, decode steps and batches (each of the three
-paths), llama numerics (8-bit activation blocks) and f32 numerics, both SIMD levels, one and two
-threads, odd row counts; get_rows of every stored type; and results written into planned memory.
+paths), llama numerics (8-bit activation blocks) and f32 numerics, each instruction-set level the
+process may run (`simd`), one and two threads, odd row counts; get_rows of every stored type; and
+results written into planned memory.
 """
 from __future__ import annotations
 
+import os
 import tracemalloc
 
 import numpy as np
@@ -13,7 +15,8 @@ from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import quantize as gguf_quantize
 
 from ggrun.core import ops
-from ggrun.core.backends.cpu import CPUBackend, jit
+from ggrun.core.backends.cpu import CPUBackend, isa, jit
+from ggrun.core.backends.cpu import avx512 as A
 from ggrun.core.backends.cpu import backend as cpu_backend
 from ggrun.core.backends.cpu import matmul
 from ggrun.core.backends.cpu import quant as Q
@@ -100,10 +103,20 @@ def compiled_only(monkeypatch):
     monkeypatch.setattr(cpu_backend, "KERNELS", kernels)
 
 
-@pytest.fixture(params=["avx2", "portable"])
+def levels_to_test() -> tuple[str, ...]:
+    """The instruction-set levels this process tests: its own, and those below it unless GGRUN_CPU_ISA
+    named the level (scripts/test.sh runs the kernel tests again under each lower level, compiled
+    for it, so each level is tested once)."""
+    if os.environ.get(isa.ENV):
+        return (isa.LEVEL,)
+    return isa.LEVELS[:isa.LEVELS.index(isa.LEVEL) + 1]
+
+
+@pytest.fixture(params=isa.LEVELS)
 def simd(request, monkeypatch):
-    if request.param == "avx2" and Q.SIMD != "avx2":
-        pytest.skip("this CPU has no AVX2")
+    """The kernels of one level (quant.SIMD set to it: the Python side picks kernels and layouts by it)."""
+    if request.param not in levels_to_test():
+        pytest.skip(f"level {request.param}: above this CPU's or this run's ({isa.LEVEL})")
     monkeypatch.setattr(Q, "SIMD", request.param)
     return request.param
 
@@ -132,20 +145,21 @@ REPACKED_TYPES = LEGACY + [DType.Q4_K, DType.Q5_K, DType.Q6_K]
 @pytest.mark.parametrize("n_tokens", [1, 2, 7])
 @pytest.mark.parametrize("dtype", REPACKED_TYPES, ids=str)
 def test_mul_mat_repacked(dtype, n_tokens, simd, monkeypatch):
-    """The r8 layout (AVX2: rows in groups of 8) and the ri64 layout (portable: groups of 64);
-    37 rows leave a partial group."""
+    """The r16 layout (AVX-512: rows in groups of 16), the r8 layout (AVX2: groups of 8) and the
+    ri64 layout (portable: groups of 64); 37 rows leave a partial group."""
     packed = matmul.repack(dtype, weight_data(dtype, 37, k_for(dtype), 0))
-    if simd == "portable" and dtype in K_QUANTS:
+    if simd == "generic" and dtype in K_QUANTS:
         assert packed is None
         return
     assert packed is not None
-    kernel = "mul_mat_r8_avx2" if simd == "avx2" else "mul_mat_ri_portable"
-    used, real = [], getattr(Q, kernel)
+    module, kernel = {"avx512": (A, "mul_mat_r16"), "avx2": (Q, "mul_mat_r8_avx2"),
+                      "generic": (Q, "mul_mat_ri_portable")}[simd]
+    used, real = [], getattr(module, kernel)
 
     def spy(*args):
         used.append(1)
         real(*args)
-    monkeypatch.setattr(Q, kernel, spy)
+    monkeypatch.setattr(module, kernel, spy)
     err = compare(CPUBackend(), product(dtype, 37, k_for(dtype), (n_tokens,), "llama", repacked=True))
     assert err <= MAX_NMSE["llama"], err
     assert used, "the repacked kernel did not run"
@@ -193,11 +207,13 @@ def test_activation_batch_dims_are_rows():
 
 @pytest.mark.parametrize("dtype", REPACKED_TYPES, ids=str)
 def test_repacked_rows_do_not_depend_on_the_batch(dtype):
-    """A batch's rows go through the r8 kernels four at a time (the weights unpacked once for
+    """A batch's rows go through the r8/r16 kernels four at a time (the weights unpacked once for
     four rows) and the last few one at a time; each row's result is the same, bit for bit, as
     that row alone gives (what makes prompt splits and batch sizes invisible in the logits)."""
     n, k = 23, k_for(dtype)
     data = weight_data(dtype, 37, k, 0)
+    if matmul.repack(dtype, data) is None:
+        pytest.skip(f"level {Q.SIMD} reads {dtype} as stored: a batch takes the BLAS path")
     x = np.random.default_rng(5).standard_normal((n, k)).astype(np.float32)
 
     def build(rows):
@@ -242,29 +258,67 @@ def test_every_half_decodes_exactly(dtype, simd):
     bits = np.arange(1 << 16, dtype=np.uint16)
     want = bits.view(np.float16).astype(np.float32) if dtype is DType.F16 else (bits.astype(np.uint32) << 16).view(np.float32)
     out = np.empty((1, 1 << 16), np.float32)
-    decode = Q.dequantize_rows_avx2 if simd == "avx2" else Q.dequantize_rows
+    decode = Q.dequantize_rows if simd == "generic" else Q.dequantize_rows_avx2
     decode(Q.CODES[dtype], bits.view(np.uint8).reshape(1, -1), 0, 1, out)
     nan = np.isnan(want)
     assert np.array_equal(np.isnan(out[0]), nan)
     assert np.array_equal(out[0][~nan].view(np.uint32), want[~nan].view(np.uint32))
 
 
-@pytest.mark.parametrize("act", [Q.ACT_Q8_0, Q.ACT_Q8_1], ids=["q8_0", "q8_1"])
-def test_avx2_activation_blocks_equal_the_portable_ones(act):
-    """Both quantizers give the same blocks (ggml's rounding), here for rows of a wider array,
-    all-zero and tiny blocks (f16-subnormal scales) included."""
-    if Q.SIMD != "avx2":
-        pytest.skip("this CPU has no AVX2")
+@pytest.mark.parametrize("act", [Q.ACT_Q8_0, Q.ACT_Q8_1, Q.ACT_Q8_K], ids=["q8_0", "q8_1", "q8_k"])
+@pytest.mark.parametrize("level", ["avx2", "avx512"])
+def test_vector_activation_blocks_equal_the_portable_ones(act, level):
+    """The AVX2 and AVX-512 quantizers give the portable one's blocks (ggml's rounding), here for
+    rows of a wider array, all-zero and tiny blocks (f16-subnormal scales), and a block whose largest
+    magnitude comes twice with both signs (Q8_K takes the first) included."""
+    if level not in levels_to_test():
+        pytest.skip(f"level {level}: above this CPU's or this run's ({isa.LEVEL})")
     rng = np.random.default_rng(5)
-    wide = (rng.standard_normal((4, 700)) * np.exp(rng.uniform(-14, 3, (4, 1)))).astype(np.float32)
+    wide = (rng.standard_normal((4, 800)) * np.exp(rng.uniform(-14, 3, (4, 1)))).astype(np.float32)
     wide[0, :32] = 0
+    wide[0, 256:512] = 0
     wide[1, 32:64] *= 1e-6
-    x = wide[:, :640]
-    got, want = (Q.act_arrays(np.zeros(Q.act_arrays_bytes(4, 640), np.uint8), 4, 640) for _ in range(2))
-    Q.quantize_rows_avx2(act, x, *got)
+    wide[3, 10], wide[3, 20] = -9.0, 9.0
+    x = wide[:, :768]
+    got, want = (Q.act_arrays(np.zeros(Q.act_arrays_bytes(4, 768), np.uint8), 4, 768) for _ in range(2))
+    (Q.quantize_rows_avx2 if level == "avx2" else A.quantize_rows_avx512)(act, x, *got)
     Q.quantize_rows(act, np.ascontiguousarray(x), *want)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
+
+
+def test_avx512_activation_blocks_keep_a_nan():
+    """A NaN in a Q8_0/Q8_1 block makes its scale NaN (a block of NaNs does so on AVX2 too), so that a
+    non-finite activation reaches the logits, where it is caught, rather than becoming zeros."""
+    if "avx512" not in levels_to_test():
+        pytest.skip(f"level avx512: above this CPU's or this run's ({isa.LEVEL})")
+    x = np.ones((1, 96), np.float32)
+    x[0, :32] = np.nan
+    x[0, 40] = np.nan
+    for act in (Q.ACT_Q8_0, Q.ACT_Q8_1):
+        qs, d, s, sums = Q.act_arrays(np.zeros(Q.act_arrays_bytes(1, 96), np.uint8), 1, 96)
+        A.quantize_rows_avx512(act, x, qs, d, s, sums)
+        assert np.isnan(d[0, :2]).all() and d[0, 2] == np.float32(np.float16(1 / 127))
+
+
+@pytest.mark.parametrize("dtype", REPACKED_TYPES, ids=str)
+def test_avx512_products_equal_avx2_bit_for_bit(dtype):
+    """The r16 kernels (AVX-512) compute every row's float steps as the r8 kernels (AVX2) do, in
+    their order, on the same exact integer sums: the results are equal bit for bit, for decode
+    steps, a 4-row tile and the rows left over, and a partial last group."""
+    if "avx512" not in levels_to_test():
+        pytest.skip(f"level avx512: above this CPU's or this run's ({isa.LEVEL})")
+    code, act, k, m = Q.CODES[dtype], Q.ACT_OF[dtype], k_for(dtype), 37
+    raw = weight_data(dtype, m, k, 0)
+    packs = {"r8": Q.repack_r8(code, raw), "r16": A.repack_r16(code, raw)}
+    for n in (1, 6):
+        x = np.random.default_rng(n).standard_normal((n, k)).astype(np.float32)
+        outs = {}
+        for name, fn in (("r8", Q.mul_mat_r8_avx2), ("r16", A.mul_mat_r16)):
+            act_rows = Q.act_arrays(np.zeros(Q.act_arrays_bytes(n, k), np.uint8), n, k)
+            outs[name] = np.full((n, m), np.nan, np.float32)
+            fn((code,) * 3, act, (packs[name],) * 3, 1, x, *act_rows, (outs[name],) * 3)
+        np.testing.assert_array_equal(outs["r16"].view(np.uint32), outs["r8"].view(np.uint32), err_msg=f"n={n}")
 
 
 def test_float_weights_with_8_bit_activation_blocks_are_left_to_the_reference():

@@ -2,7 +2,7 @@
 op, its reference kernel bit for bit against mul_mat_multi followed by swiglu/geglu, the CPU's
 compiled ways (r8, BLAS tiles, whole products) against that same unfused pair on the CPU bit for
 bit and against the reference by NMSE, for every weight type, decode and prompt sizes, odd row
-counts, threads and both SIMD levels; its planned scratch; and where the feed-forward builder
+counts, threads and every instruction-set level; its planned scratch; and where the feed-forward builder
 takes the fused node.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 
 from ggrun.core import ops
 from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.backends.cpu import avx512 as A
 from ggrun.core.backends.cpu import backend as cpu_backend
 from ggrun.core.backends.cpu import matmul
 from ggrun.core.backends.cpu import quant as Q
@@ -156,12 +157,14 @@ def test_threads_and_simd_levels(dtype, n, simd, two_threads):  # noqa: F811
 
 
 def test_r8_way_in_several_steps_per_thread(monkeypatch, two_threads):  # noqa: F811
-    """One group of eight rows per step: each step's GLU reads only the rows that step computed."""
-    if Q.SIMD != "avx2":
-        pytest.skip("the r8 layout is AVX2's")
+    """One group of rows (r8: eight, r16: sixteen) per step: each step's GLU reads only the rows that
+    step computed."""
+    if Q.SIMD == "generic":
+        pytest.skip("the r8 and r16 layouts are AVX2's and AVX-512's")
     monkeypatch.setattr(matmul, "GLU_TILE_BYTES", 1)
-    calls, real = [], Q.mul_mat_glu_r8_avx2_par
-    monkeypatch.setattr(Q, "mul_mat_glu_r8_avx2_par", lambda *args: calls.append(args[13]) or real(*args))
+    module, name = (A, "mul_mat_glu_r16_par") if Q.SIMD == "avx512" else (Q, "mul_mat_glu_r8_avx2_par")
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *args: calls.append(args[13]) or real(*args))
     for types in ((DType.Q4_1, DType.Q4_1), (DType.Q4_K, DType.Q6_K)):
         Ffn(types, 61, 256, 33, "geglu", True).check()
     assert calls == [1, 1]  # one call a pair (the unfused pair runs mul_mat_multi's kernel), step 1
@@ -179,7 +182,7 @@ def test_blas_way_over_several_tiles(monkeypatch):
 
 
 def test_each_case_takes_its_way():
-    r8 = "r8" if Q.SIMD == "avx2" else "whole"
+    r8 = "whole" if Q.SIMD == "generic" else "r8"
     cases = {
         Ffn((DType.Q4_1, DType.Q4_1), 16, 64, 1): r8,                     # decode, repacked
         Ffn((DType.Q5_0, DType.Q5_0), 16, 64, 512): r8,                   # a prompt, repacked

@@ -10,6 +10,7 @@ import pytest
 
 from ggrun.core import ops
 from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.backends.cpu import avx512 as A
 from ggrun.core.backends.cpu import backend as cpu_backend
 from ggrun.core.backends.cpu import matmul
 from ggrun.core.backends.cpu import quant as Q
@@ -135,10 +136,11 @@ def test_cpu_equals_its_single_products_and_the_reference(types, rows, n, numeri
 
 
 def test_one_call_serves_weights_that_share_activation_blocks(monkeypatch):
-    calls, real = [], Q.mul_mat_r8_avx2
-    monkeypatch.setattr(Q, "mul_mat_r8_avx2", lambda *args: calls.append(args[3]) or real(*args))
-    if Q.SIMD != "avx2":
-        pytest.skip("the r8 layout is AVX2's")
+    if Q.SIMD == "generic":
+        pytest.skip("the r8 and r16 layouts are AVX2's and AVX-512's")
+    module, name = (A, "mul_mat_r16") if Q.SIMD == "avx512" else (Q, "mul_mat_r8_avx2")
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *args: calls.append(args[3]) or real(*args))
     run_on(CPUBackend(), fused((DType.Q5_0, DType.Q5_0, DType.Q8_0), (32, 8, 8), 5))
     assert calls == [3]  # one call, three parts
     calls.clear()

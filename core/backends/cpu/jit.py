@@ -2,8 +2,9 @@
 compile flags. Every compiled CPU kernel is declared with `kernel` from here; the thread count (`-t`)
 lives in threads.py, and kernels ask it as jit.threads().
 
-Kernels compile once per machine (numba's `cache=True`, in a directory named by a digest of the
-sources other kernels inline, SHARED_SOURCES); a later process loads them from disk.
+Kernels compile once per machine and instruction-set level (isa.py; numba's `cache=True`, in a
+directory named by a digest of the sources other kernels inline, SHARED_SOURCES, and by the level, so
+that code compiled for one level is never loaded under another); a later process loads them from disk.
 """
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import hashlib
 import os
 from pathlib import Path
 
+from ggrun.core.backends.cpu import isa
 from ggrun.core.cache import cache_dir
 
 
 # Files whose code kernels of other files compile in (helpers inlined across modules, and this
 # file's compile flags). numba revalidates a cached kernel against its own source file only, so
-# the cache lives in a directory named by a digest of these: editing one compiles afresh.
+# the cache lives in a directory named by a digest of these: editing one compiles afresh. (isa.py
+# is not one: what a level compiles for is numba's target, which keys numba's own cache index.)
 SHARED_SOURCES = ("jit.py", "vecmath.py", "norm.py", "kv_quant.py")
 
 
@@ -27,7 +30,8 @@ def sources_digest() -> str:
     return digest.hexdigest()[:12]
 
 
-os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_dir() / "numba" / sources_digest()))
+isa.set_numba_target()
+os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_dir() / "numba" / f"{sources_digest()}-{isa.LEVEL}"))
 
 import numba  # noqa: E402
 

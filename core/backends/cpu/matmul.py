@@ -15,8 +15,10 @@ Every work array is a view of the node's planned scratch; results are written in
 Decode-step products read a weight fastest in a repacked layout made once at load: the engine
 calls `repack(dtype, raw)` for each 2-d weight kept in its GGUF blocks and, where it returns an
 array, keeps it in the weight tensor's params under REPACKED; the "q8" path then reads it, for
-batches too (four activation rows at a time). A mul_mat_multi whose weights are all repacked and
-read the same activation blocks is one such call: x is quantized once for all of them.
+batches too (four activation rows at a time). Which layout and kernels depends on the CPU's level
+(quant.SIMD, isa.py): "r16" for AVX-512 (avx512.py), "r8" for AVX2, "ri64" for the portable
+kernels. A mul_mat_multi whose weights are all repacked and read the same activation blocks is one
+such call: x is quantized once for all of them.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from functools import partial
 import numba
 import numpy as np
 
+from ggrun.core.backends.cpu import avx512 as A
 from ggrun.core.backends.cpu import jit
 from ggrun.core.backends.cpu import quant as Q
 from ggrun.core.backends.cpu.dispatch import binds
@@ -154,10 +157,25 @@ def _plan(a: Tensor, b: Tensor) -> _Plan | None:
 _RI64_TYPES = (DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q8_0)
 
 
+def _avx2() -> bool:
+    """Whether the AVX2 kernels may run (levels avx2 and avx512)."""
+    return Q.SIMD != "generic"
+
+
+def _group_rows() -> int:
+    """Rows per group of the interleaved layout of this level: r16 (AVX-512) or r8 (AVX2)."""
+    return A.R16 if Q.SIMD == "avx512" else Q.R8
+
+
+def _group_bytes(code: int) -> int:
+    """Bytes per group and block of the interleaved layout of this level."""
+    return A.r16_block_bytes(code) if Q.SIMD == "avx512" else Q.r8_block_bytes(code)
+
+
 def repack(dtype: DType, raw: np.ndarray) -> np.ndarray | Q.RI64 | None:
     """A 2-d weight's stored rows (uint8 [M, row bytes], GGUF blocks) in the layout the decode
-    kernels of this host read fastest (AVX2: "r8", a uint8 array; without AVX2: "ri64"), or None
-    where they read the stored blocks directly.
+    kernels of this level read fastest (AVX-512: "r16", AVX2: "r8", uint8 arrays; generic: "ri64"),
+    or None where they read the stored blocks directly.
 
     Made once per weight at load (about 0.1 s for 30 MB); the caller keeps the result in the
     weight tensor's params under REPACKED. The stored bytes stay in use too (get_rows, batches).
@@ -167,9 +185,12 @@ def repack(dtype: DType, raw: np.ndarray) -> np.ndarray | Q.RI64 | None:
     raw = np.asarray(raw)
     if raw.ndim != 2 or raw.dtype != np.uint8 or raw.shape[1] % dtype.type_size:
         raise ValueError(f"repack: {dtype} rows must be uint8 [rows, row bytes], got {raw.dtype} {raw.shape}")
+    code = Q.CODES[dtype]
+    if Q.SIMD == "avx512":
+        return A.repack_r16(code, raw) if code in A.R16_TYPES else None
     if Q.SIMD == "avx2":
-        return Q.repack_r8(Q.CODES[dtype], raw) if Q.CODES[dtype] in Q.R8_TYPES else None
-    return Q.repack_ri64(Q.CODES[dtype], raw) if dtype in _RI64_TYPES else None
+        return Q.repack_r8(code, raw) if code in Q.R8_TYPES else None
+    return Q.repack_ri64(code, raw) if dtype in _RI64_TYPES else None
 
 
 def repacked_bytes(dtype: DType, shape: tuple[int, int]) -> int:
@@ -180,8 +201,9 @@ def repacked_bytes(dtype: DType, shape: tuple[int, int]) -> int:
     m, k = shape
     blocks = k // dtype.block_size
     code = Q.CODES[dtype]
-    if Q.SIMD == "avx2":
-        return (m + Q.R8 - 1) // Q.R8 * blocks * Q.r8_block_bytes(code) if code in Q.R8_TYPES else 0
+    if _avx2():
+        rows = _group_rows()
+        return (m + rows - 1) // rows * blocks * _group_bytes(code) if code in Q.R8_TYPES else 0
     if dtype not in _RI64_TYPES:
         return 0
     groups = (m + Q.RI - 1) // Q.RI
@@ -192,11 +214,11 @@ def _repacked(a: Tensor, plan: _Plan):
     """Weight a's repacked rows when the engine made them in this host's layout for its shape."""
     packed = a.params.get(REPACKED) if a.view_src is None else None
     blocks = plan.k // plan.dtype.block_size
-    if isinstance(packed, np.ndarray) and Q.SIMD == "avx2" and plan.code in Q.R8_TYPES:
-        groups = (plan.m + Q.R8 - 1) // Q.R8
-        ok = packed.shape == (groups, blocks * Q.r8_block_bytes(plan.code)) and packed.dtype == np.uint8
+    if isinstance(packed, np.ndarray) and _avx2() and plan.code in Q.R8_TYPES:
+        groups = (plan.m + _group_rows() - 1) // _group_rows()
+        ok = packed.shape == (groups, blocks * _group_bytes(plan.code)) and packed.dtype == np.uint8
         return packed if ok else None
-    if isinstance(packed, Q.RI64) and Q.SIMD != "avx2" and plan.dtype in _RI64_TYPES:
+    if isinstance(packed, Q.RI64) and not _avx2() and plan.dtype in _RI64_TYPES:
         groups = (plan.m + Q.RI - 1) // Q.RI
         ok = packed.q.shape[:2] == (groups, blocks) and packed.d.shape == (groups, blocks, Q.RI)
         return packed if ok else None
@@ -259,7 +281,7 @@ def _bind_product(plan: _Plan, a: Tensor, w, x, out2, scratch):
     if w is None:
         return None
     chunks = _chunks(plan)
-    avx2 = Q.SIMD == "avx2"
+    avx2 = _avx2()
     if plan.path == "q8":
         qs, d, s, sums = Q.act_arrays(scratch, plan.n, plan.k)
         packed = _repacked(a, plan)
@@ -288,17 +310,20 @@ def _bind_product(plan: _Plan, a: Tensor, w, x, out2, scratch):
 
 
 def _bind_r8(plans: list[_Plan], packs: list, x, outs: list, scratch):
-    """One call of the r8 kernel for one to Q.MAX_PARTS weights that read the same activation
-    blocks: x is quantized once, then each weight's rows are dotted with it into its own result."""
+    """One call of the r8 (or r16) kernel for one to Q.MAX_PARTS weights that read the same
+    activation blocks: x is quantized once, then each weight's rows are dotted with it into its
+    own result."""
     plan = plans[0]
     qs, d, s, sums = Q.act_arrays(scratch, plan.n, plan.k)
     n = len(plans)
     codes = _slots([p.code for p in plans])
     packs, outs = _slots(packs), _slots(outs)
     chunks = min(_chunks(plan, sum(p.weight_bytes for p in plans)), sum(p.shape[0] for p in packs[:n]))
+    r16 = Q.SIMD == "avx512"
     if chunks > 1:
-        return partial(Q.mul_mat_r8_avx2_par, codes, plan.act, packs, n, x, qs, d, s, sums, outs, chunks)
-    return partial(Q.mul_mat_r8_avx2, codes, plan.act, packs, n, x, qs, d, s, sums, outs)
+        fn = A.mul_mat_r16_par if r16 else Q.mul_mat_r8_avx2_par
+        return partial(fn, codes, plan.act, packs, n, x, qs, d, s, sums, outs, chunks)
+    return partial(A.mul_mat_r16 if r16 else Q.mul_mat_r8_avx2, codes, plan.act, packs, n, x, qs, d, s, sums, outs)
 
 
 def _slots(items: list) -> tuple:
@@ -387,13 +412,13 @@ def _glu_way(node: Tensor, plans: tuple[_Plan, _Plan]) -> tuple[str, list | None
 
 
 def _glu_step(plan: _Plan) -> int:
-    """r8 groups per step: the up's rows of one step fill at most GLU_TILE_BYTES (one group at least)."""
-    return max(1, GLU_TILE_BYTES // (4 * plan.n * Q.R8))
+    """Groups per step: the up's rows of one step fill at most GLU_TILE_BYTES (one group at least)."""
+    return max(1, GLU_TILE_BYTES // (4 * plan.n * _group_rows()))
 
 
 def _glu_tile_bytes(plan: _Plan) -> int:
     """One thread's tile of the r8 way: the up's rows of one step."""
-    return _round64(4 * plan.n * min(Q.R8 * _glu_step(plan), plan.m))
+    return _round64(4 * plan.n * min(_group_rows() * _glu_step(plan), plan.m))
 
 
 def _glu_scratch(node: Tensor) -> int:
@@ -466,9 +491,10 @@ def _bind_glu_r8(plans: tuple[_Plan, _Plan], packs: list, x, out2, scratch, kind
     step = _glu_step(g)
     args = ((g.code, u.code), g.act, packs[0], packs[1], kind, table, x, qs, d, s, sums, out2, tiles, step)
     chunks = min(_chunks(g, g.weight_bytes + u.weight_bytes), packs[0].shape[0], tiles.shape[0])
+    r16 = Q.SIMD == "avx512"
     if chunks > 1:
-        return partial(Q.mul_mat_glu_r8_avx2_par, *args, chunks)
-    return partial(Q.mul_mat_glu_r8_avx2, *args)
+        return partial(A.mul_mat_glu_r16_par if r16 else Q.mul_mat_glu_r8_avx2_par, *args, chunks)
+    return partial(A.mul_mat_glu_r16 if r16 else Q.mul_mat_glu_r8_avx2, *args)
 
 
 def _bind_glu_blas(plans: tuple[_Plan, _Plan], ws: list, x, out2, scratch, kind: int, table):
@@ -551,7 +577,7 @@ def _nothing() -> None:
 def _tile_loader(plan: _Plan, w, m0: int, m1: int, rhs):
     """The call decoding weight rows m0..m1 into rhs (and, for the min columns, their block mins)."""
     threads = jit.threads()
-    avx2 = Q.SIMD == "avx2"
+    avx2 = _avx2()
     values, mins = rhs[:, :plan.k], rhs[:, plan.k:]
     if threads > 1:
         decode = partial(Q.dequantize_rows_avx2_par if avx2 else Q.dequantize_rows_par,
@@ -599,4 +625,4 @@ def bind_get_rows(node: Tensor, out, srcs: list, scratch):
     ids = srcs[1]
     if w is None or ids.ndim != 1:
         return None
-    return partial(Q.get_rows_avx2 if Q.SIMD == "avx2" else Q.get_rows, code, w, ids, out)
+    return partial(Q.get_rows_avx2 if _avx2() else Q.get_rows, code, w, ids, out)

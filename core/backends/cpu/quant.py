@@ -11,9 +11,10 @@ The arithmetic follows ggml's CPU backend on x86 (ggml-cpu/arch/x86/quants.c): t
 activation rounding (Q8_0/Q8_1: d = amax/127 stored as f16, q = round-half-even(x * 127/amax);
 Q8_K: d = max/-127 as f32) and exact integer block sums scaled once per block. Two
 implementations of every dot product: portable numba (any CPU), and AVX2 through a handful of
-LLVM intrinsics on a 256-bit vector type (`vec`), chosen once from the host's features (SIMD).
+LLVM intrinsics on a 256-bit vector type (`vec`), chosen once from the CPU's level (SIMD, isa.py).
 Decode steps read weights fastest in a layout repacked once at load: "r8" for AVX2, "ri64" for
-the portable kernels (see those sections); both read the same activation blocks.
+the portable kernels (see those sections), "r16" for AVX-512 (avx512.py); all read the same
+activation blocks.
 """
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
+from ggrun.core.backends.cpu import isa
 from ggrun.core.backends.cpu.jit import kernel
-from ggrun.core.backends.cpu.vecmath import gelu, gelu_table, silu
+from ggrun.core.backends.cpu.vecmath import GLU_GEGLU, GLU_GEGLU_TABLE, GLU_SWIGLU, glu_span  # noqa: F401
 from ggrun.core.dtypes import DType
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -83,28 +85,9 @@ def _round64(n: int) -> int:
     return (n + 63) // 64 * 64
 
 
-# ---------------------------------------------------------------------------------------------
-# Host features: the AVX2 kernels compile only where LLVM targets a CPU that has them
-# ---------------------------------------------------------------------------------------------
-
-def host_features() -> frozenset[str]:
-    """CPU features numba compiles for (the host's, or NUMBA_CPU_NAME/NUMBA_CPU_FEATURES')."""
-    from numba.core import config
-
-    if config.CPU_NAME and config.CPU_NAME != "host":
-        feats = (config.CPU_FEATURES or "").split(",")
-        return frozenset(f[1:] for f in feats if f.startswith("+"))
-    import llvmlite.binding as llvm
-
-    return frozenset(k for k, on in llvm.get_host_cpu_features().items() if on)
-
-
-def _simd_level() -> str:
-    feats = host_features()
-    return "avx2" if {"avx2", "fma", "f16c"} <= feats else "portable"
-
-
-SIMD = _simd_level()  # "avx2" or "portable", fixed at import
+# The instruction-set level (isa.py): "avx512" and "avx2" run the AVX2 kernels here (AVX-512 adds its
+# own in avx512.py), "generic" the portable ones. Read at call binding, so tests may set it lower.
+SIMD = isa.LEVEL
 
 # ---------------------------------------------------------------------------------------------
 # Portable scalar helpers
@@ -569,7 +552,7 @@ def _dotf_portable(row, x):
 
 # ---------------------------------------------------------------------------------------------
 # AVX2: a 256-bit vector type and the few intrinsics the dot products need. Compiled only where
-# SIMD == "avx2" (an x86 intrinsic on a CPU without it stops LLVM, so nothing else calls these).
+# SIMD is "avx2" or above (an x86 intrinsic on a CPU without it stops LLVM, so nothing else calls these).
 # ---------------------------------------------------------------------------------------------
 
 class _VecType(types.Type):
@@ -1406,24 +1389,26 @@ def _r8_block(code):
     return 272, 16
 
 
-def r8_block_bytes(code: int) -> int:
-    """Bytes of one r8 group (8 rows) per block (32 elements, 256 for the k-quants)."""
-    return {Q4_K: 1184, Q5_K: 1440, Q6_K: 1680}.get(code) or _r8_block.py_func(code)[0]
+def r8_block_bytes(code: int, rows: int = R8) -> int:
+    """Bytes of one group of `rows` rows (r8: 8) per block (32 elements, 256 for the k-quants): the
+    layout's every part holds a value per row, so it scales with the rows."""
+    return ({Q4_K: 1184, Q5_K: 1440, Q6_K: 1680}.get(code) or _r8_block.py_func(code)[0]) * rows // R8
 
 
 R8_CHUNK_GROUPS = 512  # groups repacked at a time: the temporaries stay small and in cache
 
 
-def repack_r8(code: int, raw: np.ndarray) -> np.ndarray:
-    """ggml blocks [M, row bytes] (uint8) -> r8 groups [ceil(M / 8), blocks * group bytes] (uint8)."""
+def repack_r8(code: int, raw: np.ndarray, rows: int = R8) -> np.ndarray:
+    """ggml blocks [M, row bytes] (uint8) -> r8 groups [ceil(M / 8), blocks * group bytes] (uint8);
+    with `rows`, groups of that many rows laid out alike (AVX-512's r16, see avx512.py)."""
     one = _repack_r8_k if code in (Q4_K, Q5_K, Q6_K) else _repack_r8_legacy
     m = raw.shape[0]
-    groups = (m + R8 - 1) // R8
+    groups = (m + rows - 1) // rows
     if groups <= R8_CHUNK_GROUPS:
-        return one(code, raw)
+        return one(code, raw, rows)
     out = None
     for g0 in range(0, groups, R8_CHUNK_GROUPS):
-        part = one(code, raw[g0 * R8:(g0 + R8_CHUNK_GROUPS) * R8])
+        part = one(code, raw[g0 * rows:(g0 + R8_CHUNK_GROUPS) * rows], rows)
         if out is None:
             out = np.empty((groups, part.shape[1]), dtype=np.uint8)
         out[g0:g0 + part.shape[0]] = part
@@ -1436,44 +1421,45 @@ def _lanes(q: np.ndarray) -> np.ndarray:
     return q.reshape(g, nb, rows, width // 4, 4).transpose(0, 1, 3, 2, 4).reshape(g, nb, -1)
 
 
-def _grouped(raw: np.ndarray, ts: int) -> np.ndarray:
-    """ggml rows as [groups, blocks, 8 rows, block bytes], zero rows padding the last group."""
+def _grouped(raw: np.ndarray, ts: int, rows: int) -> np.ndarray:
+    """ggml rows as [groups, blocks, rows, block bytes], zero rows padding the last group."""
     m = raw.shape[0]
     nb = raw.shape[1] // ts
-    groups = (m + R8 - 1) // R8
-    blocks = np.zeros((groups * R8, nb, ts), dtype=np.uint8)
+    groups = (m + rows - 1) // rows
+    blocks = np.zeros((groups * rows, nb, ts), dtype=np.uint8)
     blocks[:m] = raw.reshape(m, nb, ts)
-    return blocks.reshape(groups, R8, nb, ts).transpose(0, 2, 1, 3)
+    return blocks.reshape(groups, rows, nb, ts).transpose(0, 2, 1, 3)
 
 
-def _repack_r8_k(code: int, raw: np.ndarray) -> np.ndarray:
+def _repack_r8_k(code: int, raw: np.ndarray, rows: int) -> np.ndarray:
     """Q4_K/Q5_K per group and super-block: d, dmin (8 f16 each), the six-bit scales and mins
     unpacked to bytes [sub-block][row], (Q5_K) the fifth bits as 8 lane vectors of qh, then the
     quants as 32 lane vectors (32 bytes of each row per 64 elements). Q6_K: d, the int8 scales
     [group of 16][row], ql as 32 lane vectors, qh as 16."""
     ts = {Q4_K: 144, Q5_K: 176, Q6_K: 210}[code]
-    b = _grouped(raw, ts)
+    b = _grouped(raw, ts, rows)
     groups, nb = b.shape[:2]
     if code == Q6_K:
-        parts = [b[..., 208:210].reshape(groups, nb, 16),
-                 b[..., 192:208].transpose(0, 1, 3, 2).reshape(groups, nb, 128),
+        parts = [b[..., 208:210].reshape(groups, nb, 2 * rows),
+                 b[..., 192:208].transpose(0, 1, 3, 2).reshape(groups, nb, 16 * rows),
                  _lanes(b[..., 0:128]), _lanes(b[..., 128:192])]
     else:
         sc = b[..., 4:16]
         lo, hi, mixed = sc[..., 0:4], sc[..., 4:8], sc[..., 8:12]
         scales = np.concatenate([lo & 63, (mixed & 15) | ((lo >> 6) << 4)], axis=-1)  # [g, b, row, sub]
         mins = np.concatenate([hi & 63, (mixed >> 4) | ((hi >> 6) << 4)], axis=-1)
-        parts = [b[..., 0:2].reshape(groups, nb, 16), b[..., 2:4].reshape(groups, nb, 16),
-                 scales.transpose(0, 1, 3, 2).reshape(groups, nb, 64), mins.transpose(0, 1, 3, 2).reshape(groups, nb, 64)]
+        parts = [b[..., 0:2].reshape(groups, nb, 2 * rows), b[..., 2:4].reshape(groups, nb, 2 * rows),
+                 scales.transpose(0, 1, 3, 2).reshape(groups, nb, 8 * rows),
+                 mins.transpose(0, 1, 3, 2).reshape(groups, nb, 8 * rows)]
         if code == Q5_K:
             parts.append(_lanes(b[..., 16:48]))
         parts.append(_lanes(b[..., ts - 128:ts]))
     out = np.concatenate(parts, axis=-1)
-    assert out.shape[-1] == r8_block_bytes(code)
+    assert out.shape[-1] == r8_block_bytes(code, rows)
     return out.reshape(groups, -1)
 
 
-def _repack_r8_legacy(code: int, raw: np.ndarray) -> np.ndarray:
+def _repack_r8_legacy(code: int, raw: np.ndarray, rows: int) -> np.ndarray:
     """The legacy types: per group and block d (8 f16), (Q4_1/Q5_1) m, (Q5) qh, then the quants.
 
     The last group is padded with zero rows (scale 0). Q5's fifth bits are reordered so that
@@ -1481,26 +1467,23 @@ def _repack_r8_legacy(code: int, raw: np.ndarray) -> np.ndarray:
     joins the nibble in lane byte t of vector j (h = 0: low nibbles, h = 1: high nibbles).
     """
     ts = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34}[code]
-    m = raw.shape[0]
-    nb = raw.shape[1] // ts
-    groups = (m + R8 - 1) // R8
-    blocks = np.zeros((groups * R8, nb, ts), dtype=np.uint8)
-    blocks[:m] = raw.reshape(m, nb, ts)
-    blocks = blocks.reshape(groups, R8, nb, ts).transpose(0, 2, 1, 3)  # [g, b, row, bytes]
-    size, q_at = _r8_block.py_func(code)
+    blocks = _grouped(raw, ts, rows)  # [g, b, row, bytes]
+    groups, nb = blocks.shape[:2]
+    size, q_at = (v * rows // R8 for v in _r8_block.py_func(code))
+    h = 2 * rows  # bytes of one f16 per row
     out = np.empty((groups, nb, size), dtype=np.uint8)
-    out[:, :, 0:16] = blocks[:, :, :, 0:2].reshape(groups, nb, 16)  # d
+    out[:, :, 0:h] = blocks[:, :, :, 0:2].reshape(groups, nb, h)  # d
     at = 2
     if code in (Q4_1, Q5_1):
-        out[:, :, 16:32] = blocks[:, :, :, 2:4].reshape(groups, nb, 16)  # m
+        out[:, :, h:2 * h] = blocks[:, :, :, 2:4].reshape(groups, nb, h)  # m
         at = 4
     if code in (Q5_0, Q5_1):
         bits = np.unpackbits(blocks[:, :, :, at:at + 4], axis=-1, bitorder="little")  # element e -> bits[e]
         e = np.array([16 * (i % 2) + 4 * ((i % 8) // 2) + i // 8 for i in range(32)])  # new bit i = 8t + 2j + h
-        out[:, :, q_at - 32:q_at] = np.packbits(bits[..., e], axis=-1, bitorder="little").reshape(groups, nb, 32)
+        out[:, :, q_at - 4 * rows:q_at] = np.packbits(bits[..., e], axis=-1, bitorder="little").reshape(groups, nb, -1)
         at += 4
     qs = blocks[:, :, :, at:]  # [g, b, row, 16 or 32 bytes]
-    lanes = qs.reshape(groups, nb, R8, -1, 4).transpose(0, 1, 3, 2, 4)  # [g, b, j, row, 4]
+    lanes = qs.reshape(groups, nb, rows, -1, 4).transpose(0, 1, 3, 2, 4)  # [g, b, j, row, 4]
     out[:, :, q_at:] = lanes.reshape(groups, nb, -1)
     return out.reshape(groups, nb * size)
 
@@ -2061,37 +2044,10 @@ def mul_mat_r8_avx2_par(codes, act, packs, n_parts, x, qs, d, s, sums, outs, n_c
 # A gated feed-forward's first half (mul_mat_glu): the gate's and the up's rows of one chunk of
 # groups, then the GLU of the two while they are in cache. The gate's rows go to the result, the
 # up's to a tile of the caller's scratch, `step` groups at a time; threads split the groups.
-GLU_SWIGLU, GLU_GEGLU, GLU_GEGLU_TABLE = 0, 1, 2
-
-
-@kernel(inline="always")
-def _glu_row(kind, table, g, u, out):
-    """out[i] = silu(g[i]) * u[i], gelu(g[i]) * u[i] or ggml's table GELU of g[i] times u[i] (the
-    elementwise kernels' formulas; out may be g): a loop per kind, so each compiles to SIMD code
-    where it can."""
-    if kind == GLU_SWIGLU:
-        for i in range(out.shape[0]):
-            out[i] = silu(g[i]) * u[i]
-    elif kind == GLU_GEGLU_TABLE:
-        for i in range(out.shape[0]):
-            out[i] = gelu_table(g[i], table) * u[i]
-    else:
-        for i in range(out.shape[0]):
-            out[i] = gelu(g[i]) * u[i]
-
-
-@kernel(_nrt=False)
-def _glu_span(kind, table, out, up, r0, r1):
-    """out[:, r0:r1] = glu(out[:, r0:r1], up[:, 0:r1 - r0])."""
-    for n in range(out.shape[0]):
-        row = out[n, r0:r1]
-        _glu_row(kind, table, row, up[n, :r1 - r0], row)
-
-
 @kernel
 def glu_rows(kind, table, out, up):
     """out = glu(out, up) for [N, M] arrays (kind: GLU_SWIGLU, GLU_GEGLU or GLU_GEGLU_TABLE)."""
-    _glu_span(kind, table, out, up, 0, out.shape[1])
+    glu_span(kind, table, out, up, 0, out.shape[1])
 
 
 @kernel(_nrt=False)
@@ -2106,7 +2062,7 @@ def _r8_glu_groups(codes, pg, pu, kind, table, qs, d, s, sums, out, tile, g0, g1
         _rows_r8_any_avx2(codes[0], pg, qs, d, s, sums, out, a, b, 0, n)
         up = tile[:n * (r1 - r0)].reshape((n, r1 - r0))
         _rows_r8_any_avx2(codes[1], pu[a:b], qs, d, s, sums, up, 0, b - a, 0, n)
-        _glu_span(kind, table, out, up, r0, r1)
+        glu_span(kind, table, out, up, r0, r1)
 
 
 @kernel

@@ -33,9 +33,9 @@ Packed = np.ndarray | Q.RI64  # what matmul.repack returns
 
 
 def layout_digest() -> str:
-    """What the repacked bytes depend on besides the model: the repack code and the host's layout."""
+    """What the repacked bytes depend on besides the model: the repack code and the level's layout."""
     digest = hashlib.sha256(Q.SIMD.encode())
-    for name in ("quant.py", "matmul.py"):
+    for name in ("quant.py", "avx512.py", "matmul.py"):
         digest.update((Path(__file__).parent / name).read_bytes())
     return digest.hexdigest()[:16]
 

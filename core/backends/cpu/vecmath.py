@@ -148,6 +148,34 @@ def gelu_table(x, table):
     return table[f32_to_f16(x)]
 
 
+# A gated feed-forward's GLU of its two products (the product kernels apply it to rows as they come).
+GLU_SWIGLU, GLU_GEGLU, GLU_GEGLU_TABLE = 0, 1, 2
+
+
+@kernel(inline="always")
+def glu_row(kind, table, g, u, out):
+    """out[i] = silu(g[i]) * u[i], gelu(g[i]) * u[i] or ggml's table GELU of g[i] times u[i] (the
+    elementwise kernels' formulas; out may be g): a loop per kind, so each compiles to SIMD code
+    where it can."""
+    if kind == GLU_SWIGLU:
+        for i in range(out.shape[0]):
+            out[i] = silu(g[i]) * u[i]
+    elif kind == GLU_GEGLU_TABLE:
+        for i in range(out.shape[0]):
+            out[i] = gelu_table(g[i], table) * u[i]
+    else:
+        for i in range(out.shape[0]):
+            out[i] = gelu(g[i]) * u[i]
+
+
+@kernel(_nrt=False)
+def glu_span(kind, table, out, up, r0, r1):
+    """out[:, r0:r1] = glu(out[:, r0:r1], up[:, 0:r1 - r0])."""
+    for n in range(out.shape[0]):
+        row = out[n, r0:r1]
+        glu_row(kind, table, row, up[n, :r1 - r0], row)
+
+
 def gelu_f16_table() -> np.ndarray:
     """f32 [65536]: the reference GELU of every f16 value, rounded to f16 (ggml's table), by f16 bits."""
     from ggrun.core.backends.kernels import _gelu_exact_into
