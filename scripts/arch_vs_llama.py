@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -44,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 from gguf.constants import GGMLQuantizationType as QT  # noqa: E402
 
 from ggrun.core.llm.kl_divergence import KLStats, LogProbReader, dequantize_log_probs  # noqa: E402
+from ppl_vs_llama import ggrun_cmd, run  # noqa: E402  (this folder, beside this script)
 from tests.synth import FAMILY_PRESETS, SPEED_PRESETS, write_random_family, write_tiny_family  # noqa: E402
 
 DEFAULT_ANCHOR = Path.home() / ".cache/ggrun-anchor/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
@@ -52,18 +52,6 @@ DATA = ROOT / "tests" / "data" / "families_llama_cpp.json"
 N_CTX = 128
 _QUIET = None  # llama.cpp's log callback (silent)
 SAVED_CHUNKS = 2  # chunks of llama.cpp's log-probabilities kept in the test data (63 positions each)
-
-
-def ggrun_cmd() -> list[str]:
-    exe = Path(sys.executable).with_name("ggrun")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "ggrun.cli.app"]
-
-
-def run(cmd: list[str]) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
-    return proc
 
 
 def llama_lib(bin_dir: Path):

@@ -237,22 +237,22 @@ def bind_silu(node, out, srcs, scratch):
 
 @binds("scale")
 def bind_scale(node, out, srcs, scratch):
-    flat = _flat_f32(node, [srcs[0], out], 1)
-    if flat is None:
-        return None
-    a, o = flat
-    s = np.float32(node.params["s"])
-    return lambda: scale_flat(a, s, o)
+    return _bind_with_param(scale_flat, "s", node, out, srcs)
 
 
 @binds("softcap")
 def bind_softcap(node, out, srcs, scratch):
+    return _bind_with_param(softcap_flat, "cap", node, out, srcs)
+
+
+def _bind_with_param(fn, key: str, node, out, srcs):
+    """fn(a, value, out) over flat f32 views, value the node's f32 parameter `key` (scale's s, softcap's cap)."""
     flat = _flat_f32(node, [srcs[0], out], 1)
     if flat is None:
         return None
     a, o = flat
-    cap = np.float32(node.params["cap"])
-    return lambda: softcap_flat(a, cap, o)
+    value = np.float32(node.params[key])
+    return lambda: fn(a, value, o)
 
 
 def _bind_binary(fn, node, out, srcs):
