@@ -19,6 +19,7 @@ import os
 import sys
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -130,6 +131,9 @@ class Scheduler:
         self.slots_used: deque[int] = deque(maxlen=SLOTS_KEPT)  # the slots of the latest computes (reports)
         self._slot_events: dict[tuple[str, int], object] = {}  # (backend, slot) -> after its last split reading it
         self.copy_counts = {kind: CopyCount() for kind in COPY_KINDS}
+        # called with (split, "start") before a split's copies and (split, "end") after its run: a
+        # diagnostic's hook (scripts/pipeline_timeline.py records device events there)
+        self.probe: Callable[[Split, str], None] | None = None
 
     @property
     def cpu(self) -> Backend:
@@ -341,9 +345,13 @@ class Scheduler:
         self.slots_used.append(slot)
         for split in sg.splits:
             b = split.backend
+            if self.probe is not None:
+                self.probe(split, "start")
             if split.copies:
                 self._copy_inputs(sg, split, slot)
             b.run_prepared(self._calls(sg, split, slot))
+            if self.probe is not None:
+                self.probe(split, "end")
             if n_slots > 1 and split.copies:
                 self._slot_events[(b.name, slot)] = b.record_event()
         if self.debug >= 2:
