@@ -68,8 +68,8 @@ def test_a_capped_process_compiles_for_its_level(level):
     """Its kernels, numba's target and numba's cache directory are the level's (nothing compiles here)."""
     if not isa.NEEDS[level] <= isa.host_features():
         pytest.skip(f"this CPU lacks level {level}")
-    code = ("import numba; from ggrun.core.backends.cpu import matmul, quant;"
-            "print(quant.SIMD, numba.config.CACHE_DIR, numba.config.CPU_FEATURES)")
+    code = ("import numba; from ggrun.core.backends.cpu import matmul; from ggrun.core.backends.cpu.quant import codes;"
+            "print(codes.SIMD, numba.config.CACHE_DIR, numba.config.CPU_FEATURES)")
     proc = _python(code, level)
     assert proc.returncode == 0, proc.stderr
     simd, cache, features = proc.stdout.split()

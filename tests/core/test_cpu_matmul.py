@@ -1,4 +1,4 @@
-"""The CPU's compiled products with stored weights (core/backends/cpu/matmul.py, quant.py) against
+"""The CPU's compiled products with stored weights (core/backends/cpu/matmul.py, quant/) against
 the reference kernels, op by op: every weight type, decode steps and batches (each of the three
 paths), llama numerics (8-bit activation blocks) and f32 numerics, each instruction-set level the
 process may run (`simd`), one and two threads, odd row counts; get_rows of every stored type; and
@@ -16,10 +16,9 @@ from gguf.quants import quantize as gguf_quantize
 
 from ggrun.core import ops
 from ggrun.core.backends.cpu import CPUBackend, isa, jit
-from ggrun.core.backends.cpu import avx512 as A
 from ggrun.core.backends.cpu import backend as cpu_backend
 from ggrun.core.backends.cpu import matmul
-from ggrun.core.backends.cpu import quant as Q
+from ggrun.core.backends.cpu.quant import activations, avx2_r8, avx512, codes, decode, layouts, portable
 from ggrun.core.dtypes import DType
 from tests.core.backend_ops import Leafs, ReferenceBackend, compare, planned, run_on
 from tests.core.harness import f32_to_bf16
@@ -114,10 +113,10 @@ def levels_to_test() -> tuple[str, ...]:
 
 @pytest.fixture(params=isa.LEVELS)
 def simd(request, monkeypatch):
-    """The kernels of one level (quant.SIMD set to it: the Python side picks kernels and layouts by it)."""
+    """The kernels of one level (quant.codes.SIMD set to it: the Python side picks kernels and layouts by it)."""
     if request.param not in levels_to_test():
         pytest.skip(f"level {request.param}: above this CPU's or this run's ({isa.LEVEL})")
-    monkeypatch.setattr(Q, "SIMD", request.param)
+    monkeypatch.setattr(codes, "SIMD", request.param)
     return request.param
 
 
@@ -152,8 +151,8 @@ def test_mul_mat_repacked(dtype, n_tokens, simd, monkeypatch):
         assert packed is None
         return
     assert packed is not None
-    module, kernel = {"avx512": (A, "mul_mat_r16"), "avx2": (Q, "mul_mat_r8_avx2"),
-                      "generic": (Q, "mul_mat_ri_portable")}[simd]
+    module, kernel = {"avx512": (avx512, "mul_mat_r16"), "avx2": (avx2_r8, "mul_mat_r8_avx2"),
+                      "generic": (portable, "mul_mat_ri_portable")}[simd]
     used, real = [], getattr(module, kernel)
 
     def spy(*args):
@@ -213,7 +212,7 @@ def test_repacked_rows_do_not_depend_on_the_batch(dtype):
     n, k = 23, k_for(dtype)
     data = weight_data(dtype, 37, k, 0)
     if matmul.repack(dtype, data) is None:
-        pytest.skip(f"level {Q.SIMD} reads {dtype} as stored: a batch takes the BLAS path")
+        pytest.skip(f"level {codes.SIMD} reads {dtype} as stored: a batch takes the BLAS path")
     x = np.random.default_rng(5).standard_normal((n, k)).astype(np.float32)
 
     def build(rows):
@@ -258,14 +257,14 @@ def test_every_half_decodes_exactly(dtype, simd):
     bits = np.arange(1 << 16, dtype=np.uint16)
     want = bits.view(np.float16).astype(np.float32) if dtype is DType.F16 else (bits.astype(np.uint32) << 16).view(np.float32)
     out = np.empty((1, 1 << 16), np.float32)
-    decode = Q.dequantize_rows if simd == "generic" else Q.dequantize_rows_avx2
-    decode(Q.CODES[dtype], bits.view(np.uint8).reshape(1, -1), 0, 1, out)
+    rows = decode.dequantize_rows if simd == "generic" else decode.dequantize_rows_avx2
+    rows(codes.CODES[dtype], bits.view(np.uint8).reshape(1, -1), 0, 1, out)
     nan = np.isnan(want)
     assert np.array_equal(np.isnan(out[0]), nan)
     assert np.array_equal(out[0][~nan].view(np.uint32), want[~nan].view(np.uint32))
 
 
-@pytest.mark.parametrize("act", [Q.ACT_Q8_0, Q.ACT_Q8_1, Q.ACT_Q8_K], ids=["q8_0", "q8_1", "q8_k"])
+@pytest.mark.parametrize("act", [codes.ACT_Q8_0, codes.ACT_Q8_1, codes.ACT_Q8_K], ids=["q8_0", "q8_1", "q8_k"])
 @pytest.mark.parametrize("level", ["avx2", "avx512"])
 def test_vector_activation_blocks_equal_the_portable_ones(act, level):
     """The AVX2 and AVX-512 quantizers give the portable one's blocks (ggml's rounding), here for
@@ -280,9 +279,9 @@ def test_vector_activation_blocks_equal_the_portable_ones(act, level):
     wide[1, 32:64] *= 1e-6
     wide[3, 10], wide[3, 20] = -9.0, 9.0
     x = wide[:, :768]
-    got, want = (Q.act_arrays(np.zeros(Q.act_arrays_bytes(4, 768), np.uint8), 4, 768) for _ in range(2))
-    (Q.quantize_rows_avx2 if level == "avx2" else A.quantize_rows_avx512)(act, x, *got)
-    Q.quantize_rows(act, np.ascontiguousarray(x), *want)
+    got, want = (codes.act_arrays(np.zeros(codes.act_arrays_bytes(4, 768), np.uint8), 4, 768) for _ in range(2))
+    (activations.quantize_rows_avx2 if level == "avx2" else avx512.quantize_rows_avx512)(act, x, *got)
+    activations.quantize_rows(act, np.ascontiguousarray(x), *want)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
 
@@ -295,9 +294,9 @@ def test_avx512_activation_blocks_keep_a_nan():
     x = np.ones((1, 96), np.float32)
     x[0, :32] = np.nan
     x[0, 40] = np.nan
-    for act in (Q.ACT_Q8_0, Q.ACT_Q8_1):
-        qs, d, s, sums = Q.act_arrays(np.zeros(Q.act_arrays_bytes(1, 96), np.uint8), 1, 96)
-        A.quantize_rows_avx512(act, x, qs, d, s, sums)
+    for act in (codes.ACT_Q8_0, codes.ACT_Q8_1):
+        qs, d, s, sums = codes.act_arrays(np.zeros(codes.act_arrays_bytes(1, 96), np.uint8), 1, 96)
+        avx512.quantize_rows_avx512(act, x, qs, d, s, sums)
         assert np.isnan(d[0, :2]).all() and d[0, 2] == np.float32(np.float16(1 / 127))
 
 
@@ -308,14 +307,14 @@ def test_avx512_products_equal_avx2_bit_for_bit(dtype):
     steps, a 4-row tile and the rows left over, and a partial last group."""
     if "avx512" not in levels_to_test():
         pytest.skip(f"level avx512: above this CPU's or this run's ({isa.LEVEL})")
-    code, act, k, m = Q.CODES[dtype], Q.ACT_OF[dtype], k_for(dtype), 37
+    code, act, k, m = codes.CODES[dtype], codes.ACT_OF[dtype], k_for(dtype), 37
     raw = weight_data(dtype, m, k, 0)
-    packs = {"r8": Q.repack_r8(code, raw), "r16": A.repack_r16(code, raw)}
+    packs = {"r8": layouts.repack_r8(code, raw), "r16": layouts.repack_r16(code, raw)}
     for n in (1, 6):
         x = np.random.default_rng(n).standard_normal((n, k)).astype(np.float32)
         outs = {}
-        for name, fn in (("r8", Q.mul_mat_r8_avx2), ("r16", A.mul_mat_r16)):
-            act_rows = Q.act_arrays(np.zeros(Q.act_arrays_bytes(n, k), np.uint8), n, k)
+        for name, fn in (("r8", avx2_r8.mul_mat_r8_avx2), ("r16", avx512.mul_mat_r16)):
+            act_rows = codes.act_arrays(np.zeros(codes.act_arrays_bytes(n, k), np.uint8), n, k)
             outs[name] = np.full((n, m), np.nan, np.float32)
             fn((code,) * 3, act, (packs[name],) * 3, 1, x, *act_rows, (outs[name],) * 3)
         np.testing.assert_array_equal(outs["r16"].view(np.uint32), outs["r8"].view(np.uint32), err_msg=f"n={n}")

@@ -14,10 +14,9 @@ import pytest
 
 from ggrun.core import ops
 from ggrun.core.backends.cpu import CPUBackend
-from ggrun.core.backends.cpu import avx512 as A
 from ggrun.core.backends.cpu import backend as cpu_backend
 from ggrun.core.backends.cpu import matmul
-from ggrun.core.backends.cpu import quant as Q
+from ggrun.core.backends.cpu.quant import avx2_r8, avx512, codes
 from ggrun.core.backends.sim import SimBackend
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import GraphError
@@ -159,10 +158,10 @@ def test_threads_and_simd_levels(dtype, n, simd, two_threads):  # noqa: F811
 def test_r8_way_in_several_steps_per_thread(monkeypatch, two_threads):  # noqa: F811
     """One group of rows (r8: eight, r16: sixteen) per step: each step's GLU reads only the rows that
     step computed."""
-    if Q.SIMD == "generic":
+    if codes.SIMD == "generic":
         pytest.skip("the r8 and r16 layouts are AVX2's and AVX-512's")
     monkeypatch.setattr(matmul, "GLU_TILE_BYTES", 1)
-    module, name = (A, "mul_mat_glu_r16_par") if Q.SIMD == "avx512" else (Q, "mul_mat_glu_r8_avx2_par")
+    module, name = (avx512, "mul_mat_glu_r16_par") if codes.SIMD == "avx512" else (avx2_r8, "mul_mat_glu_r8_avx2_par")
     calls, real = [], getattr(module, name)
     monkeypatch.setattr(module, name, lambda *args: calls.append(args[13]) or real(*args))
     for types in ((DType.Q4_1, DType.Q4_1), (DType.Q4_K, DType.Q6_K)):
@@ -182,7 +181,7 @@ def test_blas_way_over_several_tiles(monkeypatch):
 
 
 def test_each_case_takes_its_way():
-    r8 = "whole" if Q.SIMD == "generic" else "r8"
+    r8 = "whole" if codes.SIMD == "generic" else "r8"
     cases = {
         Ffn((DType.Q4_1, DType.Q4_1), 16, 64, 1): r8,                     # decode, repacked
         Ffn((DType.Q5_0, DType.Q5_0), 16, 64, 512): r8,                   # a prompt, repacked

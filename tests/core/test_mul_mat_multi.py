@@ -10,10 +10,9 @@ import pytest
 
 from ggrun.core import ops
 from ggrun.core.backends.cpu import CPUBackend
-from ggrun.core.backends.cpu import avx512 as A
 from ggrun.core.backends.cpu import backend as cpu_backend
 from ggrun.core.backends.cpu import matmul
-from ggrun.core.backends.cpu import quant as Q
+from ggrun.core.backends.cpu.quant import avx2_r8, avx512, codes
 from ggrun.core.backends.sim import SimBackend
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import GraphError
@@ -136,9 +135,9 @@ def test_cpu_equals_its_single_products_and_the_reference(types, rows, n, numeri
 
 
 def test_one_call_serves_weights_that_share_activation_blocks(monkeypatch):
-    if Q.SIMD == "generic":
+    if codes.SIMD == "generic":
         pytest.skip("the r8 and r16 layouts are AVX2's and AVX-512's")
-    module, name = (A, "mul_mat_r16") if Q.SIMD == "avx512" else (Q, "mul_mat_r8_avx2")
+    module, name = (avx512, "mul_mat_r16") if codes.SIMD == "avx512" else (avx2_r8, "mul_mat_r8_avx2")
     calls, real = [], getattr(module, name)
     monkeypatch.setattr(module, name, lambda *args: calls.append(args[3]) or real(*args))
     run_on(CPUBackend(), fused((DType.Q5_0, DType.Q5_0, DType.Q8_0), (32, 8, 8), 5))

@@ -19,7 +19,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from ggrun.core.backends.cpu.jit import kernel
-from ggrun.core.backends.cpu.quant import CODES, F16, F32, Q4_0, Q8_0
+from ggrun.core.backends.cpu.quant.codes import CODES, F16, F32, Q4_0, Q8_0
 from ggrun.core.backends.cpu.vecmath import f16_to_f32, f32_to_f16, fma
 from ggrun.core.dtypes import DType
 

@@ -1,7 +1,7 @@
 """CPU binders for products with stored weights (mul_mat of a 2-d block-quantized, f16, bf16 or
 f32 weight with activation rows; mul_mat_multi, several such weights with one input; mul_mat_glu,
 a feed-forward's gate and up products and their GLU) and for get_rows from them; the compiled
-kernels are in quant.py.
+kernels are in the quant/ package.
 
 Three ways to compute out[N, M] = x[N, K] @ w[M, K]^T, chosen per node when it is bound:
 - "q8": with llama numerics (the weight's `act_quant`), x's rows are quantized once to the 8-bit
@@ -16,7 +16,7 @@ Decode-step products read a weight fastest in a repacked layout made once at loa
 calls `repack(dtype, raw)` for each 2-d weight kept in its GGUF blocks and, where it returns an
 array, keeps it in the weight tensor's params under REPACKED; the "q8" path then reads it, for
 batches too (four activation rows at a time). Which layout and kernels depends on the CPU's level
-(quant.SIMD, isa.py): "r16" for AVX-512 (avx512.py), "r8" for AVX2, "ri64" for the portable
+(quant.codes.SIMD, isa.py): "r16" for AVX-512 (quant/avx512.py), "r8" for AVX2, "ri64" for the portable
 kernels. A mul_mat_multi whose weights are all repacked and read the same activation blocks is one
 such call: x is quantized once for all of them.
 """
@@ -30,17 +30,16 @@ from functools import partial
 import numba
 import numpy as np
 
-from ggrun.core.backends.cpu import avx512 as A
-from ggrun.core.backends.cpu import jit
-from ggrun.core.backends.cpu import quant as Q
+from ggrun.core.backends.cpu import jit, vecmath
 from ggrun.core.backends.cpu.dispatch import binds
 from ggrun.core.backends.cpu.elementwise import f16_gelu_table
+from ggrun.core.backends.cpu.quant import activations, avx2, avx2_r8, avx512, codes, decode, layouts, portable
 from ggrun.core.backends.cpu.warmup import THREADS, product, warms
 from ggrun.core.dtypes import DType
 from ggrun.core.tensor import Tensor
 
 # Activation rounding that a weight's `act_quant` asks for (as the reference kernel reads it).
-_ROUNDING = {"q8_0": Q.ACT_Q8_0, "q8_k": Q.ACT_Q8_K}
+_ROUNDING = {"q8_0": codes.ACT_Q8_0, "q8_k": codes.ACT_Q8_K}
 
 # Largest N (rows of x) for which the integer row kernels beat decoding tiles for numpy's sgemm,
 # measured on one core of an AMD Zen 5 (AVX2 kernels, machine idle) for SmolLM2's shapes (576x576,
@@ -84,7 +83,7 @@ class _Plan:
 
     @property
     def code(self) -> int:
-        return Q.CODES[self.dtype]
+        return codes.CODES[self.dtype]
 
     @property
     def weight_bytes(self) -> int:
@@ -94,7 +93,7 @@ class _Plan:
     def min_columns(self) -> bool:
         """BLAS path of a Q4_1/Q5_1 weight with 8-bit activations: one more column per block
         carries the weight's min against the f16 rounding of ggml's s (see quant.round_rows_s)."""
-        return self.path == "blas" and self.act == Q.ACT_Q8_0 and self.dtype in (DType.Q4_1, DType.Q5_1)
+        return self.path == "blas" and self.act == codes.ACT_Q8_0 and self.dtype in (DType.Q4_1, DType.Q5_1)
 
     @property
     def cols(self) -> int:
@@ -106,12 +105,12 @@ class _Plan:
 
     def scratch_bytes(self) -> int:
         if self.path == "q8":
-            return Q.act_arrays_bytes(self.n, self.k) + _work_bytes()
+            return codes.act_arrays_bytes(self.n, self.k) + _work_bytes()
         if self.path == "f32":
             return _round64(numba.config.NUMBA_NUM_THREADS * self.k * 4)
         size = 0
         if self.act is not None:  # the quantized rows, then the f32 values they hold
-            size += Q.act_arrays_bytes(self.n, self.k) + _round64(self.n * self.cols * 4)
+            size += codes.act_arrays_bytes(self.n, self.k) + _round64(self.n * self.cols * 4)
         if self.dtype is not DType.F32:
             size += _round64(self.tile_rows * self.cols * 4)
         return size
@@ -124,7 +123,7 @@ def _round64(n: int) -> int:
 def _plan(a: Tensor, b: Tensor) -> _Plan | None:
     """How the product of weight a with activation rows b runs here, or None where the reference
     kernel must (attention over the KV cache, f16/bf16 activations, unknown rounding)."""
-    if a.dtype not in Q.CODES or len(a.shape) != 2 or b.dtype is not DType.F32:
+    if a.dtype not in codes.CODES or len(a.shape) != 2 or b.dtype is not DType.F32:
         return None
     m, k = a.shape
     n = math.prod(b.shape[:-1])
@@ -136,15 +135,15 @@ def _plan(a: Tensor, b: Tensor) -> _Plan | None:
         act = _ROUNDING.get(act_quant)
         if act is None:
             return None
-        if k % Q.ACT_BLOCK[act]:  # the reference leaves such rows unrounded
+        if k % codes.ACT_BLOCK[act]:  # the reference leaves such rows unrounded
             act = None
     if not a.dtype.is_quantized and act is not None:
         # no ggml type quantizes activations for a float weight: leave such a pairing to the reference
         return None
     if a.dtype is DType.F32:
         return _Plan("blas", a.dtype, act, n, m, k)
-    own = Q.ACT_OF.get(a.dtype)
-    if act is not None and own is not None and (act == Q.ACT_Q8_K) == (own == Q.ACT_Q8_K):
+    own = codes.ACT_OF.get(a.dtype)
+    if act is not None and own is not None and (act == codes.ACT_Q8_K) == (own == codes.ACT_Q8_K):
         repacked = a.view_src is None and a.params.get(REPACKED) is not None  # checked when bound
         if n <= (R8_MAX_N.get(a.dtype, Q8_MAX_N) if repacked else Q8_MAX_N):
             return _Plan("q8", a.dtype, own, n, m, k)
@@ -159,20 +158,20 @@ _RI64_TYPES = (DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q8_0)
 
 def _avx2() -> bool:
     """Whether the AVX2 kernels may run (levels avx2 and avx512)."""
-    return Q.SIMD != "generic"
+    return codes.SIMD != "generic"
 
 
 def _group_rows() -> int:
     """Rows per group of the interleaved layout of this level: r16 (AVX-512) or r8 (AVX2)."""
-    return A.R16 if Q.SIMD == "avx512" else Q.R8
+    return layouts.R16 if codes.SIMD == "avx512" else layouts.R8
 
 
 def _group_bytes(code: int) -> int:
     """Bytes per group and block of the interleaved layout of this level."""
-    return A.r16_block_bytes(code) if Q.SIMD == "avx512" else Q.r8_block_bytes(code)
+    return layouts.r16_block_bytes(code) if codes.SIMD == "avx512" else layouts.r8_block_bytes(code)
 
 
-def repack(dtype: DType, raw: np.ndarray) -> np.ndarray | Q.RI64 | None:
+def repack(dtype: DType, raw: np.ndarray) -> np.ndarray | layouts.RI64 | None:
     """A 2-d weight's stored rows (uint8 [M, row bytes], GGUF blocks) in the layout the decode
     kernels of this level read fastest (AVX-512: "r16", AVX2: "r8", uint8 arrays; generic: "ri64"),
     or None where they read the stored blocks directly.
@@ -180,54 +179,54 @@ def repack(dtype: DType, raw: np.ndarray) -> np.ndarray | Q.RI64 | None:
     Made once per weight at load (about 0.1 s for 30 MB); the caller keeps the result in the
     weight tensor's params under REPACKED. The stored bytes stay in use too (get_rows, batches).
     """
-    if dtype not in Q.CODES or not dtype.is_quantized:
+    if dtype not in codes.CODES or not dtype.is_quantized:
         return None
     raw = np.asarray(raw)
     if raw.ndim != 2 or raw.dtype != np.uint8 or raw.shape[1] % dtype.type_size:
         raise ValueError(f"repack: {dtype} rows must be uint8 [rows, row bytes], got {raw.dtype} {raw.shape}")
-    code = Q.CODES[dtype]
-    if Q.SIMD == "avx512":
-        return A.repack_r16(code, raw) if code in A.R16_TYPES else None
-    if Q.SIMD == "avx2":
-        return Q.repack_r8(code, raw) if code in Q.R8_TYPES else None
-    return Q.repack_ri64(code, raw) if dtype in _RI64_TYPES else None
+    code = codes.CODES[dtype]
+    if codes.SIMD == "avx512":
+        return layouts.repack_r16(code, raw) if code in layouts.R16_TYPES else None
+    if codes.SIMD == "avx2":
+        return layouts.repack_r8(code, raw) if code in layouts.R8_TYPES else None
+    return layouts.repack_ri64(code, raw) if dtype in _RI64_TYPES else None
 
 
 def repacked_bytes(dtype: DType, shape: tuple[int, int]) -> int:
     """Bytes `repack` adds for a weight of this type and shape on this host (for `ggrun measure`,
     which has no weight data)."""
-    if dtype not in Q.CODES or not dtype.is_quantized:
+    if dtype not in codes.CODES or not dtype.is_quantized:
         return 0
     m, k = shape
     blocks = k // dtype.block_size
-    code = Q.CODES[dtype]
+    code = codes.CODES[dtype]
     if _avx2():
         rows = _group_rows()
-        return (m + rows - 1) // rows * blocks * _group_bytes(code) if code in Q.R8_TYPES else 0
+        return (m + rows - 1) // rows * blocks * _group_bytes(code) if code in layouts.R8_TYPES else 0
     if dtype not in _RI64_TYPES:
         return 0
-    groups = (m + Q.RI - 1) // Q.RI
-    return sum(a.nbytes for a in Q.repack_ri64(code, np.zeros((1, dtype.row_bytes(k)), np.uint8))) * groups
+    groups = (m + layouts.RI - 1) // layouts.RI
+    return sum(a.nbytes for a in layouts.repack_ri64(code, np.zeros((1, dtype.row_bytes(k)), np.uint8))) * groups
 
 
 def _repacked(a: Tensor, plan: _Plan):
     """Weight a's repacked rows when the engine made them in this host's layout for its shape."""
     packed = a.params.get(REPACKED) if a.view_src is None else None
     blocks = plan.k // plan.dtype.block_size
-    if isinstance(packed, np.ndarray) and _avx2() and plan.code in Q.R8_TYPES:
+    if isinstance(packed, np.ndarray) and _avx2() and plan.code in layouts.R8_TYPES:
         groups = (plan.m + _group_rows() - 1) // _group_rows()
         ok = packed.shape == (groups, blocks * _group_bytes(plan.code)) and packed.dtype == np.uint8
         return packed if ok else None
-    if isinstance(packed, Q.RI64) and not _avx2() and plan.dtype in _RI64_TYPES:
-        groups = (plan.m + Q.RI - 1) // Q.RI
-        ok = packed.q.shape[:2] == (groups, blocks) and packed.d.shape == (groups, blocks, Q.RI)
+    if isinstance(packed, layouts.RI64) and not _avx2() and plan.dtype in _RI64_TYPES:
+        groups = (plan.m + layouts.RI - 1) // layouts.RI
+        ok = packed.q.shape[:2] == (groups, blocks) and packed.d.shape == (groups, blocks, layouts.RI)
         return packed if ok else None
     return None
 
 
 def _work_bytes() -> int:
     """The ri64 kernels' per-thread accumulators: f32 [threads, 2, 64]."""
-    return numba.config.NUMBA_NUM_THREADS * 2 * Q.RI * 4
+    return numba.config.NUMBA_NUM_THREADS * 2 * layouts.RI * 4
 
 
 def _scratch(node: Tensor) -> int:
@@ -281,54 +280,55 @@ def _bind_product(plan: _Plan, a: Tensor, w, x, out2, scratch):
     if w is None:
         return None
     chunks = _chunks(plan)
-    avx2 = _avx2()
+    vector = _avx2()
     if plan.path == "q8":
-        qs, d, s, sums = Q.act_arrays(scratch, plan.n, plan.k)
+        qs, d, s, sums = codes.act_arrays(scratch, plan.n, plan.k)
         packed = _repacked(a, plan)
-        if isinstance(packed, Q.RI64):
-            at = Q.act_arrays_bytes(plan.n, plan.k)
-            work = scratch[at:at + _work_bytes()].view(np.float32).reshape(-1, 2, Q.RI)
+        if isinstance(packed, layouts.RI64):
+            at = codes.act_arrays_bytes(plan.n, plan.k)
+            work = scratch[at:at + _work_bytes()].view(np.float32).reshape(-1, 2, layouts.RI)
             chunks = min(chunks, packed.q.shape[0], work.shape[0])
             args = (plan.code, plan.act, packed.q, packed.d, packed.m, x, qs, d, s, sums, out2, work)
             if chunks > 1:
-                return partial(Q.mul_mat_ri_portable_par, *args, chunks)
-            return partial(Q.mul_mat_ri_portable, *args)
+                return partial(portable.mul_mat_ri_portable_par, *args, chunks)
+            return partial(portable.mul_mat_ri_portable, *args)
         if packed is not None:
             return _bind_r8([plan], [packed], x, [out2], scratch)
         if chunks > 1:
-            fn = Q.mul_mat_q8_avx2_par if avx2 else Q.mul_mat_q8_portable_par
+            fn = avx2.mul_mat_q8_avx2_par if vector else portable.mul_mat_q8_portable_par
             return partial(fn, plan.code, plan.act, w, x, qs, d, s, sums, out2, chunks)
-        fn = Q.mul_mat_q8_avx2 if avx2 else Q.mul_mat_q8_portable
+        fn = avx2.mul_mat_q8_avx2 if vector else portable.mul_mat_q8_portable
         return partial(fn, plan.code, plan.act, w, x, qs, d, s, sums, out2)
     n_bufs = numba.config.NUMBA_NUM_THREADS
     bufs = scratch[:n_bufs * plan.k * 4].view(np.float32).reshape(n_bufs, plan.k)
     if chunks > 1:
-        fn = Q.mul_mat_f32_avx2_par if avx2 else Q.mul_mat_f32_portable_par
+        fn = avx2.mul_mat_f32_avx2_par if vector else portable.mul_mat_f32_portable_par
         return partial(fn, plan.code, w, x, bufs, out2, min(chunks, n_bufs))
-    fn = Q.mul_mat_f32_avx2 if avx2 else Q.mul_mat_f32_portable
+    fn = avx2.mul_mat_f32_avx2 if vector else portable.mul_mat_f32_portable
     return partial(fn, plan.code, w, x, bufs, out2)
 
 
 def _bind_r8(plans: list[_Plan], packs: list, x, outs: list, scratch):
-    """One call of the r8 (or r16) kernel for one to Q.MAX_PARTS weights that read the same
+    """One call of the r8 (or r16) kernel for one to layouts.MAX_PARTS weights that read the same
     activation blocks: x is quantized once, then each weight's rows are dotted with it into its
     own result."""
     plan = plans[0]
-    qs, d, s, sums = Q.act_arrays(scratch, plan.n, plan.k)
+    qs, d, s, sums = codes.act_arrays(scratch, plan.n, plan.k)
     n = len(plans)
-    codes = _slots([p.code for p in plans])
+    type_codes = _slots([p.code for p in plans])
     packs, outs = _slots(packs), _slots(outs)
     chunks = min(_chunks(plan, sum(p.weight_bytes for p in plans)), sum(p.shape[0] for p in packs[:n]))
-    r16 = Q.SIMD == "avx512"
+    r16 = codes.SIMD == "avx512"
     if chunks > 1:
-        fn = A.mul_mat_r16_par if r16 else Q.mul_mat_r8_avx2_par
-        return partial(fn, codes, plan.act, packs, n, x, qs, d, s, sums, outs, chunks)
-    return partial(A.mul_mat_r16 if r16 else Q.mul_mat_r8_avx2, codes, plan.act, packs, n, x, qs, d, s, sums, outs)
+        fn = avx512.mul_mat_r16_par if r16 else avx2_r8.mul_mat_r8_avx2_par
+        return partial(fn, type_codes, plan.act, packs, n, x, qs, d, s, sums, outs, chunks)
+    fn = avx512.mul_mat_r16 if r16 else avx2_r8.mul_mat_r8_avx2
+    return partial(fn, type_codes, plan.act, packs, n, x, qs, d, s, sums, outs)
 
 
 def _slots(items: list) -> tuple:
-    """items padded to the kernel's Q.MAX_PARTS slots by repeating the first."""
-    return tuple(items) + (items[0],) * (Q.MAX_PARTS - len(items))
+    """items padded to the kernel's layouts.MAX_PARTS slots by repeating the first."""
+    return tuple(items) + (items[0],) * (layouts.MAX_PARTS - len(items))
 
 
 def _multi_plans(node: Tensor) -> list[_Plan] | None:
@@ -340,7 +340,7 @@ def _multi_plans(node: Tensor) -> list[_Plan] | None:
 def _fused(plans: list[_Plan], ws: list[Tensor]) -> list | None:
     """The weights' r8 arrays when one kernel call can serve them all (each repacked, read with
     the same activation blocks), else None."""
-    if len(plans) > Q.MAX_PARTS or any(p.path != "q8" or p.act != plans[0].act for p in plans):
+    if len(plans) > layouts.MAX_PARTS or any(p.path != "q8" or p.act != plans[0].act for p in plans):
         return None
     packs = [_repacked(w, p) for w, p in zip(ws, plans)]
     return packs if all(isinstance(p, np.ndarray) for p in packs) else None
@@ -428,7 +428,7 @@ def _glu_scratch(node: Tensor) -> int:
     g, u = plans
     way, _ = _glu_way(node, plans)
     if way == "r8":
-        return Q.act_arrays_bytes(g.n, g.k) + numba.config.NUMBA_NUM_THREADS * _glu_tile_bytes(g)
+        return codes.act_arrays_bytes(g.n, g.k) + numba.config.NUMBA_NUM_THREADS * _glu_tile_bytes(g)
     if way == "blas":
         return g.scratch_bytes() + _round64(4 * g.n * g.tile_rows)
     return _round64(4 * g.n * g.m) + max(g.scratch_bytes(), u.scratch_bytes())
@@ -437,10 +437,10 @@ def _glu_scratch(node: Tensor) -> int:
 def _glu_kind(node: Tensor) -> tuple[int, np.ndarray]:
     """The compiled GLU's kind and the table it reads (ggml's f16 GELU table for llama numerics)."""
     if node.params["glu"] == "swiglu":
-        return Q.GLU_SWIGLU, _NO_TABLE
+        return vecmath.GLU_SWIGLU, _NO_TABLE
     if node.params.get("f16_table"):
-        return Q.GLU_GEGLU_TABLE, f16_gelu_table()
-    return Q.GLU_GEGLU, _NO_TABLE
+        return vecmath.GLU_GEGLU_TABLE, f16_gelu_table()
+    return vecmath.GLU_GEGLU, _NO_TABLE
 
 
 @binds("mul_mat_glu", scratch=_glu_scratch)
@@ -477,24 +477,24 @@ def _bind_glu_whole(plans: tuple[_Plan, _Plan], ws: tuple, arrays: list, x, out2
     def call() -> None:
         calls[0]()
         calls[1]()
-        Q.glu_rows(kind, table, out2, up)
+        portable.glu_rows(kind, table, out2, up)
     return call
 
 
 def _bind_glu_r8(plans: tuple[_Plan, _Plan], packs: list, x, out2, scratch, kind: int, table):
     """One call of the r8 GLU kernel, its groups split over threads as mul_mat_multi splits its parts'."""
     g, u = plans
-    qs, d, s, sums = Q.act_arrays(scratch, g.n, g.k)
-    at = Q.act_arrays_bytes(g.n, g.k)
+    qs, d, s, sums = codes.act_arrays(scratch, g.n, g.k)
+    at = codes.act_arrays_bytes(g.n, g.k)
     size = _glu_tile_bytes(g)
     tiles = scratch[at:at + numba.config.NUMBA_NUM_THREADS * size].view(np.float32).reshape(-1, size // 4)
     step = _glu_step(g)
     args = ((g.code, u.code), g.act, packs[0], packs[1], kind, table, x, qs, d, s, sums, out2, tiles, step)
     chunks = min(_chunks(g, g.weight_bytes + u.weight_bytes), packs[0].shape[0], tiles.shape[0])
-    r16 = Q.SIMD == "avx512"
+    r16 = codes.SIMD == "avx512"
     if chunks > 1:
-        return partial(A.mul_mat_glu_r16_par if r16 else Q.mul_mat_glu_r8_avx2_par, *args, chunks)
-    return partial(A.mul_mat_glu_r16 if r16 else Q.mul_mat_glu_r8_avx2, *args)
+        return partial(avx512.mul_mat_glu_r16_par if r16 else avx2_r8.mul_mat_glu_r8_avx2_par, *args, chunks)
+    return partial(avx512.mul_mat_glu_r16 if r16 else avx2_r8.mul_mat_glu_r8_avx2, *args)
 
 
 def _bind_glu_blas(plans: tuple[_Plan, _Plan], ws: list, x, out2, scratch, kind: int, table):
@@ -517,7 +517,7 @@ def _bind_glu_blas(plans: tuple[_Plan, _Plan], ws: list, x, out2, scratch, kind:
             np.matmul(lhs, rhs_g.T, out=dst)
             load_u()
             np.matmul(lhs, rhs_u.T, out=up_tile)
-            Q.glu_rows(kind, table, dst, up_tile)
+            portable.glu_rows(kind, table, dst, up_tile)
     return call
 
 
@@ -545,14 +545,14 @@ def _blas_parts(plan: _Plan, w, x, scratch):
     at = 0
     prepare, lhs = _nothing, x
     if plan.act is not None:
-        q_bytes = Q.act_arrays_bytes(plan.n, plan.k)
-        act_arrays = Q.act_arrays(scratch[:q_bytes], plan.n, plan.k)
+        q_bytes = codes.act_arrays_bytes(plan.n, plan.k)
+        act_arrays = codes.act_arrays(scratch[:q_bytes], plan.n, plan.k)
         lhs = scratch[q_bytes:q_bytes + plan.n * plan.cols * 4].view(np.float32).reshape(plan.n, plan.cols)
         at = q_bytes + _round64(plan.n * plan.cols * 4)
         if plan.min_columns:
-            prepare = partial(Q.round_rows_s, x, *act_arrays, lhs)
+            prepare = partial(activations.round_rows_s, x, *act_arrays, lhs)
         else:
-            prepare = partial(Q.round_rows, plan.act, x, *act_arrays, lhs)
+            prepare = partial(activations.round_rows, plan.act, x, *act_arrays, lhs)
     if plan.dtype is DType.F32:
         if w.ndim != 2 or w.shape != (plan.m, plan.k):
             return None
@@ -577,19 +577,19 @@ def _nothing() -> None:
 def _tile_loader(plan: _Plan, w, m0: int, m1: int, rhs):
     """The call decoding weight rows m0..m1 into rhs (and, for the min columns, their block mins)."""
     threads = jit.threads()
-    avx2 = _avx2()
+    vector = _avx2()
     values, mins = rhs[:, :plan.k], rhs[:, plan.k:]
     if threads > 1:
-        decode = partial(Q.dequantize_rows_avx2_par if avx2 else Q.dequantize_rows_par,
+        rows = partial(decode.dequantize_rows_avx2_par if vector else decode.dequantize_rows_par,
                          plan.code, w, m0, m1, values, threads)
     else:
-        decode = partial(Q.dequantize_rows_avx2 if avx2 else Q.dequantize_rows, plan.code, w, m0, m1, values)
+        rows = partial(decode.dequantize_rows_avx2 if vector else decode.dequantize_rows, plan.code, w, m0, m1, values)
     if not plan.min_columns:
-        return decode
+        return rows
 
     def load() -> None:
-        decode()
-        Q.block_mins(plan.code, w, m0, m1, mins)
+        rows()
+        decode.block_mins(plan.code, w, m0, m1, mins)
     return load
 
 
@@ -618,11 +618,11 @@ for _case in ((1, True, False), (64, True, True), (1, False, False), (64, False,
 @binds("get_rows")
 def bind_get_rows(node: Tensor, out, srcs: list, scratch):
     a = node.srcs[0]
-    code = Q.CODES.get(a.dtype)
+    code = codes.CODES.get(a.dtype)
     if code is None or a.dtype is DType.F32 or len(a.shape) != 2 or out.ndim != 2 or out.dtype != np.float32:
         return None
     w = _stored_rows(srcs[0], a.dtype, a.shape[0], a.shape[1])
     ids = srcs[1]
     if w is None or ids.ndim != 1:
         return None
-    return partial(Q.get_rows_avx2 if _avx2() else Q.get_rows, code, w, ids, out)
+    return partial(decode.get_rows_avx2 if _avx2() else decode.get_rows, code, w, ids, out)

@@ -26,7 +26,8 @@ import numba
 import numpy as np
 
 from ggrun.core import ops
-from ggrun.core.backends.cpu import jit, quant
+from ggrun.core.backends.cpu import jit
+from ggrun.core.backends.cpu.quant import codes
 from ggrun.core.backends.cpu.matmul import PARALLEL_MIN_BYTES, REPACKED
 from ggrun.core.backends.cpu.warmup import THREADS, WARMS, Warm, kv, product, rows, warms
 from ggrun.core.context import ImmediateContext
@@ -63,7 +64,7 @@ def marker_dir() -> Path:
     """Where the markers of builders run with this version of the CPU kernels live (beside numba's
     cache): named by numba's version, a digest of the kernel sources and the instruction set chosen."""
     src = Path(__file__).parent
-    digest = hashlib.sha256(f"{quant.SIMD} {os.environ.get('GGRUN_CPU_ISA', '')}".encode())
+    digest = hashlib.sha256(f"{codes.SIMD} {os.environ.get('GGRUN_CPU_ISA', '')}".encode())
     for f in sorted(src.glob("*.py")):
         digest.update(f.read_bytes())
     return Path(numba.config.CACHE_DIR) / f"compiled-{numba.__version__}-{digest.hexdigest()[:16]}"

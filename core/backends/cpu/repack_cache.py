@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ggrun.core.backends.cpu import quant as Q
+from ggrun.core.backends.cpu.quant import codes, layouts
 from ggrun.core.cache import derived_path, file_identity, write_atomically
 
 MAGIC = b"GGRUNRP1"
@@ -29,13 +29,13 @@ ALIGN = 4096  # each array starts on a page of its own
 MIN_BYTES = 16 << 20  # a smaller model repacks in milliseconds: not worth a file
 _HEAD = struct.Struct("<8sQ")  # magic, header length
 
-Packed = np.ndarray | Q.RI64  # what matmul.repack returns
+Packed = np.ndarray | layouts.RI64  # what matmul.repack returns
 
 
 def layout_digest() -> str:
     """What the repacked bytes depend on besides the model: the repack code and the level's layout."""
-    digest = hashlib.sha256(Q.SIMD.encode())
-    for name in ("quant.py", "avx512.py", "matmul.py"):
+    digest = hashlib.sha256(codes.SIMD.encode())
+    for name in ("quant/codes.py", "quant/layouts.py", "matmul.py"):
         digest.update((Path(__file__).parent / name).read_bytes())
     return digest.hexdigest()[:16]
 
@@ -98,7 +98,7 @@ def _write(path: Path, key: dict, weights: dict[str, Packed]) -> None:
             spec.append([at, list(a.shape), a.dtype.str])
             placed.append((at, np.ascontiguousarray(a)))
             at = _align(at + a.nbytes)
-        entries[name] = {"ri64": isinstance(packed, Q.RI64), "arrays": spec}
+        entries[name] = {"ri64": isinstance(packed, layouts.RI64), "arrays": spec}
     header = json.dumps({"key": key, "weights": entries, "data_bytes": at}).encode()
     start = _align(_HEAD.size + len(header))
 
@@ -137,5 +137,5 @@ def _read(path: Path, key: dict) -> dict[str, Packed]:
         for offset, shape, dtype in entry["arrays"]:
             dt = np.dtype(dtype)
             arrays.append(data[offset:offset + dt.itemsize * int(np.prod(shape))].view(dt).reshape(shape))
-        found[name] = Q.RI64(*arrays) if entry["ri64"] else arrays[0]
+        found[name] = layouts.RI64(*arrays) if entry["ri64"] else arrays[0]
     return found

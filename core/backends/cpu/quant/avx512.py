@@ -1,8 +1,9 @@
-"""AVX-512 kernels (level "avx512", isa.py: AVX-512 F/BW/VL with VNNI) beside quant.py's AVX2 ones:
-the products of weights repacked "r16" (decode steps, prompts, mul_mat_multi, mul_mat_glu) and the
-activation quantizer they start with.
+"""AVX-512 kernels (level "avx512", isa.py: AVX-512 F/BW/VL with VNNI) beside avx2_r8.py's AVX2 ones:
+the products of weights repacked "r16" (layouts.py; decode steps, prompts, mul_mat_multi, mul_mat_glu)
+and the activation quantizer they start with, written in a 512-bit vocabulary (`zvec`) built on
+vec.py's LLVM helpers.
 
-"r16" is quant.py's r8 layout with groups of 16 rows: per group and block the 16 rows' f16 scales
+"r16" is the r8 layout with groups of 16 rows: per group and block the 16 rows' f16 scales
 (and mins), then lane vectors of 64 bytes, lane r holding 4 bytes of row r, so that one 512-bit
 `vpdpbusd` multiplies 4 quants of every row by 4 broadcast activation bytes and adds them into
 the row's 32-bit lane. Every offset is twice r8's; Q8_0's quants are stored plus 128 (unsigned,
@@ -10,9 +11,8 @@ as vpdpbusd reads its first operand; 128 times the activations' block sum is tak
 The integer block sums are exact, as r8's are, and per row the float steps are r8's in r8's order,
 so every result equals the AVX2 kernels' bit for bit (the tests compare them).
 
-numba revalidates a cached kernel only against its own file: the kernels here inline nothing from
-quant.py (its type codes and sizes, constants, aside), so they carry their own vector type and
-LLVM helpers; what they share with other files lives in jit.py's SHARED_SOURCES (vecmath's GLU).
+The drivers at the end repeat avx2_r8.py's with the r16 row kernels: a numba kernel calls the kernels
+it names, and one taking the row kernel as an argument would not be cached on disk.
 Compiled only where the level is avx512: an AVX-512 instruction stops LLVM on a CPU without it.
 """
 from __future__ import annotations
@@ -20,36 +20,20 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import prange, types
-from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
 from ggrun.core.backends.cpu.jit import kernel
-from ggrun.core.backends.cpu.quant import ACT_Q8_1, ACT_Q8_K, MAX_PARTS, PF_GROUPS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, \
-    Q5_K, Q6_K, Q8_0, R8_TYPES, TOKENS, repack_r8, r8_block_bytes
+from ggrun.core.backends.cpu.quant.codes import (
+    _I8, _I16, _I32, _I64, ACT_Q8_1, ACT_Q8_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
+)
+from ggrun.core.backends.cpu.quant.layouts import PF_GROUPS, R16, TOKENS
+from ggrun.core.backends.cpu.quant.vec import _addr, _as, _llvm_call, _splat, f16_round, prefetch
 from ggrun.core.backends.cpu.vecmath import glu_span
 
-R16 = 16  # rows per group
 # groups ahead that the one-row kernels prefetch: as many bytes ahead as r8's PF_GROUPS (twice as far
 # streamed the 28 MB Q8_0 head of SmolLM2 a third slower)
 PF_AHEAD = PF_GROUPS // 2
-R16_TYPES = R8_TYPES
-
-_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _F32 = ir.FloatType()
-
-
-def r16_block_bytes(code: int) -> int:
-    """Bytes of one r16 group (16 rows) per block (32 elements, 256 for the k-quants)."""
-    return r8_block_bytes(code, R16)
-
-
-def repack_r16(code: int, raw: np.ndarray) -> np.ndarray:
-    """ggml blocks [M, row bytes] (uint8) -> r16 groups [ceil(M / 16), blocks * group bytes] (uint8)."""
-    out = repack_r8(code, raw, R16)
-    if code == Q8_0:  # the quants plus 128: bytes 32.. of each block
-        blocks = out.reshape(out.shape[0], -1, r16_block_bytes(code))
-        blocks[:, :, 32:] ^= 0x80
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,26 +57,6 @@ _ZF = ir.VectorType(_F32, 16)
 class _ZModel(models.PrimitiveModel):
     def __init__(self, dmm, fe_type) -> None:
         super().__init__(dmm, fe_type, _Z)
-
-
-def _addr(context, builder, aryty, ary, off, ptr_type):
-    """ptr_type pointer to byte `off` of an array's data."""
-    data = context.make_array(aryty)(context, builder, ary).data
-    return builder.bitcast(builder.gep(builder.bitcast(data, _I8.as_pointer()), [off]), ptr_type.as_pointer())
-
-
-def _call(builder, name, ret, args):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
-    return builder.call(fn, args)
-
-
-def _splat(builder, value, vtype):
-    v = builder.insert_element(ir.Constant(vtype, None), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vtype, None), ir.Constant(ir.VectorType(_I32, vtype.count), [0] * vtype.count))
-
-
-def _as(builder, v, vtype):
-    return builder.bitcast(v, vtype)
 
 
 def _zop(n_args, body, arg_types=None):
@@ -128,15 +92,15 @@ zmin32 = _zop(2, lambda b, x, y: _as(b, b.select(b.icmp_signed("<", _as(b, x, _Z
 zmulf = _zop(2, lambda b, x, y: _f32s(b.fmul)(b, x, y))
 zaddf = _zop(2, lambda b, x, y: _f32s(b.fadd)(b, x, y))
 zsubf = _zop(2, lambda b, x, y: _f32s(b.fsub)(b, x, y))
-zfma = _zop(3, lambda b, x, y, z: _as(b, _call(b, "llvm.fma.v16f32", _ZF, [_as(b, x, _ZF), _as(b, y, _ZF),
+zfma = _zop(3, lambda b, x, y, z: _as(b, _llvm_call(b, "llvm.fma.v16f32", _ZF, [_as(b, x, _ZF), _as(b, y, _ZF),
                                                                           _as(b, z, _ZF)]), _Z))
 # acc + the sums of 4 products of unsigned bytes u and signed bytes s, per 32-bit lane
-zdp = _zop(3, lambda b, acc, u, s: _as(b, _call(b, "llvm.x86.avx512.vpdpbusd.512", _ZD,
+zdp = _zop(3, lambda b, acc, u, s: _as(b, _llvm_call(b, "llvm.x86.avx512.vpdpbusd.512", _ZD,
                                                 [_as(b, acc, _ZD), _as(b, u, _ZD), _as(b, s, _ZD)]), _Z))
 zcvt = _zop(1, lambda b, x: _as(b, b.sitofp(_as(b, x, _ZD), _ZF), _Z))
-zabsf = _zop(1, lambda b, x: _as(b, _call(b, "llvm.fabs.v16f32", _ZF, [_as(b, x, _ZF)]), _Z))
+zabsf = _zop(1, lambda b, x: _as(b, _llvm_call(b, "llvm.fabs.v16f32", _ZF, [_as(b, x, _ZF)]), _Z))
 # floats to the nearest int32, ties to even (vcvtps2dq in the current rounding mode, as AVX2's)
-zround = _zop(1, lambda b, x: _as(b, _call(b, "llvm.x86.avx512.mask.cvtps2dq.512", _ZD, [
+zround = _zop(1, lambda b, x: _as(b, _llvm_call(b, "llvm.x86.avx512.mask.cvtps2dq.512", _ZD, [
     _as(b, x, _ZF), ir.Constant(_ZD, [0] * 16), ir.Constant(_I16, -1), ir.Constant(_I32, 4)]), _Z))
 zsrl16 = _zop(2, lambda b, x, n: _as(b, b.lshr(_as(b, x, _ZW), _splat(b, b.trunc(n, _I16), _ZW)), _Z),
               (zvec, types.int64))
@@ -176,16 +140,6 @@ zs8x16 = _load_op(zvec, _widen(16, True))   # 16 signed bytes, one per 32-bit la
 
 
 @intrinsic
-def prefetch(typingctx, ary, off):
-    """Hint that byte `off` of an array's data is read soon (into all cache levels)."""
-    def codegen(context, builder, signature, args):
-        p = _addr(context, builder, signature.args[0], args[0], args[1], _I8)
-        _call(builder, "llvm.prefetch.p0", ir.VoidType(), [p] + [ir.Constant(_I32, v) for v in (0, 3, 1)])
-        return context.get_dummy_value()
-    return types.none(ary, types.intp), codegen
-
-
-@intrinsic
 def zstoref(typingctx, ary, off, x):
     """Store a vector's 16 floats at byte `off` of an array's data."""
     def codegen(context, builder, signature, args):
@@ -217,7 +171,7 @@ def zlane(typingctx, x, i):
 def zhsum32(typingctx, x):
     """The sum of a vector's 16 int32 lanes."""
     def codegen(context, builder, signature, args):
-        total = _call(builder, "llvm.vector.reduce.add.v16i32", _I32, [_as(builder, args[0], _ZD)])
+        total = _llvm_call(builder, "llvm.vector.reduce.add.v16i32", _I32, [_as(builder, args[0], _ZD)])
         return builder.sext(total, _I64)
     return types.int64(zvec), codegen
 
@@ -250,20 +204,12 @@ def zanynan(typingctx, a, b):
     def codegen(context, builder, signature, args):
         x, y = _as(builder, args[0], _ZF), _as(builder, args[1], _ZF)
         nan = builder.or_(builder.fcmp_unordered("uno", x, x), builder.fcmp_unordered("uno", y, y))
-        return _call(builder, "llvm.vector.reduce.or.v16i1", ir.IntType(1), [nan])
+        return _llvm_call(builder, "llvm.vector.reduce.or.v16i1", ir.IntType(1), [nan])
     return types.boolean(zvec, zvec), codegen
 
 
-@intrinsic
-def f16_round(typingctx, x):
-    """x rounded to the nearest f16 value, ties to even, as float32."""
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), _F32)
-    return types.float32(types.float32), codegen
-
-
 # ---------------------------------------------------------------------------------------------
-# Activation rows to 8-bit blocks: quant.quantize_rows' results (the same rounding), 16 at a time
+# Activation rows to 8-bit blocks: activations.quantize_rows' results (the same rounding), 16 at a time
 # ---------------------------------------------------------------------------------------------
 
 @kernel(inline="always")
@@ -294,7 +240,7 @@ def _quantize_q8_0_block(x, o, qs, at, d, s, sums, n, b, with_s):
 @kernel(inline="always")
 def _quantize_q8_k_block(x, o, qs, at, d, sums, n, b):
     """Block b of row n of x (256 floats from byte o) to one Q8_K block (quants at qs byte `at`), as
-    quant's scalar loop: the scale from the first value of the largest magnitude (NaN never one),
+    activations.py's scalar loop: the scale from the first value of the largest magnitude (NaN never one),
     quants capped at 127."""
     m = zzero()
     for j in range(16):
@@ -324,7 +270,7 @@ def _quantize_q8_k_block(x, o, qs, at, d, sums, n, b):
 
 @kernel(_nrt=False)
 def quantize_rows_avx512(act, x, qs, d, s, sums):
-    """quant.quantize_rows for rows of unit inner stride: x (f32 [N, K]) to Q8_0/Q8_1/Q8_K blocks."""
+    """activations.quantize_rows for rows of unit inner stride: x (f32 [N, K]) to Q8_0/Q8_1/Q8_K blocks."""
     n_rows, k = x.shape
     for n in range(n_rows):
         row = n * x.strides[0]  # bytes into x
@@ -811,7 +757,7 @@ def _rows_r16_any(code, p, qs, d, s, sums, out, g0, g1, n0, n1):
 
 
 # ---------------------------------------------------------------------------------------------
-# Products (quant.py's r8 drivers, on r16): one to MAX_PARTS weights with one input, and a gated
+# Products (avx2_r8.py's drivers, on r16): one to MAX_PARTS weights with one input, and a gated
 # feed-forward's two products with their GLU
 # ---------------------------------------------------------------------------------------------
 
@@ -889,6 +835,3 @@ def mul_mat_glu_r16_par(codes, act, pg, pu, kind, table, x, qs, d, s, sums, out,
         _r16_glu_groups(codes, pg, pu, kind, table, qs, d, s, sums, out, tiles[c], c * per,
                         min(total, (c + 1) * per), step)
 
-
-__all__ = ["R16", "R16_TYPES", "MAX_PARTS", "mul_mat_glu_r16", "mul_mat_glu_r16_par", "mul_mat_r16",
-           "mul_mat_r16_par", "quantize_rows_avx512", "r16_block_bytes", "repack_r16"]
