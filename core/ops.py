@@ -467,6 +467,7 @@ def argmax(a: Tensor, name: str | None = None) -> Tensor:
     return _node("argmax", DType.I32, (a.shape[0],), (a,), name)
 
 
+SAMPLE_ON_HOST = -2  # ops.sample's mark of a row a backend's kernel leaves to the host (see there)
 SAMPLE_PARAMS = ("temp", "top_k", "top_p", "min_p", "repeat_penalty", "frequency_penalty", "presence_penalty")
 
 
@@ -479,7 +480,9 @@ def sample(logits: Tensor, params: Tensor, draws: Tensor, recent: Tensor, bias_i
     params f32 [rows, 7] holds each row's SAMPLE_PARAMS; draws i32 [rows, 2] the bits of each row's
     uniform draw in [0, 1) as a float64 (a seeded generator's, made by the caller); recent i32 [rows, W]
     the tokens the penalties count (-1: none); bias_ids i32 and bias_vals f32 [rows, NB] the logit bias
-    (id -1: none). Sampling where the logits are computed: only the ids travel back.
+    (id -1: none). Sampling where the logits are computed: only the ids travel back. A backend's kernel may
+    mark a row SAMPLE_ON_HOST (-2) where it does not serve that row's settings (the GPU's: more top-k
+    candidates than it sorts); the caller then samples that row from its logits.
     """
     rows = logits.shape[0] if len(logits.shape) == 2 else -1
     if logits.dtype is not DType.F32 or rows < 0 or logits.shape[1] < 1:

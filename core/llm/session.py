@@ -24,7 +24,7 @@ from ggrun.core.dtypes import DType
 from ggrun.core.errors import BadInput, Interrupted, RuntimeFailure
 from ggrun.core.graph import build_graph
 from ggrun.core.llm.batch import Batch, UBatch, split_batch
-from ggrun.core.llm.batched_sampler import SamplingRows
+from ggrun.core.llm.batched_sampler import SamplingRows, sample_on_host
 from ggrun.core.llm.buckets import pad_state
 from ggrun.core.llm.blocks import Build, build_k_shift
 from ggrun.core.llm.graph_result import GraphCache, GraphResult
@@ -314,15 +314,20 @@ class Session:
                 outs.append(out)
         return outs
 
-    def _fetch(self, res: GraphResult) -> tuple[np.ndarray, bool]:
+    def _fetch(self, res: GraphResult, sampling: SamplingRows | None = None) -> tuple[np.ndarray, bool]:
         """What a computed micro-batch gives back and whether its logits are finite: the logits, or from a graph
-        ending in their argmax (decode_greedy's) the token ids. A row the argmax marks -1 brings the logits back
-        instead, for the error to say what they hold."""
+        ending in their argmax (decode_greedy's) or in ops.sample the token ids. A row marked -1 brings the
+        logits back instead, for the error to say what they hold; a row the GPU's sampler leaves to the host
+        (more candidates than it sorts: ops.SAMPLE_ON_HOST) is sampled from its own logits here."""
         if res.tokens is None:
             return self.sched.get_checked(res.logits)
         ids = self.sched.get_tensor(res.tokens)
         if min(ids.tolist()) < 0:  # a few ids: numpy's any() costs a step some 2.5 us of host time
-            return self.sched.get_tensor(res.logits), False
+            if sampling is None or np.any(ids == -1):
+                return self.sched.get_tensor(res.logits), False
+            ids, logits = np.array(ids), self.sched.get_tensor(res.logits)
+            for r in np.flatnonzero(ids == ops.SAMPLE_ON_HOST).tolist():
+                ids[r] = sample_on_host(np.asarray(logits[r]), sampling, r)
         return ids, True
 
     @property
@@ -389,7 +394,7 @@ class Session:
         _compute_quietly(self.sched, res.sg)
         if ub.n_tokens == 1 and ub.n_outputs == 1:
             self._ready = self._ready_next(st, res)
-        out, finite = self._fetch(res) if ub.n_outputs else (None, True)
+        out, finite = self._fetch(res, st.sampling) if ub.n_outputs else (None, True)
         dt = time.perf_counter() - t0
         self.stats.compute_s += dt
         self.stats.n_tokens += ub.n_real

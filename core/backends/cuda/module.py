@@ -11,6 +11,10 @@ import cupy
 
 HERE = Path(__file__).parent
 OPTIONS = ("-std=c++17", "--use_fast_math")
+# sources whose f32 arithmetic must round as numpy's does (sampling draws the reference's tokens): IEEE
+# division and exp, no contraction of a product and a sum into one rounding
+EXACT_OPTIONS = ("-std=c++17", "--fmad=false")
+SOURCE_OPTIONS = {"sample.cu": EXACT_OPTIONS}
 
 # ggml's type numbers, as the kernels' template arguments spell them (common.cuh)
 TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10,
@@ -63,7 +67,8 @@ INSTANCES = _instances()
 @lru_cache(maxsize=None)
 def module(source: str) -> cupy.RawModule:
     code = (HERE / "common.cuh").read_text() + "\n" + (HERE / source).read_text()
-    return cupy.RawModule(code=code, options=OPTIONS, name_expressions=INSTANCES.get(source, []))
+    return cupy.RawModule(code=code, options=SOURCE_OPTIONS.get(source, OPTIONS),
+                          name_expressions=INSTANCES.get(source, []))
 
 
 @lru_cache(maxsize=None)
