@@ -26,10 +26,11 @@ class GraphParams:
     n_kv_swa: int = 0  # cells attended in the sliding-window cache (iSWA), 0 without one
     greedy: bool = False
     sampler: tuple[int, int] = ()  # the graph ends in ops.sample: (recent tokens, bias entries) per row
+    one_per_seq: bool = False  # a decode step of many sequences, a token each: attention per token (buckets.py)
 
     def differences(self, other: "GraphParams") -> list[str]:
         return [f"{k} {getattr(other, k)} -> {getattr(self, k)}"
-                for k in ("n_tokens", "n_outputs", "n_kv", "n_kv_swa", "greedy", "sampler")
+                for k in ("n_tokens", "n_outputs", "n_kv", "n_kv_swa", "greedy", "sampler", "one_per_seq")
                 if getattr(self, k) != getattr(other, k)]
 
 

@@ -25,7 +25,7 @@ from ggrun.core.errors import BadInput, Interrupted, RuntimeFailure
 from ggrun.core.graph import build_graph
 from ggrun.core.llm.batch import Batch, UBatch, split_batch
 from ggrun.core.llm.batched_sampler import SamplingRows, sample_on_host
-from ggrun.core.llm.buckets import pad_state
+from ggrun.core.llm.buckets import pad_state, wants_bucket
 from ggrun.core.llm.blocks import Build, build_k_shift
 from ggrun.core.llm.graph_result import GraphCache, GraphResult
 from ggrun.core.llm.inputs import GraphInputs, GraphParams, UBatchState
@@ -368,12 +368,13 @@ class Session:
         for cache in self.caches:  # keys move to their shifted positions before any cell is reused
             if cache.has_shift:
                 self._apply_k_shift(cache)
+        one_per_seq = wants_bucket(ub)
         st = pad_state(self.place_ubatch(ub), self.n_ubatch)
         if sampling is not None:
             st = replace(st, sampling=sampling)
         ub = st.ub
         p = GraphParams(ub.n_tokens, ub.n_outputs, self.kv.n_kv(), self.kv_swa.n_kv() if self.kv_swa is not None else 0,
-                        greedy and ub.n_outputs > 0, sampling.shape_key if sampling is not None else ())
+                        greedy and ub.n_outputs > 0, sampling.shape_key if sampling is not None else (), one_per_seq)
         res = self._graph_for(p)
         t0 = time.perf_counter()
         res.set_inputs(st, self.sched.cpu)
