@@ -7,7 +7,7 @@ copies them), `greedy` (the argmax in the graph, ids back) and `sampled` (ops.sa
 llama.cpp's default chain, ids back).
 
 Usage: python scripts/profile_batched.py -m MODEL [-ngl 99] [-npp 128] [-ntg 32] [-npl 1,16,64,128]
-       [--profile 64] [--modes decode,greedy,sampled] [--kernels]
+       [--profile 64] [--modes decode,greedy,sampled]
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import cProfile
 import pstats
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -54,36 +53,6 @@ def steps(session: Session, test: BatchedTest, mode: str, n_batch: int) -> tuple
     return t_pp, out
 
 
-def kernel_times(session: Session, reps: int = 3) -> None:
-    """Each device step of the last graph run, timed alone with CUDA events (summed by op, then the
-    slowest steps): where a step's device time goes."""
-    import cupy
-
-    by_op: dict[str, float] = defaultdict(float)
-    steps_ms = []
-    for split in session.result.sg.splits:
-        calls = split.calls
-        if not hasattr(calls, "steps"):
-            continue
-        b = split.backend
-        with b._dev, b.stream:
-            for i, step in enumerate(calls.steps):
-                e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-                e0.record(b.stream)
-                for _ in range(reps):
-                    step()
-                e1.record(b.stream)
-                e1.synchronize()
-                ms = cupy.cuda.get_elapsed_time(e0, e1) / reps
-                by_op[step.name] += ms
-                steps_ms.append((ms, i, step.name))
-    print(f"  device steps alone: {sum(by_op.values()):.3f} ms in all")
-    for name, ms in sorted(by_op.items(), key=lambda x: -x[1])[:12]:
-        print(f"    {name:24s} {ms:8.3f} ms")
-    for ms, i, name in sorted(steps_ms, reverse=True)[:8]:
-        print(f"    step {i:5d} {name:24s} {ms:8.3f} ms")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-m", required=True)
@@ -94,7 +63,6 @@ def main() -> None:
     ap.add_argument("-ub", type=int, default=512)
     ap.add_argument("--profile", type=int, default=64)
     ap.add_argument("--modes", default="decode,greedy,sampled")
-    ap.add_argument("--kernels", action="store_true", help="time each device step of the last graph alone")
     a = ap.parse_args()
     npl = [int(x) for x in a.npl.split(",")]
     modes = a.modes.split(",")
@@ -109,8 +77,6 @@ def main() -> None:
             med = float(np.median(t))
             print(f"B={pl:4d} {mode:8s} step median {1e3 * med:7.3f} ms  S_TG {pl / med:9.1f} t/s  "
                   f"S_PP {pl * a.npp / t_pp:9.1f} t/s", flush=True)
-            if a.kernels:
-                kernel_times(s)
     test = BatchedTest(a.npp, a.ntg, a.profile)
     for mode in modes:
         steps(s, test, mode, 2048)
