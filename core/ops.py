@@ -56,6 +56,7 @@ OPS: dict[str, OpInfo] = {
     "soft_max": OpInfo(inplace=True),
     "argmax": OpInfo(),
     "sample": OpInfo(),
+    "sample_logprobs": OpInfo(),
     "moe_topk": OpInfo(),
     "moe_weights": OpInfo(),
     "mul_mat_id": OpInfo(),
@@ -494,6 +495,20 @@ def sample(logits: Tensor, params: Tensor, draws: Tensor, recent: Tensor, bias_i
     if bias_ids.shape != bias_vals.shape:
         raise _fail("sample", "bias ids and values must have one shape", bias_ids, bias_vals)
     return _node("sample", DType.I32, (rows,), (logits, params, draws, recent, bias_ids, bias_vals), name)
+
+
+def sample_logprobs(logits: Tensor, ids: Tensor, n_probs: int, name: str | None = None) -> Tensor:
+    """f32 [rows, 1 + 2 n_probs]: for each row of f32 logits [rows, n], the log-probability of token ids[row]
+    (i32 [rows], as ops.sample draws them) under the model's distribution (the log-softmax of the raw logits,
+    what llama.cpp's server reports with n_probs), then the n_probs likeliest tokens as (id, log-probability)
+    pairs, likeliest first (equal logits: lower id first; ids are exact in f32). A row whose id is negative
+    (ops.sample's marks) gets NaN for its own entry. Only these values travel back, not the logits."""
+    rows = logits.shape[0] if len(logits.shape) == 2 else -1
+    if logits.dtype is not DType.F32 or rows < 0 or not 0 <= n_probs <= logits.shape[1]:
+        raise _fail("sample_logprobs", f"expects f32 logits [rows, n >= n_probs] (n_probs = {n_probs})", logits)
+    if ids.dtype is not DType.I32 or ids.shape != (rows,):
+        raise _fail("sample_logprobs", f"expects i32 ids [{rows}] beside the logits", logits, ids)
+    return _node("sample_logprobs", DType.F32, (rows, 1 + 2 * n_probs), (logits, ids), name, n_probs=int(n_probs))
 
 
 def moe_topk(probs: Tensor, k: int, name: str | None = None) -> Tensor:
