@@ -77,3 +77,36 @@ def test_decode_sampled_logprobs_match_the_steps_logits(tiny):
     np.testing.assert_allclose(lp[:, 0], want[np.arange(3), ids], rtol=0, atol=1e-5)
     top = np.argsort(-logits, axis=1, kind="stable")[:, :4]
     np.testing.assert_array_equal(lp[:, 1::2], top)
+
+
+def test_rows_a_kernel_leaves_to_the_host_are_drawn_there(tiny, monkeypatch):
+    """A kernel may mark a row ops.SAMPLE_ON_HOST (the GPU's, beyond the candidates it sorts): the session then
+    draws that row from its logits with the same draw, so the ids equal an unmarked run's, and its
+    log-probability is filled in on the host."""
+    from ggrun.core import ops
+
+    settings = [SamplingParams(seed=s, temp=0.8, top_k=0) for s in range(3)]
+
+    def run() -> tuple[np.ndarray, np.ndarray]:
+        s = Session(tiny, SessionParams(n_ctx=64, n_seq_max=3))
+        for i in range(3):
+            s.decode(Batch.of_sequence([5 + i, 6], 0, i))
+        batch = Batch(np.array([1, 2, 3], np.int32), np.full(3, 2, np.int32), np.arange(3, dtype=np.int32),
+                      np.ones(3, bool))
+        return s.decode_sampled_logprobs(batch, BatchedSampler(settings, 64).rows(np.arange(3)), n_probs=2)
+
+    want_ids, want_lp = run()
+    marked = []
+    for name in ("sample_rows", "sample_rows_serial"):
+        real = getattr(cpu_sample, name)
+
+        def marking(logits, params, u, recent, bias_ids, bias_vals, out, real=real):
+            real(logits, params, u, recent, bias_ids, bias_vals, out)
+            out[1] = ops.SAMPLE_ON_HOST
+            marked.append(name)
+
+        monkeypatch.setattr(cpu_sample, name, marking)
+    ids, lp = run()
+    assert marked
+    assert ids.tolist() == want_ids.tolist()
+    np.testing.assert_allclose(lp, want_lp, rtol=0, atol=1e-5)
