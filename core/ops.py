@@ -56,6 +56,7 @@ OPS: dict[str, OpInfo] = {
     "soft_max": OpInfo(inplace=True),
     "argmax": OpInfo(),
     "sample": OpInfo(),
+    "sample_logprobs": OpInfo(),
     "moe_topk": OpInfo(),
     "moe_weights": OpInfo(),
     "mul_mat_id": OpInfo(),
@@ -467,6 +468,7 @@ def argmax(a: Tensor, name: str | None = None) -> Tensor:
     return _node("argmax", DType.I32, (a.shape[0],), (a,), name)
 
 
+SAMPLE_ON_HOST = -2  # ops.sample's mark of a row a backend's kernel leaves to the host (see there)
 SAMPLE_PARAMS = ("temp", "top_k", "top_p", "min_p", "repeat_penalty", "frequency_penalty", "presence_penalty")
 
 
@@ -479,7 +481,9 @@ def sample(logits: Tensor, params: Tensor, draws: Tensor, recent: Tensor, bias_i
     params f32 [rows, 7] holds each row's SAMPLE_PARAMS; draws i32 [rows, 2] the bits of each row's
     uniform draw in [0, 1) as a float64 (a seeded generator's, made by the caller); recent i32 [rows, W]
     the tokens the penalties count (-1: none); bias_ids i32 and bias_vals f32 [rows, NB] the logit bias
-    (id -1: none). Sampling where the logits are computed: only the ids travel back.
+    (id -1: none). Sampling where the logits are computed: only the ids travel back. A backend's kernel may
+    mark a row SAMPLE_ON_HOST (-2) where it does not serve that row's settings (the GPU's: more top-k
+    candidates than it sorts); the caller then samples that row from its logits.
     """
     rows = logits.shape[0] if len(logits.shape) == 2 else -1
     if logits.dtype is not DType.F32 or rows < 0 or logits.shape[1] < 1:
@@ -491,6 +495,20 @@ def sample(logits: Tensor, params: Tensor, draws: Tensor, recent: Tensor, bias_i
     if bias_ids.shape != bias_vals.shape:
         raise _fail("sample", "bias ids and values must have one shape", bias_ids, bias_vals)
     return _node("sample", DType.I32, (rows,), (logits, params, draws, recent, bias_ids, bias_vals), name)
+
+
+def sample_logprobs(logits: Tensor, ids: Tensor, n_probs: int, name: str | None = None) -> Tensor:
+    """f32 [rows, 1 + 2 n_probs]: for each row of f32 logits [rows, n], the log-probability of token ids[row]
+    (i32 [rows], as ops.sample draws them) under the model's distribution (the log-softmax of the raw logits,
+    what llama.cpp's server reports with n_probs), then the n_probs likeliest tokens as (id, log-probability)
+    pairs, likeliest first (equal logits: lower id first; ids are exact in f32). A row whose id is negative
+    (ops.sample's marks) gets NaN for its own entry. Only these values travel back, not the logits."""
+    rows = logits.shape[0] if len(logits.shape) == 2 else -1
+    if logits.dtype is not DType.F32 or rows < 0 or not 0 <= n_probs <= logits.shape[1]:
+        raise _fail("sample_logprobs", f"expects f32 logits [rows, n >= n_probs] (n_probs = {n_probs})", logits)
+    if ids.dtype is not DType.I32 or ids.shape != (rows,):
+        raise _fail("sample_logprobs", f"expects i32 ids [{rows}] beside the logits", logits, ids)
+    return _node("sample_logprobs", DType.F32, (rows, 1 + 2 * n_probs), (logits, ids), name, n_probs=int(n_probs))
 
 
 def moe_topk(probs: Tensor, k: int, name: str | None = None) -> Tensor:

@@ -3,7 +3,8 @@ llama.cpp's `llama-batched-bench` with the same options (-npp, -ntg, -npl, -c, -
 alternating row by row and round by round, each tool as its own process per row; prints both tables'
 speeds and the ratios (ggrun / llama.cpp) of S_PP and S_TG per B, medians over the rounds.
 
-llama.cpp's tools come from `bash /work/shared/tools/cpu_anchor.sh` (on a GPU machine cuda_anchor.sh);
+llama.cpp's tools come from `bash /work/shared/tools/cpu_anchor.sh` (on a GPU machine cuda_anchor.sh, whose
+bin directory is /tmp/llama-cuda/llama.cpp/build/bin; run with -ngl 99 and the header names the GPU);
 pass the directory with --llama-bin or $LLAMA_BIN. Where llama-batched-bench is absent, only ggrun's
 figures are printed, and the output says so.
 
@@ -87,6 +88,16 @@ def cpu_flags() -> str:
     return f"{name}; {' '.join(flags)}"
 
 
+def gpu_name() -> str:
+    """The GPUs nvidia-smi names (for -ngl > 0 runs), or a note that it could not say."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown (no nvidia-smi)"
+    return ", ".join(x.strip() for x in out.stdout.splitlines() if x.strip()) or "unknown"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default="smollm2")
@@ -106,7 +117,8 @@ def main() -> None:
     llama = Path(a.llama_bin)
     have_llama = (llama / "llama-batched-bench").exists()
     print(f"{Path(model).name}: -npp {a.npp} -ntg {a.ntg} -t {a.threads or 'default'} -ngl {a.n_gpu_layers}"
-          f"{' -pps' if a.pps else ''}; CPU: {cpu_flags()}", flush=True)
+          f"{' -pps' if a.pps else ''}; CPU: {cpu_flags()}"
+          f"{f'; GPU: {gpu_name()}' if a.n_gpu_layers else ''}", flush=True)
     if not have_llama:
         print(f"llama-batched-bench is not in {llama} (build it with `bash /work/shared/tools/cpu_anchor.sh`); "
               "ggrun's column only", flush=True)

@@ -503,7 +503,8 @@ def _argmax(xp, node, out, srcs):
 @kernel("sample")
 def _sample(xp, node, out, srcs):
     """Each row's token by llama.cpp's sampler chain (ops.sample), row by row as core/llm/sampling.py's
-    Sampler computes it: f32 steps, the candidates' probabilities as float64 for the draw."""
+    Sampler computes it: f32 steps, the candidates' probabilities as float64 for the draw (searchsorted is given
+    Python floats, which cupy's takes too)."""
     logits, params, draws, recent, bias_ids, bias_vals = srcs
     u = draws.view(xp.float64)[:, 0] if draws.flags.c_contiguous else xp.ascontiguousarray(draws).view(xp.float64)[:, 0]
     for r in range(logits.shape[0]):
@@ -533,7 +534,7 @@ def _sample_row(xp, logits, params, u: float, recent, bias_ids, bias_vals) -> in
     probs /= probs.sum()
     keep = len(ids)
     if top_p < 1:
-        keep = min(keep, int(xp.searchsorted(xp.cumsum(probs), top_p)) + 1)
+        keep = min(keep, int(xp.searchsorted(xp.cumsum(probs), float(top_p))) + 1)
     if min_p > 0:
         keep = min(keep, max(1, int(xp.count_nonzero(probs >= min_p * probs[0]))))
     vals = vals[:keep]
@@ -542,6 +543,24 @@ def _sample_row(xp, logits, params, u: float, recent, bias_ids, bias_vals) -> in
     cdf = xp.cumsum(probs.astype(xp.float64))
     cdf /= cdf[-1]
     return int(ids[int(xp.searchsorted(cdf, u, side="right"))])
+
+
+@kernel("sample_logprobs")
+def _sample_logprobs(xp, node, out, srcs):
+    """ops.sample_logprobs with array operations (no loop over rows): the log-softmax in f32 after the row's
+    maximum, log(sum(exp)) summed in f64; the top n_probs by a stable sort of the negated logits."""
+    logits, ids = srcs
+    n = node.params["n_probs"]
+    x = logits.astype(xp.float32, copy=False)
+    shifted = x - x.max(axis=1, keepdims=True)
+    lse = xp.log(xp.exp(shifted).sum(axis=1, dtype=xp.float64, keepdims=True)).astype(xp.float32)
+    rows = xp.arange(x.shape[0])
+    own = xp.asarray(ids).astype(xp.int64)
+    out[:, 0] = xp.where(own >= 0, shifted[rows, xp.clip(own, 0, x.shape[1] - 1)] - lse[:, 0], xp.nan)
+    if n:
+        top = xp.argsort(-x, axis=1, kind="stable")[:, :n]
+        out[:, 1::2] = top.astype(xp.float32)
+        out[:, 2::2] = xp.take_along_axis(shifted, top, axis=1) - lse
 
 
 FLASH_CHUNK_BYTES = 16 << 20  # bound on the score temporaries of one chunk of query rows

@@ -13,6 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ggrun.core.backends.kernels import _sample_row
 from ggrun.core.llm.sampling import SamplingParams, random_seed
 
 
@@ -37,6 +38,13 @@ class SamplingRows:
     def slice(self, a: int, b: int) -> "SamplingRows":
         return SamplingRows(self.params[a:b], self.draws[a:b], self.recent[a:b], self.bias_ids[a:b],
                             self.bias_vals[a:b])
+
+
+def sample_on_host(logits: np.ndarray, rows: SamplingRows, i: int) -> int:
+    """Row i's token drawn on the host from its logits by the reference kernel (a row ops.sample marks
+    SAMPLE_ON_HOST)."""
+    u = float(rows.draws[i:i + 1].view(np.float64)[0, 0])
+    return _sample_row(np, logits, rows.params[i], u, rows.recent[i], rows.bias_ids[i], rows.bias_vals[i])
 
 
 def param_row(p: SamplingParams) -> np.ndarray:

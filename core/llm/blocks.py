@@ -144,6 +144,8 @@ def attention(b: Build, il: int, q: Tensor, k: Tensor, v: Tensor, wo: Tensor, ro
     if b.flash_attn and softcap is None:
         vals = ops.permute(heads_view(v_all, n_kv, hp.n_head_kv, hp.head_dim), (1, 0, 2))  # [heads_kv, n_kv, head_dim]
         merged = ops.flash_attn(qh, keys, vals, kq_mask, scale, name=f"fattn-{il}")  # [tokens, heads, head_dim]
+        if b.p.one_per_seq:  # each token of its own sequence: a backend may attend token by token
+            merged.params["per_token"] = True
     else:
         vals = ops.permute(heads_view(v_all, n_kv, hp.n_head_kv, hp.head_dim), (1, 2, 0))  # [heads_kv, head_dim, n_kv]
         kq = ops.mul_mat(keys, qh, name=f"kq-{il}")  # [heads, tokens, n_kv]

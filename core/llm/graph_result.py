@@ -26,6 +26,7 @@ class GraphResult:
     kv_version: tuple[int, ...]  # the version of each cache (two with a sliding-window cache)
     sched_generation: int
     tokens: Tensor | None = None  # with params.greedy: the argmax of each row of logits (i32, -1 if not finite)
+    logprobs: Tensor | None = None  # with params.n_probs >= 0: ops.sample_logprobs of the sampled tokens
     # (plans, cpu, [(set_input, array)]): each input's refresh and its array, for the plans they were resolved in
     _resolved: tuple | None = field(default=None, init=False, repr=False, compare=False)
 

@@ -26,10 +26,12 @@ class GraphParams:
     n_kv_swa: int = 0  # cells attended in the sliding-window cache (iSWA), 0 without one
     greedy: bool = False
     sampler: tuple[int, int] = ()  # the graph ends in ops.sample: (recent tokens, bias entries) per row
+    one_per_seq: bool = False  # a decode step of many sequences, a token each: attention per token (buckets.py)
+    n_probs: int = -1  # with a sampler: the likeliest tokens ops.sample_logprobs reports per row (-1: no log-probabilities)
 
     def differences(self, other: "GraphParams") -> list[str]:
         return [f"{k} {getattr(other, k)} -> {getattr(self, k)}"
-                for k in ("n_tokens", "n_outputs", "n_kv", "n_kv_swa", "greedy", "sampler")
+                for k in ("n_tokens", "n_outputs", "n_kv", "n_kv_swa", "greedy", "sampler", "one_per_seq", "n_probs")
                 if getattr(self, k) != getattr(other, k)]
 
 

@@ -24,8 +24,8 @@ from ggrun.core.dtypes import DType
 from ggrun.core.errors import BadInput, Interrupted, RuntimeFailure
 from ggrun.core.graph import build_graph
 from ggrun.core.llm.batch import Batch, UBatch, split_batch
-from ggrun.core.llm.batched_sampler import SamplingRows
-from ggrun.core.llm.buckets import pad_state
+from ggrun.core.llm.batched_sampler import SamplingRows, sample_on_host
+from ggrun.core.llm.buckets import pad_state, wants_bucket
 from ggrun.core.llm.blocks import Build, build_k_shift
 from ggrun.core.llm.graph_result import GraphCache, GraphResult
 from ggrun.core.llm.inputs import GraphInputs, GraphParams, UBatchState
@@ -136,6 +136,8 @@ class Session:
         self.interrupt: Callable[[], bool] | None = None  # polled before each micro-batch (Ctrl-C)
         self._ready: ReadyStep | None = None  # the next decode step, readied during the last (ready_step.py)
         self._kept_logits: list[np.ndarray] | None = None  # decode_sampled's logits, when asked for
+        self._kept_logprobs: list[np.ndarray] | None = None  # decode_sampled_logprobs' values, when asked for
+        self._n_probs = -1  # the likeliest tokens decode_sampled_logprobs asks for (-1: none)
         self.reserved = {} if self.virtual else self.reserve()
 
     def _make_caches(self) -> tuple[KVCache, KVCache | None]:
@@ -201,15 +203,18 @@ class Session:
                       self.kv_swa)
         logits = self.model.arch.build(build, self.model.weights)
         tokens = ops.argmax(logits, name="result_argmax") if p.greedy else None
+        logprobs = None
         if p.sampler:
             tokens = ops.sample(logits, *(i.tensor for i in inputs.sampling), name="result_sample")
-        graph = build_graph([logits] if tokens is None else [logits, tokens])
+            if p.n_probs >= 0:
+                logprobs = ops.sample_logprobs(logits, tokens, p.n_probs, name="result_logprobs")
+        graph = build_graph([t for t in (logits, tokens, logprobs) if t is not None])
         sg = self.sched.schedule(graph)
         # only inputs the graph reads get memory: a gemma3 of fewer than 6 layers has no global layer,
         # so nothing reads the global cache's rows or mask
         read = {id(t) for t in graph.leafs}
         used = [i for i in inputs.all() if id(i.tensor) in read]
-        return GraphResult(p, used, logits, sg, self.kv_version, self.sched.generation, tokens)
+        return GraphResult(p, used, logits, sg, self.kv_version, self.sched.generation, tokens, logprobs)
 
     def plan_worst_case(self, all_logits: bool = True) -> tuple[GraphResult, dict, float]:
         """Build and measure the worst-case graph without allocating: (graph, plans, plan seconds)."""
@@ -292,6 +297,20 @@ class Session:
             return ids
         return ids, (np.concatenate(kept) if kept else np.zeros((0, self.model.hp.n_vocab), dtype=np.float32))
 
+    def decode_sampled_logprobs(self, batch: Batch, rows: SamplingRows, n_probs: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """decode_sampled that also reports ops.sample_logprobs for each drawn token: (ids, f32 [rows,
+        1 + 2 n_probs]: the token's log-probability, then the n_probs likeliest (id, log-probability) pairs),
+        computed where the logits are; those values come back instead of the logits."""
+        if n_probs < 0:
+            raise BadInput(f"n_probs {n_probs} must not be negative")
+        self._kept_logprobs, self._n_probs = [], n_probs
+        try:
+            ids = self.decode_sampled(batch, rows)
+            kept = self._kept_logprobs
+        finally:
+            self._kept_logprobs, self._n_probs = None, -1
+        return ids, (np.concatenate(kept) if kept else np.zeros((0, 1 + 2 * n_probs), dtype=np.float32))
+
     def _decode(self, batch: Batch, greedy: bool, sampling: SamplingRows | None = None) -> list[np.ndarray]:
         """What each micro-batch of `batch` that asked for logits gives back (_fetch), in order; with greedy,
         graphs end in the logits' argmax, with sampling in ops.sample."""
@@ -314,15 +333,20 @@ class Session:
                 outs.append(out)
         return outs
 
-    def _fetch(self, res: GraphResult) -> tuple[np.ndarray, bool]:
+    def _fetch(self, res: GraphResult, sampling: SamplingRows | None = None) -> tuple[np.ndarray, bool]:
         """What a computed micro-batch gives back and whether its logits are finite: the logits, or from a graph
-        ending in their argmax (decode_greedy's) the token ids. A row the argmax marks -1 brings the logits back
-        instead, for the error to say what they hold."""
+        ending in their argmax (decode_greedy's) or in ops.sample the token ids. A row marked -1 brings the
+        logits back instead, for the error to say what they hold; a row the GPU's sampler leaves to the host
+        (more candidates than it sorts: ops.SAMPLE_ON_HOST) is sampled from its own logits here."""
         if res.tokens is None:
             return self.sched.get_checked(res.logits)
         ids = self.sched.get_tensor(res.tokens)
         if min(ids.tolist()) < 0:  # a few ids: numpy's any() costs a step some 2.5 us of host time
-            return self.sched.get_tensor(res.logits), False
+            if sampling is None or np.any(ids == -1):
+                return self.sched.get_tensor(res.logits), False
+            ids, logits = np.array(ids), self.sched.get_tensor(res.logits)
+            for r in np.flatnonzero(ids == ops.SAMPLE_ON_HOST).tolist():
+                ids[r] = sample_on_host(np.asarray(logits[r]), sampling, r)
         return ids, True
 
     @property
@@ -363,12 +387,14 @@ class Session:
         for cache in self.caches:  # keys move to their shifted positions before any cell is reused
             if cache.has_shift:
                 self._apply_k_shift(cache)
+        one_per_seq = wants_bucket(ub)
         st = pad_state(self.place_ubatch(ub), self.n_ubatch)
         if sampling is not None:
             st = replace(st, sampling=sampling)
         ub = st.ub
         p = GraphParams(ub.n_tokens, ub.n_outputs, self.kv.n_kv(), self.kv_swa.n_kv() if self.kv_swa is not None else 0,
-                        greedy and ub.n_outputs > 0, sampling.shape_key if sampling is not None else ())
+                        greedy and ub.n_outputs > 0, sampling.shape_key if sampling is not None else (), one_per_seq,
+                        self._n_probs if sampling is not None else -1)
         res = self._graph_for(p)
         t0 = time.perf_counter()
         res.set_inputs(st, self.sched.cpu)
@@ -389,7 +415,7 @@ class Session:
         _compute_quietly(self.sched, res.sg)
         if ub.n_tokens == 1 and ub.n_outputs == 1:
             self._ready = self._ready_next(st, res)
-        out, finite = self._fetch(res) if ub.n_outputs else (None, True)
+        out, finite = self._fetch(res, st.sampling) if ub.n_outputs else (None, True)
         dt = time.perf_counter() - t0
         self.stats.compute_s += dt
         self.stats.n_tokens += ub.n_real
@@ -401,7 +427,21 @@ class Session:
             raise self._non_finite(ub, out, res, partial(res.set_inputs, st, self.sched.cpu))
         if self._kept_logits is not None and ub.n_outputs:
             self._kept_logits.append(np.array(self.sched.get_tensor(res.logits)[:ub.n_real]))
+        if self._kept_logprobs is not None and ub.n_outputs:
+            self._kept_logprobs.append(self._logprobs(res, out[:ub.n_real]))
         return out[:ub.n_real] if ub.n_pad else out
+
+    def _logprobs(self, res: GraphResult, ids: np.ndarray) -> np.ndarray:
+        """The micro-batch's ops.sample_logprobs rows; a row whose token the host drew (ops.SAMPLE_ON_HOST: the
+        graph saw no id) gets its token's log-probability from its logits here."""
+        lp = np.array(self.sched.get_tensor(res.logprobs)[:len(ids)])
+        missing = np.flatnonzero(np.isnan(lp[:, 0]))
+        if len(missing):
+            logits = np.asarray(self.sched.get_tensor(res.logits)[missing], dtype=np.float64)
+            shifted = logits - logits.max(axis=1, keepdims=True)
+            own = shifted[np.arange(len(missing)), ids[missing]]
+            lp[missing, 0] = own - np.log(np.exp(shifted).sum(axis=1))
+        return lp
 
     def _ready_next(self, st: UBatchState, res: GraphResult) -> ReadyStep | None:
         """The next step of st's one token's sequence, its inputs filled (ready_step.py); None where the host

@@ -228,3 +228,41 @@ def bind_sample(node, out, srcs, scratch):
     u = draws.view(np.float64)[:, 0]
     fn = sample_rows if jit.threads() > 1 and logits.shape[0] > 1 else sample_rows_serial
     return lambda: fn(logits, params, u, recent, bias_ids, bias_vals, out)
+
+
+@kernel
+def logprobs_row(x, own, n_probs, vals, ids, out):
+    """One row of ops.sample_logprobs into out: the log-softmax after the row's maximum, its exponentials
+    summed in f64, the top n_probs from top_candidates (equal logits: lower id first)."""
+    n = x.shape[0]
+    mx = x[0]
+    for i in range(1, n):
+        if x[i] > mx:
+            mx = x[i]
+    total = 0.0
+    for i in range(n):
+        total += np.float64(np.float32(math.exp(np.float32(x[i] - mx))))
+    lse = np.float32(math.log(total))
+    out[0] = np.float32(x[own] - mx) - lse if 0 <= own < n else np.nan
+    if n_probs:
+        top_candidates(x, n_probs, vals, ids)
+        for j in range(n_probs):
+            out[1 + 2 * j] = np.float32(ids[j])
+            out[2 + 2 * j] = np.float32(vals[j] - mx) - lse
+
+
+@kernel(parallel=True)
+def logprobs_rows(logits, own, n_probs, out):
+    for r in prange(logits.shape[0]):
+        vals = np.empty(max(n_probs, 1), dtype=np.float32)
+        ids = np.empty(max(n_probs, 1), dtype=np.int64)
+        logprobs_row(logits[r], own[r], n_probs, vals, ids, out[r])
+
+
+@binds("sample_logprobs")
+def bind_sample_logprobs(node, out, srcs, scratch):
+    logits, own = srcs
+    if not out.flags.c_contiguous:
+        return None
+    n = node.params["n_probs"]
+    return lambda: logprobs_rows(logits, own, n, out)

@@ -652,3 +652,140 @@ __global__ void __launch_bounds__(128) flash_attn_tc(
         }
     }
 }
+
+#define DT_MAX_TILES 2048  // tiles of 32 cells attn_decode_tok lists (caches of up to 65536 cells)
+
+// Decode attention for a step of many sequences, one token each (GraphParams.one_per_seq): a block per KV
+// head g and token t = blockIdx.y serves the token's r <= DS_ROWS query heads of the group over the cells
+// its own sequence holds, not over the whole cache. The token's mask row is read once, 16 bytes a thread,
+// to list the tiles of 32 cells it sees any of (a sequence's cells lie in blocks of their own,
+// llm/kv_blocks.py, so a few tiles); then the keys of those tiles only, as attn_decode_rows reads a span:
+// D / 8 lanes per key, DS_UNROLL keys at once, online softmax per lane, lanes merged by shuffles and warps
+// through shared memory. The mask row must be 16-byte aligned and n_kv a multiple of 8 (the binder's check).
+template <int TK, int D>
+__global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_tok(
+    const float *q, const void *k, const void *v, const __half *mask, float *out, int r, int n_kv, i64 sq0,
+    i64 sq1, i64 sk0, i64 sk1, i64 sv0, i64 sv1, i64 ldm, float scale) {
+    constexpr int LPK = D / 8, KPW = 32 / LPK, KPB = KPW * DS_WARPS;
+    __shared__ __align__(16) float wacc[DS_WARPS][DS_ROWS][D];
+    __shared__ float wm[DS_WARPS][DS_ROWS], wl[DS_WARPS][DS_ROWS];
+    __shared__ int tiles[DT_MAX_TILES];
+    __shared__ int n_tiles;
+    const int g = blockIdx.x, t = blockIdx.y, hq = gridDim.x * r;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, o = lane % LPK, kl = lane / LPK;
+    if (threadIdx.x == 0) n_tiles = 0;
+    __syncthreads();
+    pdl_begin();
+    const __half *mrow = mask + (i64)t * ldm;
+    // the tiles the token sees: four threads a tile, eight mask values each
+    for (int c0 = 0; c0 < n_kv; c0 += DS_WARPS * 32 * 8) {
+        const int c = c0 + threadIdx.x * 8;
+        bool seen = false;
+        if (c < n_kv) {
+            const uint4 w = *(const uint4 *)(mrow + c);
+            const u32 ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int x = 0; x < 4; x++) seen |= (ws[x] & 0xffffu) != 0xfc00u || (ws[x] >> 16) != 0xfc00u;
+        }
+        seen |= __shfl_xor_sync(0xffffffff, seen, 1);
+        seen |= __shfl_xor_sync(0xffffffff, seen, 2);
+        if (seen && (lane & 3) == 0) tiles[atomicAdd(&n_tiles, 1)] = c / 32;
+    }
+    __syncthreads();
+    const int nk = n_tiles * 32;
+    float qr[DS_ROWS][8], m[DS_ROWS], l[DS_ROWS], acc[DS_ROWS][8];
+#pragma unroll
+    for (int i = 0; i < DS_ROWS; i++) {  // rows past r repeat the last (never written)
+        const int ii = min(i, r - 1);
+        const float *qrow = q + (i64)(g * r + ii) * sq0 + (i64)t * sq1 + o * 8;
+        m[i] = -INFINITY, l[i] = 0.0f;
+#pragma unroll
+        for (int x = 0; x < 8; x++) qr[i][x] = qrow[x] * scale, acc[i][x] = 0.0f;
+    }
+    for (int jw = warp * KPW; jw < nk; jw += KPB * DS_UNROLL) {
+        const int jb = jw + kl;
+        float kx[DS_UNROLL][8], vx[DS_UNROLL][8], mk[DS_UNROLL];
+#pragma unroll
+        for (int u = 0; u < DS_UNROLL; u++) {
+            const int j = jb + u * KPB;
+            const bool live = j < nk;
+            const int cell = live ? tiles[j >> 5] * 32 + (j & 31) : 0;
+            ds_load<TK, D>(k, v, (i64)g * sk0 + (i64)cell * sk1 + o * 8, (i64)g * sv0 + (i64)cell * sv1 + o * 8, live,
+                           kx[u], vx[u]);
+            mk[u] = live ? __half2float(mrow[cell]) : -INFINITY;
+        }
+        float sc[DS_UNROLL][DS_ROWS];
+#pragma unroll
+        for (int u = 0; u < DS_UNROLL; u++)
+#pragma unroll
+            for (int i = 0; i < DS_ROWS; i++) {
+                float dot = 0.0f;
+#pragma unroll
+                for (int x = 0; x < 8; x++) dot += qr[i][x] * kx[u][x];
+                sc[u][i] = dot;
+            }
+#pragma unroll
+        for (int off = LPK / 2; off > 0; off >>= 1)
+#pragma unroll
+            for (int u = 0; u < DS_UNROLL; u++)
+#pragma unroll
+                for (int i = 0; i < DS_ROWS; i++) sc[u][i] += __shfl_xor_sync(0xffffffff, sc[u][i], off);
+#pragma unroll
+        for (int i = 0; i < DS_ROWS; i++) {
+            float mn = m[i];
+#pragma unroll
+            for (int u = 0; u < DS_UNROLL; u++) {
+                sc[u][i] = mk[u] == -INFINITY ? -INFINITY : sc[u][i] + mk[u];
+                mn = fmaxf(mn, sc[u][i]);
+            }
+            if (mn == -INFINITY) continue;
+            const float corr = __expf(m[i] - mn);
+            l[i] *= corr;
+#pragma unroll
+            for (int x = 0; x < 8; x++) acc[i][x] *= corr;
+#pragma unroll
+            for (int u = 0; u < DS_UNROLL; u++) {
+                const float p = __expf(sc[u][i] - mn);
+                l[i] += p;
+#pragma unroll
+                for (int x = 0; x < 8; x++) acc[i][x] += p * vx[u][x];
+            }
+            m[i] = mn;
+        }
+    }
+#pragma unroll
+    for (int off = LPK; off < 32; off <<= 1)
+#pragma unroll
+        for (int i = 0; i < DS_ROWS; i++) {
+            const float mo = __shfl_xor_sync(0xffffffff, m[i], off), lo_ = __shfl_xor_sync(0xffffffff, l[i], off);
+            const float mn = fmaxf(m[i], mo);
+            const float a = mn == -INFINITY ? 0.0f : __expf(m[i] - mn), b = mn == -INFINITY ? 0.0f : __expf(mo - mn);
+            l[i] = l[i] * a + lo_ * b;
+#pragma unroll
+            for (int x = 0; x < 8; x++) acc[i][x] = acc[i][x] * a + __shfl_xor_sync(0xffffffff, acc[i][x], off) * b;
+            m[i] = mn;
+        }
+    if (kl == 0) {
+#pragma unroll
+        for (int i = 0; i < DS_ROWS; i++) {
+#pragma unroll
+            for (int x = 0; x < 8; x++) wacc[warp][i][o * 8 + x] = acc[i][x];
+            if (o == 0) wm[warp][i] = m[i], wl[warp][i] = l[i];
+        }
+    }
+    __syncthreads();
+    for (int x = threadIdx.x; x < r * D; x += DS_WARPS * 32) {
+        const int i = x / D, e = x % D;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < DS_WARPS; w++) mx = fmaxf(mx, wm[w][i]);
+        float num = 0.0f, den = 0.0f;
+#pragma unroll
+        for (int w = 0; w < DS_WARPS; w++) {
+            const float f = wm[w][i] == -INFINITY ? 0.0f : __expf(wm[w][i] - mx);
+            num += f * wacc[w][i][e];
+            den += f * wl[w][i];
+        }
+        out[((i64)t * hq + g * r + i) * D + e] = den > 0.0f ? num / den : 0.0f;
+    }
+}

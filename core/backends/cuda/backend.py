@@ -32,6 +32,7 @@ from ggrun.core.backends.base import Backend, Buffer, BufferType
 from ggrun.core.backends.cuda import blas, handoff, launch, uploads
 from ggrun.core.backends.cuda import matmul as _matmul  # registers kernels
 from ggrun.core.backends.cuda import ops as _ops  # noqa: F401  (registers kernels)
+from ggrun.core.backends.cuda import sample as _sample  # noqa: F401  (registers ops.sample's kernel)
 from ggrun.core.backends.cuda.binding import FUSIONS, TABLE, Step, launches_of, nothing
 from ggrun.core.backends.cuda.graphs import Prepared
 from ggrun.core.backends.cuda.module import TYPE_IDS, kernel

@@ -11,6 +11,10 @@ import cupy
 
 HERE = Path(__file__).parent
 OPTIONS = ("-std=c++17", "--use_fast_math")
+# sources whose f32 arithmetic must round as numpy's does (sampling draws the reference's tokens): IEEE
+# division and exp, no contraction of a product and a sum into one rounding
+EXACT_OPTIONS = ("-std=c++17", "--fmad=false")
+SOURCE_OPTIONS = {"sample.cu": EXACT_OPTIONS}
 
 # ggml's type numbers, as the kernels' template arguments spell them (common.cuh)
 TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10,
@@ -52,7 +56,7 @@ def _instances() -> dict[str, list[str]]:
         + [f"unary4<{f}>" for f in (0, 1, 2)] + [f"gated<{f}>" for f in (1, 2)]
         + [f"set_rows<{_t(d)}>" for d in FLOATS] + [f"soft_max<{m}>" for m in (NO_WEIGHT, 0, 1)],
         "attention.cu": [f"flash_attn<{_t(k)}, {e}>" for k in FLOATS for e in FA_EPL]
-        + [f"attn_decode{rows}<{_t(k)}, {d}>" for rows in ("", "_rows") for k in FLOATS for d in DECODE_DIMS]
+        + [f"attn_decode{rows}<{_t(k)}, {d}>" for rows in ("", "_rows", "_tok") for k in FLOATS for d in DECODE_DIMS]
         + [f"flash_attn_tc<{d}>" for d in TC_DIMS],
     }
 
@@ -63,7 +67,8 @@ INSTANCES = _instances()
 @lru_cache(maxsize=None)
 def module(source: str) -> cupy.RawModule:
     code = (HERE / "common.cuh").read_text() + "\n" + (HERE / source).read_text()
-    return cupy.RawModule(code=code, options=OPTIONS, name_expressions=INSTANCES.get(source, []))
+    return cupy.RawModule(code=code, options=SOURCE_OPTIONS.get(source, OPTIONS),
+                          name_expressions=INSTANCES.get(source, []))
 
 
 @lru_cache(maxsize=None)

@@ -422,6 +422,27 @@ def _fresh_rows(node: Tensor, backend) -> np.uint64:
     return ptr(backend.array(idx))
 
 
+TOK_MAX_CELLS = 65536  # cells attn_decode_tok lists the tiles of (attention.cu's DT_MAX_TILES * 32)
+
+
+@binds("flash_attn")
+def _attn_decode_tok(node: Tensor, out, srcs, scratch, backend):
+    """A decode step of many sequences (the graph builder marks it `per_token`): attn_decode_tok, a block per
+    KV head and token over the tiles of cells that token sees, so each sequence's attention reads its own
+    cells rather than the whole cache under a mask."""
+    q, k, v, mask = srcs
+    hq, t, d = q.shape
+    hk, n_kv, _ = k.shape
+    if (not node.params.get("per_token") or d not in DECODE_DIMS or hq // hk > DECODE_FEW_ROWS
+            or n_kv % 8 or n_kv > TOK_MAX_CELLS or not _attention_operands(node, out, srcs) or not _aligned8(k, v, mask)):
+        return None
+    sq, sk, sv = estrides(q), estrides(k), estrides(v)
+    args = (ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), i32(hq // hk), i32(n_kv), i64(sq[0]), i64(sq[1]),
+            i64(sk[0]), i64(sk[1]), i64(sv[0]), i64(sv[1]), i64(estrides(mask)[0]), f32(node.params["scale"]))
+    fn = kernel("attention.cu", f"attn_decode_tok<{_tid(node.srcs[1].dtype)}, {d}>")
+    return launch_step(node.op, Launch(fn, (hk, t), (256,), args))
+
+
 @binds("flash_attn", scratch=_fa_scratch)
 def _attn_decode(node: Tensor, out, srcs, scratch, backend):
     """Few query rows: one launch of attn_decode (its last block per head merges the key chunks)."""

@@ -1,0 +1,92 @@
+"""Where a batched decode step's time goes: llama-batched-bench's generation phase (B sequences, one token
+each per step) on a session, timed per step for each B, then one B under cProfile, so the host's share of
+a step (Python, graph handling, copies) shows beside the device's.
+
+Each step is run three ways: `decode` (every row's logits come back, as llama-batched-bench's decode
+copies them), `greedy` (the argmax in the graph, ids back) and `sampled` (ops.sample in the graph with
+llama.cpp's default chain, ids back).
+
+Usage: python scripts/profile_batched.py -m MODEL [-ngl 99] [-npp 128] [-ntg 32] [-npl 1,16,64,128]
+       [--profile 64] [--modes decode,greedy,sampled]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ggrun.cli.common import load_model  # noqa: E402
+from ggrun.core.llm.batched_bench import BatchedTest, _decode_in_batches, decode_batch, prompt_batch  # noqa: E402
+from ggrun.core.llm.batched_sampler import BatchedSampler  # noqa: E402
+from ggrun.core.llm.sampling import SamplingParams  # noqa: E402
+from ggrun.core.llm.session import Session, SessionParams  # noqa: E402
+
+
+def steps(session: Session, test: BatchedTest, mode: str, n_batch: int) -> tuple[float, list[float]]:
+    """Clear, the prompts, then test.tg decode steps in `mode`: the prompts' seconds and each step's."""
+    t0 = time.perf_counter()
+    session.clear()
+    _decode_in_batches(session, prompt_batch(test), n_batch)
+    t_pp = time.perf_counter() - t0
+    sampler = BatchedSampler([SamplingParams(seed=i) for i in range(test.pl)], session.n_ctx)
+    slots = np.arange(test.pl)
+    out = []
+    for i in range(test.tg):
+        b = decode_batch(test, i)
+        t0 = time.perf_counter()
+        if mode == "decode":
+            session.decode(b)
+        elif mode == "greedy":
+            session.decode_greedy(b)
+        else:
+            ids = session.decode_sampled(b, sampler.rows(slots))
+            sampler.accept_rows(slots, ids)
+        out.append(time.perf_counter() - t0)
+    return t_pp, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-m", required=True)
+    ap.add_argument("-ngl", type=int, default=99)
+    ap.add_argument("-npp", type=int, default=128)
+    ap.add_argument("-ntg", type=int, default=32)
+    ap.add_argument("-npl", default="1,16,64,128")
+    ap.add_argument("-ub", type=int, default=512)
+    ap.add_argument("--profile", type=int, default=64)
+    ap.add_argument("--modes", default="decode,greedy,sampled")
+    a = ap.parse_args()
+    npl = [int(x) for x in a.npl.split(",")]
+    modes = a.modes.split(",")
+    m = load_model(a.m, a.ngl, quiet=True)
+    ctx = max(pl * (a.npp + a.ntg) for pl in npl)
+    s = Session(m, SessionParams(n_ctx=ctx, n_batch=2048, n_ubatch=a.ub, n_seq_max=max(npl)))
+    for pl in npl:
+        test = BatchedTest(a.npp, a.ntg, pl)
+        for mode in modes:
+            steps(s, test, mode, 2048)  # warm: graphs built and captured
+            t_pp, t = steps(s, test, mode, 2048)
+            med = float(np.median(t))
+            print(f"B={pl:4d} {mode:8s} step median {1e3 * med:7.3f} ms  S_TG {pl / med:9.1f} t/s  "
+                  f"S_PP {pl * a.npp / t_pp:9.1f} t/s", flush=True)
+    test = BatchedTest(a.npp, a.ntg, a.profile)
+    for mode in modes:
+        steps(s, test, mode, 2048)
+        prof = cProfile.Profile()
+        prof.enable()
+        steps(s, test, mode, 2048)
+        prof.disable()
+        print(f"== cProfile B={a.profile} {mode} ({a.ntg} steps, prompt included)")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
+if __name__ == "__main__":
+    main()
