@@ -29,10 +29,14 @@ TINY_MERGES: tuple[str, ...] = (
 )
 
 # Types write_tiny_llama can store weight matrices in (those gguf.quants can quantize).
-WEIGHT_TYPES: frozenset[QT] = frozenset({QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
-# write_tiny_family adds Q4_K (encoded here: gguf.quants has no Q4_K encoder); its rows must be whole
-# 256-value super-blocks.
-FAMILY_WEIGHT_TYPES: frozenset[QT] = WEIGHT_TYPES | {QT.Q4_K}
+WEIGHT_TYPES: frozenset[QT] = frozenset({QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
+                                         QT.MXFP4})
+# write_tiny_family adds Q4_K, IQ4_NL and IQ4_XS (encoded here: gguf.quants has no encoder for them); rows of
+# Q4_K and IQ4_XS must be whole 256-value super-blocks.
+FAMILY_WEIGHT_TYPES: frozenset[QT] = WEIGHT_TYPES | {QT.Q4_K, QT.IQ4_NL, QT.IQ4_XS}
+
+# ggml's kvalues_iq4nl: the 16 values an IQ4_NL/IQ4_XS index stands for.
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
 
 # numpy scalar types map to the GGUF value type of the same width; plain Python values follow
 # llama.cpp's conventions (counts are uint32, floats float32, token types int32).
@@ -369,6 +373,59 @@ def quantize_q4_k(values: np.ndarray) -> np.ndarray:
     return blocks.reshape(*outer, k // 256 * 144)
 
 
+def _iq4_indices(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Per value of x [blocks, 32], the index of IQ4_VALUES nearest x / scale (scale [blocks], 0 gives 0s)."""
+    inv = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale != 0)
+    return np.abs(x[..., None] * inv[:, None, None] - IQ4_VALUES).argmin(axis=-1).astype(np.uint8)
+
+
+def _iq4_scale(x: np.ndarray) -> np.ndarray:
+    """Per block of x [blocks, 32] the scale that puts its largest value on IQ4_VALUES' -127, then refined once
+    by least squares over the indices it gives (ggml searches more scales; any valid block does here)."""
+    signed_max = x[np.arange(len(x)), np.abs(x).argmax(axis=1)]
+    scale = signed_max / np.float32(-127)
+    v = IQ4_VALUES[_iq4_indices(x, scale)]
+    vv = (v * v).sum(axis=1)
+    return np.divide((v * x).sum(axis=1), vv, out=scale.copy(), where=vv > 0).astype(np.float32)
+
+
+def _iq4_pack(idx: np.ndarray) -> np.ndarray:
+    """Indices [blocks, 32] as 16 bytes per block: element j in the low nibble of byte j, j + 16 in its high one."""
+    return idx[:, :16] | (idx[:, 16:] << 4)
+
+
+def quantize_iq4_nl(values: np.ndarray) -> np.ndarray:
+    """values [..., K] (K a multiple of 32) as IQ4_NL blocks (uint8 [..., K / 32 * 18]): per 32 values an f16
+    scale d and 4-bit indices into IQ4_VALUES, x = d * IQ4_VALUES[q]."""
+    x = np.asarray(values, dtype=np.float32)
+    blocks = x.reshape(-1, 32)
+    d = _iq4_scale(blocks).astype(np.float16)
+    qs = _iq4_pack(_iq4_indices(blocks, d.astype(np.float32)))
+    return np.concatenate([d.view(np.uint8).reshape(-1, 2), qs], axis=1).reshape(*x.shape[:-1], -1)
+
+
+def quantize_iq4_xs(values: np.ndarray) -> np.ndarray:
+    """values [..., K] (K a multiple of 256) as IQ4_XS blocks (uint8 [..., K / 256 * 136]): per 256 values an f16
+    scale d, per 32 of them a six-bit scale ls (stored + 32: four low bits in scales_l, two high ones in
+    scales_h) and IQ4_NL's 4-bit indices, x = d * (ls - 32) * IQ4_VALUES[q]."""
+    x = np.asarray(values, dtype=np.float32)
+    sub = x.reshape(-1, 8, 32)
+    n = len(sub)
+    scales = _iq4_scale(sub.reshape(-1, 32)).reshape(n, 8)
+    signed_max = scales[np.arange(n), np.abs(scales).argmax(axis=1)]
+    d = (signed_max / np.float32(-32)).astype(np.float16)
+    df = d.astype(np.float32)[:, None]
+    ls = np.clip(np.rint(np.divide(scales, df, out=np.zeros_like(scales), where=df != 0)), -32, 31).astype(np.int32)
+    idx = _iq4_indices(sub.reshape(-1, 32), (df * ls.astype(np.float32)).reshape(-1))
+    stored = (ls + 32).astype(np.uint16)
+    scales_h = ((stored >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1).astype(np.uint16)
+    low = (stored & 15).astype(np.uint8)
+    scales_l = low[:, 0::2] | (low[:, 1::2] << 4)
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), scales_h.view(np.uint8).reshape(-1, 2), scales_l,
+                             _iq4_pack(idx).reshape(n, 128)], axis=1)
+    return blocks.reshape(*x.shape[:-1], -1)
+
+
 @dataclass(frozen=True)
 class QuantizedTensor:
     """Already-encoded tensor bytes: `raw` is uint8 of shape (*outer, row bytes), `qtype` its format."""
@@ -610,8 +667,9 @@ def _random_weight(rng: np.random.Generator, shape: tuple[int, ...], qtype: QT,
         return values
     if qtype == QT.F16:
         return values.astype(np.float16)
-    if qtype == QT.Q4_K:
-        return QuantizedTensor(quantize_q4_k(values), qtype)
+    encoders = {QT.Q4_K: quantize_q4_k, QT.IQ4_NL: quantize_iq4_nl, QT.IQ4_XS: quantize_iq4_xs}
+    if qtype in encoders:
+        return QuantizedTensor(encoders[qtype](values), qtype)
     return QuantizedTensor(quantize(values, qtype), qtype)
 
 

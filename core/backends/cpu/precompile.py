@@ -32,6 +32,7 @@ from ggrun.core.backends.cpu.warmup import THREADS, WARMS, Warm, kv, product, ro
 from ggrun.core.context import ImmediateContext
 from ggrun.core.dtypes import DType
 from ggrun.core.graph import build_graph
+from ggrun.core.quants import vec_dot_blocks
 from ggrun.core.sched import Scheduler
 from ggrun.core.tensor import Tensor, new_tensor
 
@@ -190,7 +191,7 @@ def _product(leafs, dtype: DType, n_tokens: int, act_quant: bool, repacked: bool
     # a large product has enough weight rows (for its tokens) that the kernels split them over threads
     w = _weight(leafs, dtype, 8 * (PARALLEL_MIN_BYTES // (8 * dtype.row_bytes(K) * n_tokens) + 1) if large else 16)
     if act_quant:
-        w.params["act_quant"] = "q8_k" if dtype.name.endswith("_K") else "q8_0"
+        w.params["act_quant"] = vec_dot_blocks(dtype.name)
     if repacked:
         leafs.ctx.prepare_weight(w)
     x = leafs.input("x", np.ones((n_tokens, K), np.float32))
