@@ -144,8 +144,10 @@ def reference_cases() -> list[str]:
 # What each weight type must reach against llama.cpp over the saved positions: the share ranked first alike,
 # and the mean |log p| gap at llama.cpp's top token. With Q4_K (8-bit activation rounding) a tiny random model
 # magnifies last-bit differences: llama.cpp against itself at another micro-batch size ranks the same token
-# first at only 94-98% of positions (scripts/arch_vs_llama.py --noise), so the bound is llama.cpp's own spread.
-BOUNDS = {"F32": (0.98, 0.02), "F16": (0.98, 0.02), "Q4_K": (0.90, 0.1)}
+# first at only 94-98% of positions (scripts/arch_vs_llama.py --noise), so the bound is llama.cpp's own spread;
+# so with the lookup-table types (IQ4_NL, IQ4_XS, MXFP4: also 8-bit activations, llama.cpp's spread 96-97%).
+_ACT8 = (0.90, 0.1)
+BOUNDS = {"F32": (0.98, 0.02), "F16": (0.98, 0.02), "Q4_K": _ACT8, "IQ4_NL": _ACT8, "IQ4_XS": _ACT8, "MXFP4": _ACT8}
 
 
 @pytest.mark.parametrize("case", reference_cases())
