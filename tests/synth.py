@@ -164,7 +164,7 @@ class Gemma3Config:
 
 
 # What each family's file holds beyond llama's layer: extra per-layer tensors, fused matrices, its keys.
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe", "gpt-oss")
 _NEOX_HEAD_NORMS = ("attn_q_norm", "attn_k_norm")
 
 
@@ -192,6 +192,8 @@ class FamilyConfig:
     n_expert: int = 8  # qwen3moe: experts of n_ff_exp rows, n_expert_used of them per token
     n_expert_used: int = 2
     n_ff_exp: int = 256
+    yarn_factor: float = 32.0  # gpt-oss: YaRN's context extension as gpt-oss-20b has it (131072 over 4096)
+    n_ctx_orig: int = 4096
 
     def metadata(self) -> dict[str, Any]:
         a = self.arch
@@ -209,11 +211,14 @@ class FamilyConfig:
             f"{a}.rope.dimension_count": self.head_dim,
             f"{a}.attention.layer_norm_rms_epsilon": float(self.rms_eps),
         }
-        if a in ("gemma2", "gemma3"):
+        if a in ("gemma2", "gemma3", "gpt-oss"):
             md[f"{a}.attention.sliding_window"] = self.sliding_window
-        if a == "qwen3moe":
-            md |= {"qwen3moe.expert_count": self.n_expert, "qwen3moe.expert_used_count": self.n_expert_used,
-                   "qwen3moe.expert_feed_forward_length": self.n_ff_exp}
+        if a in ("qwen3moe", "gpt-oss"):
+            md |= {f"{a}.expert_count": self.n_expert, f"{a}.expert_used_count": self.n_expert_used,
+                   f"{a}.expert_feed_forward_length": self.n_ff_exp}
+        if a == "gpt-oss":
+            md |= {"gpt-oss.rope.scaling.type": "yarn", "gpt-oss.rope.scaling.factor": self.yarn_factor,
+                   "gpt-oss.rope.scaling.original_context_length": self.n_ctx_orig}
         if a == "gemma2":
             md |= {"gemma2.attn_logit_softcapping": self.attn_softcap,
                    "gemma2.final_logit_softcapping": self.final_softcap}
@@ -229,12 +234,17 @@ class FamilyConfig:
         shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (self.n_vocab, n)}
         for i in range(self.n_layer):
             layer: dict[str, tuple[int, ...]] = {"attn_norm.weight": (n,)}
-            if self.arch == "qwen3moe":
+            if self.arch in ("qwen3moe", "gpt-oss"):
                 e, fe = self.n_expert, self.n_ff_exp
                 layer |= {"attn_q.weight": (q, n), "attn_k.weight": (kv, n), "attn_v.weight": (kv, n),
-                          "attn_output.weight": (n, q), "ffn_norm.weight": (n,), "ffn_gate_inp.weight": (e, n),
+                          "attn_output.weight": (n, q), "ffn_gate_inp.weight": (e, n),
                           "ffn_gate_exps.weight": (e, fe, n), "ffn_up_exps.weight": (e, fe, n),
                           "ffn_down_exps.weight": (e, n, fe)}
+                layer[("post_attention_norm" if self.arch == "gpt-oss" else "ffn_norm") + ".weight"] = (n,)
+            if self.arch == "gpt-oss":
+                layer |= {"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,), "attn_output.bias": (n,),
+                          "attn_sinks.weight": (self.n_head,), "ffn_gate_inp.bias": (e,),
+                          "ffn_gate_exps.bias": (e, fe), "ffn_up_exps.bias": (e, fe), "ffn_down_exps.bias": (e, n)}
             elif self.arch == "phi3":
                 layer |= {"attn_qkv.weight": (q + 2 * kv, n), "attn_output.weight": (n, q), "ffn_norm.weight": (n,),
                           "ffn_up.weight": (2 * ff, n), "ffn_down.weight": (n, ff)}
@@ -262,14 +272,15 @@ class FamilyConfig:
 FAMILY_PRESETS: dict[str, dict[str, Any]] = {
     "llama": {}, "qwen2": {}, "phi3": {},
     "qwen3": {"n_head": 8}, "gemma2": {"n_head": 8}, "gemma3": {"n_layer": 7, "n_head": 8},
-    "qwen3moe": {"n_head": 8},
+    "qwen3moe": {"n_head": 8}, "gpt-oss": {"n_head": 8, "rope_base": 150000.0},
 }
 
 
 def write_tiny_family(path: str | os.PathLike[str], arch: str, *, n_layer: int = 4, n_embd: int = 256,
                       n_head: int = 4, n_head_kv: int = 2, head_dim: int = 64, n_ff: int = 512,
                       n_vocab: int | None = None, weight_type: QT = QT.F32, peak: float = 4.0,
-                      post_norm: float = 4.0, router_scale: float = 8.0, sliding_window: int = 16, tied_output: bool = False, seed: int = 0,
+                      post_norm: float = 4.0, router_scale: float = 8.0, sliding_window: int = 16, tied_output: bool = False,
+                      rope_base: float = 10000.0, seed: int = 0,
                       extra_metadata: Mapping[str, Any] | None = None,
                       edit: Callable[[dict[str, Any]], None] | None = None, arch_name: str | None = None) -> Path:
     """Write a small model of family `arch` (FAMILIES) with random weights and the tiny BPE tokenizer.
@@ -292,7 +303,7 @@ def write_tiny_family(path: str | os.PathLike[str], arch: str, *, n_layer: int =
     tok_meta = tokenizer_metadata(n_vocab)
     config = FamilyConfig(arch, n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff,
                           len(tok_meta["tokenizer.ggml.tokens"]), tied_output=tied_output,
-                          sliding_window=sliding_window)
+                          sliding_window=sliding_window, rope_base=rope_base)
     rng = np.random.default_rng(seed)
     head = "output_norm.weight" if config.tied else "output.weight"
     tensors = {}
