@@ -106,6 +106,38 @@ def test_gemma2_soft_capping_changes_the_logits(family_factory):
     assert np.abs(capped - uncapped).max() > 1.0
 
 
+def test_gpt_oss_contract(family_factory):
+    model = Model.load(family_factory(arch="gpt-oss"), [CPUBackend()])
+    arch, hp = model.arch, model.hp
+    assert arch.swa_layers(hp) == [True, False, True, False] and hp.extra["swa_window"] == 16
+    assert (hp.n_head, hp.head_dim, hp.extra["n_expert"], hp.extra["n_expert_used"], hp.extra["n_ff_exp"]) == (8, 64, 8, 2, 256)
+    yarn = hp.extra["yarn"]
+    assert hp.rope_freq_scale == pytest.approx(1 / 32) and (yarn.ext_factor, yarn.n_ctx_orig) == (1.0, 4096)
+    assert (yarn.beta_fast, yarn.beta_slow) == (32.0, 1.0) and yarn.attn_factor == pytest.approx(1.0, abs=1e-6)
+
+
+def sinks_far_below(tensors: dict) -> None:
+    for name in [n for n in tensors if n.endswith("attn_sinks.weight")]:
+        tensors[name] = np.full_like(tensors[name], -60.0)
+
+
+def zero_expert_biases(tensors: dict) -> None:
+    for name in [n for n in tensors if "_exps.bias" in n]:
+        tensors[name] = np.zeros_like(tensors[name])
+
+
+@pytest.mark.parametrize("change", [
+    {"edit": sinks_far_below},  # a sink far below every score takes no share: the softmax without it
+    {"edit": zero_expert_biases},
+    {"extra_metadata": (("gpt-oss.rope.scaling.type", "none"), ("gpt-oss.rope.scaling.factor", 0.0))},  # no YaRN
+], ids=["sinks", "expert_biases", "yarn"])
+def test_gpt_oss_features_change_the_logits(family_factory, change):
+    """Each of gpt-oss's own pieces is applied: without it (or with it made void) the logits move."""
+    full = logits_of(Model.load(family_factory(arch="gpt-oss"), [CPUBackend()], numerics="f32"), PROMPT)
+    without = logits_of(Model.load(family_factory(arch="gpt-oss", **change), [CPUBackend()], numerics="f32"), PROMPT)
+    assert np.abs(full - without).max() > 0.5
+
+
 def test_phi3_fused_matrices_load_as_their_rows(family_factory):
     """attn_qkv and ffn_up are loaded as attn_q/k/v and ffn_gate/up: rows of the stored matrix, in order."""
     path = family_factory(arch="phi3")
