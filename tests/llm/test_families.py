@@ -109,7 +109,7 @@ def test_gemma2_soft_capping_changes_the_logits(family_factory):
 def test_gpt_oss_contract(family_factory):
     model = Model.load(family_factory(arch="gpt-oss"), [CPUBackend()])
     arch, hp = model.arch, model.hp
-    assert arch.swa_layers(hp) == [True, False, True, False] and hp.extra["swa_window"] == 16
+    assert arch.swa_layers(hp) == [True, False] and hp.extra["swa_window"] == 16
     assert (hp.n_head, hp.head_dim, hp.extra["n_expert"], hp.extra["n_expert_used"], hp.extra["n_ff_exp"]) == (8, 64, 8, 2, 256)
     yarn = hp.extra["yarn"]
     assert hp.rope_freq_scale == pytest.approx(1 / 32) and (yarn.ext_factor, yarn.n_ctx_orig) == (1.0, 4096)

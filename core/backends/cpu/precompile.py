@@ -40,7 +40,8 @@ Progress = Callable[[int, int], None]
 WORKER = "ggrun.core.backends.cpu.compile_worker"  # a helper process runs this module
 K = 256  # one k-quant super-block, eight legacy blocks
 WEIGHT_TYPES = (DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q8_0, DType.Q2_K, DType.Q3_K,
-                DType.Q4_K, DType.Q5_K, DType.Q6_K, DType.F16, DType.BF16, DType.F32)
+                DType.Q4_K, DType.Q5_K, DType.Q6_K, DType.IQ4_NL, DType.IQ4_XS, DType.MXFP4, DType.F16, DType.BF16,
+                DType.F32)
 
 
 def tags(matrices: Iterable[Tensor], tables: Iterable[Tensor], kv_types: Iterable[DType], threads: int) -> frozenset[str]:
