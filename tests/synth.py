@@ -270,7 +270,7 @@ class FamilyConfig:
 # Q4_K super-blocks): qwen3 and the gemmas get a head size apart from n_embd / n_head (8 heads of 64), gemma3
 # seven layers so that a global layer (5) sits among the sliding-window ones; gpt-oss two layers (one in the
 # window, one global) and gpt-oss-20b's RoPE base: with four, its 8-bit activation rounding (MXFP4) moves the
-# top token at 11% of positions in llama.cpp against itself (-ub 16), with two at 3.6%.
+# top token at 11% of positions in llama.cpp against itself (-ub 16), with two at 4.6%.
 FAMILY_PRESETS: dict[str, dict[str, Any]] = {
     "llama": {}, "qwen2": {}, "phi3": {},
     "qwen3": {"n_head": 8}, "gemma2": {"n_head": 8}, "gemma3": {"n_layer": 7, "n_head": 8},

@@ -85,10 +85,11 @@ template <> __device__ __forceinline__ float vdot<T_Q8_0>(const u8 *b, const blo
 // four 4-bit indices (the low nibbles of the bytes of q4, or with shift 4 the high ones) as the four int8
 // values of table `t` they stand for, packed for __dp4a
 __device__ __forceinline__ int lut4_bytes(int q4, int shift, const i8 *t) {
-    int v = 0;
+    const u32 q = (u32)q4;
+    u32 v = 0;
 #pragma unroll
-    for (int k = 0; k < 4; k++) v |= (int)(u8)t[(q4 >> (8 * k + shift)) & 0xF] << (8 * k);
-    return v;
+    for (int k = 0; k < 4; k++) v |= (u32)(u8)t[(q >> (8 * k + shift)) & 0xF] << (8 * k);
+    return (int)v;
 }
 // the integer sum of 32 table values (16 bytes of index pairs at qs) times a q8_1 block's quants
 __device__ __forceinline__ int lut4_sum(const u8 *qs, const int *u, const i8 *t, bool aligned4) {
