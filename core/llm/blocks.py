@@ -140,9 +140,14 @@ def attention(b: Build, il: int, q: Tensor, k: Tensor, v: Tensor, wo: Tensor, ro
     n_tokens = q.shape[0]
     cache, idx, n_kv = b.cache_of(il)
     rows = cache.layers[il]
-    k_all = ops.rope_set_rows(rows.k, k, idx, b.inp.pos.tensor, hp.n_rot, rope_mode,
-                              hp.rope_freq_base if freq_base is None else freq_base, hp.rope_freq_scale,
-                              name=f"k_store-{il}", norm=k_norm, eps=hp.norm_eps, yarn=yarn_of(hp))
+    base = hp.rope_freq_base if freq_base is None else freq_base
+    if yarn_of(hp) is None:
+        k_all = ops.rope_set_rows(rows.k, k, idx, b.inp.pos.tensor, hp.n_rot, rope_mode, base, hp.rope_freq_scale,
+                                  name=f"k_store-{il}", norm=k_norm, eps=hp.norm_eps)
+    else:  # YaRN's RoPE may run elsewhere than the cache (CUDA has none): rotated first, then written there
+        k_rot = ops.rope(k, b.inp.pos.tensor, hp.n_rot, rope_mode, base, hp.rope_freq_scale, name=f"k_rot-{il}",
+                         norm=k_norm, eps=hp.norm_eps, yarn=yarn_of(hp))
+        k_all = ops.set_rows(rows.k, ops.reshape(k_rot, (n_tokens, hp.n_embd_kv)), idx, name=f"k_store-{il}")
     v_all = ops.set_rows(rows.v, ops.reshape(v, (n_tokens, hp.n_embd_kv)), idx, name=f"v_store-{il}")
     keys = ops.permute(heads_view(k_all, n_kv, hp.n_head_kv, hp.head_dim), (1, 0, 2))  # [heads_kv, n_kv, head_dim]
     qh = ops.permute(q, (1, 0, 2))  # [heads, tokens, head_dim]

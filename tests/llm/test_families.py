@@ -13,6 +13,7 @@ import pytest
 from gguf.constants import GGMLQuantizationType as QT
 
 from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.backends.sim import SimBackend
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import BadInput
 from ggrun.core.llm.archs import ARCHS
@@ -136,6 +137,17 @@ def test_gpt_oss_features_change_the_logits(family_factory, change):
     full = logits_of(Model.load(family_factory(arch="gpt-oss"), [CPUBackend()], numerics="f32"), PROMPT)
     without = logits_of(Model.load(family_factory(arch="gpt-oss", **change), [CPUBackend()], numerics="f32"), PROMPT)
     assert np.abs(full - without).max() > 0.5
+
+
+def test_gpt_oss_offloaded_to_a_device_without_its_pieces(family_factory):
+    """A device that lacks YaRN's RoPE and sinks (as CUDA does: the stand-in refuses every rope and softmax)
+    holds the layers and their caches; those nodes run on the CPU, the keys are rotated there and written
+    into the device's cache: the logits are the CPU's."""
+    path = family_factory(arch="gpt-oss")
+    cpu = logits_of(Model.load(path, [CPUBackend()], numerics="f32"), PROMPT)
+    device = SimBackend(refuse=frozenset({"rope", "rope_set_rows", "soft_max"}))
+    offloaded = logits_of(Model.load(path, [device, CPUBackend()], n_gpu_layers=99, numerics="f32"), PROMPT)
+    np.testing.assert_allclose(offloaded, cpu, atol=1e-4, rtol=0)
 
 
 def test_phi3_fused_matrices_load_as_their_rows(family_factory):
