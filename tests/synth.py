@@ -234,17 +234,19 @@ class FamilyConfig:
         shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (self.n_vocab, n)}
         for i in range(self.n_layer):
             layer: dict[str, tuple[int, ...]] = {"attn_norm.weight": (n,)}
-            if self.arch in ("qwen3moe", "gpt-oss"):
+            if self.arch in ("qwen3moe", "gpt-oss"):  # (the order is that of the random draws)
                 e, fe = self.n_expert, self.n_ff_exp
                 layer |= {"attn_q.weight": (q, n), "attn_k.weight": (kv, n), "attn_v.weight": (kv, n),
-                          "attn_output.weight": (n, q), "ffn_gate_inp.weight": (e, n),
-                          "ffn_gate_exps.weight": (e, fe, n), "ffn_up_exps.weight": (e, fe, n),
-                          "ffn_down_exps.weight": (e, n, fe)}
-                layer[("post_attention_norm" if self.arch == "gpt-oss" else "ffn_norm") + ".weight"] = (n,)
-            if self.arch == "gpt-oss":
-                layer |= {"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,), "attn_output.bias": (n,),
-                          "attn_sinks.weight": (self.n_head,), "ffn_gate_inp.bias": (e,),
-                          "ffn_gate_exps.bias": (e, fe), "ffn_up_exps.bias": (e, fe), "ffn_down_exps.bias": (e, n)}
+                          "attn_output.weight": (n, q)}
+                if self.arch == "qwen3moe":
+                    layer["ffn_norm.weight"] = (n,)
+                layer |= {"ffn_gate_inp.weight": (e, n), "ffn_gate_exps.weight": (e, fe, n),
+                          "ffn_up_exps.weight": (e, fe, n), "ffn_down_exps.weight": (e, n, fe)}
+                if self.arch == "gpt-oss":
+                    layer |= {"post_attention_norm.weight": (n,), "attn_q.bias": (q,), "attn_k.bias": (kv,),
+                              "attn_v.bias": (kv,), "attn_output.bias": (n,), "attn_sinks.weight": (self.n_head,),
+                              "ffn_gate_inp.bias": (e,), "ffn_gate_exps.bias": (e, fe), "ffn_up_exps.bias": (e, fe),
+                              "ffn_down_exps.bias": (e, n)}
             elif self.arch == "phi3":
                 layer |= {"attn_qkv.weight": (q + 2 * kv, n), "attn_output.weight": (n, q), "ffn_norm.weight": (n,),
                           "ffn_up.weight": (2 * ff, n), "ffn_down.weight": (n, ff)}
