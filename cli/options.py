@@ -83,7 +83,9 @@ def parse_cache_type(value: str) -> DType:
     name = value.lower()
     if name not in CACHE_TYPES:
         raise typer.BadParameter(f"{value!r}: allowed values are {', '.join(CACHE_TYPES)}")
-    for dtype in DType:
+    from ggrun.core.llm.kv_cache import CACHE_TYPES as KV_CACHE_TYPES  # here: only a given -ctk/-ctv pays its import
+
+    for dtype in KV_CACHE_TYPES:  # llama.cpp's others (iq4_nl, q5_0, ...) are weight types only here
         if dtype.label == name:
             return dtype
     raise typer.BadParameter(f"{value!r}: ggrun has no KV cache type {name} (use f16, f32, q8_0 or q4_0)")

@@ -27,6 +27,9 @@ class DType(Enum):
     Q4_K = ("q4_k", 256, 144, None)
     Q5_K = ("q5_k", 256, 176, None)
     Q6_K = ("q6_k", 256, 210, None)
+    IQ4_NL = ("iq4_nl", 32, 18, None)
+    IQ4_XS = ("iq4_xs", 256, 136, None)
+    MXFP4 = ("mxfp4", 32, 17, None)
 
     def __init__(self, label: str, block_size: int, type_size: int, np_dtype) -> None:
         self.label = label

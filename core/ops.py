@@ -45,6 +45,7 @@ OPS: dict[str, OpInfo] = {
     "silu": OpInfo(inplace=True),
     "gelu": OpInfo(inplace=True),
     "swiglu": OpInfo(inplace=True),
+    "swiglu_oai": OpInfo(inplace=True),
     "geglu": OpInfo(inplace=True),
     "rms_norm": OpInfo(inplace=True),
     "rms_norm_mul": OpInfo(inplace=True),
@@ -293,6 +294,14 @@ def swiglu(gate: Tensor, up: Tensor, name: str | None = None) -> Tensor:
     return _gated("swiglu", gate, up, name)
 
 
+def swiglu_oai(gate: Tensor, up: Tensor, alpha: float, limit: float, name: str | None = None) -> Tensor:
+    """gpt-oss's gated unit (ggml_swiglu_oai): x = min(gate, limit), x * sigmoid(alpha * x) *
+    (clamp(up, -limit, limit) + 1), fused."""
+    t = _gated("swiglu_oai", gate, up, name)
+    t.params.update(alpha=float(alpha), limit=float(limit))
+    return t
+
+
 def geglu(gate: Tensor, up: Tensor, name: str | None = None, f16_table: bool = False) -> Tensor:
     """gelu(gate) * up, fused (f16_table as in gelu)."""
     t = _gated("geglu", gate, up, name)
@@ -384,6 +393,24 @@ def _check_rope(op: str, a: Tensor, pos: Tensor, n_dims: int) -> None:
         raise _fail(op, f"n_dims {n_dims} must be even and at most the head size", a)
 
 
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN's context extension of a RoPE (ggml_rope_ext's last parameters): dimensions that turn fast keep
+    their angles, slow ones take the interpolated (freq_scale) angles, those between a ramp of both,
+    between the corrections of beta_fast and beta_slow rotations over n_ctx_orig positions; cos and sin
+    are scaled by attn_factor * (1 + 0.1 ln(1 / freq_scale)) where ext_factor is not 0."""
+
+    ext_factor: float
+    attn_factor: float
+    beta_fast: float
+    beta_slow: float
+    n_ctx_orig: int
+
+
+def _rope_yarn(yarn: Yarn | None) -> dict:
+    return {} if yarn is None else {"yarn": yarn}
+
+
 def _rope_norm(op: str, a: Tensor, norm: Tensor | None, eps: float) -> tuple[tuple[Tensor, ...], dict]:
     """The extra source and params of a RoPE that first RMS-normalises each head by `norm`."""
     if norm is None:
@@ -394,23 +421,24 @@ def _rope_norm(op: str, a: Tensor, norm: Tensor | None, eps: float) -> tuple[tup
 
 def rope(a: Tensor, pos: Tensor, n_dims: int, mode: int = ROPE_NORMAL, freq_base: float = 10000.0,
          freq_scale: float = 1.0, name: str | None = None, out_scale: float = 1.0,
-         norm: Tensor | None = None, eps: float = 0.0) -> Tensor:
+         norm: Tensor | None = None, eps: float = 0.0, yarn: Yarn | None = None) -> Tensor:
     """Rotary position embedding of a [tokens, heads, head_dim] at positions pos [tokens] (i32).
 
     mode ROPE_NORMAL rotates adjacent pairs (llama); ROPE_NEOX rotates the two halves.
     Only the first n_dims of each head rotate. Fused around it: with `norm`, each head is first
     rms_norm'ed and multiplied by norm [head_dim] (gemma3's q/k norms); the result is multiplied
-    by out_scale (gemma3 scales its queries right after RoPE).
+    by out_scale (gemma3 scales its queries right after RoPE). With `yarn`, YaRN's angles (Yarn).
     """
     _check_rope("rope", a, pos, n_dims)
     extra, params = _rope_norm("rope", a, norm, eps)
     return _node("rope", DType.F32, a.shape, (a, pos) + extra, name, n_dims=n_dims, mode=mode,
-                 freq_base=float(freq_base), freq_scale=float(freq_scale), out_scale=float(out_scale), **params)
+                 freq_base=float(freq_base), freq_scale=float(freq_scale), out_scale=float(out_scale), **params,
+                 **_rope_yarn(yarn))
 
 
 def rope_set_rows(dst: Tensor, a: Tensor, idx: Tensor, pos: Tensor, n_dims: int, mode: int = ROPE_NORMAL,
                   freq_base: float = 10000.0, freq_scale: float = 1.0, name: str | None = None,
-                  norm: Tensor | None = None, eps: float = 0.0) -> Tensor:
+                  norm: Tensor | None = None, eps: float = 0.0, yarn: Yarn | None = None) -> Tensor:
     """rope(a, pos, ..., norm, eps) of a [tokens, heads, head_dim], each token's heads written as one
     row of dst [rows, heads * head_dim] at row idx[token]: the keys' RoPE fused with the KV cache
     write. Returns dst's view for later readers, as set_rows does."""
@@ -422,12 +450,14 @@ def rope_set_rows(dst: Tensor, a: Tensor, idx: Tensor, pos: Tensor, n_dims: int,
     extra, params = _rope_norm("rope_set_rows", a, norm, eps)
     t = _view_of("rope_set_rows", dst, dst.shape, dst.strides, 0, name)
     t.srcs = (dst, a, idx, pos) + extra
-    t.params.update(n_dims=n_dims, mode=mode, freq_base=float(freq_base), freq_scale=float(freq_scale), **params)
+    t.params.update(n_dims=n_dims, mode=mode, freq_base=float(freq_base), freq_scale=float(freq_scale), **params,
+                    **_rope_yarn(yarn))
     return t
 
 
 def rope_shift(dst: Tensor, shift: Tensor, head_dim: int, n_dims: int, mode: int = ROPE_NORMAL,
-               freq_base: float = 10000.0, freq_scale: float = 1.0, name: str | None = None) -> Tensor:
+               freq_base: float = 10000.0, freq_scale: float = 1.0, name: str | None = None,
+               yarn: Yarn | None = None) -> Tensor:
     """Re-rotate every row of a block-quantized K cache dst [rows, heads * head_dim] in place by its
     position delta shift[row] (i32): decoded to f32, RoPE, quantized back (llama.cpp's K-shift of a
     quantized cache). Returns dst's view for later readers, as set_rows does."""
@@ -440,12 +470,15 @@ def rope_shift(dst: Tensor, shift: Tensor, head_dim: int, n_dims: int, mode: int
     t = _view_of("rope_shift", dst, dst.shape, dst.strides, 0, name)
     t.srcs = (dst, shift)
     t.params.update(head_dim=head_dim, n_dims=n_dims, mode=mode, freq_base=float(freq_base),
-                    freq_scale=float(freq_scale))
+                    freq_scale=float(freq_scale), **_rope_yarn(yarn))
     return t
 
 
-def soft_max(a: Tensor, mask: Tensor | None = None, scale: float = 1.0, name: str | None = None) -> Tensor:
-    """softmax(a * scale + mask) over the last axis; mask [rows >= a's rows, cols] broadcasts over heads."""
+def soft_max(a: Tensor, mask: Tensor | None = None, scale: float = 1.0, name: str | None = None,
+             sinks: Tensor | None = None) -> Tensor:
+    """softmax(a * scale + mask) over the last axis; mask [rows >= a's rows, cols] broadcasts over heads.
+    With sinks f32 [heads] (a [heads, rows, cols]; gpt-oss's attention sinks, ggml_soft_max_add_sinks), head
+    h's rows are normalised as if each held one more logit, sinks[h], whose share is dropped."""
     _need_float("soft_max", a)
     srcs: tuple[Tensor, ...] = (a,)
     if mask is not None:
@@ -453,7 +486,11 @@ def soft_max(a: Tensor, mask: Tensor | None = None, scale: float = 1.0, name: st
         if len(mask.shape) != 2 or mask.shape[1] != a.shape[-1] or mask.shape[0] < a.shape[-2]:
             raise _fail("soft_max", "mask must be [rows >= a's rows, a's last dim]", a, mask)
         srcs = (a, mask)
-    return _node("soft_max", DType.F32, a.shape, srcs, name, scale=float(scale))
+    if sinks is None:
+        return _node("soft_max", DType.F32, a.shape, srcs, name, scale=float(scale))
+    if mask is None or sinks.dtype is not DType.F32 or len(a.shape) != 3 or sinks.shape != (a.shape[0],):
+        raise _fail("soft_max", "sinks must be f32 [heads] of a [heads, rows, cols], with a mask", a, sinks)
+    return _node("soft_max", DType.F32, a.shape, srcs + (sinks,), name, scale=float(scale), sinks=True)
 
 
 def argmax(a: Tensor, name: str | None = None) -> Tensor:

@@ -17,7 +17,13 @@ SUPPORTED_TYPES: frozenset[QT] = frozenset({
     QT.F32, QT.F16, QT.BF16,
     QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
     QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K,
+    QT.IQ4_NL, QT.IQ4_XS, QT.MXFP4,
 })
+
+# ggml's kvalues_iq4nl (IQ4_NL, IQ4_XS) and kvalues_mxfp4 (MXFP4: twice the E2M1 values, so that the
+# block's E8M0 scale is read as half of 2^(e - 127)): the 16 values a 4-bit index stands for.
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
 
 # Blocks are decoded this many at a time so that the temporaries stay in cache.
 _CHUNK_BLOCKS = 1 << 14
@@ -35,7 +41,17 @@ _BLOCK_DTYPES: dict[QT, np.dtype] = {
     QT.Q5_K: np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qh", "u1", 32),
                        ("qs", "u1", 128)]),
     QT.Q6_K: np.dtype([("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16), ("d", "<f2")]),
+    QT.IQ4_NL: np.dtype([("d", "<f2"), ("qs", "u1", 16)]),
+    QT.IQ4_XS: np.dtype([("d", "<f2"), ("scales_h", "<u2"), ("scales_l", "u1", 4), ("qs", "u1", 128)]),
+    QT.MXFP4: np.dtype([("e", "u1"), ("qs", "u1", 16)]),
 }
+
+
+def vec_dot_blocks(qtype) -> str:
+    """The 8-bit activation blocks ggml's CPU vec_dot of a block-quantized weight type reads
+    (`act_quant`): "q8_k" for the k-quants and IQ4_XS (256-value super-blocks), "q8_0" for the rest."""
+    name = qtype if isinstance(qtype, str) else QT(qtype).name
+    return "q8_k" if name.endswith("_K") or name == "IQ4_XS" else "q8_0"
 
 
 def block_layout(qtype: QT) -> tuple[int, int]:
@@ -295,6 +311,37 @@ def _decode_q6_k(b: np.ndarray, out: np.ndarray) -> None:
     np.multiply(q.reshape(n, 16, 16), scale, out=out.reshape(n, 16, 16))
 
 
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """MXFP4's E8M0 scale bytes as ggml's GGML_E8M0_TO_FP32_HALF reads them: 2^(e - 128) as f32
+    (the bit patterns 0x00200000 and 0x00400000, subnormal, for e = 0 and 1)."""
+    e = e.astype(np.uint32)
+    return np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << 23).astype(np.uint32).view(np.float32)
+
+
+def _decode_iq4_nl(b: np.ndarray, out: np.ndarray) -> None:
+    np.multiply(IQ4_VALUES[_nibbles(b["qs"])], _f32(b["d"]), out=out)
+
+
+def _iq4_xs_scales(b: np.ndarray) -> np.ndarray:
+    """IQ4_XS's eight six-bit sub-block scales minus 32: the low 4 bits are nibble j % 2 of
+    scales_l[j // 2], the high 2 bits are bits 2j..2j+1 of scales_h."""
+    low = (b["scales_l"][:, :, None] >> np.array([0, 4], dtype=np.uint8)) & 0x0F
+    high = (b["scales_h"][:, None] >> (2 * np.arange(8, dtype=np.uint16))) & 3
+    return (low.reshape(-1, 8) | (high << 4)).astype(np.int8) - np.int8(32)
+
+
+def _decode_iq4_xs(b: np.ndarray, out: np.ndarray) -> None:
+    # 8 sub-blocks of 32, each 16 bytes of nibbles as IQ4_NL's block, scaled by d * (ls - 32)
+    n = len(b)
+    values = IQ4_VALUES[_nibbles(b["qs"].reshape(n * 8, 16))].reshape(n, 8, 32)
+    scale = (_f32(b["d"]) * _iq4_xs_scales(b))[:, :, None]
+    np.multiply(values, scale, out=out.reshape(n, 8, 32))
+
+
+def _decode_mxfp4(b: np.ndarray, out: np.ndarray) -> None:
+    np.multiply(MXFP4_VALUES[_nibbles(b["qs"])], e8m0_half(b["e"])[:, None], out=out)
+
+
 _DECODERS: dict[QT, Callable[[np.ndarray, np.ndarray], None]] = {
     QT.Q8_0: _decode_q8_0,
     QT.Q4_0: _decode_q4_0,
@@ -306,6 +353,9 @@ _DECODERS: dict[QT, Callable[[np.ndarray, np.ndarray], None]] = {
     QT.Q4_K: _decode_q4_k,
     QT.Q5_K: _decode_q5_k,
     QT.Q6_K: _decode_q6_k,
+    QT.IQ4_NL: _decode_iq4_nl,
+    QT.IQ4_XS: _decode_iq4_xs,
+    QT.MXFP4: _decode_mxfp4,
 }
 
 _ENCODERS: dict[QT, Callable[[np.ndarray], np.ndarray]] = {

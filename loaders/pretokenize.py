@@ -38,6 +38,15 @@ LLAMA3 = (f"{_CONTRACTIONS_ANY_CASE}|[^\r\n{L}{N}]?[{L}]+|[{N}]{{1,3}}| ?[^{WS}{
 # as LLAMA3 but single digits
 QWEN2 = (f"{_CONTRACTIONS_ANY_CASE}|[^\r\n{L}{N}]?[{L}]+|[{N}]| ?[^{WS}{L}{N}]+[\r\n]*"
          f"|[{WS}]*[\r\n]+|{_TRAILING_WS}")
+# gpt-4o (o200k): words split at case changes. llama.cpp spells \p{Lu}... as letters that are not a-z (an
+# upper-case-ish letter; a collapsed non-ASCII letter is both) and letters that are not A-Z (lower-case-ish):
+# [^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+(?i:'s|...)?|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+
+# ((?=[\p{L}])([^A-Z]))*(?i:'s|...)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+
+_UPPERISH = f"(?:(?=[{L}])[^a-z])"
+_LOWERISH = f"(?:(?=[{L}])[^A-Z])"
+GPT4O = (f"[^\r\n{L}{N}]?{_UPPERISH}*{_LOWERISH}+{_CONTRACTIONS_ANY_CASE}?"
+         f"|[^\r\n{L}{N}]?{_UPPERISH}+{_LOWERISH}*{_CONTRACTIONS_ANY_CASE}?"
+         f"|[{N}]{{1,3}}| ?[^{WS}{L}{N}]+[\r\n/]*|[{WS}]*[\r\n]+|{_TRAILING_WS}")
 DIGIT = f"[{N}]"
 DIGITS = f"[{N}]+"
 PUNCT_RUN = f"[{P}$+<=>^~|]+"
@@ -124,4 +133,5 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **{name: PreTokenizer(name, (LLAMA3,)) for name in ("dbrx", "smaug-bpe")},
     **{name: _QWEN2_LIKE for name in ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2")},
     **{name: PreTokenizer(name, (QWEN2,)) for name in ("stablelm2", "megrez")},
+    **{name: PreTokenizer(name, (GPT4O,), clean_spaces=False) for name in ("gpt-4o", "llama4", "kanana2", "talkie")},
 }

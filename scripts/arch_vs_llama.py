@@ -21,7 +21,7 @@ with llama.cpp's library itself through the Python binding that vendors the same
 (flash attention as llama-perplexity's default on the CPU), the scored rows' log-probabilities saved in
 the same file format.
 
-    .venv/bin/python scripts/arch_vs_llama.py                       # every family, F32, F16 and Q4_K
+    .venv/bin/python scripts/arch_vs_llama.py                       # every family: F32, F16, its shipped type
     .venv/bin/python scripts/arch_vs_llama.py --families qwen3 gemma2 --types F32 --save-data
     .venv/bin/python scripts/arch_vs_llama.py --speed qwen3-0.6b --rounds 3
 """
@@ -52,6 +52,15 @@ DATA = ROOT / "tests" / "data" / "families_llama_cpp.json"
 N_CTX = 128
 _QUIET = None  # llama.cpp's log callback (silent)
 SAVED_CHUNKS = 2  # chunks of llama.cpp's log-probabilities kept in the test data (63 positions each)
+# The block type each family's files ship in (Q4_K unless named), and the lookup-table types tried on llama too.
+SHIPPED = {"gpt-oss": "MXFP4"}
+LUT4_ON_LLAMA = ("IQ4_NL", "IQ4_XS", "MXFP4")
+
+
+def default_types(family: str) -> list[str]:
+    """The weight types the table shows for a family when --types is not given."""
+    types = ["F32", "F16", SHIPPED.get(family, "Q4_K")]
+    return types + [t for t in LUT4_ON_LLAMA if t not in types] if family == "llama" else types
 
 
 def llama_lib(bin_dir: Path):
@@ -204,7 +213,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-bin", default=os.environ.get("LLAMA_BIN", str(DEFAULT_ANCHOR)))
     ap.add_argument("--families", nargs="+", default=list(FAMILY_PRESETS))
-    ap.add_argument("--types", nargs="+", default=["F32", "F16", "Q4_K"])
+    ap.add_argument("--types", nargs="+", help="weight types (default: F32, F16 and the family's shipped type; "
+                                               "llama also in IQ4_NL, IQ4_XS and MXFP4)")
     ap.add_argument("--chunks", type=int, default=8, help="chunks of -c 128 scored (63 positions each)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--via-lib", action="store_true", help="score with libllama.so (no llama-perplexity needed)")
@@ -227,7 +237,7 @@ def main() -> None:
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
         for fam in a.families:
-            for type_name in a.types:
+            for type_name in a.types or default_types(fam):
                 model = write_tiny_family(Path(tmp) / f"{fam}-{type_name}.gguf", fam, weight_type=QT[type_name],
                                           **FAMILY_PRESETS[fam])
                 base = Path(tmp) / f"{fam}-{type_name}.kld"

@@ -29,10 +29,14 @@ TINY_MERGES: tuple[str, ...] = (
 )
 
 # Types write_tiny_llama can store weight matrices in (those gguf.quants can quantize).
-WEIGHT_TYPES: frozenset[QT] = frozenset({QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
-# write_tiny_family adds Q4_K (encoded here: gguf.quants has no Q4_K encoder); its rows must be whole
-# 256-value super-blocks.
-FAMILY_WEIGHT_TYPES: frozenset[QT] = WEIGHT_TYPES | {QT.Q4_K}
+WEIGHT_TYPES: frozenset[QT] = frozenset({QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
+                                         QT.MXFP4})
+# write_tiny_family adds Q4_K, IQ4_NL and IQ4_XS (encoded here: gguf.quants has no encoder for them); rows of
+# Q4_K and IQ4_XS must be whole 256-value super-blocks.
+FAMILY_WEIGHT_TYPES: frozenset[QT] = WEIGHT_TYPES | {QT.Q4_K, QT.IQ4_NL, QT.IQ4_XS}
+
+# ggml's kvalues_iq4nl: the 16 values an IQ4_NL/IQ4_XS index stands for.
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
 
 # numpy scalar types map to the GGUF value type of the same width; plain Python values follow
 # llama.cpp's conventions (counts are uint32, floats float32, token types int32).
@@ -160,7 +164,7 @@ class Gemma3Config:
 
 
 # What each family's file holds beyond llama's layer: extra per-layer tensors, fused matrices, its keys.
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe", "gpt-oss")
 _NEOX_HEAD_NORMS = ("attn_q_norm", "attn_k_norm")
 
 
@@ -188,6 +192,8 @@ class FamilyConfig:
     n_expert: int = 8  # qwen3moe: experts of n_ff_exp rows, n_expert_used of them per token
     n_expert_used: int = 2
     n_ff_exp: int = 256
+    yarn_factor: float = 32.0  # gpt-oss: YaRN's context extension as gpt-oss-20b has it (131072 over 4096)
+    n_ctx_orig: int = 4096
 
     def metadata(self) -> dict[str, Any]:
         a = self.arch
@@ -205,11 +211,14 @@ class FamilyConfig:
             f"{a}.rope.dimension_count": self.head_dim,
             f"{a}.attention.layer_norm_rms_epsilon": float(self.rms_eps),
         }
-        if a in ("gemma2", "gemma3"):
+        if a in ("gemma2", "gemma3", "gpt-oss"):
             md[f"{a}.attention.sliding_window"] = self.sliding_window
-        if a == "qwen3moe":
-            md |= {"qwen3moe.expert_count": self.n_expert, "qwen3moe.expert_used_count": self.n_expert_used,
-                   "qwen3moe.expert_feed_forward_length": self.n_ff_exp}
+        if a in ("qwen3moe", "gpt-oss"):
+            md |= {f"{a}.expert_count": self.n_expert, f"{a}.expert_used_count": self.n_expert_used,
+                   f"{a}.expert_feed_forward_length": self.n_ff_exp}
+        if a == "gpt-oss":
+            md |= {"gpt-oss.rope.scaling.type": "yarn", "gpt-oss.rope.scaling.factor": self.yarn_factor,
+                   "gpt-oss.rope.scaling.original_context_length": self.n_ctx_orig}
         if a == "gemma2":
             md |= {"gemma2.attn_logit_softcapping": self.attn_softcap,
                    "gemma2.final_logit_softcapping": self.final_softcap}
@@ -225,12 +234,19 @@ class FamilyConfig:
         shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (self.n_vocab, n)}
         for i in range(self.n_layer):
             layer: dict[str, tuple[int, ...]] = {"attn_norm.weight": (n,)}
-            if self.arch == "qwen3moe":
+            if self.arch in ("qwen3moe", "gpt-oss"):  # (the order is that of the random draws)
                 e, fe = self.n_expert, self.n_ff_exp
                 layer |= {"attn_q.weight": (q, n), "attn_k.weight": (kv, n), "attn_v.weight": (kv, n),
-                          "attn_output.weight": (n, q), "ffn_norm.weight": (n,), "ffn_gate_inp.weight": (e, n),
-                          "ffn_gate_exps.weight": (e, fe, n), "ffn_up_exps.weight": (e, fe, n),
-                          "ffn_down_exps.weight": (e, n, fe)}
+                          "attn_output.weight": (n, q)}
+                if self.arch == "qwen3moe":
+                    layer["ffn_norm.weight"] = (n,)
+                layer |= {"ffn_gate_inp.weight": (e, n), "ffn_gate_exps.weight": (e, fe, n),
+                          "ffn_up_exps.weight": (e, fe, n), "ffn_down_exps.weight": (e, n, fe)}
+                if self.arch == "gpt-oss":
+                    layer |= {"post_attention_norm.weight": (n,), "attn_q.bias": (q,), "attn_k.bias": (kv,),
+                              "attn_v.bias": (kv,), "attn_output.bias": (n,), "attn_sinks.weight": (self.n_head,),
+                              "ffn_gate_inp.bias": (e,), "ffn_gate_exps.bias": (e, fe), "ffn_up_exps.bias": (e, fe),
+                              "ffn_down_exps.bias": (e, n)}
             elif self.arch == "phi3":
                 layer |= {"attn_qkv.weight": (q + 2 * kv, n), "attn_output.weight": (n, q), "ffn_norm.weight": (n,),
                           "ffn_up.weight": (2 * ff, n), "ffn_down.weight": (n, ff)}
@@ -254,18 +270,21 @@ class FamilyConfig:
 # The tiny model of each family that tests/llm/test_families.py and scripts/arch_vs_llama.py compare with
 # llama.cpp (write_tiny_family's options beyond its defaults: n_embd 256, so that every matrix row is whole
 # Q4_K super-blocks): qwen3 and the gemmas get a head size apart from n_embd / n_head (8 heads of 64), gemma3
-# seven layers so that a global layer (5) sits among the sliding-window ones.
+# seven layers so that a global layer (5) sits among the sliding-window ones; gpt-oss two layers (one in the
+# window, one global) and gpt-oss-20b's RoPE base: with four, its 8-bit activation rounding (MXFP4) moves the
+# top token at 11% of positions in llama.cpp against itself (-ub 16), with two at 4.6%.
 FAMILY_PRESETS: dict[str, dict[str, Any]] = {
     "llama": {}, "qwen2": {}, "phi3": {},
     "qwen3": {"n_head": 8}, "gemma2": {"n_head": 8}, "gemma3": {"n_layer": 7, "n_head": 8},
-    "qwen3moe": {"n_head": 8},
+    "qwen3moe": {"n_head": 8}, "gpt-oss": {"n_layer": 2, "n_head": 8, "rope_base": 150000.0},
 }
 
 
 def write_tiny_family(path: str | os.PathLike[str], arch: str, *, n_layer: int = 4, n_embd: int = 256,
                       n_head: int = 4, n_head_kv: int = 2, head_dim: int = 64, n_ff: int = 512,
                       n_vocab: int | None = None, weight_type: QT = QT.F32, peak: float = 4.0,
-                      post_norm: float = 4.0, router_scale: float = 8.0, sliding_window: int = 16, tied_output: bool = False, seed: int = 0,
+                      post_norm: float = 4.0, router_scale: float = 8.0, sliding_window: int = 16, tied_output: bool = False,
+                      rope_base: float = 10000.0, seed: int = 0,
                       extra_metadata: Mapping[str, Any] | None = None,
                       edit: Callable[[dict[str, Any]], None] | None = None, arch_name: str | None = None) -> Path:
     """Write a small model of family `arch` (FAMILIES) with random weights and the tiny BPE tokenizer.
@@ -288,7 +307,7 @@ def write_tiny_family(path: str | os.PathLike[str], arch: str, *, n_layer: int =
     tok_meta = tokenizer_metadata(n_vocab)
     config = FamilyConfig(arch, n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff,
                           len(tok_meta["tokenizer.ggml.tokens"]), tied_output=tied_output,
-                          sliding_window=sliding_window)
+                          sliding_window=sliding_window, rope_base=rope_base)
     rng = np.random.default_rng(seed)
     head = "output_norm.weight" if config.tied else "output.weight"
     tensors = {}
@@ -367,6 +386,59 @@ def quantize_q4_k(values: np.ndarray) -> np.ndarray:
     qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # 64 values per 32 bytes: low then high nibbles
     blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, qs], axis=1)
     return blocks.reshape(*outer, k // 256 * 144)
+
+
+def _iq4_indices(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Per value of x [blocks, 32], the index of IQ4_VALUES nearest x / scale (scale [blocks], 0 gives 0s)."""
+    inv = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale != 0)
+    return np.abs(x[..., None] * inv[:, None, None] - IQ4_VALUES).argmin(axis=-1).astype(np.uint8)
+
+
+def _iq4_scale(x: np.ndarray) -> np.ndarray:
+    """Per block of x [blocks, 32] the scale that puts its largest value on IQ4_VALUES' -127, then refined once
+    by least squares over the indices it gives (ggml searches more scales; any valid block does here)."""
+    signed_max = x[np.arange(len(x)), np.abs(x).argmax(axis=1)]
+    scale = signed_max / np.float32(-127)
+    v = IQ4_VALUES[_iq4_indices(x, scale)]
+    vv = (v * v).sum(axis=1)
+    return np.divide((v * x).sum(axis=1), vv, out=scale.copy(), where=vv > 0).astype(np.float32)
+
+
+def _iq4_pack(idx: np.ndarray) -> np.ndarray:
+    """Indices [blocks, 32] as 16 bytes per block: element j in the low nibble of byte j, j + 16 in its high one."""
+    return idx[:, :16] | (idx[:, 16:] << 4)
+
+
+def quantize_iq4_nl(values: np.ndarray) -> np.ndarray:
+    """values [..., K] (K a multiple of 32) as IQ4_NL blocks (uint8 [..., K / 32 * 18]): per 32 values an f16
+    scale d and 4-bit indices into IQ4_VALUES, x = d * IQ4_VALUES[q]."""
+    x = np.asarray(values, dtype=np.float32)
+    blocks = x.reshape(-1, 32)
+    d = _iq4_scale(blocks).astype(np.float16)
+    qs = _iq4_pack(_iq4_indices(blocks, d.astype(np.float32)))
+    return np.concatenate([d.view(np.uint8).reshape(-1, 2), qs], axis=1).reshape(*x.shape[:-1], -1)
+
+
+def quantize_iq4_xs(values: np.ndarray) -> np.ndarray:
+    """values [..., K] (K a multiple of 256) as IQ4_XS blocks (uint8 [..., K / 256 * 136]): per 256 values an f16
+    scale d, per 32 of them a six-bit scale ls (stored + 32: four low bits in scales_l, two high ones in
+    scales_h) and IQ4_NL's 4-bit indices, x = d * (ls - 32) * IQ4_VALUES[q]."""
+    x = np.asarray(values, dtype=np.float32)
+    sub = x.reshape(-1, 8, 32)
+    n = len(sub)
+    scales = _iq4_scale(sub.reshape(-1, 32)).reshape(n, 8)
+    signed_max = scales[np.arange(n), np.abs(scales).argmax(axis=1)]
+    d = (signed_max / np.float32(-32)).astype(np.float16)
+    df = d.astype(np.float32)[:, None]
+    ls = np.clip(np.rint(np.divide(scales, df, out=np.zeros_like(scales), where=df != 0)), -32, 31).astype(np.int32)
+    idx = _iq4_indices(sub.reshape(-1, 32), (df * ls.astype(np.float32)).reshape(-1))
+    stored = (ls + 32).astype(np.uint16)
+    scales_h = ((stored >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1).astype(np.uint16)
+    low = (stored & 15).astype(np.uint8)
+    scales_l = low[:, 0::2] | (low[:, 1::2] << 4)
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), scales_h.view(np.uint8).reshape(-1, 2), scales_l,
+                             _iq4_pack(idx).reshape(n, 128)], axis=1)
+    return blocks.reshape(*x.shape[:-1], -1)
 
 
 @dataclass(frozen=True)
@@ -610,8 +682,9 @@ def _random_weight(rng: np.random.Generator, shape: tuple[int, ...], qtype: QT,
         return values
     if qtype == QT.F16:
         return values.astype(np.float16)
-    if qtype == QT.Q4_K:
-        return QuantizedTensor(quantize_q4_k(values), qtype)
+    encoders = {QT.Q4_K: quantize_q4_k, QT.IQ4_NL: quantize_iq4_nl, QT.IQ4_XS: quantize_iq4_xs}
+    if qtype in encoders:
+        return QuantizedTensor(encoders[qtype](values), qtype)
     return QuantizedTensor(quantize(values, qtype), qtype)
 
 

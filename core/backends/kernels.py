@@ -229,6 +229,15 @@ def _swiglu(xp, node, out, srcs):
     _glu_into(xp, _silu_into, _f(xp, node, 0, srcs[0]), _f(xp, node, 1, srcs[1]), out)
 
 
+@kernel("swiglu_oai")
+def _swiglu_oai(xp, node, out, srcs):
+    """ggml's swiglu_oai: x = min(gate, limit), x / (1 + exp(-alpha x)) * (clamp(up, -limit, limit) + 1)."""
+    alpha, limit = xp.float32(node.params["alpha"]), xp.float32(node.params["limit"])
+    x = xp.minimum(_f(xp, node, 0, srcs[0]), limit)
+    y = xp.clip(_f(xp, node, 1, srcs[1]), -limit, limit)
+    out[...] = x / (xp.float32(1) + xp.exp(-alpha * x)) * (y + xp.float32(1))
+
+
 @kernel("geglu")
 def _geglu(xp, node, out, srcs):
     _glu_into(xp, _gelu_for(node), _f(xp, node, 0, srcs[0]), _f(xp, node, 1, srcs[1]), out)
@@ -407,17 +416,34 @@ def _mul_mat_id(xp, node, out, srcs):
         out[tok, slot] = _mul_mat_operand_b(xp, w_t, rows) @ a.T
 
 
-def rope_angles(xp, pos, n_dims: int, freq_base: float, freq_scale: float):
-    """cos and sin [tokens, 1, n_dims/2] of each position's rotation angles."""
+def rope_angles(xp, pos, n_dims: int, freq_base: float, freq_scale: float, yarn=None):
+    """cos and sin [tokens, 1, n_dims/2] of each position's rotation angles (with YaRN's, ops.Yarn, when given:
+    ggml's rope_yarn, each pair's angle a ramp between the interpolated and the original one, both scaled)."""
     inv = freq_base ** (-xp.arange(0, n_dims, 2, dtype=xp.float64) / n_dims)
-    theta = pos.astype(xp.float64)[:, None] * (inv * freq_scale)[None, :]
-    return xp.cos(theta).astype(xp.float32)[:, None, :], xp.sin(theta).astype(xp.float32)[:, None, :]
+    mix, mscale = 0.0, 1.0
+    if yarn is not None and yarn.ext_factor != 0:
+        low, high = yarn_corr_dims(n_dims, yarn.n_ctx_orig, freq_base, yarn.beta_fast, yarn.beta_slow)
+        ramp = (xp.arange(0, n_dims, 2, dtype=xp.float64) / 2 - low) / max(0.001, high - low)
+        mix = (1 - xp.clip(ramp, 0, 1)) * yarn.ext_factor
+        mscale = yarn.attn_factor * (1 + 0.1 * math.log(1 / freq_scale))
+    elif yarn is not None:
+        mscale = yarn.attn_factor
+    theta = pos.astype(xp.float64)[:, None] * (inv * (freq_scale * (1 - mix) + mix))[None, :]
+    return ((xp.cos(theta) * mscale).astype(xp.float32)[:, None, :],
+            (xp.sin(theta) * mscale).astype(xp.float32)[:, None, :])
+
+
+def yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float, beta_slow: float):
+    """ggml_rope_yarn_corr_dims: the pairs (as i0 / 2) where YaRN's ramp starts and ends."""
+    def corr(n_rot: float) -> float:
+        return n_dims * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(freq_base))
+    return max(0.0, math.floor(corr(beta_fast))), min(n_dims - 1.0, math.ceil(corr(beta_slow)))
 
 
 def _rope_into(xp, a, pos, p: dict, out) -> None:
     """out = a rotated at positions pos (out may alias a)."""
     n = p["n_dims"]
-    cos, sin = rope_angles(xp, pos, n, p["freq_base"], p["freq_scale"])
+    cos, sin = rope_angles(xp, pos, n, p["freq_base"], p["freq_scale"], p.get("yarn"))
     if p["mode"] == ROPE_NEOX:
         lo, hi = slice(0, n // 2), slice(n // 2, n)
     else:
@@ -487,9 +513,14 @@ def _soft_max(xp, node, out, srcs):
         rows = out.shape[-2]
         out += _f(xp, node, 1, srcs[1][:rows])
     m = xp.max(out, axis=-1, keepdims=True)
+    sinks = srcs[2].reshape(-1, 1, 1) if node.params.get("sinks") else None  # one more logit per head
+    if sinks is not None:
+        m = xp.maximum(m, sinks)
     out -= m
     xp.exp(out, out=out)
     s = xp.sum(out, axis=-1, keepdims=True)
+    if sinks is not None:
+        s += xp.exp(sinks - m)
     out /= s
 
 

@@ -118,30 +118,42 @@ def rope(b: Build, x: Tensor, mode: int, freq_base: float | None = None, out_sca
     by `norm` when given (q/k norms), the result times out_scale: one node."""
     hp = b.hp
     return ops.rope(x, b.inp.pos.tensor, hp.n_rot, mode, hp.rope_freq_base if freq_base is None else freq_base,
-                    hp.rope_freq_scale, name=name, out_scale=out_scale, norm=norm, eps=hp.norm_eps)
+                    hp.rope_freq_scale, name=name, out_scale=out_scale, norm=norm, eps=hp.norm_eps, yarn=yarn_of(hp))
+
+
+def yarn_of(hp: HParams) -> ops.Yarn | None:
+    """The model's YaRN RoPE settings (an architecture that reads them keeps them in extra["yarn"]), or None."""
+    return hp.extra.get("yarn")
 
 
 def attention(b: Build, il: int, q: Tensor, k: Tensor, v: Tensor, wo: Tensor, rope_mode: int,
               freq_base: float | None = None, kq_scale: float | None = None, mask: Tensor | None = None,
-              k_norm: Tensor | None = None, softcap: float | None = None) -> Tensor:
+              k_norm: Tensor | None = None, softcap: float | None = None, sinks: Tensor | None = None,
+              wo_bias: Tensor | None = None) -> Tensor:
     """Rotate k [tokens, heads_kv, head_dim] (each head first normalised by k_norm when given) as it
     is written into layer il's cache (one node), write v, attend with q [tokens, heads, head_dim]
-    (already rotated) over the first n_kv cells, and project with wo. With softcap, the scores are
-    soft-capped before the softmax (gemma2): the fused attention has no capping, so that takes the
-    scores path."""
+    (already rotated) over the first n_kv cells, and project with wo (plus wo_bias). With softcap, the
+    scores are soft-capped before the softmax (gemma2); with sinks [n_head], each head's softmax counts
+    one more logit (gpt-oss's attention sinks). The fused attention has neither, so those take the scores
+    path."""
     hp = b.hp
     n_tokens = q.shape[0]
     cache, idx, n_kv = b.cache_of(il)
     rows = cache.layers[il]
-    k_all = ops.rope_set_rows(rows.k, k, idx, b.inp.pos.tensor, hp.n_rot, rope_mode,
-                              hp.rope_freq_base if freq_base is None else freq_base, hp.rope_freq_scale,
-                              name=f"k_store-{il}", norm=k_norm, eps=hp.norm_eps)
+    base = hp.rope_freq_base if freq_base is None else freq_base
+    if yarn_of(hp) is None:
+        k_all = ops.rope_set_rows(rows.k, k, idx, b.inp.pos.tensor, hp.n_rot, rope_mode, base, hp.rope_freq_scale,
+                                  name=f"k_store-{il}", norm=k_norm, eps=hp.norm_eps)
+    else:  # YaRN's RoPE may run elsewhere than the cache (CUDA has none): rotated first, then written there
+        k_rot = ops.rope(k, b.inp.pos.tensor, hp.n_rot, rope_mode, base, hp.rope_freq_scale, name=f"k_rot-{il}",
+                         norm=k_norm, eps=hp.norm_eps, yarn=yarn_of(hp))
+        k_all = ops.set_rows(rows.k, ops.reshape(k_rot, (n_tokens, hp.n_embd_kv)), idx, name=f"k_store-{il}")
     v_all = ops.set_rows(rows.v, ops.reshape(v, (n_tokens, hp.n_embd_kv)), idx, name=f"v_store-{il}")
     keys = ops.permute(heads_view(k_all, n_kv, hp.n_head_kv, hp.head_dim), (1, 0, 2))  # [heads_kv, n_kv, head_dim]
     qh = ops.permute(q, (1, 0, 2))  # [heads, tokens, head_dim]
     scale = kq_scale if kq_scale is not None else 1.0 / math.sqrt(hp.head_dim)
     kq_mask = b.inp.kq_mask.tensor if mask is None else mask
-    if b.flash_attn and softcap is None:
+    if b.flash_attn and softcap is None and sinks is None:
         vals = ops.permute(heads_view(v_all, n_kv, hp.n_head_kv, hp.head_dim), (1, 0, 2))  # [heads_kv, n_kv, head_dim]
         merged = ops.flash_attn(qh, keys, vals, kq_mask, scale, name=f"fattn-{il}")  # [tokens, heads, head_dim]
         if b.p.one_per_seq:  # each token of its own sequence: a backend may attend token by token
@@ -151,27 +163,30 @@ def attention(b: Build, il: int, q: Tensor, k: Tensor, v: Tensor, wo: Tensor, ro
         kq = ops.mul_mat(keys, qh, name=f"kq-{il}")  # [heads, tokens, n_kv]
         if softcap is not None:
             kq = ops.softcap(kq, softcap, name=f"kq_capped-{il}")
-        kq = ops.soft_max(kq, kq_mask, scale, name=f"kq_soft_max-{il}")
+        kq = ops.soft_max(kq, kq_mask, scale, name=f"kq_soft_max-{il}", sinks=sinks)
         kqv = ops.mul_mat(vals, kq, name=f"kqv-{il}")  # [heads, tokens, head_dim]
         merged = ops.cont(ops.permute(kqv, (1, 0, 2)), name=f"kqv_merged-{il}")
-    return rowsplit.mul_mat(wo, ops.reshape(merged, (n_tokens, hp.n_head * hp.head_dim)), name=f"attn_out-{il}")
+    out = rowsplit.mul_mat(wo, ops.reshape(merged, (n_tokens, hp.n_head * hp.head_dim)), name=f"attn_out-{il}")
+    return out if wo_bias is None else ops.add(out, wo_bias, name=f"attn_out_biased-{il}")
 
 
 def self_attention(b: Build, L: LayerWeights, h: Tensor, il: int, rope_mode: int, *, biases: bool = True,
                    qk_norm: bool = False, q_scale: float = 1.0, kq_scale: float | None = None,
                    freq_base: float | None = None, mask: Tensor | None = None,
-                   softcap: float | None = None) -> Tensor:
+                   softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
     """Layer il's attention of h [tokens, n_embd] over the cache, projected back to [tokens, n_embd]:
     q/k/v products (plus the biases the file holds, unless the family has none), each q and k
     head RMS-normalised by attn_q_norm/attn_k_norm with qk_norm, RoPE, queries times q_scale, scores
-    times kq_scale (default 1/sqrt(head_dim)), on the window's mask when given, soft-capped by softcap."""
+    times kq_scale (default 1/sqrt(head_dim)), on the window's mask when given, soft-capped by softcap,
+    with attention sinks when given; the output projection's bias where the file has one."""
     bias = (L.get("attn_q.bias"), L.get("attn_k.bias"), L.get("attn_v.bias")) if biases else (None, None, None)
     q, k, v = project_qkv(b, h, L.attn_q, L.attn_k, L.attn_v, il, bias)
     q_norm = L.attn_q_norm if qk_norm else None
     name = f"q_scaled-{il}" if q_scale != 1.0 else None
     q = rope(b, q, rope_mode, freq_base, out_scale=q_scale, norm=q_norm, name=name)
     return attention(b, il, q, k, v, L.attn_output, rope_mode, freq_base, kq_scale=kq_scale, mask=mask,
-                     k_norm=L.attn_k_norm if qk_norm else None, softcap=softcap)
+                     k_norm=L.attn_k_norm if qk_norm else None, softcap=softcap, sinks=sinks,
+                     wo_bias=L.get("attn_output.bias") if biases else None)
 
 
 def gated(x: Tensor, gate: Tensor, up: Tensor, il: int, glu: str, f16_table: bool = False) -> Tensor:
@@ -201,20 +216,34 @@ def ffn_geglu(b: Build, x: Tensor, gate: Tensor, up: Tensor, down: Tensor, il: i
     return rowsplit.mul_mat(down, h, name=f"ffn_out-{il}")
 
 
-def ffn_moe(x: Tensor, L: LayerWeights, il: int, n_used: int, norm_weights: bool = True) -> Tensor:
-    """A mixture of SwiGLU experts on x [tokens, n_embd]: the router (ffn_gate_inp) scores the experts, each
-    token goes to its n_used likeliest (softmax, top-k), whose outputs are summed weighted by their
-    probabilities (renormalised to sum 1 with norm_weights), as llama.cpp's build_moe_ffn. The experts'
-    products are mul_mat_id nodes, which read only the chosen experts' matrices."""
+Glu = Callable[[Tensor, Tensor, str], Tensor]
+
+
+def ffn_moe(x: Tensor, L: LayerWeights, il: int, n_used: int, norm_weights: bool = True,
+            softmax_weights: bool = False, glu: Glu | None = None) -> Tensor:
+    """A mixture of gated experts on x [tokens, n_embd]: the router (ffn_gate_inp, plus its bias where the file
+    has one) scores the experts, each token goes to its n_used likeliest (softmax, top-k), whose outputs are
+    summed weighted by their probabilities (renormalised to sum 1 with norm_weights), as llama.cpp's
+    build_moe_ffn. With softmax_weights (gpt-oss, llama.cpp's SOFTMAX_WEIGHT gating) the router's logits pick
+    the experts and the softmax of the chosen ones weighs them. The experts' products are mul_mat_id nodes,
+    which read only the chosen experts' matrices; each adds its chosen experts' rows of its bias
+    (ffn_*_exps.bias) where the file has them (ggml_add_id). glu(gate, up, name) is the gated unit (SwiGLU)."""
     n = x.shape[0]
-    probs = ops.soft_max(rowsplit.mul_mat(L.ffn_gate_inp, x, name=f"ffn_moe_logits-{il}"), name=f"ffn_moe_probs-{il}")
+    logits = rowsplit.mul_mat(L.ffn_gate_inp, x, name=f"ffn_moe_logits-{il}")
+    router_bias = L.get("ffn_gate_inp.bias")
+    if router_bias is not None:
+        logits = ops.add(logits, router_bias, name=f"ffn_moe_logits_biased-{il}")
+    probs = logits if softmax_weights else ops.soft_max(logits, name=f"ffn_moe_probs-{il}")
     ids = ops.moe_topk(probs, n_used, name=f"ffn_moe_topk-{il}")  # [tokens, n_used]
-    weights = ops.moe_weights(probs, ids, norm_weights, name=f"ffn_moe_weights-{il}")  # [tokens, n_used]
+    weights = ops.moe_weights(probs, ids, norm_weights and not softmax_weights,
+                              name=f"ffn_moe_weights-{il}")  # [tokens, n_used]
+    if softmax_weights:
+        weights = ops.soft_max(weights, name=f"ffn_moe_weights_softmax-{il}")
     xs = ops.reshape(x, (n, 1, x.shape[1]))
-    gate = ops.mul_mat_id(L.ffn_gate_exps, xs, ids, name=f"ffn_moe_gate-{il}")  # [tokens, n_used, n_ff_exp]
-    up = ops.mul_mat_id(L.ffn_up_exps, xs, ids, name=f"ffn_moe_up-{il}")
-    h = ops.swiglu(gate, up, name=f"ffn_moe_swiglu-{il}")
-    experts = ops.mul_mat_id(L.ffn_down_exps, h, ids, name=f"ffn_moe_down-{il}")  # [tokens, n_used, n_embd]
+    gate = _expert_product(L, "ffn_gate_exps", xs, ids, f"ffn_moe_gate-{il}")  # [tokens, n_used, n_ff_exp]
+    up = _expert_product(L, "ffn_up_exps", xs, ids, f"ffn_moe_up-{il}")
+    h = glu(gate, up, f"ffn_moe_glu-{il}") if glu is not None else ops.swiglu(gate, up, name=f"ffn_moe_swiglu-{il}")
+    experts = _expert_product(L, "ffn_down_exps", h, ids, f"ffn_moe_down-{il}")  # [tokens, n_used, n_embd]
     experts = ops.mul(experts, ops.reshape(weights, (n, n_used, 1)), name=f"ffn_moe_weighted-{il}")
     n_embd = experts.shape[2]
     row = (n_used * n_embd * 4, 4)
@@ -224,18 +253,30 @@ def ffn_moe(x: Tensor, L: LayerWeights, il: int, n_used: int, norm_weights: bool
     return out if n_used > 1 else ops.cont(out, name=f"ffn_moe_out-{il}")
 
 
+def _expert_product(L: LayerWeights, name: str, x: Tensor, ids: Tensor, node: str) -> Tensor:
+    """The chosen experts' products with matrix `name` [n_expert, M, K], plus their rows of its bias
+    [n_expert, M] where the file has one: [tokens, n_used, M]."""
+    y = ops.mul_mat_id(getattr(L, name), x, ids, name=node)
+    bias = L.get(f"{name}.bias")
+    if bias is None:
+        return y
+    rows = ops.get_rows(bias, ops.reshape(ids, (ids.shape[0] * ids.shape[1],)), name=f"{node}_bias_rows")
+    return ops.add(y, ops.reshape(rows, y.shape), name=f"{node}_biased")
+
+
 Sublayer = Callable[[LayerWeights, Tensor, int], Tensor]
 
 
 def decoder(b: Build, w: Weights, attn: Sublayer, ffn: Sublayer, sandwich: bool = False,
-            embd_scale: float | None = None) -> Tensor:
+            embd_scale: float | None = None, ffn_norm: str = "ffn_norm") -> Tensor:
     """The stack every family shares: token embeddings (times embd_scale), then per layer
     x += attn(norm(x)), x += ffn(norm(x)), and the output norm of the stream [n_outputs, n_embd].
 
     `attn` and `ffn` map (layer weights, normalised stream, layer) to what is added. With `sandwich`
     (the gemma family) each result is first normalised by the layer's post_attention_norm/post_ffw_norm.
     Each addition happens inside the next norm's node (add_norm), and the last layer keeps only the rows
-    that need logits before its tail."""
+    that need logits before its tail. `ffn_norm` names the norm before the feed-forward (gpt-oss:
+    post_attention_norm)."""
     hp = b.hp
     x = embed(b, w)
     if embd_scale is not None:
@@ -248,7 +289,7 @@ def decoder(b: Build, w: Weights, attn: Sublayer, ffn: Sublayer, sandwich: bool 
         a = attn(L, h, il)
         if il == hp.n_layer - 1:
             a, x = select_outputs(b, a, x)
-        x, h = add_norm(b, x, a, L.ffn_norm, f"ffn_norm-{il}", stream=f"attn_residual-{il}",
+        x, h = add_norm(b, x, a, getattr(L, ffn_norm), f"ffn_norm-{il}", stream=f"attn_residual-{il}",
                         post=L.post_attention_norm if sandwich else None)
         out = ffn(L, h, il)
     post = w.layer(hp.n_layer - 1).post_ffw_norm if sandwich else None
@@ -284,6 +325,6 @@ def build_k_shift(hp: HParams, kv: KVCache, mode: int, freq_base_of=lambda il: N
         k = ops.view(rows.k, (kv.n_ctx, hp.n_head_kv, hp.head_dim))
         base = freq_base_of(il)
         r = ops.rope(k, shift.tensor, hp.n_rot, mode, hp.rope_freq_base if base is None else base,
-                     hp.rope_freq_scale, name=f"k_shift-{il}")
+                     hp.rope_freq_scale, name=f"k_shift-{il}", yarn=yarn_of(hp))
         outs.append(ops.cpy(r, k, name=f"k_shifted-{il}"))
     return build_graph(outs), shift

@@ -105,7 +105,7 @@ def build_k_shift_blocks(hp: HParams, kv: "KVCache", mode: int, freq_base_of=lam
         base = freq_base_of(il)
         outs.append(ops.rope_shift(rows.k, shift.tensor, hp.head_dim, hp.n_rot, mode,
                                    hp.rope_freq_base if base is None else base, hp.rope_freq_scale,
-                                   name=f"k_shift-{il}"))
+                                   name=f"k_shift-{il}", yarn=hp.extra.get("yarn")))
     return build_graph(outs), shift
 
 

@@ -24,6 +24,7 @@ from ggrun.core.llm.budget import Budget
 from ggrun.core.llm.hparams import HParams
 from ggrun.core.llm.placement import DeviceSplit, Placement
 from ggrun.core.llm.weights import Weights
+from ggrun.core.quants import vec_dot_blocks
 from ggrun.loaders.gguf_file import GGUFFile, open_gguf
 from ggrun.loaders.tensor_values import check_tensor_values
 from ggrun.loaders.tokenizer import Tokenizer
@@ -155,7 +156,7 @@ def _weight(ctx: ImmediateContext, gf: GGUFFile, name: str, source: str, numeric
     """Tensor `source` (its rows [lo, hi) when `rows` is given) in ctx as `name`: its stored bytes
     where the backend keeps block formats, else decoded to f32. With llama numerics, a weight stored
     block-quantized meets 8-bit-rounded activations in mul_mat, as in llama.cpp's CPU kernels
-    (`act_quant`: q8_0 blocks for the legacy types, q8_k for k-quants)."""
+    (`act_quant`: the blocks of ggml's vec_dot for the type, quants.vec_dot_blocks)."""
     info = gf.tensors[source]
     dtype = DType.of_ggml(info.qtype.name) if ctx.backend.stores_blocks else DType.F32
     lo, hi = rows if rows is not None else (0, info.shape[0])
@@ -170,7 +171,7 @@ def _weight(ctx: ImmediateContext, gf: GGUFFile, name: str, source: str, numeric
         t = ctx.from_bytes(name, dtype, shape, raw[lo * row_bytes:hi * row_bytes])
     qtype = info.qtype.name
     if numerics == "llama" and qtype not in ("F32", "F16", "BF16"):
-        t.params["act_quant"] = "q8_k" if qtype.endswith("_K") else "q8_0"
+        t.params["act_quant"] = vec_dot_blocks(qtype)
     return t
 
 

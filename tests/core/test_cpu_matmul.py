@@ -20,13 +20,15 @@ from ggrun.core.backends.cpu import backend as cpu_backend
 from ggrun.core.backends.cpu import matmul
 from ggrun.core.backends.cpu.quant import activations, avx2_r8, avx512, codes, decode, layouts, portable
 from ggrun.core.dtypes import DType
+from ggrun.core.quants import vec_dot_blocks
 from tests.core.backend_ops import Leafs, ReferenceBackend, compare, planned, run_on
 from tests.core.harness import f32_to_bf16
 
 LEGACY = [DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q8_0]
 K_QUANTS = [DType.Q2_K, DType.Q3_K, DType.Q4_K, DType.Q5_K, DType.Q6_K]
+LUT4 = [DType.IQ4_NL, DType.IQ4_XS, DType.MXFP4]  # lut4.py's kernels
 PLAIN = [DType.F16, DType.BF16, DType.F32]
-TYPES = LEGACY + K_QUANTS + PLAIN
+TYPES = LEGACY + K_QUANTS + LUT4 + PLAIN
 
 # ggml's test-backend-ops allows 5e-4 for mul_mat; the only differences here are the order of
 # float sums, Q8_1's f16 s = d * sum(q) (ggml's own rounding) and, for a few activations, rounding
@@ -35,12 +37,12 @@ MAX_NMSE = {"llama": 5e-5, "f32": 1e-9}
 
 # Byte offsets of each k-quant's f16 super-block scale and f16 min scale (ggml-common.h).
 _K_SCALES = {DType.Q2_K: (80, 82), DType.Q3_K: (108, None), DType.Q4_K: (0, 2), DType.Q5_K: (0, 2),
-             DType.Q6_K: (208, None)}
+             DType.Q6_K: (208, None), DType.IQ4_NL: (0, None), DType.IQ4_XS: (0, None)}
 
 
 def weight_data(dtype: DType, m: int, k: int, seed: int) -> np.ndarray:
     """A weight's stored form: gguf's quantization of random values (legacy types), valid random
-    k-quant blocks (gguf cannot quantize those), or the values of a plain type."""
+    blocks of k-quants and lut4 types (gguf cannot quantize those), or the values of a plain type."""
     rng = np.random.default_rng(seed)
     values = rng.standard_normal((m, k)).astype(np.float32)
     if dtype is DType.F32:
@@ -51,8 +53,11 @@ def weight_data(dtype: DType, m: int, k: int, seed: int) -> np.ndarray:
         return f32_to_bf16(values)
     if dtype in LEGACY:
         return np.asarray(gguf_quantize(values, QT[dtype.name])).view(np.uint8).reshape(m, -1)
-    n_blocks = m * k // 256
+    n_blocks = m * k // dtype.block_size
     blocks = rng.integers(0, 256, size=(n_blocks, dtype.type_size), dtype=np.uint8)
+    if dtype is DType.MXFP4:  # the E8M0 exponent byte: scales of 2^-9 .. 2^-1
+        blocks[:, 0] = rng.integers(118, 127, n_blocks)
+        return blocks.reshape(m, -1)
     d_at, dmin_at = _K_SCALES[dtype]
     blocks[:, d_at:d_at + 2] = rng.uniform(-0.05, 0.05, n_blocks).astype(np.float16).view(np.uint8).reshape(-1, 2)
     if dmin_at is not None:
@@ -64,7 +69,7 @@ def act_quant_of(dtype: DType) -> str | None:
     """What core/llm/model.py sets on a weight with llama numerics."""
     if not dtype.is_quantized:
         return None
-    return "q8_k" if dtype in K_QUANTS else "q8_0"
+    return vec_dot_blocks(dtype.name)
 
 
 def product(dtype: DType, m: int, k: int, x_shape: tuple[int, ...], numerics: str, seed: int = 0,
@@ -86,7 +91,7 @@ def product(dtype: DType, m: int, k: int, x_shape: tuple[int, ...], numerics: st
 
 
 def k_for(dtype: DType, small: bool = False) -> int:
-    if dtype in K_QUANTS:
+    if dtype.block_size == 256:
         return 256 if small else 512
     return 64 if small else 96 if dtype.is_quantized else 72  # 72: not a multiple of 16 (f32 tails)
 
@@ -240,7 +245,7 @@ def test_both_paths_compute_alike(dtype, monkeypatch):
     assert np.abs(q8 - blas).max() <= 2e-6 * np.abs(blas).max()
 
 
-@pytest.mark.parametrize("dtype", LEGACY + K_QUANTS + [DType.F16, DType.BF16], ids=str)
+@pytest.mark.parametrize("dtype", LEGACY + K_QUANTS + LUT4 + [DType.F16, DType.BF16], ids=str)
 def test_get_rows(dtype, simd):
     data = weight_data(dtype, 23, k_for(dtype), seed=3)
     ids = np.array([4, 0, 22, 4, 9], dtype=np.int32)

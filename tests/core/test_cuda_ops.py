@@ -19,7 +19,7 @@ from ggrun.core.backends.cuda.binding import Launch  # noqa: E402
 from ggrun.core.dtypes import DType  # noqa: E402
 from ggrun.core.ops import ROPE_NEOX, ROPE_NORMAL  # noqa: E402
 from tests.core.backend_ops import ReferenceBackend, compare, nmse, planned, run_on  # noqa: E402
-from tests.core.test_cpu_matmul import K_QUANTS, TYPES, weight_data  # noqa: E402
+from tests.core.test_cpu_matmul import TYPES, weight_data  # noqa: E402
 
 F32, F16, I32 = DType.F32, DType.F16, DType.I32
 NMSE_MUL_MAT = 5e-4
@@ -62,7 +62,7 @@ def check(gpu, build, threshold: float) -> float:
 @pytest.mark.parametrize("n_tokens", [1, 2, 3, 7, 8, 9, 64])
 @pytest.mark.parametrize("dtype", TYPES, ids=str)
 def test_mul_mat(gpu, dtype, n_tokens):
-    k = 512 if dtype in K_QUANTS else 96
+    k = 512 if dtype.block_size == 256 else 96
     m = 67
     data = weight_data(dtype, m, k, seed=n_tokens)
     x = values(n_tokens, k)
@@ -80,7 +80,7 @@ def test_mul_mat_beyond_65535_rows(gpu, n_tokens):
 
 @pytest.mark.parametrize("dtype", TYPES, ids=str)
 def test_get_rows(gpu, dtype):
-    k = 512 if dtype in K_QUANTS else 96
+    k = 512 if dtype.block_size == 256 else 96
     data = weight_data(dtype, 40, k, seed=1)
     ids = np.array([3, 0, 39, 3, 17], dtype=np.int32)
     check(gpu, lambda lf: ops.get_rows(lf.weight("e", dtype, (40, k), data), lf.input("ids", I32, ids)),
@@ -343,7 +343,8 @@ def test_mul_mat_multi(gpu, n_tokens, kinds):
 
 @pytest.mark.parametrize("glu", ["swiglu", "geglu"])
 @pytest.mark.parametrize("types", [(DType.Q4_0, DType.Q4_0), (DType.Q8_0, DType.Q8_0), (DType.Q6_K, DType.Q6_K),
-                                   (DType.Q4_0, DType.Q8_0)], ids=str)
+                                   (DType.Q4_0, DType.Q8_0), (DType.MXFP4, DType.MXFP4), (DType.IQ4_XS, DType.IQ4_XS)],
+                         ids=str)
 @pytest.mark.parametrize("n_tokens", [1, 3, 8, 9, 64])
 def test_mul_mat_glu(gpu, n_tokens, types, glu):
     """A gated feed-forward's first half: one fused product kernel for decode rows of one __dp4a type,

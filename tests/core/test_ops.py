@@ -377,6 +377,44 @@ def test_rope(rt: Runner, mode: int, n_dims: int, base: float, fscale: float):
     close(got, want, tol=1e-4)
 
 
+def ref_rope_yarn(x, pos, n_dims, neox, base, fscale, yarn: ops.Yarn):
+    """ggml's rope_yarn (ggml-cpu ops.cpp) transcribed: per pair i0 = 2i the angle ramps from the
+    interpolated to the original one between the corrections of beta_fast and beta_slow; cos and sin scaled."""
+    def corr(n_rot):
+        return n_dims * math.log(yarn.n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+    low, high = max(0, math.floor(corr(yarn.beta_fast))), min(n_dims - 1, math.ceil(corr(yarn.beta_slow)))
+    mscale = yarn.attn_factor * (1 + 0.1 * math.log(1 / fscale))
+    out = x.copy()
+    for i in range(n_dims // 2):
+        extrap = pos[:, None] * base ** (-2 * i / n_dims)
+        mix = (1 - min(1, max(0, (i - low) / max(0.001, high - low)))) * yarn.ext_factor
+        theta = fscale * extrap * (1 - mix) + extrap * mix
+        j0, j1 = (i, i + n_dims // 2) if neox else (2 * i, 2 * i + 1)
+        x0, x1 = x[:, :, j0], x[:, :, j1]
+        out[:, :, j0] = (x0 * np.cos(theta) - x1 * np.sin(theta)) * mscale
+        out[:, :, j1] = (x0 * np.sin(theta) + x1 * np.cos(theta)) * mscale
+    return out
+
+
+@pytest.mark.parametrize("attn_factor", [1.0, 0.8])
+def test_rope_yarn(rt: Runner, attn_factor: float):
+    """gpt-oss's YaRN (factor 32 over 4096 positions, base 150000): fast pairs keep their angles, slow ones are
+    interpolated, a ramp between; the cached keys' RoPE (rope_set_rows) turns them alike."""
+    yarn = ops.Yarn(1.0, attn_factor, 32.0, 1.0, 4096)
+    xd = rt.random(5, 3, 64)
+    pos = np.array([0, 1, 7, 130, 4095], dtype=np.int32)
+    got = rt.run1(ops.rope(rt.input("x", xd), rt.input("pos", pos), 64, ops.ROPE_NEOX, 150000.0, 1 / 32, yarn=yarn))
+    want = ref_rope_yarn(xd.astype(np.float64), pos.astype(np.float64), 64, True, 150000.0, 1 / 32, yarn)
+    close(got, want, tol=1e-4)
+    plain = ref_rope(xd.astype(np.float64), pos.astype(np.float64), 64, True, 150000.0, 1 / 32)
+    assert np.abs(want - plain).max() > 0.1  # the ramp matters at these positions
+    cache = rt.input("cache", np.zeros((6, 3 * 64), np.float32))
+    idx = np.array([5, 0, 2, 1, 3], dtype=np.int32)
+    stored = rt.run1(ops.rope_set_rows(cache, rt.input("k", xd), rt.input("idx", idx), rt.input("pos", pos), 64,
+                                       ops.ROPE_NEOX, 150000.0, 1 / 32, yarn=yarn))
+    close(stored[idx].reshape(5, 3, 64), want, tol=1e-4)
+
+
 def test_rope_on_a_reshaped_projection_in_f16(rt: Runner):
     xd = rt.random(4, 12, dtype=F16)
     pos = np.array([3, 2, 1, 0], dtype=np.int32)
@@ -418,6 +456,26 @@ def test_soft_max_causal_mask_with_more_rows_than_input(rt: Runner, mask_dtype: 
     got = rt.run1(ops.soft_max(rt.input("kq", xd), rt.input("mask", mask_stored), scale=0.3))
     close(got, ref_softmax(xd.astype(np.float64), as_f64(mask_stored, mask_dtype), scale=0.3))
     assert np.all(got[:, 0, 2:] == 0)
+
+
+def test_soft_max_with_sinks(rt: Runner):
+    """gpt-oss's attention sinks: each head's rows normalised with one more logit, sinks[head], left out."""
+    n_q, n_kv = 4, 6
+    mask = np.triu(np.full((n_q, n_kv), -np.inf, dtype=np.float32), k=1 + n_kv - n_q)
+    xd = rt.random(3, n_q, n_kv, scale=3.0)
+    sinks = np.array([0.5, -2.0, 4.0], dtype=np.float32)
+    got = rt.run1(ops.soft_max(rt.input("kq", xd), rt.input("mask", mask), scale=0.5, sinks=rt.input("sinks", sinks)))
+    logits = np.concatenate([xd.astype(np.float64) * 0.5 + mask, np.broadcast_to(sinks[:, None, None], (3, n_q, 1))], -1)
+    close(got, ref_softmax(logits)[..., :n_kv])
+    assert np.all(got.sum(axis=-1) < 1)
+
+
+def test_swiglu_oai(rt: Runner):
+    """gpt-oss's gated unit: x = min(gate, 7), x sigmoid(1.702 x) (clamp(up, -7, 7) + 1)."""
+    gd, ud = rt.random(5, 11, scale=6.0), rt.random(5, 11, scale=6.0)
+    got = rt.run1(ops.swiglu_oai(rt.input("gate", gd), rt.input("up", ud), 1.702, 7.0))
+    x = np.minimum(gd.astype(np.float64), 7.0)
+    close(got, x / (1 + np.exp(-1.702 * x)) * (np.clip(ud.astype(np.float64), -7, 7) + 1))
 
 
 def test_soft_max_of_f16_input(rt: Runner):

@@ -23,6 +23,7 @@ QUANTIZABLE = {
     QT.Q5_1: lambda x: _block_range(x) / 31,
 }
 K_QUANTS = (QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K)
+LUT4 = (QT.IQ4_NL, QT.IQ4_XS, QT.MXFP4)  # against ggml itself in test_lut4.py
 
 
 def _blocks(x: np.ndarray, size: int = 32) -> np.ndarray:
@@ -44,7 +45,7 @@ def _values(shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
 
 
 def test_supported_types_are_the_documented_ones():
-    assert SUPPORTED_TYPES == set(QUANTIZABLE) | set(K_QUANTS) | {QT.F32}
+    assert SUPPORTED_TYPES == set(QUANTIZABLE) | set(K_QUANTS) | set(LUT4) | {QT.F32}
 
 
 def test_tensor_nbytes():

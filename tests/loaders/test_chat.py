@@ -3,6 +3,9 @@ the goldens are what llama-completion printed as its "chat template example" for
 that writes the BOS (EOS) text loses it when the tokenizer adds the token itself, as in llama.cpp."""
 from __future__ import annotations
 
+from datetime import datetime
+from pathlib import Path
+
 import pytest
 
 from ggrun.loaders.chat import BUILTIN_TEMPLATES, ChatTemplate
@@ -48,3 +51,20 @@ def test_bos_and_eos_texts_are_dropped_when_the_tokenizer_adds_them():
     messages = [{"role": "user", "content": "hi"}]
     assert ChatTemplate(source, "<s>", "</s>").render(messages) == "<s>hi</s>"
     assert ChatTemplate(source, "<s>", "</s>", strip_bos=True, strip_eos=True).render(messages) == "hi"
+
+
+# gpt-oss's harmony template (llama.cpp's models/templates/openai-gpt-oss-120b.jinja, what its GGUFs carry), and
+# what llama-completion --jinja printed as its chat template example on a tiny gpt-oss file carrying it (the
+# date line is the day's: strftime_now).
+GPT_OSS_TEMPLATE = (Path(__file__).parents[1] / "data" / "chat_template_gpt_oss.jinja").read_text(encoding="utf-8")
+GPT_OSS_GOLDEN = (
+    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: 2024-06\n"
+    "Current date: {date}\n\nReasoning: medium\n\n# Valid channels: analysis, commentary, final. Channel must be "
+    "included for every message.<|end|><|start|>developer<|message|># Instructions\n\nYou are a helpful assistant\n\n"
+    "<|end|><|start|>user<|message|>Hello<|end|><|start|>assistant<|channel|>final<|message|>Hi there<|end|>"
+    "<|start|>user<|message|>How are you?<|end|><|start|>assistant")
+
+
+def test_gpt_oss_template_renders_as_llama_cpp():
+    text = ChatTemplate(GPT_OSS_TEMPLATE).render(EXAMPLE, add_generation_prompt=True)
+    assert text == GPT_OSS_GOLDEN.format(date=datetime.now().strftime("%Y-%m-%d"))

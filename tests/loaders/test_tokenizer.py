@@ -63,7 +63,7 @@ def pretype_cases() -> dict[str, list[dict[str, Any]]]:
     return json.loads((DATA / "tokenize_pretypes.json").read_text(encoding="utf-8"))["cases"]
 
 
-@pytest.mark.parametrize("pre", ["gpt-2", "llama-bpe", "qwen2", "default"])
+@pytest.mark.parametrize("pre", ["gpt-2", "llama-bpe", "qwen2", "default", "gpt-4o"])
 def test_other_pre_tokenizers_equal_llama_cpp(pre: str) -> None:
     """SmolLM2's vocabulary under other tokenizer.ggml.pre values, against llama.cpp (ids and cleaned-up text)."""
     tok = smollm2_with_pre(pre)

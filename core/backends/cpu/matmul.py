@@ -1,7 +1,7 @@
 """CPU binders for products with stored weights (mul_mat of a 2-d block-quantized, f16, bf16 or
 f32 weight with activation rows; mul_mat_multi, several such weights with one input; mul_mat_glu,
 a feed-forward's gate and up products and their GLU) and for get_rows from them; the compiled
-kernels are in the quant/ package.
+kernels are in the quant/ package (lut4.py for IQ4_NL, IQ4_XS and MXFP4, which are read as stored).
 
 Three ways to compute out[N, M] = x[N, K] @ w[M, K]^T, chosen per node when it is bound:
 - "q8": with llama numerics (the weight's `act_quant`), x's rows are quantized once to the 8-bit
@@ -31,6 +31,7 @@ import numba
 import numpy as np
 
 from ggrun.core.backends.cpu import jit, vecmath
+from ggrun.core.backends.cpu import lut4 as L4
 from ggrun.core.backends.cpu.dispatch import binds
 from ggrun.core.backends.cpu.elementwise import f16_gelu_table
 from ggrun.core.backends.cpu.quant import activations, avx2, avx2_r8, avx512, codes, decode, layouts, portable
@@ -281,6 +282,8 @@ def _bind_product(plan: _Plan, a: Tensor, w, x, out2, scratch):
         return None
     chunks = _chunks(plan)
     vector = _avx2()
+    if plan.dtype in L4.TYPES:
+        return _bind_lut4(plan, w, x, out2, scratch, chunks)
     if plan.path == "q8":
         qs, d, s, sums = codes.act_arrays(scratch, plan.n, plan.k)
         packed = _repacked(a, plan)
@@ -306,6 +309,29 @@ def _bind_product(plan: _Plan, a: Tensor, w, x, out2, scratch):
         return partial(fn, plan.code, w, x, bufs, out2, min(chunks, n_bufs))
     fn = avx2.mul_mat_f32_avx2 if vector else portable.mul_mat_f32_portable
     return partial(fn, plan.code, w, x, bufs, out2)
+
+
+def _bind_lut4(plan: _Plan, w, x, out2, scratch, chunks: int):
+    """The "q8" or "f32" path of an IQ4_NL, IQ4_XS or MXFP4 weight (stored rows w): lut4.py's kernels,
+    after quant/activations.py's quantizer has made x's 8-bit blocks (q8)."""
+    if plan.path == "q8":
+        qs, d, s, sums = codes.act_arrays(scratch, plan.n, plan.k)
+        quantize = partial(activations.quantize_rows_avx2 if _avx2() else activations.quantize_rows, plan.act, x,
+                           qs, d, s, sums)
+        if chunks > 1:
+            dots = partial(L4.mul_mat_q8_par, plan.code, w, qs, d, out2, chunks)
+        else:
+            dots = partial(L4.mul_mat_q8, plan.code, w, qs, d, out2)
+
+        def call() -> None:
+            quantize()
+            dots()
+        return call
+    n_bufs = numba.config.NUMBA_NUM_THREADS
+    bufs = scratch[:n_bufs * plan.k * 4].view(np.float32).reshape(n_bufs, plan.k)
+    if chunks > 1:
+        return partial(L4.mul_mat_f32_par, plan.code, w, x, bufs, out2, min(chunks, n_bufs))
+    return partial(L4.mul_mat_f32, plan.code, w, x, bufs, out2)
 
 
 def _bind_r8(plans: list[_Plan], packs: list, x, outs: list, scratch):
@@ -579,6 +605,10 @@ def _tile_loader(plan: _Plan, w, m0: int, m1: int, rhs):
     threads = jit.threads()
     vector = _avx2()
     values, mins = rhs[:, :plan.k], rhs[:, plan.k:]
+    if plan.dtype in L4.TYPES:
+        if threads > 1:
+            return partial(L4.dequantize_rows_par, plan.code, w, m0, m1, values, threads)
+        return partial(L4.dequantize_rows, plan.code, w, m0, m1, values)
     if threads > 1:
         rows = partial(decode.dequantize_rows_avx2_par if vector else decode.dequantize_rows_par,
                          plan.code, w, m0, m1, values, threads)
@@ -625,4 +655,6 @@ def bind_get_rows(node: Tensor, out, srcs: list, scratch):
     ids = srcs[1]
     if w is None or ids.ndim != 1:
         return None
+    if a.dtype in L4.TYPES:
+        return partial(L4.get_rows, code, w, ids, out)
     return partial(decode.get_rows_avx2 if _avx2() else decode.get_rows, code, w, ids, out)

@@ -33,6 +33,7 @@ from ggrun.core.backends.cpu.warmup import THREADS, WARMS, Warm, kv, product, ro
 from ggrun.core.context import ImmediateContext
 from ggrun.core.dtypes import DType
 from ggrun.core.graph import build_graph
+from ggrun.core.quants import vec_dot_blocks
 from ggrun.core.sched import Scheduler
 from ggrun.core.tensor import Tensor, new_tensor
 
@@ -40,7 +41,8 @@ Progress = Callable[[int, int], None]
 WORKER = "ggrun.core.backends.cpu.compile_worker"  # a helper process runs this module
 K = 256  # one k-quant super-block, eight legacy blocks
 WEIGHT_TYPES = (DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q8_0, DType.Q2_K, DType.Q3_K,
-                DType.Q4_K, DType.Q5_K, DType.Q6_K, DType.F16, DType.BF16, DType.F32)
+                DType.Q4_K, DType.Q5_K, DType.Q6_K, DType.IQ4_NL, DType.IQ4_XS, DType.MXFP4, DType.F16, DType.BF16,
+                DType.F32)
 
 
 def tags(matrices: Iterable[Tensor], tables: Iterable[Tensor], kv_types: Iterable[DType], threads: int) -> frozenset[str]:
@@ -191,7 +193,7 @@ def _product(leafs, dtype: DType, n_tokens: int, act_quant: bool, repacked: bool
     # a large product has enough weight rows (for its tokens) that the kernels split them over threads
     w = _weight(leafs, dtype, 8 * (PARALLEL_MIN_BYTES // (8 * dtype.row_bytes(K) * n_tokens) + 1) if large else 16)
     if act_quant:
-        w.params["act_quant"] = "q8_k" if dtype.name.endswith("_K") else "q8_0"
+        w.params["act_quant"] = vec_dot_blocks(dtype.name)
     if repacked:
         leafs.ctx.prepare_weight(w)
     x = leafs.input("x", np.ones((n_tokens, K), np.float32))

@@ -157,6 +157,8 @@ def _f32_rows(node, i: int, a: np.ndarray) -> bool:
 
 @binds("rope")
 def bind_rope(node, out, srcs, scratch):
+    if "yarn" in node.params:  # YaRN's angles: the reference kernel's
+        return None
     x, pos = srcs[:2]
     norm = _norm(node, srcs, 2, x.shape[-1])
     if not (_f32_rows(node, 0, x) and out.flags.c_contiguous) or norm is None:
@@ -168,6 +170,8 @@ def bind_rope(node, out, srcs, scratch):
 
 @binds("rope_set_rows")
 def bind_rope_set_rows(node, out, srcs, scratch):
+    if "yarn" in node.params:
+        return None
     x, idx, pos = srcs[1:4]
     norm = _norm(node, srcs, 4, x.shape[-1])
     if not (_f32_rows(node, 1, x) and out.flags.c_contiguous) or norm is None:
@@ -184,6 +188,8 @@ def bind_rope_set_rows(node, out, srcs, scratch):
 
 @binds("rope_shift")
 def bind_rope_shift(node, out, srcs, scratch):
+    if "yarn" in node.params:
+        return None
     cache = node.srcs[0]
     if cache.dtype not in CACHE_TYPES or not out.flags.c_contiguous:
         return None

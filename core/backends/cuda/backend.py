@@ -156,7 +156,10 @@ class CUDABackend(Backend):
 
     def supports_op(self, node: Tensor) -> bool:
         """Block-quantized data only as the weights of products and embedding lookups (2-d, of a type
-        the kernels decode); a quantized KV cache's reads and writes stay on the CPU."""
+        the kernels decode); a quantized KV cache's reads and writes stay on the CPU, and so do YaRN's
+        RoPE and attention sinks (gpt-oss), which the CUDA kernels lack."""
+        if "yarn" in node.params or node.params.get("sinks"):
+            return False
         quantized = [s for s in node.srcs if s.dtype.is_quantized]
         if node.dtype.is_quantized:
             return False

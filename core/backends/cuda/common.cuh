@@ -45,7 +45,10 @@ __device__ __forceinline__ void prefetch_l2(const void *p, i64 n, int t, int nt)
 #define T_Q4_K 12
 #define T_Q5_K 13
 #define T_Q6_K 14
+#define T_IQ4_NL 20
+#define T_IQ4_XS 23
 #define T_BF16 30
+#define T_MXFP4 39
 
 // elements and bytes of one block of each type (a float type is a "block" of one element)
 template <int T> struct Block;
@@ -62,6 +65,9 @@ template <> struct Block<T_Q3_K> { static const int QK = 256; static const int B
 template <> struct Block<T_Q4_K> { static const int QK = 256; static const int BYTES = 144; };
 template <> struct Block<T_Q5_K> { static const int QK = 256; static const int BYTES = 176; };
 template <> struct Block<T_Q6_K> { static const int QK = 256; static const int BYTES = 210; };
+template <> struct Block<T_IQ4_NL> { static const int QK = 32;  static const int BYTES = 18; };
+template <> struct Block<T_IQ4_XS> { static const int QK = 256; static const int BYTES = 136; };
+template <> struct Block<T_MXFP4>  { static const int QK = 32;  static const int BYTES = 17; };
 
 __device__ __forceinline__ float ld_f16(const u8 *p) { return __half2float(*(const __half *)p); }
 __device__ __forceinline__ float bf16_to_f32(u16 b) { return __uint_as_float(((u32)b) << 16); }
@@ -70,6 +76,27 @@ __device__ __forceinline__ float bf16_to_f32(u16 b) { return __uint_as_float(((u
 __device__ __forceinline__ int ld_i32_a2(const u8 *p) {
     const u16 *h = (const u16 *)p;
     return (int)((u32)h[0] | ((u32)h[1] << 16));
+}
+
+// 32 bits from an address of any alignment (MXFP4's blocks of 17 bytes)
+__device__ __forceinline__ int ld_i32_a1(const u8 *p) {
+    return (int)((u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24));
+}
+
+// The 16 values a 4-bit index of IQ4_NL / IQ4_XS (ggml's kvalues_iq4nl) and of MXFP4 (kvalues_mxfp4: twice
+// the E2M1 values, so the block's E8M0 exponent is read as half its power of two) stands for.
+__constant__ i8 IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+__constant__ i8 MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// MXFP4's exponent byte as ggml's GGML_E8M0_TO_FP32_HALF: 2^(e - 128), subnormal for e < 2
+__device__ __forceinline__ float e8m0_half(u8 e) {
+    return __uint_as_float(e < 2 ? 0x00200000u << e : (u32)(e - 1) << 23);
+}
+
+// IQ4_XS: the six-bit scale of sub-block ib (32 elements) of the super-block at b, minus 32
+__device__ __forceinline__ int iq4xs_scale(const u8 *b, int ib) {
+    const int h = (int)b[2] | ((int)b[3] << 8);
+    return (((b[4 + (ib >> 1)] >> (4 * (ib & 1))) & 0xF) | (((h >> (2 * ib)) & 3) << 4)) - 32;
 }
 
 // Q4_K / Q5_K: the six-bit scale and min of sub-block sb (ggml's get_scale_min_k4)
@@ -139,6 +166,18 @@ template <> __device__ __forceinline__ float dq<T_Q5_K>(const u8 *b, int j) {
     float sc, m;
     k4_scale_min(b + 4, sb, sc, m);
     return ld_f16(b) * sc * (float)q - ld_f16(b + 2) * m;
+}
+// the lookup-table types: index j < 16 in the low nibble of byte j of qs, j >= 16 in the high one of j - 16
+__device__ __forceinline__ int nibble(const u8 *qs, int j) { return j < 16 ? (qs[j] & 0xF) : (qs[j - 16] >> 4); }
+template <> __device__ __forceinline__ float dq<T_IQ4_NL>(const u8 *b, int j) {
+    return ld_f16(b) * (float)IQ4_VALUES[nibble(b + 2, j)];
+}
+template <> __device__ __forceinline__ float dq<T_MXFP4>(const u8 *b, int j) {
+    return e8m0_half(b[0]) * (float)MXFP4_VALUES[nibble(b + 1, j)];
+}
+template <> __device__ __forceinline__ float dq<T_IQ4_XS>(const u8 *b, int j) {
+    const int ib = j >> 5;
+    return (ld_f16(b) * (float)iq4xs_scale(b, ib)) * (float)IQ4_VALUES[nibble(b + 8 + 16 * ib, j & 31)];
 }
 template <> __device__ __forceinline__ float dq<T_Q6_K>(const u8 *b, int j) {
     int half = j >> 7, r = j & 127, k = r >> 5, l = r & 31;

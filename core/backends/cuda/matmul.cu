@@ -1,5 +1,6 @@
 // Weight products. Few tokens (decode): activations quantized to q8_1 blocks and integer dot
-// products (__dp4a) against the legacy block types and the k-quants, as ggml's mmvq; other types
+// products (__dp4a) against the legacy block types, the k-quants and the lookup-table types (IQ4_NL,
+// IQ4_XS, MXFP4: each 4-bit index replaced by its table's int8 value first), as ggml's mmvq; other types
 // decode their blocks in the GEMV. Many tokens: weights decoded to f16 tiles for a cuBLAS GEMM (host side).
 
 // x [rows, ncols] (row stride ldx elements) -> y [rows, ncols / 32] q8_1 blocks; one warp per block
@@ -79,6 +80,42 @@ template <> __device__ __forceinline__ float vdot<T_Q8_0>(const u8 *b, const blo
 #pragma unroll
     for (int i = 0; i < 8; i++) s = __dp4a(ld_i32_a2(b + 2 + 4 * i), u[i], s);
     return ld_f16(b) * __low2float(y.ds) * (float)s;
+}
+
+// four 4-bit indices (the low nibbles of the bytes of q4, or with shift 4 the high ones) as the four int8
+// values of table `t` they stand for, packed for __dp4a
+__device__ __forceinline__ int lut4_bytes(int q4, int shift, const i8 *t) {
+    const u32 q = (u32)q4;
+    u32 v = 0;
+#pragma unroll
+    for (int k = 0; k < 4; k++) v |= (u32)(u8)t[(q >> (8 * k + shift)) & 0xF] << (8 * k);
+    return (int)v;
+}
+// the integer sum of 32 table values (16 bytes of index pairs at qs) times a q8_1 block's quants
+__device__ __forceinline__ int lut4_sum(const u8 *qs, const int *u, const i8 *t, bool aligned4) {
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int v = aligned4 ? *(const int *)(qs + 4 * i) : ld_i32_a1(qs + 4 * i);
+        s = __dp4a(lut4_bytes(v, 0, t), u[i], s);
+        s = __dp4a(lut4_bytes(v, 4, t), u[i + 4], s);
+    }
+    return s;
+}
+template <> __device__ __forceinline__ float vdot<T_IQ4_NL>(const u8 *b, const block_q8_1 &y) {
+    const int *u = (const int *)y.qs;
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {  // blocks of 18 bytes align only to 2
+        const int v = ld_i32_a2(b + 2 + 4 * i);
+        s = __dp4a(lut4_bytes(v, 0, IQ4_VALUES), u[i], s);
+        s = __dp4a(lut4_bytes(v, 4, IQ4_VALUES), u[i + 4], s);
+    }
+    return ld_f16(b) * __low2float(y.ds) * (float)s;
+}
+template <> __device__ __forceinline__ float vdot<T_MXFP4>(const u8 *b, const block_q8_1 &y) {
+    const int s = lut4_sum(b + 1, (const int *)y.qs, MXFP4_VALUES, false);
+    return e8m0_half(b[0]) * __low2float(y.ds) * (float)s;
 }
 
 // The k-quants against one q8_1 block: sub-block j (32 elements) of the 256 of the super-block at b, as
@@ -171,6 +208,12 @@ template <> __device__ __forceinline__ float vdot_k<T_Q3_K>(const u8 *b, int j, 
     }
     const float sums = (float)k3_scale(b + 96, 2 * j) * (float)s0 + (float)k3_scale(b + 96, 2 * j + 1) * (float)s1;
     return ld_f16(b + 108) * __low2float(y.ds) * sums;
+}
+
+// IQ4_XS: sub-block j's 16 bytes of index pairs at 8 + 16 j (blocks of 136 bytes: 4-aligned), its scale
+template <> __device__ __forceinline__ float vdot_k<T_IQ4_XS>(const u8 *b, int j, const block_q8_1 &y) {
+    const int s = lut4_sum(b + 8 + 16 * j, (const int *)y.qs, IQ4_VALUES, true);
+    return ld_f16(b) * (float)iq4xs_scale(b, j) * __low2float(y.ds) * (float)s;
 }
 
 // vdot of the 32 weights of row `row` that q8_1 block b of the activations meets

@@ -18,10 +18,11 @@ SOURCE_OPTIONS = {"sample.cu": EXACT_OPTIONS}
 
 # ggml's type numbers, as the kernels' template arguments spell them (common.cuh)
 TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10,
-            "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30}
+            "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "BF16": 30, "MXFP4": 39}
 FLOATS = ("F32", "F16", "BF16")
 # decode products: q8_1 activations, __dp4a
-DP4A_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+DP4A_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+              "MXFP4")
 GEMV_COLS = (1, 2, 4, 8)  # token rows one product kernel serves; other counts are sums of these
 FA_EPL = (1, 2, 4, 8)  # head-dimension elements per lane of flash_attn (head dims up to 256)
 NO_WEIGHT = -1

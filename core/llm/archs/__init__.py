@@ -6,6 +6,7 @@ from ggrun.core.errors import BadInput
 from ggrun.core.llm.archs.base import Arch
 from ggrun.core.llm.archs.gemma2 import Gemma2
 from ggrun.core.llm.archs.gemma3 import Gemma3
+from ggrun.core.llm.archs.gpt_oss import GptOss
 from ggrun.core.llm.archs.llama import Llama
 from ggrun.core.llm.archs.phi3 import Phi3
 from ggrun.core.llm.archs.qwen2 import Qwen2
@@ -20,6 +21,7 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
     Gemma2(),
     Phi3(),
     Qwen3Moe(),
+    GptOss(),
 )}
 
 

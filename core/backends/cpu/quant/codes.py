@@ -17,6 +17,7 @@ from numba.extending import intrinsic
 
 from ggrun.core.backends.cpu import isa
 from ggrun.core.backends.cpu.jit import kernel
+from ggrun.core.backends.cpu.lut4 import TYPES as LUT4_TYPES
 from ggrun.core.dtypes import DType
 
 
@@ -34,6 +35,7 @@ CODES: dict[DType, int] = {
     DType.F32: F32, DType.F16: F16, DType.BF16: BF16,
     DType.Q4_0: Q4_0, DType.Q4_1: Q4_1, DType.Q5_0: Q5_0, DType.Q5_1: Q5_1, DType.Q8_0: Q8_0,
     DType.Q2_K: Q2_K, DType.Q3_K: Q3_K, DType.Q4_K: Q4_K, DType.Q5_K: Q5_K, DType.Q6_K: Q6_K,
+    **LUT4_TYPES,  # IQ4_NL, IQ4_XS, MXFP4: their kernels are lut4.py's, which matmul.py calls for them
 }
 
 # Activation formats: the 8-bit blocks a weight type's integer dot product reads (ggml's vec_dot_type).
@@ -42,6 +44,7 @@ ACT_OF: dict[DType, int] = {
     DType.Q4_0: ACT_Q8_0, DType.Q5_0: ACT_Q8_0, DType.Q8_0: ACT_Q8_0,
     DType.Q4_1: ACT_Q8_1, DType.Q5_1: ACT_Q8_1,
     DType.Q2_K: ACT_Q8_K, DType.Q3_K: ACT_Q8_K, DType.Q4_K: ACT_Q8_K, DType.Q5_K: ACT_Q8_K, DType.Q6_K: ACT_Q8_K,
+    DType.IQ4_NL: ACT_Q8_0, DType.MXFP4: ACT_Q8_0, DType.IQ4_XS: ACT_Q8_K,
 }
 ACT_BLOCK = {ACT_Q8_0: 32, ACT_Q8_1: 32, ACT_Q8_K: 256}
 
