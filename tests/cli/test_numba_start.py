@@ -1,4 +1,4 @@
-"""numba start-up work skipped (core/backends/cpu/quick_start.py): arrays get numba's own types, masked
+"""numba start-up work skipped (cli/library_patches/numba_start.py): arrays get numba's own types, masked
 arrays are still refused, and a cache directory is checked once per process."""
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import pytest
 from numba.core import caching, errors
 from numba.core.typing import typeof
 
-import ggrun.core.backends.cpu  # noqa: F401  (installs quick_start)
-from ggrun.core.backends.cpu import quick_start
+from ggrun.cli.library_patches import numba_start as quick_start  # installed by tests/conftest.py
 
 ARRAYS = [np.zeros((2, 3), np.float32), np.zeros((3, 2), np.float16, order="F"), np.arange(9, dtype=np.int32)[::2],
           np.zeros((4, 4, 2), np.uint8)[:, 1], np.frombuffer(b"\0" * 16, np.uint8)]

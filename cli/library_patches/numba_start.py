@@ -1,7 +1,8 @@
-"""Start-up work numba does in every process that ggrun's kernels do not need, skipped.
+"""Start-up work numba does in every process that ggrun's kernels do not need, skipped (a library patch:
+applied by cli/library_patches' `apply`).
 
 - numba imports PyYAML only to read a .numba_config.yaml in the working directory, which ggrun does not use
-  (its numba settings come from the environment, jit.py): PyYAML looks uninstalled while numba is first
+  (its numba settings come from the environment, core/backends/cpu/jit.py): PyYAML looks uninstalled while numba is first
   imported (`numba_without_yaml`; about 15 ms).
 - Each of the ~140 kernels checks, as it is declared, that the cache directory exists and is writable,
   by creating a temporary file there; they share one directory, checked once per process (`install`).

@@ -1,4 +1,5 @@
-"""Option values of plain types skip typer's pydantic adapters.
+"""Option values of plain types skip typer's pydantic adapters (a library patch: applied by
+cli/library_patches' `apply`).
 
 Typer (from 0.2x) turns every option's text into its annotated type with a pydantic TypeAdapter built for
 the annotation. Importing pydantic and building the adapters of `run`'s fifty options takes about 0.1 s of

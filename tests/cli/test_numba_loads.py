@@ -1,4 +1,4 @@
-"""Loading the CPU kernels from numba's cache without numba's compiler set-up (core.backends.cpu.cached_loads):
+"""Loading the CPU kernels from numba's cache without numba's compiler set-up (cli/library_patches/numba_loads.py):
 the same logits, and no registry set-up, in a process of its own (also with numba's runtime loaded from the
 machine code kept by an earlier process); the symbols read from a kernel's machine code instead of its
 bitcode."""
@@ -17,12 +17,13 @@ from numba.core import base
 calls = []
 refresh = base.BaseContext.refresh
 base.BaseContext.refresh = lambda self: (calls.append(1), refresh(self))[1]
-from ggrun.core.backends.cpu import CPUBackend, cached_loads
+from ggrun.cli.library_patches import numba_loads
+from ggrun.core.backends.cpu import CPUBackend
 from ggrun.core.llm.batch import Batch
 from ggrun.core.llm.model import Model
 from ggrun.core.llm.session import Session, SessionParams
 if sys.argv[2] == "skip":
-    cached_loads.skip_compiler_set_up()
+    numba_loads.skip_compiler_set_up()
 session = Session(Model.load(sys.argv[1], [CPUBackend()]), SessionParams(n_ctx=64, n_ubatch=8))
 logits = session.decode(Batch.of_sequence([1, 2, 3], 0))
 import numba.np.arrayobj  # a module whose import the loads deferred runs when used
@@ -54,7 +55,7 @@ def test_symbols_read_from_machine_code_are_those_the_bitcode_defines():
     import numba
     from llvmlite import binding as ll
 
-    from ggrun.core.backends.cpu.cached_loads import _elf_defined_symbols
+    from ggrun.cli.library_patches.numba_loads import _elf_defined_symbols
 
     @numba.njit
     def scaled_sum(x, k):
@@ -68,3 +69,20 @@ def test_symbols_read_from_machine_code_are_those_the_bitcode_defines():
     assert kind == "object" and defined
     assert _elf_defined_symbols(machine_code) == defined
     assert _elf_defined_symbols(b"\xcf\xfa\xed\xfe" + machine_code[4:]) is None  # another format: numba's way
+
+
+def test_cached_environments_name_numbas_function_not_this_module():
+    """A kernel compiled while the patch stands in pickles its environment as a call by name: numba's
+    name, so that the cache never depends on where the patch lives (or on its being applied)."""
+    import pickle
+
+    from numba.core import environment
+
+    from ggrun.cli.library_patches import numba_loads
+
+    assert environment._rebuild_env is numba_loads._rebuild_env  # applied (tests/conftest.py)
+    env = environment.Environment({"__name__": "math"})
+    env.env_name = "ggrun_test_env"
+    data = pickle.dumps(env)
+    assert b"ggrun.cli" not in data and b"numba.core.environment" in data
+    assert pickle.loads(data).globals["__name__"] == "math"

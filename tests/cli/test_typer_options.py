@@ -1,4 +1,4 @@
-"""Options of plain types skip typer's pydantic adapters (cli/plain_options.py): the same settings and the
+"""Options of plain types skip typer's pydantic adapters (cli/library_patches/typer_options.py): the same settings and the
 same error messages as typer's own way, and a run's options parse without importing pydantic."""
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def test_bad_values_get_typers_message(argv, monkeypatch):
 
 
 def test_run_options_parse_without_pydantic():
-    code = ("import sys; from ggrun.cli.cmdline import parse_settings; from ggrun.cli.run_settings import run_settings;"
+    code = ("import sys; from ggrun.cli import library_patches; library_patches.apply();"
+            "from ggrun.cli.cmdline import parse_settings; from ggrun.cli.run_settings import run_settings;"
             f"parse_settings(run_settings, {LINES[0] + LINES[2]!r}); print('pydantic' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -1,4 +1,5 @@
-"""Loading ggrun's kernels from numba's on-disk cache without the work only compiling needs.
+"""Loading ggrun's kernels from numba's on-disk cache without the work only compiling needs (a library
+patch: applied by cli/library_patches' `apply`).
 
 Before the first kernel a process calls, even one found in the cache, numba installs every typing and
 lowering registry it has (importing much of numba: about 0.2 s, a tenth of ggrun's time to its first
@@ -97,6 +98,12 @@ def _rebuild_env(modname, consts, env_name):
     env.env_name = env_name
     environment.Environment._memo[env_name] = env
     return env
+
+
+# A kernel compiled while this stands in for numba's pickles its environments as a call of it, by name:
+# under numba's name, so that the cache never names this module (a kernel compiled with the patch
+# loads without it, and a rename here cannot make cached kernels fail to load).
+_rebuild_env.__module__, _rebuild_env.__qualname__ = environment.__name__, "_rebuild_env"
 
 
 def _lazy_namespace(name: str) -> dict | None:
