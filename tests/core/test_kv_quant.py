@@ -18,7 +18,8 @@ from ggrun.core.backends.kernels import round_q8_blocks, walsh_hadamard
 from ggrun.core.dtypes import DType
 from ggrun.core.quants import dequantize, quantize, quantize_q4_0, quantize_q8_0
 from tests.core.backend_ops import ReferenceBackend, compare, nmse, run_on
-from tests.core.test_cpu_ops import bound_calls, causal_mask
+from tests.core.op_cases import causal_mask
+from tests.core.test_cpu_ops import bound_calls
 
 F32, F16, I32, Q8_0, Q4_0 = DType.F32, DType.F16, DType.I32, DType.Q8_0, DType.Q4_0
 NMSE_EXACT = 1e-10  # integer block sums and f32 sums in ggml's order: only the reference's float sums differ
