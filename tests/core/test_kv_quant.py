@@ -1,5 +1,5 @@
 """Quantized KV caches (Q8_0, Q4_0) op by op: the reference encoders and rotation against independent
-formulas and against ggml itself (tests/data/ggml_kv_quant.json, from scripts/ggml_kv_reference.py),
+formulas and against ggml itself (tests/data/ggml_kv_quant.json, from scripts/tools/ggml_kv_reference.py),
 and the CPU backend's compiled kernels against the reference array kernels (tests/core/
 backend_ops.py): cache writes bit for bit (set_rows; rope_set_rows and the K-shift's rope_shift
 within a rounding step), attention over quantized and mixed caches by NMSE and against ggml's

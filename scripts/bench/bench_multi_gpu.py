@@ -12,7 +12,7 @@ pp2048 at least 2.5x one GPU on four).
 On a machine with two or more GPUs, with the anchor directory carried (`bash ../shared/tools/cuda_anchor.sh
 prepare .anchor` here first; on the machine it builds llama-bench once, ~4 min):
 
-    python3 scripts/bench_multi_gpu.py --anchor .anchor [--rounds 2] [--model llama-8b:q4_0] [--gpus 2]
+    python3 scripts/bench/bench_multi_gpu.py --anchor .anchor [--rounds 2] [--model llama-8b:q4_0] [--gpus 2]
 
 With fewer than two GPUs it says so and exits 0: there is nothing to split.
 """
@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests.synth import write_synthetic  # noqa: E402

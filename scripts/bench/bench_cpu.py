@@ -8,9 +8,9 @@ every figure and the ratios, after the CPU's model, its SIMD flags and ggrun's i
 llama.cpp's tools come from `bash ../shared/tools/cpu_anchor.sh` (pass its directory with
 --llama-bin or $LLAMA_BIN); where they are absent their column is skipped, and the output says so.
 
-    .venv/bin/python scripts/bench_cpu.py                  # SmolLM2 Q4_1 and gemma-3-270m Q4_K_M, -t 2
-    .venv/bin/python scripts/bench_cpu.py --models smollm2 --rounds 3 -t 1
-    .venv/bin/python scripts/bench_cpu.py --vs-isa avx2    # ggrun against itself at a lower level
+    .venv/bin/python scripts/bench/bench_cpu.py                  # SmolLM2 Q4_1 and gemma-3-270m Q4_K_M, -t 2
+    .venv/bin/python scripts/bench/bench_cpu.py --models smollm2 --rounds 3 -t 1
+    .venv/bin/python scripts/bench/bench_cpu.py --vs-isa avx2    # ggrun against itself at a lower level
 """
 from __future__ import annotations
 
@@ -23,10 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from ggrun.loaders.download import KNOWN_MODELS, model_path  # noqa: E402
+from ggrun.loaders.download import KNOWN_MODELS, model_path
 
 DEFAULT_ANCHOR = Path.home() / ".cache/ggrun-anchor/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
 PROMPT = "The capital of France is"

@@ -1,6 +1,6 @@
 """Write a GGUF model's tokenizer metadata (tokenizer.* keys plus general.name/architecture) to a .json.gz fixture.
 
-Usage: python scripts/extract_tokenizer.py MODEL.gguf OUT.json.gz
+Usage: python scripts/tools/extract_tokenizer.py MODEL.gguf OUT.json.gz
 The fixture loads back with json.load(gzip.open(OUT)) as the metadata dict Tokenizer.from_metadata takes;
 it never holds weights (the chat template, when the model has one, is kept).
 """

@@ -7,7 +7,7 @@ llama.cpp's tools come from `bash /work/shared/tools/cpu_anchor.sh` (on a GPU ma
 pass the directory with --llama-bin or $LLAMA_BIN. Where llama-batched-bench is absent, only ggrun's
 figures are printed, and the output says so.
 
-Usage: python scripts/bench_batched.py [-m MODEL] [-npp 128] [-ntg 128] [-npl 1,2,4,8,16] [-t 2] [--rounds 2]
+Usage: python scripts/bench/bench_batched.py [-m MODEL] [-npp 128] [-ntg 128] [-npl 1,2,4,8,16] [-t 2] [--rounds 2]
 """
 from __future__ import annotations
 
@@ -19,10 +19,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
-from ggrun.loaders.download import resolve_model  # noqa: E402
+from ggrun.loaders.download import resolve_model
 
 DEFAULT_ANCHOR = Path.home() / ".cache/ggrun-anchor/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
 

@@ -6,8 +6,8 @@ in microseconds and the ratio, for a decode step (1 token) and a prompt micro-ba
 tokens), the weight products' rate in 8-bit multiply-adds per second, and the total over a
 layer's nodes times 30.
 
-    .venv/bin/python scripts/bench_kernels.py            # -t 1
-    .venv/bin/python scripts/bench_kernels.py -t 2 --reps 50
+    .venv/bin/python scripts/bench/bench_kernels.py            # -t 1
+    .venv/bin/python scripts/bench/bench_kernels.py -t 2 --reps 50
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from ggrun.core import ops  # noqa: E402

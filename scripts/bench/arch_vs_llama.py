@@ -21,9 +21,9 @@ with llama.cpp's library itself through the Python binding that vendors the same
 (flash attention as llama-perplexity's default on the CPU), the scored rows' log-probabilities saved in
 the same file format.
 
-    .venv/bin/python scripts/arch_vs_llama.py                       # every family, F32, F16 and Q4_K
-    .venv/bin/python scripts/arch_vs_llama.py --families qwen3 gemma2 --types F32 --save-data
-    .venv/bin/python scripts/arch_vs_llama.py --speed qwen3-0.6b --rounds 3
+    .venv/bin/python scripts/bench/arch_vs_llama.py                       # every family, F32, F16 and Q4_K
+    .venv/bin/python scripts/bench/arch_vs_llama.py --families qwen3 gemma2 --types F32 --save-data
+    .venv/bin/python scripts/bench/arch_vs_llama.py --speed qwen3-0.6b --rounds 3
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from gguf.constants import GGMLQuantizationType as QT  # noqa: E402
@@ -196,7 +196,7 @@ def save(data: dict, via_lib: bool) -> None:
     """Write llama.cpp's saved positions per model (DATA), with where they came from."""
     producer = "libllama.so through llama_cpp.py" if via_lib else "llama-perplexity"
     DATA.write_text(json.dumps({"producer": f"{producer} (llama.cpp as llama-cpp-python 0.3.36 vendors it), "
-                                            "scripts/arch_vs_llama.py", "models": "tests/synth.py FAMILY_PRESETS",
+                                            "scripts/bench/arch_vs_llama.py", "models": "tests/synth.py FAMILY_PRESETS",
                                 **{k: v for k, v in sorted(data.items()) if "/" in k}}) + "\n")
 
 

@@ -10,9 +10,9 @@ graphs have the fused node and one whose CPU backend refuses it (so the feed-for
 falls back to the pair, today's graph before the node existed), stepped in turn; their logits
 must be equal, bit for bit.
 
-    .venv/bin/python scripts/bench_glu.py                # -t 1
-    .venv/bin/python scripts/bench_glu.py -t 2 --reps 400
-    .venv/bin/python scripts/bench_glu.py -t 2 --model gemma3-270m --steps 128 --prompt 512
+    .venv/bin/python scripts/bench/bench_glu.py                # -t 1
+    .venv/bin/python scripts/bench/bench_glu.py -t 2 --reps 400
+    .venv/bin/python scripts/bench/bench_glu.py -t 2 --model gemma3-270m --steps 128 --prompt 512
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from ggrun.core import ops  # noqa: E402

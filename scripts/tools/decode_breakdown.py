@@ -4,27 +4,22 @@ timed on its own (grouped by op and weight type), against the whole step as `Ses
 runs it; the rest is host overhead (inputs, scheduler, logits copy, Python between calls).
 With --prompt N, the same for one N-token prompt micro-batch (llama-bench's ppN).
 
-    .venv/bin/python scripts/decode_breakdown.py                 # SmolLM2, -t 1
-    .venv/bin/python scripts/decode_breakdown.py -m gemma3-270m -t 2 --steps 64
-    .venv/bin/python scripts/decode_breakdown.py --prompt 512 --steps 3
+    .venv/bin/python scripts/tools/decode_breakdown.py                 # SmolLM2, -t 1
+    .venv/bin/python scripts/tools/decode_breakdown.py -m gemma3-270m -t 2 --steps 64
+    .venv/bin/python scripts/tools/decode_breakdown.py --prompt 512 --steps 3
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from ggrun.core.backends.cpu import CPUBackend, set_threads  # noqa: E402
-from ggrun.core.llm.batch import Batch  # noqa: E402
-from ggrun.core.llm.model import Model  # noqa: E402
-from ggrun.core.llm.session import Session, SessionParams  # noqa: E402
-from ggrun.loaders.download import resolve_model  # noqa: E402
+from ggrun.core.backends.cpu import CPUBackend, set_threads
+from ggrun.core.llm.batch import Batch
+from ggrun.core.llm.model import Model
+from ggrun.core.llm.session import Session, SessionParams
+from ggrun.loaders.download import resolve_model
 
 
 def kind_of(node) -> str:

@@ -4,7 +4,7 @@ difference between the graphs of models with n and n + 1 layers, so nothing outs
 counts. Compute nodes (kernel calls) and all nodes (views too), for a decode step and a 64-token
 micro-batch, with fused attention on and off.
 
-    .venv/bin/python scripts/node_counts.py
+    .venv/bin/python scripts/tools/node_counts.py
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from ggrun.core.backends.cpu import CPUBackend  # noqa: E402

@@ -7,8 +7,8 @@ every chunk, which shows where two runs part.
 llama.cpp's tools come from `bash ../shared/tools/cpu_anchor.sh` (pass its directory with
 --llama-bin or $LLAMA_BIN); without them only ggrun's column is printed.
 
-    .venv/bin/python scripts/ppl_vs_llama.py                         # SmolLM2 and gemma-3-270m, -c 256 and 512
-    .venv/bin/python scripts/ppl_vs_llama.py --models gemma3-270m -c 512 --detail --ggrun-arg=--numerics=f32
+    .venv/bin/python scripts/bench/ppl_vs_llama.py                         # SmolLM2 and gemma-3-270m, -c 256 and 512
+    .venv/bin/python scripts/bench/ppl_vs_llama.py --models gemma3-270m -c 512 --detail --ggrun-arg=--numerics=f32
 """
 from __future__ import annotations
 
@@ -20,10 +20,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
-from ggrun.loaders.download import KNOWN_MODELS, is_cached, model_path  # noqa: E402
+from ggrun.loaders.download import KNOWN_MODELS, is_cached, model_path
 
 DEFAULT_ANCHOR = Path.home() / ".cache/ggrun-anchor/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
 TEXT = ROOT / "tests" / "data" / "ppl_prose.txt"

@@ -5,8 +5,8 @@ while they wait (the OpenMP and OpenBLAS defaults ggrun overrides), first as the
 busy-loop processes that this script starts (one per --busy); llama.cpp's llama-bench at its default
 -t for comparison when it is built. Configurations alternate within each round; medians are printed.
 
-    .venv/bin/python scripts/bench_threads.py                 # SmolLM2, 3 rounds, 1 busy core
-    .venv/bin/python scripts/bench_threads.py --rounds 5 --busy 1 -m gemma3-270m
+    .venv/bin/python scripts/bench/bench_threads.py                 # SmolLM2, 3 rounds, 1 busy core
+    .venv/bin/python scripts/bench/bench_threads.py --rounds 5 --busy 1 -m gemma3-270m
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
 #     the kernels compile into a temporary cache, so this takes a few minutes).
 # Everything it makes lives in a temporary folder that is removed at the end. $PYTHON picks the interpreter.
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 PY=${PYTHON:-python3}
 work=$(mktemp -d "${TMPDIR:-/tmp}/ggrun-check-install.XXXXXX")
 trap 'rm -rf "$work"' EXIT

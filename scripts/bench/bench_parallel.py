@@ -8,8 +8,8 @@ both (-np, -ns, -n, -c, -t, -s, --temp), each as its own process, alternating ov
 ratio of the medians. llama.cpp's tools come from `bash /work/shared/tools/cpu_anchor.sh` (--llama-bin
 or $LLAMA_BIN).
 
-Usage: python scripts/bench_parallel.py [-m MODEL] [-np 4] [-ns 16] [-n 64] [-c 4096] [--temp 0] [-t THREADS]
-       python scripts/bench_parallel.py --llama [-m MODEL] [-np 1,4,8] [-ns 16] [-n 64] [-t 2] [--rounds 2]
+Usage: python scripts/bench/bench_parallel.py [-m MODEL] [-np 4] [-ns 16] [-n 64] [-c 4096] [--temp 0] [-t THREADS]
+       python scripts/bench/bench_parallel.py --llama [-m MODEL] [-np 1,4,8] [-ns 16] [-n 64] [-t 2] [--rounds 2]
 """
 from __future__ import annotations
 
@@ -18,20 +18,17 @@ import os
 import re
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ggrun.cli.parallel_prompts import QUESTIONS, SYSTEM_PROMPT, format_turn  # noqa: E402
-from ggrun.core.backends.cpu import set_threads  # noqa: E402
-from ggrun.core.backends.registry import usable_backends  # noqa: E402
-from ggrun.core.llm.model import Model  # noqa: E402
-from ggrun.core.llm.parallel import ParallelRunner, ParallelSummary, SequenceResult  # noqa: E402
-from ggrun.core.llm.sampling import SamplingParams  # noqa: E402
-from ggrun.core.llm.session import Session, SessionParams  # noqa: E402
-from ggrun.loaders.download import resolve_model  # noqa: E402
+from ggrun.cli.parallel_prompts import QUESTIONS, SYSTEM_PROMPT, format_turn
+from ggrun.core.backends.cpu import set_threads
+from ggrun.core.backends.registry import usable_backends
+from ggrun.core.llm.model import Model
+from ggrun.core.llm.parallel import ParallelRunner, ParallelSummary, SequenceResult
+from ggrun.core.llm.sampling import SamplingParams
+from ggrun.core.llm.session import Session, SessionParams
+from ggrun.loaders.download import resolve_model
 
 
 def serve(model: Model, n_clients: int, system: list[int], jobs: list[tuple[str, list[int]]], n_predict: int,
@@ -68,7 +65,7 @@ def against_llama(a, n_parallel: list[int]) -> None:
     if not llama.exists():
         raise SystemExit(f"{llama} is missing: build it with `bash /work/shared/tools/cpu_anchor.sh`")
     model = a.model if Path(a.model).is_file() else str(resolve_model(a.model))
-    ggrun = Path(__file__).resolve().parents[1] / ".venv/bin/ggrun"
+    ggrun = Path(__file__).resolve().parents[2] / ".venv/bin/ggrun"
     print(f"{Path(model).name}: -ns {a.sequences} -n {a.n_predict} -c {a.ctx_size} --temp {a.temp} -s {a.seed} "
           f"-t {a.threads or 'default'}", flush=True)
     for np_ in n_parallel:

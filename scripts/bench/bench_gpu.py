@@ -7,7 +7,7 @@ table shows medians and the ratio ggrun / llama.cpp.
 On the device machine, with the anchor directory carried (`bash ../shared/tools/cuda_anchor.sh
 prepare .anchor` here first; it builds llama-bench there once, ~4 min, and writes the models):
 
-    python3 scripts/bench_gpu.py --anchor .anchor [--rounds 2] [--models llama-1b:q4_0,...]
+    python3 scripts/bench/bench_gpu.py --anchor .anchor [--rounds 2] [--models llama-1b:q4_0,...]
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SYNTH = Path("/tmp/synth")
 LLAMA_BENCH = Path("/tmp/llama-cuda/llama.cpp/build/bin/llama-bench")
 MODELS = "llama-1b:q4_0,llama-1b:q8_0,llama-135m:q4_0"

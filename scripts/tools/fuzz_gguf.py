@@ -13,7 +13,7 @@ timeout. Prints a table of outcomes per family and command, then the verdict:
 Variants are written one per worker into a temporary folder in /tmp, removed at the end; the exit
 status is 1 when the verdict fails.
 
-    nice -n 19 .venv/bin/python scripts/fuzz_gguf.py -m ~/.cache/ggrun/models/SmolLM2-135M-Instruct.Q4_1.gguf
+    nice -n 19 .venv/bin/python scripts/tools/fuzz_gguf.py -m ~/.cache/ggrun/models/SmolLM2-135M-Instruct.Q4_1.gguf
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests.gguf_mutations import FAMILIES, MAY_RUN, Mutation, variants  # noqa: E402

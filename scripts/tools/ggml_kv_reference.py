@@ -8,7 +8,7 @@ pass their folder with --llama-bin or $LLAMA_BIN) through ctypes:
 - `flash_attn`: ggml_flash_attn_ext over a Q4_0 K cache and a Q8_0 V cache (one thread), with
   its inputs: the values ggrun's compiled attention must reproduce.
 
-    .venv/bin/python scripts/ggml_kv_reference.py [--llama-bin DIR]
+    .venv/bin/python scripts/tools/ggml_kv_reference.py [--llama-bin DIR]
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_BIN = Path.home() / ".cache/ggrun-anchor/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
 GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}
 ROW_BYTES = {"q4_0": 18, "q8_0": 34}  # per block of 32
@@ -125,7 +125,7 @@ def main() -> None:
                   "shape": [n, h, h_kv, d, n_kv], "k": [r.tobytes().hex() for r in k],
                   "v": [r.tobytes().hex() for r in v], "mask": floats(mask.reshape(-1)), "out": floats(out.reshape(-1))}
 
-    data = {"producer": "scripts/ggml_kv_reference.py with the ggml of llama.cpp 0c1e570 (vendored by "
+    data = {"producer": "scripts/tools/ggml_kv_reference.py with the ggml of llama.cpp 0c1e570 (vendored by "
                         "llama-cpp-python 0.3.36, CPU build of ../shared/tools/cpu_anchor.sh, AVX2, one thread)",
             "from_float": from_float, "flash_attn": flash_attn}
     args.out.write_text(json.dumps(data) + "\n", encoding="utf-8")

@@ -3,24 +3,20 @@ the real ops: planning time per node, and the planned size against the lower bou
 largest total of bytes live at one step) and against giving every tensor its own memory.
 
 Nothing is allocated or computed: weights are tensors without memory, so any size runs in
-seconds. Usage: python scripts/bench_alloc.py [--layers 35] [--tokens 512] [--reps 20]
+seconds. Usage: python scripts/bench/bench_alloc.py [--layers 35] [--tokens 512] [--reps 20]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ggrun.core import ops  # noqa: E402
-from ggrun.core.alloc import plan_graph  # noqa: E402
-from ggrun.core.dtypes import DType  # noqa: E402
-from ggrun.core.graph import Graph, build_graph  # noqa: E402
-from ggrun.core.tensor import Tensor, new_tensor  # noqa: E402
-from ggrun.core.validate import validate_plan  # noqa: E402
+from ggrun.core import ops
+from ggrun.core.alloc import plan_graph
+from ggrun.core.dtypes import DType
+from ggrun.core.graph import Graph, build_graph
+from ggrun.core.tensor import Tensor, new_tensor
+from ggrun.core.validate import validate_plan
 
 ALIGNMENT = 64  # the CPU backend's
 

@@ -3,27 +3,23 @@
 off, and the GPU time of each kernel of one step (CUDA events around each bound step), summed by
 node kind. Run on the GPU machine:
 
-    python3 scripts/gpu_decode_profile.py -m MODEL.gguf [-n 64] [-p 32]
+    python3 scripts/tools/gpu_decode_profile.py -m MODEL.gguf [-n 64] [-p 32]
     ncu --metrics gpu__time_duration.sum --print-summary per-kernel \
-        python3 scripts/gpu_decode_profile.py -m MODEL.gguf --steps-only   # each kernel's GPU time
+        python3 scripts/tools/gpu_decode_profile.py -m MODEL.gguf --steps-only   # each kernel's GPU time
 """
 from __future__ import annotations
 
 import argparse
 import re
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cupy
 
-import cupy  # noqa: E402
-
-from ggrun.core.backends.cpu import CPUBackend  # noqa: E402
-from ggrun.core.backends.cuda import CUDABackend  # noqa: E402
-from ggrun.core.llm.batch import Batch  # noqa: E402
-from ggrun.core.llm.model import Model  # noqa: E402
-from ggrun.core.llm.session import Session, SessionParams  # noqa: E402
+from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.backends.cuda import CUDABackend
+from ggrun.core.llm.batch import Batch
+from ggrun.core.llm.model import Model
+from ggrun.core.llm.session import Session, SessionParams
 
 
 def decode_rate(path: str, graphs: bool, n_prompt: int, n_gen: int) -> tuple[float, Session, CUDABackend]:

@@ -3,7 +3,7 @@ one run (alternating, so machine load hits both alike). Per setting: tg t/s, and
 token spent building and planning graphs (Session.stats.build_s + plan_s over the generated tokens).
 The target is that reuse removes at least 90% of that per-token build+plan time.
 
-Usage: python scripts/bench_reuse.py [-m MODEL.gguf] [-n 64] [-r 2] [-c 512] [-t THREADS]
+Usage: python scripts/bench/bench_reuse.py [-m MODEL.gguf] [-n 64] [-r 2] [-c 512] [-t THREADS]
 """
 from __future__ import annotations
 
@@ -12,17 +12,14 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from ggrun.core.backends.cpu import CPUBackend, set_threads  # noqa: E402
-from ggrun.core.llm.batch import Batch  # noqa: E402
-from ggrun.core.llm.model import Model  # noqa: E402
-from ggrun.core.llm.session import Session, SessionParams  # noqa: E402
-from ggrun.loaders.download import resolve_model  # noqa: E402
+from ggrun.core.backends.cpu import CPUBackend, set_threads
+from ggrun.core.llm.batch import Batch
+from ggrun.core.llm.model import Model
+from ggrun.core.llm.session import Session, SessionParams
+from ggrun.loaders.download import resolve_model
 
 PROMPT = "The three most useful things to know about the ocean are"
 TARGET = 0.90  # share of per-token build+plan time reuse must remove

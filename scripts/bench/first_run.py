@@ -14,8 +14,8 @@ the time to the first token into
 and the CPU time (user + system, of ggrun and the helper processes it compiles with) is given beside: on a
 machine shared with other work, the wall times stretch with the load, the CPU time much less.
 
-    .venv/bin/python scripts/first_run.py                       # SmolLM2, then gemma-3-270m
-    .venv/bin/python scripts/first_run.py -m smollm2 -m gemma3-270m -t 2
+    .venv/bin/python scripts/bench/first_run.py                       # SmolLM2, then gemma-3-270m
+    .venv/bin/python scripts/bench/first_run.py -m smollm2 -m gemma3-270m -t 2
 """
 from __future__ import annotations
 

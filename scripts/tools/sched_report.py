@@ -4,7 +4,7 @@ bytes that cross between backends for that token (counted by the stand-ins thems
 scheduler, by kind: host->device, device->device, device->host), the compute buffer of each backend,
 and where weights and KV cache live. Logits are checked against a CPU-only run.
 
-Usage: python scripts/sched_report.py [-m MODEL.gguf] [--ngl 0 15 99] [-c 256] [--devices 2 [--split row]]
+Usage: python scripts/tools/sched_report.py [-m MODEL.gguf] [--ngl 0 15 99] [-c 256] [--devices 2 [--split row]]
 """
 from __future__ import annotations
 
@@ -12,17 +12,15 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from ggrun.core.backends.cpu import CPUBackend, set_threads  # noqa: E402
-from ggrun.core.backends.registry import sim_backends, sim_names  # noqa: E402
-from ggrun.core.llm.batch import Batch  # noqa: E402
-from ggrun.core.llm.model import Model  # noqa: E402
-from ggrun.core.llm.placement import DeviceSplit  # noqa: E402
-from ggrun.core.llm.session import Session, SessionParams  # noqa: E402
-from ggrun.loaders.download import KNOWN_MODELS, model_path  # noqa: E402
+from ggrun.core.backends.cpu import CPUBackend, set_threads
+from ggrun.core.backends.registry import sim_backends, sim_names
+from ggrun.core.llm.batch import Batch
+from ggrun.core.llm.model import Model
+from ggrun.core.llm.placement import DeviceSplit
+from ggrun.core.llm.session import Session, SessionParams
+from ggrun.loaders.download import KNOWN_MODELS, model_path
 
 PROMPT = "The three most useful things to know about the ocean are"
 

@@ -7,9 +7,9 @@ the first byte of generated text arrives on its stdout (read from a pipe as byte
 the prompt first has the echo skipped), and to the process's exit. Both run greedily with the same prompt,
 -n and threads (each tool's default unless -t is given); the texts they wrote are printed to compare.
 
-    .venv/bin/python scripts/ttft.py                       # SmolLM2, 5 rounds
-    .venv/bin/python scripts/ttft.py -m gemma3-270m --rounds 9 -t 1
-    .venv/bin/python scripts/ttft.py --also before=/path/to/old/ggrun   # a second build alongside
+    .venv/bin/python scripts/bench/ttft.py                       # SmolLM2, 5 rounds
+    .venv/bin/python scripts/bench/ttft.py -m gemma3-270m --rounds 9 -t 1
+    .venv/bin/python scripts/bench/ttft.py --also before=/path/to/old/ggrun   # a second build alongside
 """
 from __future__ import annotations
 
