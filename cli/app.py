@@ -15,6 +15,7 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 import typer  # noqa: E402
 
+from ggrun.cli import library_patches  # noqa: E402
 from ggrun.core.errors import GGRunError, Interrupted, one_line  # noqa: E402
 
 app = typer.Typer(
@@ -52,6 +53,7 @@ def main() -> None:
     """Console entry point: one clear line and exit 2 for bad input (ggrun's own checks and
     malformed options alike), 1 for runtime failures; never a traceback for either. Ctrl-C is
     `interrupted` and exit 130: a command that armed cli.interrupt has shown what it had first."""
+    library_patches.apply()  # before the commands import the engine
     _fewer_collections()
     _register_commands(sys.argv[1:])
     if not gc.get_freeze_count():  # once per process (tests call main() again and again)

@@ -12,10 +12,7 @@ from typing import Callable, TypeVar
 
 import typer
 
-from ggrun.cli import plain_options
-
 R = TypeVar("R")
-plain_options.install()
 
 
 def command_from(settings: Callable[..., R], run: Callable[[R], None]) -> Callable[..., None]:

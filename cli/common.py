@@ -8,7 +8,7 @@ import time
 
 import typer
 
-from ggrun.core.backends.cpu import cached_loads, set_threads
+from ggrun.core.backends.cpu import set_threads
 from ggrun.core.backends.registry import probe, usable_backends
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import BadInput
@@ -86,7 +86,6 @@ def load_model(model: str | None, n_gpu_layers: int = 0, quiet: bool = False, th
     finally:
         bar.close()
     compile_kernels(backends[-1], warm_tags(m, backends[-1], kv_types), quiet)
-    cached_loads.skip_compiler_set_up()
     return m
 
 

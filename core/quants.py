@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from ggrun.core.gguf_constants import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
 SUPPORTED_TYPES: frozenset[QT] = frozenset({
     QT.F32, QT.F16, QT.BF16,

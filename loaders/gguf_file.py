@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ggrun.core.errors import BadInput, quote_name
-from ggrun.core.gguf_constants import GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
+from gguf.constants import GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 from ggrun.core.quants import SUPPORTED_TYPES, block_layout, dequantize, tensor_nbytes
 from ggrun.loaders import gguf_header_cache
 

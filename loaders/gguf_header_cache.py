@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ggrun.core.cache import derived_path, file_identity, write_atomically
-from ggrun.core.gguf_constants import GGMLQuantizationType
+from gguf.constants import GGMLQuantizationType
 
 MIN_BYTES = 16 << 20
 

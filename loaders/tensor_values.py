@@ -5,7 +5,7 @@ the next product's 8-bit activation blocks and the model prints text), and every
 from __future__ import annotations
 
 from ggrun.core.errors import BadInput
-from ggrun.core.gguf_constants import GGMLQuantizationType as QT
+from gguf.constants import GGMLQuantizationType as QT
 from ggrun.core.quants import first_non_finite
 from ggrun.loaders.gguf_file import GGUFFile
 

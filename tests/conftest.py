@@ -6,9 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
-from gguf.constants import GGMLQuantizationType as QT
 
-from tests.synth import write_tiny_gemma3, write_tiny_llama, written_once
+from ggrun.cli import library_patches
+
+library_patches.apply()  # as the CLI does, before the engine is imported
+
+from gguf.constants import GGMLQuantizationType as QT  # noqa: E402
+
+from tests.synth import write_tiny_gemma3, write_tiny_llama, written_once  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 

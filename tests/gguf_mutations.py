@@ -1,6 +1,6 @@
 """The GGUF fuzzer's vocabulary: where every field of a GGUF file lies (`read_layout`), and mutations
 that each corrupt one thing (`mutate`), grouped in families by what they break. Shared by the property
-tests (tests/loaders/test_gguf_fuzz.py) and scripts/fuzz_gguf.py.
+tests (tests/loaders/test_gguf_fuzz.py) and scripts/tools/fuzz_gguf.py.
 
 Every family but two breaks the file's structure or gives a key the model reads a value no model can
 have, so a reader must reject it. The two that may run: flips inside tensor data, undetectable by design

@@ -267,7 +267,7 @@ class FamilyConfig:
         return shapes
 
 
-# The tiny model of each family that tests/llm/test_families.py and scripts/arch_vs_llama.py compare with
+# The tiny model of each family that tests/llm/test_families.py and scripts/bench/arch_vs_llama.py compare with
 # llama.cpp (write_tiny_family's options beyond its defaults: n_embd 256, so that every matrix row is whole
 # Q4_K super-blocks): qwen3 and the gemmas get a head size apart from n_embd / n_head (8 heads of 64), gemma3
 # seven layers so that a global layer (5) sits among the sliding-window ones; gpt-oss two layers (one in the

@@ -1,7 +1,7 @@
 """Every internal of a third-party library that ggrun replaces or reads is still there.
 
-ggrun's start-up shortcuts patch numba (core/backends/cpu/quick_start.py, cached_loads.py) and typer
-(cli/plain_options.py), and load gguf-py's constants file by its path (core/gguf_constants.py). Each is
+ggrun's start-up shortcuts, all in cli/library_patches/, patch numba (numba_start.py, numba_loads.py) and
+typer (typer_options.py), and load gguf-py's constants file by its path (gguf_constants.py). Each is
 guarded: where an internal is missing it quietly does nothing, and ggrun still works, only slower. This
 test is what fails instead, so that an upgrade past pyproject.toml's ceilings is noticed; the names
 below are those the patching modules use."""
@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 
 NUMBA = {
-    # quick_start.py
+    # numba_start.py
     "numba.core.caching": ["_CacheLocator.ensure_cache_path", "_CacheLocator.get_cache_path"],
     "numba.core.typing.typeof": ["typeof_impl.dispatch", "typeof_impl.register"],
     "numba.core.dispatcher": ["_DispatcherBase._compilation_chain_init_hook"],
     "numba.np.numpy_support": ["from_dtype", "map_layout"],
     "numba.core.errors": ["NumbaNotImplementedError", "NumbaValueError"],
-    # cached_loads.py
+    # numba_loads.py
     "numba.core.codegen": ["JITCodeLibrary._unserialize", "JITCodeLibrary._set_compiled_object",
                            "JITCodeLibrary._finalize_final_module", "JITCodeLibrary._get_module_for_linking",
                            "JITCodeLibrary.enable_object_caching", "JITCPUCodegen.magic_tuple"],

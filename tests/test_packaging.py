@@ -1,6 +1,6 @@
 """What `pip install .` ships (pyproject.toml): the folders cli/, core/ and loaders/ install as ggrun.cli,
 ggrun.core and ggrun.loaders, and setuptools takes exactly the packages listed there, so a package folder
-missing from the list would be missing from every non-editable install. scripts/check_install.sh installs
+missing from the list would be missing from every non-editable install. scripts/setup/check_install.sh installs
 a fresh clone that way and runs it."""
 from __future__ import annotations
 

@@ -11,8 +11,6 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from gguf.constants import GGMLQuantizationType as QT
-from gguf.quants import quantize as gguf_quantize
 
 from ggrun.core import ops
 from ggrun.core.backends.cpu import CPUBackend, isa, jit
@@ -21,48 +19,13 @@ from ggrun.core.backends.cpu import matmul
 from ggrun.core.backends.cpu.quant import activations, avx2_r8, avx512, codes, decode, layouts, portable
 from ggrun.core.dtypes import DType
 from ggrun.core.quants import vec_dot_blocks
-from tests.core.backend_ops import Leafs, ReferenceBackend, compare, planned, run_on
-from tests.core.harness import f32_to_bf16
-
-LEGACY = [DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q8_0]
-K_QUANTS = [DType.Q2_K, DType.Q3_K, DType.Q4_K, DType.Q5_K, DType.Q6_K]
-LUT4 = [DType.IQ4_NL, DType.IQ4_XS, DType.MXFP4]  # lut4.py's kernels
-PLAIN = [DType.F16, DType.BF16, DType.F32]
-TYPES = LEGACY + K_QUANTS + LUT4 + PLAIN
+from tests.core.backend_ops import (K_QUANTS, LEGACY, LUT4, TYPES, Leafs, ReferenceBackend, compare, planned, run_on,
+                                    weight_data)
 
 # ggml's test-backend-ops allows 5e-4 for mul_mat; the only differences here are the order of
 # float sums, Q8_1's f16 s = d * sum(q) (ggml's own rounding) and, for a few activations, rounding
 # with 127/amax (ggml) instead of the reference's 1/f16(d).
 MAX_NMSE = {"llama": 5e-5, "f32": 1e-9}
-
-# Byte offsets of each k-quant's f16 super-block scale and f16 min scale (ggml-common.h).
-_K_SCALES = {DType.Q2_K: (80, 82), DType.Q3_K: (108, None), DType.Q4_K: (0, 2), DType.Q5_K: (0, 2),
-             DType.Q6_K: (208, None), DType.IQ4_NL: (0, None), DType.IQ4_XS: (0, None)}
-
-
-def weight_data(dtype: DType, m: int, k: int, seed: int) -> np.ndarray:
-    """A weight's stored form: gguf's quantization of random values (legacy types), valid random
-    blocks of k-quants and lut4 types (gguf cannot quantize those), or the values of a plain type."""
-    rng = np.random.default_rng(seed)
-    values = rng.standard_normal((m, k)).astype(np.float32)
-    if dtype is DType.F32:
-        return values
-    if dtype is DType.F16:
-        return values.astype(np.float16)
-    if dtype is DType.BF16:
-        return f32_to_bf16(values)
-    if dtype in LEGACY:
-        return np.asarray(gguf_quantize(values, QT[dtype.name])).view(np.uint8).reshape(m, -1)
-    n_blocks = m * k // dtype.block_size
-    blocks = rng.integers(0, 256, size=(n_blocks, dtype.type_size), dtype=np.uint8)
-    if dtype is DType.MXFP4:  # the E8M0 exponent byte: scales of 2^-9 .. 2^-1
-        blocks[:, 0] = rng.integers(118, 127, n_blocks)
-        return blocks.reshape(m, -1)
-    d_at, dmin_at = _K_SCALES[dtype]
-    blocks[:, d_at:d_at + 2] = rng.uniform(-0.05, 0.05, n_blocks).astype(np.float16).view(np.uint8).reshape(-1, 2)
-    if dmin_at is not None:
-        blocks[:, dmin_at:dmin_at + 2] = rng.uniform(0, 0.05, n_blocks).astype(np.float16).view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(m, -1)
 
 
 def act_quant_of(dtype: DType) -> str | None:

@@ -1,8 +1,8 @@
-"""The CUDA backend's kernels against the reference array kernels, op by op (the harness in
-backend_ops.py, NMSE thresholds as llama.cpp's test-backend-ops): every weight type at decode and
-prompt batch sizes, odd shapes and a matrix of more than 65,535 rows, every fused op, attention
-with grouped heads, f16 and f32 caches and masked tails. Each case also checks that a CUDA kernel
-ran rather than the cupy fallback. Every case runs on each GPU of the machine (CUDA0, CUDA1, ...).
+"""What only the CUDA backend promises beyond the shared op cases (tests/core/op_cases.py, run on every
+backend, each GPU included, by test_backend_ops.py): the fusions that launch fewer kernels (RoPE of q
+and k with the cache writes in one launch, and with the q/k/v products for one token; 8-bit activations
+handed from one product's producer to the next), and a decode attention kernel that leaves its
+counters ready for the next run. Every test runs on each GPU of the machine (CUDA0, CUDA1, ...).
 Skipped where cupy or a GPU is missing."""
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from ggrun.core.backends.cuda import CUDABackend  # noqa: E402
 from ggrun.core.backends.cuda.binding import Launch  # noqa: E402
 from ggrun.core.dtypes import DType  # noqa: E402
 from ggrun.core.ops import ROPE_NEOX, ROPE_NORMAL  # noqa: E402
-from tests.core.backend_ops import ReferenceBackend, compare, nmse, planned, run_on  # noqa: E402
-from tests.core.test_cpu_matmul import TYPES, weight_data  # noqa: E402
+from tests.core.backend_ops import ReferenceBackend, compare, nmse, planned, run_on, weight_data  # noqa: E402
+from tests.core.op_cases import attention_case  # noqa: E402
 
 F32, F16, I32 = DType.F32, DType.F16, DType.I32
 NMSE_MUL_MAT = 5e-4
@@ -57,147 +57,6 @@ def check(gpu, build, threshold: float) -> float:
 
 
 # ---- weight products -------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("n_tokens", [1, 2, 3, 7, 8, 9, 64])
-@pytest.mark.parametrize("dtype", TYPES, ids=str)
-def test_mul_mat(gpu, dtype, n_tokens):
-    k = 512 if dtype.block_size == 256 else 96
-    m = 67
-    data = weight_data(dtype, m, k, seed=n_tokens)
-    x = values(n_tokens, k)
-    check(gpu, lambda lf: ops.mul_mat(lf.weight("w", dtype, (m, k), data), lf.input("x", F32, x)), NMSE_MUL_MAT)
-
-
-@pytest.mark.parametrize("n_tokens", [1, 512])
-def test_mul_mat_beyond_65535_rows(gpu, n_tokens):
-    m, k = 70_001, 64
-    data = weight_data(DType.Q4_0, m, k, seed=3)
-    x = values(n_tokens, k)
-    check(gpu, lambda lf: ops.mul_mat(lf.weight("w", DType.Q4_0, (m, k), data), lf.input("x", F32, x)),
-          NMSE_MUL_MAT)
-
-
-@pytest.mark.parametrize("dtype", TYPES, ids=str)
-def test_get_rows(gpu, dtype):
-    k = 512 if dtype.block_size == 256 else 96
-    data = weight_data(dtype, 40, k, seed=1)
-    ids = np.array([3, 0, 39, 3, 17], dtype=np.int32)
-    check(gpu, lambda lf: ops.get_rows(lf.weight("e", dtype, (40, k), data), lf.input("ids", I32, ids)),
-          NMSE_ELEMENTWISE)
-
-
-@pytest.mark.parametrize("kv_dtype", [F16, F32])
-def test_attention_products(gpu, kv_dtype):
-    """Without the fused op: scores from a grouped-query cache view, then values."""
-    kd = values(100, 2 * 16).astype(kv_dtype.np_dtype)
-    qd = values(3, 4, 16)
-
-    def build(lf):
-        cache = lf.weight("k", kv_dtype, (100, 32), kd)
-        k = ops.permute(ops.view(cache, (100, 2, 16)), (1, 0, 2))
-        q = ops.permute(lf.input("q", F32, qd), (1, 0, 2))
-        return ops.mul_mat(k, ops.cont(q))
-    check(gpu, build, NMSE_MUL_MAT)
-
-
-# ---- norms, elementwise ------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("shape", [(1, 576), (7, 64), (33, 13), (512, 2048)])
-def test_rms_norm_mul(gpu, shape):
-    xd, wd = values(*shape), values(shape[-1])
-    check(gpu, lambda lf: ops.rms_norm_mul(lf.input("x", F32, xd), lf.weight("w", F32, wd.shape, wd), 1e-6),
-          NMSE_ELEMENTWISE)
-
-
-def test_rms_norm_and_norm(gpu):
-    xd = values(33, 577, scale=3.0)
-    check(gpu, lambda lf: ops.rms_norm(lf.input("x", F32, xd), 1e-5), NMSE_ELEMENTWISE)
-    check(gpu, lambda lf: ops.norm(lf.input("x", F32, xd), 1e-5), NMSE_ELEMENTWISE)
-
-
-@pytest.mark.parametrize("post", [False, True])
-def test_add_rms_norm(gpu, post):
-    xd, hd, wd, pd = values(7, 640), values(7, 640), values(640), values(640)
-
-    def build(lf):
-        p = lf.weight("p", F32, (640,), pd) if post else None
-        return ops.add_rms_norm(lf.input("x", F32, xd), lf.input("h", F32, hd), lf.weight("w", F32, (640,), wd),
-                                1e-6, post=p)
-    check(gpu, build, NMSE_ELEMENTWISE)
-
-
-@pytest.mark.parametrize("op", ["add", "mul"])
-@pytest.mark.parametrize("bshape", [(7, 64), (64,), (1, 64)])
-def test_binary_broadcast(gpu, op, bshape):
-    ad, bd = values(7, 64), values(*bshape)
-    check(gpu, lambda lf: getattr(ops, op)(lf.input("a", F32, ad), lf.input("b", F32, bd)), NMSE_ELEMENTWISE)
-
-
-@pytest.mark.parametrize("op", ["swiglu", "geglu"])
-def test_gated(gpu, op):
-    gd, ud = values(9, 130), values(9, 130)
-    check(gpu, lambda lf: getattr(ops, op)(lf.input("g", F32, gd), lf.input("u", F32, ud)), 1e-5)
-
-
-def test_unary_and_copies(gpu):
-    ad = values(5, 3, 8)
-    check(gpu, lambda lf: ops.scale(lf.input("a", F32, ad), 0.5), NMSE_ELEMENTWISE)
-    check(gpu, lambda lf: ops.silu(lf.input("a", F32, ad)), NMSE_ELEMENTWISE)
-    check(gpu, lambda lf: ops.cont(ops.permute(lf.input("a", F32, ad), (1, 0, 2))), 0.0 + 1e-12)
-    check(gpu, lambda lf: ops.cast(ops.cast(lf.input("a", F32, ad), F16), F32), 1e-12)
-
-
-@pytest.mark.parametrize("axis", [-1, 0, 1])
-def test_concat(gpu, axis):
-    """The gather of a product split by rows, and concat along other axes: our copy kernels, no fallback."""
-    shape = [5, 3, 8]
-    ad = values(*shape)
-    shape[axis] += 2
-    bd = values(*shape)
-    check(gpu, lambda lf: ops.concat(lf.input("a", F32, ad), lf.input("b", F32, bd), axis), 1e-12)
-
-
-def test_soft_max_with_mask(gpu):
-    ad = values(4, 7, 40)
-    md = np.where(np.arange(40)[None, :] > np.arange(7)[:, None] + 30, -np.inf, 0).astype(np.float16)
-    check(gpu, lambda lf: ops.soft_max(lf.input("a", F32, ad), lf.input("m", F16, md), scale=0.3), NMSE_ELEMENTWISE)
-
-
-# ---- RoPE and the cache -------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("mode", [ROPE_NORMAL, ROPE_NEOX])
-@pytest.mark.parametrize("fused_norm", [False, True])
-def test_rope(gpu, mode, fused_norm):
-    ad, wd = values(7, 3, 64, scale=2.0), values(64)
-    pos = np.array([0, 1, 5, 9, 100, 4000, 7], dtype=np.int32)
-
-    def build(lf):
-        norm = lf.weight("w", F32, (64,), wd) if fused_norm else None
-        return ops.rope(lf.input("a", F32, ad), lf.input("pos", I32, pos), 64, mode, 10000.0, 1.0,
-                        out_scale=0.125 if fused_norm else 1.0, norm=norm, eps=1e-6)
-    check(gpu, build, 1e-6)
-
-
-@pytest.mark.parametrize("cache", [F16, F32])
-def test_rope_set_rows_and_set_rows(gpu, cache):
-    ad, vd = values(3, 2, 32), values(3, 64)
-    idx = np.array([5, 0, 9], dtype=np.int32)
-    pos = np.array([11, 12, 13], dtype=np.int32)
-    base = values(10, 64).astype(cache.np_dtype)
-
-    def build_k(lf):
-        dst = lf.weight("cache", cache, (10, 64), base)
-        return ops.rope_set_rows(dst, lf.input("a", F32, ad), lf.input("idx", I32, idx), lf.input("pos", I32, pos),
-                                 32, ROPE_NEOX, 10000.0)
-
-    def build_v(lf):
-        dst = lf.weight("cache", cache, (10, 64), base)
-        return ops.set_rows(dst, lf.input("v", F32, vd), lf.input("idx", I32, idx))
-    check(gpu, build_k, 1e-6)
-    check(gpu, build_v, 1e-6)
 
 
 def rope_block(n_tokens: int, cache: DType, gemma: bool, n_dims: int = 64, products: bool = False):
@@ -277,41 +136,10 @@ def test_qkv_products_rope_fused(gpu, gemma, n_dims, cache, n_tokens):
     assert any("rope_qkv" in n and "mmvq" not in n for n in names) == (not fused), names
 
 
-def attention_case(kv_dtype, t: int, n_kv: int, hq: int, hk: int, d: int, seen: int | None = None):
-    """A fused-attention graph builder: t query rows per head over n_kv cached keys, causal, and only
-    the first `seen` cells visible (the rest of a padded cache) when given."""
-    qd = values(hq, t, d)
-    kd, vd = values(n_kv, hk * d).astype(kv_dtype.np_dtype), values(n_kv, hk * d).astype(kv_dtype.np_dtype)
-    top = n_kv if seen is None else seen
-    cells = np.arange(n_kv)[None, :]
-    hidden = (cells > (top - t + np.arange(t))[:, None]) | (cells >= top)
-    md = np.where(hidden, -np.inf, 0).astype(np.float16)
-
-    def build(lf):
-        k = ops.permute(ops.view(lf.weight("k", kv_dtype, (n_kv, hk * d), kd), (n_kv, hk, d)), (1, 0, 2))
-        v = ops.permute(ops.view(lf.weight("v", kv_dtype, (n_kv, hk * d), vd), (n_kv, hk, d)), (1, 0, 2))
-        return ops.flash_attn(lf.input("q", F32, qd), k, v, lf.input("mask", F16, md), scale=d ** -0.5)
-    return build
-
-
-@pytest.mark.parametrize("kv_dtype", [F16, F32])
-@pytest.mark.parametrize("t,n_kv,hq,hk,d,seen", [(1, 33, 4, 2, 64, None), (1, 1000, 9, 3, 64, None),
-                                                  (7, 256, 4, 1, 256, None), (64, 300, 8, 2, 128, None),
-                                                  (3, 40, 2, 2, 16, None), (1, 4096, 32, 8, 64, 37),
-                                                  (2, 8192, 8, 8, 128, 3000), (8, 512, 16, 4, 64, 200),
-                                                  (130, 160, 16, 4, 64, None), (129, 200, 8, 2, 128, None),
-                                                  (1, 300, 4, 1, 256, None), (2, 700, 4, 2, 128, 650)])
-def test_flash_attn(gpu, kv_dtype, t, n_kv, hq, hk, d, seen):
-    """Prompt rows (a warp per row; up to 520 rows a KV head) and decode rows (attn_decode, and
-    attn_decode_rows for up to four rows a KV head: key chunks merged by the last block), with key
-    chunks that no row sees."""
-    check(gpu, attention_case(kv_dtype, t, n_kv, hq, hk, d, seen), NMSE_ATTENTION)
-
-
 def test_attn_decode_runs_again(gpu):
     """The decode kernel elects its merging block with counters it must leave at zero: the same plan
     run again, eagerly, captured and replayed, gives the same result each time."""
-    build = attention_case(F16, 1, 2048, 32, 8, 64, 300)
+    build = attention_case(F16, 1, 2048, 32, 8, 64, 300)(rng)
     want = run_on(ReferenceBackend(), build)
     sched, sg, leafs, out = planned(gpu, build)
     for t, data in leafs.feeds.items():
@@ -319,44 +147,6 @@ def test_attn_decode_runs_again(gpu):
     for _ in range(4):
         sched.compute(sg)
         assert nmse(sched.get_tensor(out), want) < NMSE_ATTENTION
-
-
-@pytest.mark.parametrize("kinds", [((DType.Q4_0, 96), (DType.Q6_K, 32), (DType.F16, 40)),
-                                   ((DType.Q4_0, 96), (DType.Q4_0, 32), (DType.Q4_0, 40)),
-                                   ((DType.Q8_0, 64), (DType.Q8_0, 32), (DType.Q4_1, 32), (DType.Q4_1, 8))],
-                         ids=["mixed", "one-type", "two-pairs"])
-@pytest.mark.parametrize("n_tokens", [1, 7, 64])
-def test_mul_mat_multi(gpu, n_tokens, kinds):
-    """q, k and v (or gate and up) from one activation: weights of different types and heights, and
-    runs of one type that a single product launch serves."""
-    k = 256
-    data = [weight_data(dt, m, k, seed=i) for i, (dt, m) in enumerate(kinds)]
-    x = values(n_tokens, k)
-
-    def build(lf):
-        ws = tuple(lf.weight(f"w{i}", dt, (m, k), d) for i, ((dt, m), d) in enumerate(zip(kinds, data)))
-        views = ops.mul_mat_multi(ws, lf.input("x", F32, x), tuple(f"p{i}" for i in range(len(ws))))
-        flat = views[0].view_src  # every product, one after another
-        return ops.add(flat, flat)
-    check(gpu, build, NMSE_MUL_MAT)
-
-
-@pytest.mark.parametrize("glu", ["swiglu", "geglu"])
-@pytest.mark.parametrize("types", [(DType.Q4_0, DType.Q4_0), (DType.Q8_0, DType.Q8_0), (DType.Q6_K, DType.Q6_K),
-                                   (DType.Q4_0, DType.Q8_0), (DType.MXFP4, DType.MXFP4), (DType.IQ4_XS, DType.IQ4_XS)],
-                         ids=str)
-@pytest.mark.parametrize("n_tokens", [1, 3, 8, 9, 64])
-def test_mul_mat_glu(gpu, n_tokens, types, glu):
-    """A gated feed-forward's first half: one fused product kernel for decode rows of one __dp4a type,
-    else both products and the gated kernel."""
-    m, k = 96, 256
-    gd, ud = (weight_data(dt, m, k, seed=i) for i, dt in enumerate(types))
-    x = values(n_tokens, k)
-
-    def build(lf):
-        gate, up = lf.weight("gate", types[0], (m, k), gd), lf.weight("up", types[1], (m, k), ud)
-        return ops.mul_mat_glu(gate, up, lf.input("x", F32, x), glu)
-    check(gpu, build, NMSE_GLU)
 
 
 def _kernel_names(gpu, build) -> list[str]:

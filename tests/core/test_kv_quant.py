@@ -1,5 +1,5 @@
 """Quantized KV caches (Q8_0, Q4_0) op by op: the reference encoders and rotation against independent
-formulas and against ggml itself (tests/data/ggml_kv_quant.json, from scripts/ggml_kv_reference.py),
+formulas and against ggml itself (tests/data/ggml_kv_quant.json, from scripts/tools/ggml_kv_reference.py),
 and the CPU backend's compiled kernels against the reference array kernels (tests/core/
 backend_ops.py): cache writes bit for bit (set_rows; rope_set_rows and the K-shift's rope_shift
 within a rounding step), attention over quantized and mixed caches by NMSE and against ggml's
@@ -18,7 +18,8 @@ from ggrun.core.backends.kernels import round_q8_blocks, walsh_hadamard
 from ggrun.core.dtypes import DType
 from ggrun.core.quants import dequantize, quantize, quantize_q4_0, quantize_q8_0
 from tests.core.backend_ops import ReferenceBackend, compare, nmse, run_on
-from tests.core.test_cpu_ops import bound_calls, causal_mask
+from tests.core.op_cases import causal_mask
+from tests.core.test_cpu_ops import bound_calls
 
 F32, F16, I32, Q8_0, Q4_0 = DType.F32, DType.F16, DType.I32, DType.Q8_0, DType.Q4_0
 NMSE_EXACT = 1e-10  # integer block sums and f32 sums in ggml's order: only the reference's float sums differ

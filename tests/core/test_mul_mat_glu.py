@@ -21,9 +21,9 @@ from ggrun.core.backends.sim import SimBackend
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import GraphError
 from ggrun.core.llm import blocks
-from tests.core.backend_ops import Leafs, ReferenceBackend, nmse, planned, run_on
-from tests.core.test_cpu_matmul import (MAX_NMSE, TYPES, act_quant_of, computed_in_place, k_for, simd,  # noqa: F401
-                                        two_threads, weight_data)
+from tests.core.backend_ops import TYPES, Leafs, ReferenceBackend, nmse, planned, run_on, weight_data
+from tests.core.test_cpu_matmul import (MAX_NMSE, act_quant_of, computed_in_place, k_for, simd,  # noqa: F401
+                                        two_threads)
 
 # random k-quant blocks give products of hundreds: the reference's silu takes exp(-g) to inf there
 # (and so its result to 0, as the compiled kernels give it)

@@ -17,8 +17,8 @@ from ggrun.core.backends.sim import SimBackend
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import GraphError
 from ggrun.core.llm import blocks
-from tests.core.backend_ops import Leafs, ReferenceBackend, nmse, run_on
-from tests.core.test_cpu_matmul import MAX_NMSE, act_quant_of, two_threads, weight_data  # noqa: F401
+from tests.core.backend_ops import Leafs, ReferenceBackend, nmse, run_on, weight_data
+from tests.core.test_cpu_matmul import MAX_NMSE, act_quant_of, two_threads  # noqa: F401
 
 K = 256
 

@@ -1,7 +1,7 @@
 """Acceptance of the perplexity method on the real models against llama-perplexity's own figures on the
 same text (tests/data/ppl_prose_llama.json, made on tests/data/ppl_prose.txt): the running estimate
 after four chunks of 256 tokens within 1% (measured 0.01% on SmolLM2, 0.35% on gemma-3-270m; all
-chunks and -c 512 are what scripts/ppl_vs_llama.py compares). Skipped unless a model is cached."""
+chunks and -c 512 are what scripts/bench/ppl_vs_llama.py compares). Skipped unless a model is cached."""
 from __future__ import annotations
 
 import json

@@ -3,7 +3,7 @@ one field at a time (header fields, metadata types, lengths and values, array el
 dimensions, types, offsets and names, truncations) and loaded as `ggrun run` loads them. Every such
 corruption is one BadInput line of at most 300 characters naming the file, never another exception;
 flips inside tensor data (and a tensor type of the same byte size) either decode or stop with the
-non-finite-logits error. scripts/fuzz_gguf.py runs the same mutations on real models through the CLI."""
+non-finite-logits error. scripts/tools/fuzz_gguf.py runs the same mutations on real models through the CLI."""
 from __future__ import annotations
 
 import numpy as np

@@ -72,7 +72,8 @@ def test_kept_header_loads_without_gguf_package(kept, model):
     import sys
 
     open_gguf(model)
-    code = ("import sys; from ggrun.loaders import gguf_file, gguf_header_cache as h; h.MIN_BYTES = 0; "
+    code = ("import sys; from ggrun.cli import library_patches; library_patches.apply(); "
+            "from ggrun.loaders import gguf_file, gguf_header_cache as h; h.MIN_BYTES = 0; "
             f"assert h.load({str(model)!r}) is not None; print('gguf' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ})

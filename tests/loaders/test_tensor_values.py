@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggrun.core.gguf_constants import GGMLQuantizationType as QT
+from gguf.constants import GGMLQuantizationType as QT
 from ggrun.core.quants import first_non_finite, quantize
 from ggrun.loaders.gguf_file import open_gguf
 from tests.cli.runner import ggrun

@@ -1,5 +1,5 @@
 """Tokenizer ids against llama.cpp's (0c1e570) for SmolLM2 (byte-level BPE, also under other pre-tokenizers) and
-gemma3 (SPM); round trips, streaming, chat templates. Vocabularies come from scripts/extract_tokenizer.py fixtures."""
+gemma3 (SPM); round trips, streaming, chat templates. Vocabularies come from scripts/tools/extract_tokenizer.py fixtures."""
 
 from __future__ import annotations
 

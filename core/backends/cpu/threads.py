@@ -7,7 +7,7 @@ may run on.
 Idle threads sleep instead of spinning. A spinning thread holds its core; on a machine shared with
 other work, the partner it waits for then sits behind the other work until a scheduler slice ends, and
 every parallel kernel waits that long: ggrun at -t 2 ran 26-90 times slower than at -t 1 beside busy
-processes, where with sleeping waiters it runs as fast as -t 1 (scripts/bench_threads.py measures this).
+processes, where with sleeping waiters it runs as fast as -t 1 (scripts/bench/bench_threads.py measures this).
 OpenMP (numba's threading layer) reads its wait policy when numba starts its threads, after this module
 is imported (jit imports it before any kernel exists), so the default is set here; OpenBLAS reads its own
 (OPENBLAS_THREAD_TIMEOUT) when numpy loads it, so the `ggrun` command sets that one first (cli.app).

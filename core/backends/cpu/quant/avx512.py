@@ -26,7 +26,7 @@ from ggrun.core.backends.cpu.jit import kernel
 from ggrun.core.backends.cpu.quant.codes import (
     _I8, _I16, _I32, _I64, ACT_Q8_1, ACT_Q8_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
 )
-from ggrun.core.backends.cpu.quant.layouts import PF_GROUPS, R16, TOKENS
+from ggrun.core.backends.cpu.quant.layouts import PF_GROUPS, R16, TOKENS, _r8_block
 from ggrun.core.backends.cpu.quant.vec import _addr, _as, _llvm_call, _splat, f16_round, prefetch
 from ggrun.core.backends.cpu.vecmath import glu_span
 
@@ -288,16 +288,9 @@ def quantize_rows_avx512(act, x, qs, d, s, sums):
 
 @kernel(inline="always")
 def _r16_block(code):
-    """Bytes per group and block of a legacy type, and where the quants start in them."""
-    if code == Q4_0:
-        return 288, 32
-    if code == Q4_1:
-        return 320, 64
-    if code == Q5_0:
-        return 352, 96
-    if code == Q5_1:
-        return 384, 128
-    return 544, 32
+    """Bytes per group and block of a legacy type, and where the quants start in them: r8's, twice."""
+    size, q_at = _r8_block(code)
+    return 2 * size, 2 * q_at
 
 
 @kernel(inline="always")

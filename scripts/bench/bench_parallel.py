@@ -1,0 +1,130 @@
+"""Continuous batching against one sequence at a time, measured in one run: the same sequences
+(`ggrun parallel`'s system prompt and questions) served by -np clients sharing each decode, then by a
+single client, with the same model, context and sampling; prints both speeds and their ratio.
+
+With --llama, `ggrun parallel` against llama.cpp's `llama-parallel` instead: the same command line for
+both (-np, -ns, -n, -c, -t, -s, --temp), each as its own process, alternating over --rounds, for every
+-np of a comma list; prints each tool's generated t/s (its summary's "Total gen tokens" speed) and the
+ratio of the medians. llama.cpp's tools come from `bash /work/shared/tools/cpu_anchor.sh` (--llama-bin
+or $LLAMA_BIN).
+
+Usage: python scripts/bench/bench_parallel.py [-m MODEL] [-np 4] [-ns 16] [-n 64] [-c 4096] [--temp 0] [-t THREADS]
+       python scripts/bench/bench_parallel.py --llama [-m MODEL] [-np 1,4,8] [-ns 16] [-n 64] [-t 2] [--rounds 2]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+from ggrun.cli.parallel_prompts import QUESTIONS, SYSTEM_PROMPT, format_turn
+from ggrun.core.backends.cpu import set_threads
+from ggrun.core.backends.registry import usable_backends
+from ggrun.core.llm.model import Model
+from ggrun.core.llm.parallel import ParallelRunner, ParallelSummary, SequenceResult
+from ggrun.core.llm.sampling import SamplingParams
+from ggrun.core.llm.session import Session, SessionParams
+from ggrun.loaders.download import resolve_model
+
+
+def serve(model: Model, n_clients: int, system: list[int], jobs: list[tuple[str, list[int]]], n_predict: int,
+          n_ctx: int, n_batch: int, sampling: SamplingParams) -> tuple[ParallelSummary, dict[int, SequenceResult]]:
+    session = Session(model, SessionParams(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_seq_max=n_clients + 1))
+    runner = ParallelRunner(session, n_clients, n_predict, sampling, n_batch)
+    results: dict[int, SequenceResult] = {}
+    summary = runner.run(system, jobs, lambda r: results.__setitem__(r.seq, r))
+    return summary, results
+
+
+def line(name: str, s: ParallelSummary) -> str:
+    return (f"{name:>14s}: {s.total_s:7.1f} s  prompt {s.n_prompt:5d} t {s.prompt_tps:8.2f} t/s  "
+            f"gen {s.n_gen:5d} t {s.gen_tps:7.2f} t/s  total {s.total_tps:7.2f} t/s  "
+            f"cache misses {s.cache_misses}  graphs reused {s.graphs_reused}")
+
+
+DEFAULT_ANCHOR = Path.home() / ".cache/ggrun-anchor/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
+GEN_SPEED = re.compile(r"Total gen tokens:\s*(\d+), speed:\s*([\d.]+) t/s")
+
+
+def gen_speed(cmd: list[str]) -> tuple[int, float]:
+    """(generated tokens, their t/s) from a parallel tool's summary, on stdout or stderr."""
+    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TERM="dumb"))
+    m = GEN_SPEED.search(out.stdout + out.stderr)
+    if out.returncode != 0 or m is None:
+        raise SystemExit(f"failed ({out.returncode}): {' '.join(cmd)}\n{(out.stdout + out.stderr)[-2000:]}")
+    return int(m.group(1)), float(m.group(2))
+
+
+def against_llama(a, n_parallel: list[int]) -> None:
+    """ggrun parallel and llama-parallel alternating with one command line; medians of generated t/s."""
+    llama = Path(a.llama_bin) / "llama-parallel"
+    if not llama.exists():
+        raise SystemExit(f"{llama} is missing: build it with `bash /work/shared/tools/cpu_anchor.sh`")
+    model = a.model if Path(a.model).is_file() else str(resolve_model(a.model))
+    ggrun = Path(__file__).resolve().parents[2] / ".venv/bin/ggrun"
+    print(f"{Path(model).name}: -ns {a.sequences} -n {a.n_predict} -c {a.ctx_size} --temp {a.temp} -s {a.seed} "
+          f"-t {a.threads or 'default'}", flush=True)
+    for np_ in n_parallel:
+        args = ["-m", model, "-np", str(np_), "-ns", str(a.sequences), "-n", str(a.n_predict), "-c", str(a.ctx_size),
+                "--temp", str(a.temp), "-s", str(a.seed)] + (["-t", str(a.threads)] if a.threads else [])
+        speeds: dict[str, list[float]] = {"ggrun": [], "llama": []}
+        for r in range(a.rounds):
+            for who in (("ggrun", "llama") if r % 2 == 0 else ("llama", "ggrun")):
+                cmd = [str(ggrun), "parallel", *args] if who == "ggrun" else [str(llama), *args]
+                speeds[who].append(gen_speed(cmd)[1])
+        g, ll = statistics.median(speeds["ggrun"]), statistics.median(speeds["llama"])
+        print(f"-np {np_:3d}: ggrun {g:7.2f} t/s {speeds['ggrun']}, llama-parallel {ll:7.2f} t/s {speeds['llama']}, "
+              f"ratio {g / ll:.2f}x", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", default="smollm2", help="GGUF file or known model name (default smollm2)")
+    ap.add_argument("-np", "--parallel", default="4", help="clients of the batched run (--llama: a comma list)")
+    ap.add_argument("--llama", action="store_true", help="ggrun parallel against llama-parallel")
+    ap.add_argument("--rounds", type=int, default=2, help="--llama: alternating rounds per -np")
+    ap.add_argument("--llama-bin", default=os.environ.get("LLAMA_BIN", str(DEFAULT_ANCHOR)))
+    ap.add_argument("-ns", "--sequences", type=int, default=16)
+    ap.add_argument("-n", "--n-predict", type=int, default=64)
+    ap.add_argument("-c", "--ctx-size", type=int, default=4096)
+    ap.add_argument("-b", "--batch-size", type=int, default=512)
+    ap.add_argument("--temp", type=float, default=0.0)
+    ap.add_argument("-s", "--seed", type=int, default=1)
+    ap.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for matrix products")
+    a = ap.parse_args()
+    if a.llama:
+        against_llama(a, [int(x) for x in a.parallel.split(",")])
+        return
+    a.parallel = int(a.parallel)
+
+    set_threads(a.threads)
+    model = Model.load(resolve_model(a.model), usable_backends())
+    tok = model.tokenizer
+    system = tok.tokenize(SYSTEM_PROMPT, add_special=True, parse_special=False)
+    jobs = [(q, tok.tokenize(format_turn(q), add_special=False, parse_special=False))
+            for q in (QUESTIONS[i % len(QUESTIONS)] for i in range(a.sequences))]
+    sampling = SamplingParams(temp=a.temp, seed=a.seed)
+    print(f"{Path(model.weights.source).name}: {a.sequences} sequences, -n {a.n_predict}, -c {a.ctx_size}, "
+          f"--temp {a.temp}, system prompt {len(system)} tokens; backends "
+          f"{', '.join(b.name for b in model.backends)}", flush=True)
+
+    runs = {}
+    for n_clients in (a.parallel, 1):
+        t0 = time.perf_counter()
+        runs[n_clients] = serve(model, n_clients, system, jobs, a.n_predict, a.ctx_size, a.batch_size, sampling)
+        print(line(f"-np {n_clients}", runs[n_clients][0]) + f"  (wall {time.perf_counter() - t0:.1f} s)", flush=True)
+
+    (par, par_res), (one, one_res) = runs[a.parallel], runs[1]
+    same = sum(par_res[j].response_tokens == one_res[j].response_tokens for j in par_res)
+    print(f"total speed: -np {a.parallel} {par.total_tps:.2f} t/s, -np 1 {one.total_tps:.2f} t/s, "
+          f"ratio {par.total_tps / one.total_tps:.2f}x")
+    print(f"generation speed ratio {par.gen_tps / one.gen_tps:.2f}x; "
+          f"{same}/{len(par_res)} sequences with the same tokens in both runs")
+
+
+if __name__ == "__main__":
+    main()

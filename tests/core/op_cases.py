@@ -1,0 +1,459 @@
+"""One list of op cases for every backend, as llama.cpp's test-backend-ops keeps one: each case is a small
+graph (shapes, types and odd sizes chosen to catch a kernel's edge cases) that tests/core/test_backend_ops.py
+runs on every usable backend (CPU, SIM, each CUDA device) and compares with the reference kernels by NMSE.
+
+A case draws its data from a generator seeded by its id, so every backend computes the same numbers.
+`native` names the backends whose own kernels must take the case (a compiled CPU kernel for the output
+node, no cupy fallback on CUDA): those the case was written for; elsewhere only the result is checked.
+Tolerances are per kind of op and backend (CUDA's exp and fast division differ from numpy's in the
+last bits).
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ggrun.core import ops
+from ggrun.core.dtypes import DType
+from ggrun.core.ops import ROPE_NEOX, ROPE_NORMAL
+from tests.core.backend_ops import K_QUANTS, TYPES, Leafs, weight_data
+
+F32, F16, I32 = DType.F32, DType.F16, DType.I32
+Build = Callable[[Leafs], object]
+
+CPU, CUDA = frozenset({"CPU"}), frozenset({"CUDA"})
+BOTH = CPU | CUDA
+
+# NMSE allowed per kind of op and backend kind (test-backend-ops' values where it has them)
+ELEMENTWISE = {"CPU": 1e-7, "CUDA": 1e-6}
+GATED = {"CPU": 1e-7, "CUDA": 1e-5}
+ROPE = {"CPU": 1e-7, "CUDA": 1e-6}
+EXACT = {"CPU": 1e-12, "CUDA": 1e-12}
+ATTENTION = {"CPU": 5e-4, "CUDA": 5e-4}
+MUL_MAT = {"CPU": 5e-4, "CUDA": 5e-4}
+GLU = {"CPU": 1e-3, "CUDA": 1e-3}  # two products' 8-bit activation error, multiplied through the gate
+
+
+@dataclass(frozen=True)
+class OpCase:
+    """One graph: `make(rng)` draws its data and returns the builder the harness calls per backend."""
+
+    id: str
+    make: Callable[[np.random.Generator], Build]
+    tolerance: dict[str, float]
+    native: frozenset[str] = BOTH
+
+    def build(self) -> Build:
+        return self.make(np.random.default_rng(zlib.crc32(self.id.encode())))
+
+    def max_nmse(self, kind: str) -> float:
+        """The case's bound on a backend of this kind (SIM runs the reference kernels: the strictest)."""
+        return self.tolerance.get(kind, min(self.tolerance.values()))
+
+
+def values(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def positions(rng: np.random.Generator, n: int) -> np.ndarray:
+    return np.sort(rng.choice(2048, size=n, replace=False)).astype(np.int32)
+
+
+def causal_mask(n: int, n_kv: int, used: int, rows: int | None = None, window: int | None = None) -> np.ndarray:
+    """f16 [rows >= n, n_kv]: token t (at position used - n + t) sees cells up to its position
+    (within `window` when given); cells from `used` on are padding; padding rows are garbage."""
+    m = np.full((rows or n, n_kv), -np.inf, dtype=np.float32)
+    for t in range(n):
+        p = used - n + t
+        lo = 0 if window is None else max(0, p - window + 1)
+        m[t, lo:p + 1] = 0
+    m[n:] = 3.0  # rows past the tokens: a kernel that reads them is wrong
+    return m.astype(np.float16)
+
+
+# ---- weight products -------------------------------------------------------------------------
+
+def _mul_mat(dtype: DType, m: int, n_tokens: int):
+    def make(rng):
+        k = 512 if dtype in K_QUANTS else 96
+        data, x = weight_data(dtype, m, k, seed=int(rng.integers(1 << 30))), values(rng, n_tokens, k)
+        return lambda lf: ops.mul_mat(lf.weight("w", dtype, (m, k), data), lf.input("x", F32, x))
+    return make
+
+
+def _get_rows_stored(dtype: DType, n_rows: int, width: int | None = None, ids: list[int] | None = None):
+    def make(rng):
+        k = width or (512 if dtype in K_QUANTS else 96)
+        data = weight_data(dtype, n_rows, k, seed=int(rng.integers(1 << 30)))
+        idx = np.array(ids, dtype=np.int32) if ids else rng.integers(0, n_rows, size=2).astype(np.int32)
+        return lambda lf: ops.get_rows(lf.weight("e", dtype, (n_rows, k), data), lf.input("ids", I32, idx))
+    return make
+
+
+def _attention_products(kv_dtype: DType):
+    """Without the fused op: scores from a grouped-query cache view."""
+    def make(rng):
+        kd, qd = values(rng, 100, 2 * 16).astype(kv_dtype.np_dtype), values(rng, 3, 4, 16)
+
+        def build(lf):
+            cache = lf.weight("k", kv_dtype, (100, 32), kd)
+            k = ops.permute(ops.view(cache, (100, 2, 16)), (1, 0, 2))
+            q = ops.permute(lf.input("q", F32, qd), (1, 0, 2))
+            return ops.mul_mat(k, ops.cont(q))
+        return build
+    return make
+
+
+def _mul_mat_multi(kinds: tuple[tuple[DType, int], ...], n_tokens: int):
+    """q, k and v (or gate and up) from one activation: weights of different types and heights."""
+    def make(rng):
+        k = 256
+        data = [weight_data(dt, m, k, seed=i) for i, (dt, m) in enumerate(kinds)]
+        x = values(rng, n_tokens, k)
+
+        def build(lf):
+            ws = tuple(lf.weight(f"w{i}", dt, (m, k), d) for i, ((dt, m), d) in enumerate(zip(kinds, data)))
+            views = ops.mul_mat_multi(ws, lf.input("x", F32, x), tuple(f"p{i}" for i in range(len(ws))))
+            flat = views[0].view_src  # every product, one after another
+            return ops.add(flat, flat)
+        return build
+    return make
+
+
+def _mul_mat_glu(types: tuple[DType, DType], n_tokens: int, glu: str):
+    def make(rng):
+        m, k = 96, 256
+        gd, ud = (weight_data(dt, m, k, seed=i) for i, dt in enumerate(types))
+        x = values(rng, n_tokens, k)
+
+        def build(lf):
+            gate, up = lf.weight("gate", types[0], (m, k), gd), lf.weight("up", types[1], (m, k), ud)
+            return ops.mul_mat_glu(gate, up, lf.input("x", F32, x), glu)
+        return build
+    return make
+
+
+def product_cases() -> list[OpCase]:
+    cases = [OpCase(f"mul_mat-{t}-n{n}", _mul_mat(t, 67, n), MUL_MAT) for t in TYPES for n in (1, 2, 3, 7, 8, 9, 64)]
+    cases += [OpCase(f"mul_mat-beyond-65535-rows-n{n}", _mul_mat(DType.Q4_0, 70_001, n), MUL_MAT) for n in (1, 512)]
+    cases += [OpCase(f"get_rows-{t}", _get_rows_stored(t, 40, ids=[3, 0, 39, 3, 17]), ELEMENTWISE) for t in TYPES]
+    cases += [OpCase(f"attention-products-{t}", _attention_products(t), MUL_MAT, CUDA) for t in (F16, F32)]
+    multi = {"mixed": ((DType.Q4_0, 96), (DType.Q6_K, 32), (DType.F16, 40)),
+             "one-type": ((DType.Q4_0, 96), (DType.Q4_0, 32), (DType.Q4_0, 40)),
+             "two-pairs": ((DType.Q8_0, 64), (DType.Q8_0, 32), (DType.Q4_1, 32), (DType.Q4_1, 8))}
+    cases += [OpCase(f"mul_mat_multi-{name}-n{n}", _mul_mat_multi(kinds, n), MUL_MAT)
+              for name, kinds in multi.items() for n in (1, 7, 64)]
+    glu_types = [(DType.Q4_0, DType.Q4_0), (DType.Q8_0, DType.Q8_0), (DType.Q6_K, DType.Q6_K), (DType.Q4_0, DType.Q8_0),
+                 (DType.MXFP4, DType.MXFP4), (DType.IQ4_XS, DType.IQ4_XS)]
+    cases += [OpCase(f"mul_mat_glu-{glu}-{g}-{u}-n{n}", _mul_mat_glu((g, u), n, glu), GLU)
+              for glu in ("swiglu", "geglu") for g, u in glu_types for n in (1, 3, 8, 9, 64)]
+    return cases
+
+
+# ---- norms -----------------------------------------------------------------------------------
+
+def _rms_norm_mul(shape: tuple[int, ...], w_len: int, scale: float = 1.0):
+    def make(rng):
+        xd, wd = values(rng, *shape, scale=scale), values(rng, w_len)
+        return lambda lf: ops.rms_norm_mul(lf.input("x", F32, xd), lf.weight("w", F32, wd.shape, wd), 1e-6)
+    return make
+
+
+def _norm(op, shape: tuple[int, int]):
+    def make(rng):
+        xd = values(rng, *shape, scale=3.0)
+        return lambda lf: op(lf.input("x", F32, xd), 1e-5)
+    return make
+
+
+def _add_rms_norm(n: int, width: int, post: bool):
+    def make(rng):
+        xd, hd = values(rng, n, width), values(rng, n, width, scale=3.0)
+        wd, pd = values(rng, width), values(rng, width)
+
+        def build(lf):
+            p = lf.weight("p", F32, pd.shape, pd) if post else None
+            return ops.add_rms_norm(lf.input("x", F32, xd), lf.input("h", F32, hd), lf.weight("w", F32, wd.shape, wd),
+                                    1e-6, post=p)
+        return build
+    return make
+
+
+def norm_cases() -> list[OpCase]:
+    shapes = {(1, 576): BOTH, (2, 577): CPU, (7, 64): BOTH, (33, 13): BOTH, (512, 576): CPU, (512, 2048): CUDA}
+    cases = [OpCase(f"rms_norm_mul-{a}x{b}", _rms_norm_mul((a, b), b), ELEMENTWISE, on)
+             for (a, b), on in shapes.items()]
+    cases.append(OpCase("rms_norm_mul-per-head-weight", _rms_norm_mul((7, 3, 32), 32, scale=5.0), ELEMENTWISE, CPU))
+    cases.append(OpCase("rms_norm", _norm(ops.rms_norm, (33, 577)), ELEMENTWISE))
+    cases.append(OpCase("norm", _norm(ops.norm, (33, 577)), ELEMENTWISE, CUDA))
+    cases += [OpCase(f"add_rms_norm-{'post' if post else 'llama'}-n{n}-{w}", _add_rms_norm(n, w, post), ELEMENTWISE,
+                     CUDA if w == 640 else CPU)
+              for post in (False, True) for n, w in ((1, 577), (2, 577), (7, 577), (33, 577), (7, 640))]
+    return cases
+
+
+# ---- rope and the cache ----------------------------------------------------------------------
+
+ROPES = [(ROPE_NORMAL, 64, 64, 10000.0, 1.0), (ROPE_NEOX, 32, 32, 1e6, 1.0), (ROPE_NEOX, 48, 64, 10000.0, 0.25),
+         (ROPE_NORMAL, 6, 10, 500.0, 1.0)]
+
+
+def _rope(n: int, heads: int, mode: int, n_dims: int, d: int, base: float, fscale: float,
+          pos: list[int] | None = None, norm: bool = False):
+    """RoPE of n tokens' heads; with `norm`, the heads normed first and scaled after (one node)."""
+    def make(rng):
+        xd, wd = values(rng, n, heads, d, scale=2.0), values(rng, d)
+        p = np.array(pos, dtype=np.int32) if pos else positions(rng, n)
+
+        def build(lf):
+            w = lf.weight("w", F32, wd.shape, wd) if norm else None
+            return ops.rope(lf.input("x", F32, xd), lf.input("pos", I32, p), n_dims, mode, base, fscale,
+                            out_scale=0.125 if norm else 1.0, norm=w, eps=1e-6)
+        return build
+    return make
+
+
+def _rope_fused_norm(n: int, mode: int, d: int, base: float, out_scale: float):
+    """gemma3's queries: per-head norm, RoPE, then the attention scale, in one node."""
+    def make(rng):
+        xd, wd, pos = values(rng, n, 4, d, scale=4.0), values(rng, d), positions(rng, n)
+        return lambda lf: ops.rope(lf.input("x", F32, xd), lf.input("pos", I32, pos), d, mode, base,
+                                   out_scale=out_scale, norm=lf.weight("w", F32, wd.shape, wd), eps=1e-6)
+    return make
+
+
+def _rope_set_rows(n: int, heads: int, mode: int, n_dims: int, d: int, base: float, fscale: float, dtype: DType,
+                   n_ctx: int = 100, norm: bool = False):
+    """Keys rotated straight into scattered cache rows; the whole cache (written and untouched rows) compared."""
+    def make(rng):
+        xd, pos = values(rng, n, heads, d, scale=3.0 if norm else 1.0), positions(rng, n)
+        cd, wd = values(rng, n_ctx, heads * d).astype(dtype.np_dtype), values(rng, d)
+        idx = rng.choice(n_ctx, size=n, replace=False).astype(np.int32)
+
+        def build(lf):
+            w = lf.weight("w", F32, wd.shape, wd) if norm else None
+            return ops.rope_set_rows(lf.weight("cache", dtype, cd.shape, cd), lf.input("k", F32, xd),
+                                     lf.input("idx", I32, idx), lf.input("pos", I32, pos), n_dims, mode, base, fscale,
+                                     norm=w, eps=1e-6)
+        return build
+    return make
+
+
+def _set_rows(dtype: DType, n_ctx: int, width: int, idx: list[int]):
+    def make(rng):
+        rows, cd = values(rng, len(idx), width), values(rng, n_ctx, width).astype(dtype.np_dtype)
+        ix = np.array(idx, dtype=np.int32)
+        return lambda lf: ops.set_rows(lf.weight("cache", dtype, cd.shape, cd), lf.input("rows", F32, rows),
+                                       lf.input("idx", I32, ix))
+    return make
+
+
+def rope_cases() -> list[OpCase]:
+    cases = [OpCase(f"rope-{mode}-{n_dims}of{d}-n{n}", _rope(n, 3, mode, n_dims, d, base, fscale), ROPE, CPU)
+             for mode, n_dims, d, base, fscale in ROPES for n in (1, 2, 7, 33)]
+    cases.append(OpCase("rope-prompt", _rope(512, 9, ROPE_NORMAL, 64, 64, 10000.0, 1.0, list(range(512))), ROPE, CPU))
+    far = [0, 1, 5, 9, 100, 4000, 7]
+    cases += [OpCase(f"rope-far-positions-{mode}-{'norm' if norm else 'plain'}",
+                     _rope(7, 3, mode, 64, 64, 10000.0, 1.0, far, norm), ROPE, CUDA)
+              for mode in (ROPE_NORMAL, ROPE_NEOX) for norm in (False, True)]
+    cases += [OpCase(f"rope-fused-norm-and-scale-n{n}", _rope_fused_norm(n, ROPE_NEOX, 32, 1e6, 0.17), ROPE, CPU)
+              for n in (1, 7)]
+    cases += [OpCase(f"rope_set_rows-{t}-{mode}-{n_dims}of{d}-n{n}",
+                     _rope_set_rows(n, 2, mode, n_dims, d, base, fscale, t), ROPE, CPU)
+              for t in (F16, F32) for mode, n_dims, d, base, fscale in ROPES[:3] for n in (1, 2, 33)]
+    cases += [OpCase(f"rope_set_rows-{t}-small-cache", _rope_set_rows(3, 2, ROPE_NEOX, 32, 32, 10000.0, 1.0, t, 10),
+                     ROPE, CUDA) for t in (F16, F32)]
+    cases.append(OpCase("rope_set_rows-fused-norm", _rope_set_rows(7, 1, ROPE_NEOX, 32, 32, 10000.0, 1.0, F16, 40,
+                                                                     norm=True), ROPE, CPU))
+    cases += [OpCase(f"set_rows-{t}-{n}", _set_rows(t, n_ctx, w, idx), ROPE, on)
+              for t in (F16, F32) for n, (n_ctx, w, idx, on) in
+              {"7-rows": (64, 96, [5, 0, 63, 8, 9, 1, 40], CPU), "3-rows": (10, 64, [5, 0, 9], CUDA)}.items()]
+    return cases
+
+
+# ---- attention -------------------------------------------------------------------------------
+
+def attention_graph(n: int, h: int, h_kv: int, d: int, n_kv: int, n_ctx: int, dtype: DType = F16, q_f16: bool = True,
+                mask: Callable[[], np.ndarray] | None = None):
+    """Fused attention over the first n_kv cells of an n_ctx cache viewed per KV head (grouped queries)."""
+    def make(rng):
+        qd = values(rng, n, h, d)
+        kd, vd = (values(rng, n_ctx, h_kv * d).astype(dtype.np_dtype) for _ in range(2))
+        md = causal_mask(n, n_kv, n_kv) if mask is None else mask()
+
+        def build(lf):
+            k, v = lf.weight("k", dtype, kd.shape, kd), lf.weight("v", dtype, vd.shape, vd)
+            if q_f16:
+                k.params["act_quant"] = v.params["act_quant"] = "f16"
+            e = dtype.itemsize
+            view = ((n_kv, h_kv, d), (h_kv * d * e, d * e, e))
+            keys, vals = (ops.permute(ops.view(c, *view), (1, 0, 2)) for c in (k, v))
+            q = ops.permute(lf.input("q", F32, qd), (1, 0, 2))
+            return ops.flash_attn(q, keys, vals, lf.input("mask", F16, md), d ** -0.5)
+        return build
+    return make
+
+
+def _seen_mask(t: int, n_kv: int, seen: int | None) -> Callable[[], np.ndarray]:
+    """Causal over the first `seen` cells (all when None), the rest hidden: a padded cache."""
+    def mask():
+        top = n_kv if seen is None else seen
+        cells = np.arange(n_kv)[None, :]
+        hidden = (cells > (top - t + np.arange(t))[:, None]) | (cells >= top)
+        return np.where(hidden, -np.inf, 0).astype(np.float16)
+    return mask
+
+
+def attention_case(kv_dtype: DType, t: int, n_kv: int, hq: int, hk: int, d: int, seen: int | None):
+    """Fused attention with the queries given heads first [hq, t, d], over n_kv cached keys, causal, and
+    only the first `seen` cells visible (the rest of a padded cache) when given."""
+    def make(rng):
+        qd = values(rng, hq, t, d)
+        kd, vd = (values(rng, n_kv, hk * d).astype(kv_dtype.np_dtype) for _ in range(2))
+        md = _seen_mask(t, n_kv, seen)()
+
+        def build(lf):
+            k = ops.permute(ops.view(lf.weight("k", kv_dtype, (n_kv, hk * d), kd), (n_kv, hk, d)), (1, 0, 2))
+            v = ops.permute(ops.view(lf.weight("v", kv_dtype, (n_kv, hk * d), vd), (n_kv, hk, d)), (1, 0, 2))
+            return ops.flash_attn(lf.input("q", F32, qd), k, v, lf.input("mask", F16, md), scale=d ** -0.5)
+        return build
+    return make
+
+
+def attention_cases() -> list[OpCase]:
+    cases = [OpCase(f"flash_attn-n{n}-h{h}-kv{h_kv}-d{d}-cells{n_kv}", attention_graph(n, h, h_kv, d, n_kv, n_kv + 11),
+                    ATTENTION, CPU)
+             for n, h, h_kv, d, n_kv in [(1, 9, 3, 64, 256), (2, 4, 2, 32, 77), (7, 8, 8, 16, 300), (33, 4, 1, 32, 513),
+                                         (8, 6, 2, 64, 65)]]
+    cases.append(OpCase("flash_attn-prompt", attention_graph(512, 9, 3, 64, 512, 512), ATTENTION, CPU))
+    cases += [OpCase(f"flash_attn-f32-cache-{'q-f16' if q else 'q-f32'}", attention_graph(7, 4, 2, 32, 100, 100, F32, q),
+                     ATTENTION, CPU) for q in (True, False)]
+    cases.append(OpCase("flash_attn-decode-padded-cache",
+                        attention_graph(1, 9, 3, 64, 256, 300, mask=lambda: causal_mask(1, 256, 37, rows=8)), ATTENTION,
+                        CPU))
+    cases.append(OpCase("flash_attn-sliding-window",
+                        attention_graph(33, 4, 1, 32, 200, 200, mask=lambda: causal_mask(33, 200, 150, window=8)),
+                        ATTENTION, CPU))
+    seen = [(1, 33, 4, 2, 64, None), (1, 1000, 9, 3, 64, None), (7, 256, 4, 1, 256, None), (64, 300, 8, 2, 128, None),
+            (3, 40, 2, 2, 16, None), (1, 4096, 32, 8, 64, 37), (2, 8192, 8, 8, 128, 3000), (8, 512, 16, 4, 64, 200),
+            (130, 160, 16, 4, 64, None), (129, 200, 8, 2, 128, None), (1, 300, 4, 1, 256, None),
+            (2, 700, 4, 2, 128, 650)]
+    cases += [OpCase(f"flash_attn-{kv}-t{t}-cells{n_kv}-h{hq}-kv{hk}-d{d}-seen{s}",
+                     attention_case(kv, t, n_kv, hq, hk, d, s), ATTENTION, CUDA)
+              for kv in (F16, F32) for t, n_kv, hq, hk, d, s in seen]
+    return cases
+
+
+# ---- element-wise, softmax and data movement --------------------------------------------------
+
+def _gated(op: str, n: int, width: int, scale: float, f16_table: bool | None = None, table_ends: bool = False):
+    def make(rng):
+        gd, ud = values(rng, n, width, scale=scale), values(rng, n, width)
+        if table_ends:
+            gd[0, :8] = [-12, -10, -9.99, 0, 9.99, 10, 11, 65504]  # both ends of ggml's table
+        kw = {} if f16_table is None else {"f16_table": f16_table}
+        return lambda lf: getattr(ops, op)(lf.input("g", F32, gd), lf.input("u", F32, ud), **kw)
+    return make
+
+
+def _unary(op: Callable, shape: tuple[int, ...], scale: float):
+    def make(rng):
+        xd = values(rng, *shape, scale=scale)
+        return lambda lf: op(lf.input("x", F32, xd))
+    return make
+
+
+def _binary(op: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...]):
+    def make(rng):
+        ad, bd = values(rng, *a_shape), values(rng, *b_shape)
+        return lambda lf: getattr(ops, op)(lf.input("a", F32, ad), lf.input("b", F32, bd))
+    return make
+
+
+def _soft_max(heads: int, n: int, n_kv: int, mask: bool, scale: float, used: int | None = None):
+    """The non-fused attention's softmax: kq [heads, tokens, n_kv] * scale + mask (f16, more rows than
+    tokens, a padded tail) over the last axis."""
+    def make(rng):
+        xd = values(rng, heads, n, n_kv, scale=4.0)
+        md = causal_mask(n, n_kv, used or n_kv, rows=n + 5)
+        m = (lambda lf: lf.input("mask", F16, md)) if mask else (lambda lf: None)
+        return lambda lf: ops.soft_max(lf.input("kq", F32, xd), m(lf), scale)
+    return make
+
+
+def _soft_max_masked_tail(rng):
+    """Scores of 7 rows over 40 cells, the last few of each row masked."""
+    ad = values(rng, 4, 7, 40)
+    md = np.where(np.arange(40)[None, :] > np.arange(7)[:, None] + 30, -np.inf, 0).astype(np.float16)
+    return lambda lf: ops.soft_max(lf.input("a", F32, ad), lf.input("m", F16, md), scale=0.3)
+
+
+def _get_rows_of_an_intermediate(rng):
+    """The output rows of the last layer: rows of a computed stream."""
+    xd, ids = values(rng, 7, 64), np.array([6, 2], dtype=np.int32)
+    return lambda lf: ops.get_rows(ops.scale(lf.input("x", F32, xd), 1.0), lf.input("ids", I32, ids))
+
+
+def _get_rows_table(dtype: DType, n: int):
+    def make(rng):
+        table = values(rng, 50, 576).astype(dtype.np_dtype)
+        ids = rng.integers(0, 50, size=n).astype(np.int32)
+        return lambda lf: ops.get_rows(lf.weight("t", dtype, table.shape, table), lf.input("ids", I32, ids))
+    return make
+
+
+def _cont_of_permuted_heads(dtype: DType, shape: tuple[int, int, int]):
+    """kqv [heads, tokens, d] merged to [tokens, heads, d] (the non-fused attention's cont)."""
+    def make(rng):
+        xd = values(rng, *shape).astype(dtype.np_dtype)
+        return lambda lf: ops.cont(ops.permute(lf.input("x", dtype, xd), (1, 0, 2)))
+    return make
+
+
+def _cast_there_and_back(rng):
+    ad = values(rng, 5, 3, 8)
+    return lambda lf: ops.cast(ops.cast(lf.input("a", F32, ad), F16), F32)
+
+
+def _concat(axis: int):
+    """The gather of a product split by rows, and concat along other axes."""
+    def make(rng):
+        shape = [5, 3, 8]
+        ad = values(rng, *shape)
+        shape[axis] += 2
+        bd = values(rng, *shape)
+        return lambda lf: ops.concat(lf.input("a", F32, ad), lf.input("b", F32, bd), axis)
+    return make
+
+
+def elementwise_cases() -> list[OpCase]:
+    cases = [OpCase(f"swiglu-n{n}", _gated("swiglu", n, 1536, 4.0), GATED, CPU) for n in (1, 2, 7, 33, 512)]
+    cases += [OpCase(f"geglu-{'table' if t else 'exact'}-n{n}", _gated("geglu", n, 2048, 5.0, t, table_ends=True),
+                     GATED, CPU) for t in (True, False) for n in (1, 7, 33)]
+    cases += [OpCase(f"{op}-odd-width", _gated(op, 9, 130, 1.0), GATED, CUDA) for op in ("swiglu", "geglu")]
+    cases.append(OpCase("gelu-table", _unary(lambda x: ops.gelu(x, f16_table=True), (7, 333), 6.0), ELEMENTWISE, CPU))
+    cases += [OpCase(f"silu-{'x'.join(map(str, s))}", _unary(ops.silu, s, scale), ELEMENTWISE, on)
+              for s, scale, on in (((7, 333), 6.0, CPU), ((5, 3, 8), 1.0, CUDA))]
+    cases += [OpCase(f"scale-{'x'.join(map(str, s))}", _unary(lambda x, by=by: ops.scale(x, by), s, 1.0), ELEMENTWISE, on)
+              for s, by, on in (((3, 640), 25.3, CPU), ((5, 3, 8), 0.5, CUDA))]
+    cases += [OpCase(f"{op}-{'x'.join(map(str, a))}-{'x'.join(map(str, b))}", _binary(op, a, b), ELEMENTWISE, on)
+              for op in ("add", "mul") for a, bs, on in (((7, 33), ((7, 33), (33,), (1, 33), (1,)), CPU),
+                                                         ((7, 64), ((7, 64), (64,), (1, 64)), CUDA)) for b in bs]
+    cases += [OpCase(f"soft_max-masked-n{n}-cells{n_kv}-h{h}", _soft_max(h, n, n_kv, True, 0.125, n_kv - 3), ELEMENTWISE,
+                     CPU) for n, n_kv, h in [(1, 256, 9), (7, 77, 4), (33, 300, 2)]]
+    cases.append(OpCase("soft_max-no-mask", _soft_max(3, 5, 77, False, 0.7), ELEMENTWISE, CPU))
+    cases.append(OpCase("soft_max-masked-tail", _soft_max_masked_tail, ELEMENTWISE, CUDA))
+    cases += [OpCase(f"get_rows-table-{t}-n{n}", _get_rows_table(t, n), ELEMENTWISE, CPU)
+              for t in (F32, F16) for n in (1, 2, 33)]
+    cases.append(OpCase("get_rows-of-an-intermediate", _get_rows_of_an_intermediate, ELEMENTWISE, CPU))
+    cases += [OpCase(f"cont-permuted-heads-{t}", _cont_of_permuted_heads(t, (9, 7, 64)), EXACT, CPU) for t in (F32, F16)]
+    cases.append(OpCase("cont-permuted-small", _cont_of_permuted_heads(F32, (5, 3, 8)), EXACT, CUDA))
+    cases.append(OpCase("cast-f16-and-back", _cast_there_and_back, EXACT, CUDA))
+    cases += [OpCase(f"concat-axis{a}", _concat(a), EXACT, CUDA) for a in (-1, 0, 1)]
+    return cases
+
+
+CASES: list[OpCase] = product_cases() + norm_cases() + rope_cases() + attention_cases() + elementwise_cases()
