@@ -8,6 +8,7 @@ import time
 
 import typer
 
+from ggrun.cli import library_patches
 from ggrun.core.backends.cpu import set_threads
 from ggrun.core.backends.registry import probe, usable_backends
 from ggrun.core.dtypes import DType
@@ -86,6 +87,7 @@ def load_model(model: str | None, n_gpu_layers: int = 0, quiet: bool = False, th
     finally:
         bar.close()
     compile_kernels(backends[-1], warm_tags(m, backends[-1], kv_types), quiet)
+    library_patches.after_compiling()
     return m
 
 

@@ -132,7 +132,7 @@ class Scheduler:
         self._slot_events: dict[tuple[str, int], object] = {}  # (backend, slot) -> after its last split reading it
         self.copy_counts = {kind: CopyCount() for kind in COPY_KINDS}
         # called with (split, "start") before a split's copies and (split, "end") after its run: a
-        # diagnostic's hook (scripts/pipeline_timeline.py records device events there)
+        # diagnostic's hook (scripts/tools/pipeline_timeline.py records device events there)
         self.probe: Callable[[Split, str], None] | None = None
 
     @property

@@ -8,7 +8,10 @@ to start.
   (importing the `gguf` package runs its reader, writer and PyYAML: 30 ms)
 - numba_start.py: numba imported without PyYAML, each cache directory checked once, arrays typed
   without importing numpy.ma, numba's extensions initialized only when something compiles
-- numba_loads.py: ggrun's cached kernels loaded without numba's compiler set-up (0.2 s)
+- numba_loads.py: ggrun's cached kernels loaded without numba's compiler set-up (0.2 s); installed by
+  `after_compiling`, once the model's kernels are compiled (cli/common.py's load_model): a kernel compiled
+  while it stands can miss lowerings that the skipped set-up registers (seen: range() in a kernel first
+  compiled after a cached one had loaded)
 - typer_options.py: options of plain types parsed without typer's pydantic adapters (0.1 s)
 
 Each is guarded (where an internal is missing it does nothing); pyproject.toml caps the libraries at the
@@ -38,7 +41,14 @@ def apply() -> None:
     with numba_start.numba_without_yaml():
         from ggrun.core.backends.cpu import jit  # noqa: F401  (ggrun's numba settings, then numba)
     numba_start.install()
+    typer_options.install()
+
+
+def after_compiling() -> None:
+    """The patch for loading cached kernels (numba_loads.py), unless switched off: call it once the kernels
+    a run needs are compiled; later loads from numba's cache then skip numba's compiler set-up."""
+    if not enabled():
+        return
     from ggrun.cli.library_patches import numba_loads  # reads numba's originals: after numba's import
 
     numba_loads.skip_compiler_set_up()
-    typer_options.install()

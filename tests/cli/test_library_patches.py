@@ -1,5 +1,5 @@
 """The library patches (cli/library_patches/): applied by `apply` (the CLI's entry point and the suite's
-conftest), never by importing ggrun's modules, and switched off with GGRUN_LIBRARY_PATCHES=0. Each process
+conftest) and `after_compiling` (the CLI, once a model's kernels are compiled), never by importing ggrun's modules, and switched off with GGRUN_LIBRARY_PATCHES=0. Each process
 here starts fresh, so what it finds patched is what that process did."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ print(json.dumps({
 """
 ENGINE = ("from ggrun.core.backends.cpu import CPUBackend; import ggrun.core.quants, ggrun.loaders.gguf_file; "
           "import ggrun.cli.cmdline, ggrun.cli.common; ")
-APPLY = "from ggrun.cli import library_patches; library_patches.apply(); "
+APPLY = "from ggrun.cli import library_patches; library_patches.apply(); library_patches.after_compiling(); "
 
 
 def patched(code: str, **env: str) -> dict[str, bool]:

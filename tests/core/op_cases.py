@@ -19,7 +19,7 @@ import numpy as np
 from ggrun.core import ops
 from ggrun.core.dtypes import DType
 from ggrun.core.ops import ROPE_NEOX, ROPE_NORMAL
-from tests.core.backend_ops import K_QUANTS, TYPES, Leafs, weight_data
+from tests.core.backend_ops import TYPES, Leafs, weight_data
 
 F32, F16, I32 = DType.F32, DType.F16, DType.I32
 Build = Callable[[Leafs], object]
@@ -78,7 +78,7 @@ def causal_mask(n: int, n_kv: int, used: int, rows: int | None = None, window: i
 
 def _mul_mat(dtype: DType, m: int, n_tokens: int):
     def make(rng):
-        k = 512 if dtype in K_QUANTS else 96
+        k = 512 if dtype.block_size == 256 else 96
         data, x = weight_data(dtype, m, k, seed=int(rng.integers(1 << 30))), values(rng, n_tokens, k)
         return lambda lf: ops.mul_mat(lf.weight("w", dtype, (m, k), data), lf.input("x", F32, x))
     return make
@@ -86,7 +86,7 @@ def _mul_mat(dtype: DType, m: int, n_tokens: int):
 
 def _get_rows_stored(dtype: DType, n_rows: int, width: int | None = None, ids: list[int] | None = None):
     def make(rng):
-        k = width or (512 if dtype in K_QUANTS else 96)
+        k = width or (512 if dtype.block_size == 256 else 96)
         data = weight_data(dtype, n_rows, k, seed=int(rng.integers(1 << 30)))
         idx = np.array(ids, dtype=np.int32) if ids else rng.integers(0, n_rows, size=2).astype(np.int32)
         return lambda lf: ops.get_rows(lf.weight("e", dtype, (n_rows, k), data), lf.input("ids", I32, idx))

@@ -1,5 +1,5 @@
 """IQ4_NL, IQ4_XS and MXFP4 against ggml itself (tests/data/ggml_quants.json, from
-scripts/ggml_quant_reference.py): the numpy decoders (core/quants.py) and the CPU's compiled ones
+scripts/tools/ggml_quant_reference.py): the numpy decoders (core/quants.py) and the CPU's compiled ones
 (core/backends/cpu/lut4.py) equal ggml's dequantize_row_* bit for bit, on ggml's own quantization of
 random rows and on random blocks; the CPU's integer dot products match ggml's vec_dot against ggml's own
 8-bit activation blocks, and quant/activations.py's quantizers make those same blocks from the f32 activations. The

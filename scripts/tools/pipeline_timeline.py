@@ -6,7 +6,7 @@ prints a timeline per micro-batch and, per GPU, how long it was busy against the
 that take turns (pipelining) are each busy for most of the span; GPUs that wait for each other are busy
 for about half of it each.
 
-    python3 scripts/pipeline_timeline.py MODEL.gguf [--gpus 2] [--prompt 2048] [--ubatch 512]
+    python3 scripts/tools/pipeline_timeline.py MODEL.gguf [--gpus 2] [--prompt 2048] [--ubatch 512]
 """
 from __future__ import annotations
 

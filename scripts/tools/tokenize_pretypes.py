@@ -4,7 +4,7 @@
 text (the file's gpt-2 texts) tokenized by llama.cpp's library (add_special and parse_special off) and
 detokenized again, as the cases already there were.
 
-    .venv/bin/python scripts/tokenize_pretypes.py gpt-4o [--llama-bin DIR]
+    .venv/bin/python scripts/tools/tokenize_pretypes.py gpt-4o [--llama-bin DIR]
 """
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
-from arch_vs_llama import DEFAULT_ANCHOR, llama_lib  # noqa: E402  (this folder)
+from arch_vs_llama import DEFAULT_ANCHOR, llama_lib  # noqa: E402  (scripts/bench)
 from tests.synth import LlamaConfig, write_gguf  # noqa: E402
 
 DATA = ROOT / "tests" / "data" / "tokenize_pretypes.json"

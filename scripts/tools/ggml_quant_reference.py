@@ -9,7 +9,7 @@ Through ctypes on the ggml libraries of llama.cpp's CPU build (scripts/ggml_kv_r
 - `acts` and `dots`: activation rows quantized by the CPU's from_float of the type's vec_dot_type (Q8_0 or
   Q8_K) and ggml's vec_dot of each weight row (`blocks` then `random`) with each of them.
 
-    .venv/bin/python scripts/ggml_quant_reference.py [--llama-bin DIR]
+    .venv/bin/python scripts/tools/ggml_quant_reference.py [--llama-bin DIR]
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ggml_kv_reference import DEFAULT_BIN, Ggml  # noqa: E402  (this folder, beside this script)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # ggml type id, elements per block, bytes per block, vec_dot_type's id and bytes per block
 TYPES = {"IQ4_NL": (20, 32, 18, 8, 34), "IQ4_XS": (23, 256, 136, 15, 292), "MXFP4": (39, 32, 17, 8, 34)}
 K = 512  # values per row: two IQ4_XS super-blocks, sixteen blocks of the others
@@ -102,7 +102,7 @@ def main() -> None:
     x[1, :32] = 0  # a block of zeros
     x[2, 32:64] *= 1e-3  # a block much smaller than its neighbours (IQ4_XS's sub-block scales)
     acts = (rng.standard_normal((3, K)) * rng.uniform(0.1, 4, size=(3, 1))).astype(np.float32)
-    data = {"producer": "scripts/ggml_quant_reference.py with the ggml of llama.cpp 0c1e570 (vendored by "
+    data = {"producer": "scripts/tools/ggml_quant_reference.py with the ggml of llama.cpp 0c1e570 (vendored by "
                         "llama-cpp-python 0.3.36, CPU build of ../shared/tools/cpu_anchor.sh)",
             "k": K, "x": x.tobytes().hex(), "a": acts.tobytes().hex()}
     for name, (type_id, block, size, dot_id, dot_size) in TYPES.items():

@@ -6,7 +6,7 @@ Each step is run three ways: `decode` (every row's logits come back, as llama-ba
 copies them), `greedy` (the argmax in the graph, ids back) and `sampled` (ops.sample in the graph with
 llama.cpp's default chain, ids back).
 
-Usage: python scripts/profile_batched.py -m MODEL [-ngl 99] [-npp 128] [-ntg 32] [-npl 1,16,64,128]
+Usage: python scripts/bench/profile_batched.py -m MODEL [-ngl 99] [-npp 128] [-ntg 32] [-npl 1,16,64,128]
        [--profile 64] [--modes decode,greedy,sampled]
 """
 from __future__ import annotations
@@ -14,20 +14,15 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from ggrun.cli.common import load_model  # noqa: E402
-from ggrun.core.llm.batched_bench import BatchedTest, _decode_in_batches, decode_batch, prompt_batch  # noqa: E402
-from ggrun.core.llm.batched_sampler import BatchedSampler  # noqa: E402
-from ggrun.core.llm.sampling import SamplingParams  # noqa: E402
-from ggrun.core.llm.session import Session, SessionParams  # noqa: E402
+from ggrun.cli.common import load_model
+from ggrun.core.llm.batched_bench import BatchedTest, _decode_in_batches, decode_batch, prompt_batch
+from ggrun.core.llm.batched_sampler import BatchedSampler
+from ggrun.core.llm.sampling import SamplingParams
+from ggrun.core.llm.session import Session, SessionParams
 
 
 def steps(session: Session, test: BatchedTest, mode: str, n_batch: int) -> tuple[float, list[float]]:
