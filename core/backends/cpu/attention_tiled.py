@@ -6,7 +6,8 @@ tile of cells with f32 sums, and the values are summed into an f32 accumulator.
 
 Work items are (head, tile of tokens); the cache tiles are converted to f32 once per item. Rows are
 computed four at a time (a tile's last rows padded with copies of its last token), so that each key
-and value row loaded serves four queries; each row's result is the same whichever tile holds it.
+and value row loaded serves four queries, over the span of cells the four see; each row's result is
+the same whichever tile holds it.
 """
 from __future__ import annotations
 
@@ -163,6 +164,10 @@ def attend_tile(q, k, v, mask, scale, h, t0, n, Kf, Vf, KQ, VKQ, M, S, rows, out
             continue
         _convert(k, v, g, c0, nc, Kf, Vf)
         for r in range(0, n_pad, ROWS):
+            # only the cells these four rows see (hidden ones weigh 0 exactly, so this changes no bit)
+            lo, hi = _span(mask, t0 + r, min(ROWS, n - r), c0, nc)
+            if lo == hi:
+                continue
             _scores(q, rows, h, Kf, lo, hi, KQ, r)
             for i in range(r, r + ROWS):
                 _softmax_row(KQ, i, mask, rows[i], c0, lo, min(hi, nc), scale, M, S, VKQ)
