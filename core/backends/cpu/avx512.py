@@ -586,8 +586,9 @@ def _rows_r16_q45_k(five, p, qs, d, sums, out, g0, g1, n0, n1):
             acc = zzero()
             acc_min = zzero()
             for b in range(k // 256):
+                # no software prefetch: streaming from memory, the hardware prefetcher alone read these
+                # super-blocks twice as fast (9 -> 18 GB/s for Q4_K, one thread, 80 matrices of 640 x 2048)
                 o = g * p.strides[0] + size * b
-                _prefetch_ahead(p, o, size)
                 x = n * k + 256 * b
                 isum = zzero()
                 for i in range(4):
@@ -706,8 +707,7 @@ def _rows_r16_q6_k(p, qs, d, sums, out, g0, g1, n0, n1):
         for n in range(n0, n1):
             acc = zzero()
             for b in range(k // 256):
-                o = g * p.strides[0] + size * b
-                _prefetch_ahead(p, o, size)
+                o = g * p.strides[0] + size * b  # no software prefetch, as in _rows_r16_q45_k (6.3 -> 7.3 GB/s)
                 x = n * k + 256 * b
                 isum = zzero()
                 for h in range(2):
