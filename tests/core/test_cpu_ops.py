@@ -14,9 +14,9 @@ from ggrun.core.backends.cpu import CPUBackend, jit, set_threads
 from ggrun.core.backends.kernels import KERNELS
 from ggrun.core.dtypes import DType
 from tests.core.backend_ops import compare, planned, run_on
-from tests.core.op_cases import ATTENTION, ELEMENTWISE, attention_graph, values
+from tests.core.op_cases import ATTENTION, ELEMENTWISE, attention_graph, causal_mask, values
 
-F32 = DType.F32
+F32, F16 = DType.F32, DType.F16
 rng = np.random.default_rng(20240607)
 
 
@@ -62,14 +62,52 @@ def test_swiglu_in_place():
     assert any(n.name == "act" for n, _ in _inplace(build))
 
 
-def test_flash_attn_on_several_threads():
-    """The work shared by two threads (KV heads and blocks of tokens) gives the one-thread result,
-    bitwise: a row's arithmetic never depends on how the work was split."""
+@pytest.mark.parametrize("n,h,h_kv,d,n_kv,used", [(64, 4, 1, 32, 64, 64), (70, 4, 2, 64, 256, 200),
+                                                  (130, 9, 3, 16, 300, 290)])
+def test_flash_attn_tiled_prompt(n, h, h_kv, d, n_kv, used):
+    """Prompt batches of 64 tokens or more (llama.cpp's tiled path): tiles of tokens cut short, cells
+    past the last tile's end and past the used ones, a cache holding earlier tokens."""
+    check(attention_graph(n, h, h_kv, d, n_kv, n_kv + 5, mask=lambda: causal_mask(n, n_kv, used, rows=n + 3))(rng),
+          ATTENTION["CPU"])
+
+
+def test_flash_attn_tiled_sliding_window():
+    check(attention_graph(100, 4, 1, 32, 256, 256, mask=lambda: causal_mask(100, 256, 180, window=70))(rng),
+          ATTENTION["CPU"])
+
+
+def test_flash_attn_tiled_row_does_not_depend_on_its_tile():
+    """A token's result over the same cache is the same bitwise whether it came in a batch of 128
+    (the second tile) or of 64 (the first), and whichever of the four rows computed together it is."""
+    n_kv = 256
+    mask = causal_mask(128, n_kv, 200)
+    qd = values(rng, 128, 4, 32)
+    kd, vd = values(rng, n_kv, 2 * 32).astype(np.float16), values(rng, n_kv, 2 * 32).astype(np.float16)
+
+    def build(rows: slice, m: np.ndarray):
+        def graph(lf):
+            k, v = lf.weight("k", F16, kd.shape, kd), lf.weight("v", F16, vd.shape, vd)
+            k.params["act_quant"] = v.params["act_quant"] = "f16"
+            view = ((n_kv, 2, 32), (2 * 32 * 2, 32 * 2, 2))
+            keys, vals = (ops.permute(ops.view(t, *view), (1, 0, 2)) for t in (k, v))
+            q = ops.permute(lf.input("q", F32, np.ascontiguousarray(qd[rows])), (1, 0, 2))
+            return ops.flash_attn(q, keys, vals, lf.input("mask", F16, m), 32 ** -0.5)
+        return graph
+    whole = run_on(CPUBackend(), build(slice(0, 128), mask))
+    for lo in (64, 62):
+        part = run_on(CPUBackend(), build(slice(lo, 128), np.ascontiguousarray(mask[lo:])))
+        assert np.array_equal(part, whole[lo:])
+
+
+@pytest.mark.parametrize("n", [33, 130], ids=["cells", "tiled"])
+def test_flash_attn_on_several_threads(n):
+    """The work shared by two threads (KV heads and blocks of tokens, or heads and tiles of tokens)
+    gives the one-thread result, bitwise: a row's arithmetic never depends on how the work was split."""
     import numba
 
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("one core")
-    build = attention_graph(33, 9, 3, 64, 300, 300)(rng)
+    build = attention_graph(n, 9, 3, 64, 300, 300)(rng)
     one = run_on(CPUBackend(), build)
     before = jit.threads()
     try:

@@ -8,7 +8,9 @@ attends only the span of a tile between the first and last cells its mask leaves
 the padded tail of n_kv and the causal future cost nothing; hidden cells inside the span get
 weight 0. As llama.cpp's CPU path does, queries meet an f16 cache as f16-rounded values
 (`act_quant` f16 on the cache), and then the values are summed as ggml does, cell by cell in f16;
-otherwise products and the softmax are f32, tile by tile.
+otherwise products and the softmax are f32, tile by tile. From 64 query tokens on, llama.cpp's CPU
+kernel takes its tiled path instead (f32 queries and sums), and so do llama numerics here
+(attention_tiled.py).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import math
 import numpy as np
 from numba import prange
 
+from ggrun.core.backends.cpu import attention_tiled as tiled
 from ggrun.core.backends.cpu import jit
 from ggrun.core.backends.cpu.dispatch import binds
 from ggrun.core.backends.cpu.jit import kernel
@@ -229,9 +232,17 @@ def _workers(node) -> int:
     return 1 if jit.threads() == 1 or work < 16384 else jit.threads()
 
 
+def _tiled(node) -> bool:
+    """llama numerics (queries meet an f16 cache f16-rounded, cell by cell) on a batch of at least
+    tiled.TILE_Q tokens: llama.cpp's CPU kernel takes its tiled path there, and so does ggrun."""
+    return node.srcs[1].root.params.get("act_quant") == "f16" and node.srcs[0].shape[1] >= tiled.TILE_Q
+
+
 def flash_attn_scratch(node) -> int:
     q = node.srcs[0]
     d, rows = q.shape[2], q.shape[0] * q.shape[1]
+    if _tiled(node):
+        return 4 * tiled.scratch_floats(_workers(node), d)
     return 4 * (_workers(node) * (2 * CELLS * d + CELLS + d) + 2 * rows)
 
 
@@ -264,6 +275,8 @@ def bind_flash_attn(node, out, srcs, scratch):
     if scratch is None or scratch.size < flash_attn_scratch(node):
         return None
     f32 = scratch.view(np.float32)
+    if _tiled(node):
+        return tiled.bind(q3, k3, v3, mask, np.float32(node.params["scale"]), workers, f32, out)
     tiles, at = [], 0
     for shape in ((workers, CELLS, d), (workers, CELLS, d), (workers, CELLS), (workers, d),
                   (2, q3.shape[0], q3.shape[1])):
@@ -458,12 +471,13 @@ def bind_flash_attn_cells(node, out, srcs, scratch):
 # ---- first-run compilation: the signatures a model's graphs meet ---------------------------------
 
 def _warm_flash_attn(lf, dtype: DType, n_tokens: int):
-    """Attention over a cache of `dtype` (f16 with q rounded, as llama numerics do); a prompt-sized
-    graph compiles the threaded kernel too when there are threads."""
+    """Attention over a cache of `dtype` (f16 with q rounded, as llama numerics do): one token (the
+    one-thread kernel), a short prompt (the threaded kernel too, when there are threads) and, over an
+    f16 cache, a prompt of tiled.TILE_Q tokens (the tiled kernel)."""
     from ggrun.core import ops
     from ggrun.core.tensor import new_tensor
 
-    n_kv, h, d = 64, 4, 16
+    n_kv, h, d = 256, 4, 16
     caches = []
     for name in ("k", "v"):
         c = lf.ctx.new_tensor(name, dtype, (n_kv, d))
@@ -496,8 +510,8 @@ def _warm_flash_attn_cells(lf, n_tokens: int):
     return ops.flash_attn(q, caches[0], caches[1], mask, 0.25)
 
 
-for _dtype in (DType.F16, DType.F32):
-    for _n in (1, 64):
+for _dtype, _sizes in ((DType.F16, (1, 32, tiled.TILE_Q)), (DType.F32, (1, 32))):
+    for _n in _sizes:
         warms(lambda lf, d=_dtype, n=_n: _warm_flash_attn(lf, d, n), needs={kv(_dtype)})
 for _n in (1, 64):
     warms(lambda lf, n=_n: _warm_flash_attn_cells(lf, n), needs={kv(DType.Q8_0)})
