@@ -32,6 +32,7 @@ import numpy as np
 from ggrun.core.llm.batch import Batch
 from ggrun.core.llm.batched_sampler import BatchedSampler
 from ggrun.core.llm.detok import IncrementalText
+from ggrun.core.llm.generate import common_prefix
 from ggrun.core.llm.logprobs import TokenLogprob, row_logprobs
 from ggrun.core.llm.sampling import Sampler, SamplingParams
 from ggrun.core.llm.session import Session
@@ -150,16 +151,6 @@ class _Slot:
         return self.handle is not None
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    x, y = np.asarray(a[:n]), np.asarray(b[:n])
-    diff = np.flatnonzero(x != y)
-    return int(diff[0]) if len(diff) else n
-
-
 class EngineLoop:
     """n_slots slots over `session` (made with n_seq_max >= n_slots), served by one thread."""
 
@@ -197,7 +188,7 @@ class EngineLoop:
     def submit(self, request: Request, on_event: Callable[[Event], None]) -> Handle:
         """Queue a request; its events go to on_event, called on the engine's thread. QueueFull past the bound."""
         with self._cv:
-            if len(self._queue) >= self.max_queue and not any(not s.busy for s in self.slots):
+            if len(self._queue) >= self.max_queue + sum(not s.busy for s in self.slots):
                 raise QueueFull(f"{len(self._queue)} requests wait for a slot already (the bound)")
             self._next_id += 1
             h = Handle(self._next_id, request, on_event, time.perf_counter())
