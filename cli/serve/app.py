@@ -338,7 +338,9 @@ def _submit(engine: EngineLoop, req: Request):
 
 
 async def _events(engine: EngineLoop, handle, events: _Events, request: HttpRequest) -> AsyncIterator:
-    """The request's events as they come; a client that disconnects cancels it (checked every 0.1 s)."""
+    """The request's events as they come; a client that disconnects (checked every 0.1 s, or the stream's task
+    cancelled) cancels it."""
+    done = False
     try:
         while True:
             try:
@@ -347,11 +349,12 @@ async def _events(engine: EngineLoop, handle, events: _Events, request: HttpRequ
                 if await request.is_disconnected():
                     return
                 continue
+            done = isinstance(ev, DoneEvent)
             yield ev
-            if isinstance(ev, DoneEvent):
+            if done:
                 return
     finally:
-        if not handle.cancelled:
+        if not done:
             engine.cancel(handle)
 
 
