@@ -9,7 +9,10 @@ ggrun / llama-server; and the HTTP layer's share of a request's time: 1 - (the s
 predicted_ms, from the timings in its last chunk) / (the time the client saw from sending to the last byte).
 A warm-up pass at the largest level runs first on each (ggrun compiles its kernels for new shapes there).
 
-llama-server comes from `bash /work/shared/tools/cpu_anchor.sh` (--llama-bin or $LLAMA_BIN). Loopback only.
+llama-server comes from `bash /work/shared/tools/cpu_anchor.sh` (--llama-bin or $LLAMA_BIN). It runs with
+`--poll 0` (--llama-poll): its idle threads sleep, as ggrun's do (core/backends/cpu/threads.py); at its
+default (50) they spin, and on a shared 2-core machine each parallel step then waits behind other work
+(measured here: 0.47 t/s per slot at -np 32, 2.5 t/s at c=1). Loopback only.
 
 Usage: python scripts/bench_serve.py [-m MODEL] [--levels 1,8,32] [-n 32] [-np 32] [-c 8192] [-t 2] [--rounds 2]
 """
@@ -114,6 +117,7 @@ def main() -> None:
     ap.add_argument("-c", type=int, default=8192)
     ap.add_argument("-t", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--llama-poll", type=int, default=0, help="llama-server's --poll (0: idle threads sleep)")
     ap.add_argument("--llama-bin", default=os.environ.get("LLAMA_BIN", str(DEFAULT_ANCHOR)))
     a = ap.parse_args()
     levels = [int(x) for x in a.levels.split(",")]
@@ -125,7 +129,8 @@ def main() -> None:
     ports = {"ggrun": free_port(), "llama": free_port()}
     cmds = {"ggrun": [sys.executable, "-m", "ggrun.cli.app", "serve", *common, "--port", str(ports["ggrun"]),
                       "--max-queue", "256"],
-            "llama": [str(server), *common, "--port", str(ports["llama"]), "-fa", "on", "--no-webui"]}
+            "llama": [str(server), *common, "--port", str(ports["llama"]), "-fa", "on", "--no-webui",
+                      "--poll", str(a.llama_poll)]}
     urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
     procs = {}
     try:

@@ -253,6 +253,7 @@ def _request(state: ServerState, b: Fields, prompt: list[int], openai: bool) -> 
     if len(prompt) >= engine.slot_ctx:
         raise ApiError(400, f"the request exceeds the available context size: the prompt is {len(prompt)} tokens, "
                             f"a slot holds {engine.slot_ctx}", "exceed_context_size_error")
+    b.int("n", 1, 1, 1)  # one choice per request
     n_predict = _n_predict(state, b, openai)
     n_probs, logprobs = _probs(b, openai)
     return Request(prompt, b.sampling(engine.tok.n_vocab, engine.tok.eog_ids), n_predict, b.stops(),
