@@ -196,3 +196,26 @@ def test_row_logprobs_is_the_log_softmax():
     ref = logits - np.log(np.exp(logits).sum())
     assert lp.logprob == pytest.approx(ref[2])
     assert lp.top == [(1, pytest.approx(ref[1])), (3, pytest.approx(ref[3])), (2, pytest.approx(ref[2]))]
+
+
+def test_a_fault_in_a_step_ends_its_requests_and_the_loop_goes_on(tiny):
+    e = engine(tiny, n_slots=2)
+    real = e.s.decode_greedy
+    calls = []
+
+    def failing_once(batch):
+        calls.append(len(batch))
+        if len(calls) == 1:
+            raise RuntimeError("a kernel failed")
+        return real(batch)
+
+    e.s.decode_greedy = failing_once
+    e.start()
+    try:
+        failed = run(e, [Request(PROMPTS[0], GREEDY, 4, ignore_eos=True)])[0]
+        after = run(e, [Request(PROMPTS[0], GREEDY, 4, ignore_eos=True)])[0]
+    finally:
+        e.stop()
+    assert failed.done.finish_reason == "error" and "a kernel failed" in failed.done.error
+    assert after.done.finish_reason == FINISH_LENGTH and after.done.n_cached == 0
+    assert after.ids == alone(tiny, PROMPTS[0], 4)
