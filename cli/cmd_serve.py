@@ -98,6 +98,7 @@ def settings(
 
 
 def run(s: ServeSettings) -> None:
+    """Start the HTTP server at once and load the model beside it; exit with the load's error if it fails."""
     if s.list_devices:
         list_devices()
         return

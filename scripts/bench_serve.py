@@ -51,12 +51,14 @@ class Result:
 
 
 def free_port() -> int:
+    """A free loopback port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def start(cmd: list[str], url: str, name: str, log: Path) -> subprocess.Popen:
+    """Start a server and wait until its /health says ok."""
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     with httpx.Client(base_url=url, trust_env=False, timeout=5) as c:
@@ -74,6 +76,7 @@ def start(cmd: list[str], url: str, name: str, log: Path) -> subprocess.Popen:
 
 
 async def one(client: httpx.AsyncClient, question: str, n: int) -> Result:
+    """One streamed greedy chat request: its time to the first text, its whole time, tokens and server time."""
     body = {"messages": [{"role": "user", "content": question}], "max_tokens": n, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "cache_prompt": False}
     t0 = time.perf_counter()
@@ -104,11 +107,13 @@ async def level(url: str, concurrency: int, n: int) -> tuple[float, list[Result]
 
 
 def pct(xs: list[float], q: float) -> float:
+    """The q-th quantile of xs (nearest rank)."""
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
 def main() -> None:
+    """Start both servers, warm them up, and measure each level in alternating rounds."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", default="smollm2")
     ap.add_argument("--levels", default="1,8,32")
@@ -152,6 +157,7 @@ def main() -> None:
 
 
 def report(conc: int, runs: dict) -> None:
+    """Print each server's figures at one level and the ratios."""
     figs = {}
     for name, rs in runs.items():
         tps = statistics.median(sum(r.n_gen for r in res) / wall for wall, res in rs)

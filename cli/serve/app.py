@@ -8,6 +8,7 @@ client that goes away cancels its request (its slot is free before the next step
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -51,9 +52,11 @@ class ServerState:
 
     @property
     def tok(self):
+        """The model's tokenizer."""
         return self.engine.tok
 
     def ready(self) -> EngineLoop:
+        """The engine, or 503 while the model loads (or failed to)."""
         if self.engine is None:
             raise ApiError(503, self.load_error or "Loading model")
         return self.engine
@@ -66,6 +69,7 @@ def make_app(state: ServerState) -> FastAPI:
 
     @app.middleware("http")
     async def guard(request: HttpRequest, call_next):
+        """The key check on every route but /health and the page, and the body's size before it is read."""
         if state.api_key and request.url.path not in OPEN_ROUTES and not _key_ok(request, state.api_key):
             return error_response(ApiError(401, "Invalid API Key"))
         size = request.headers.get("content-length")
@@ -78,15 +82,18 @@ def make_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(_request, err: ApiError):
+        """An ApiError as its error body."""
         return error_response(err)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request, err: StarletteHTTPException):
+        """Starlette's own errors (404, 405) as OpenAI-style bodies."""
         message = "File Not Found" if err.status_code == 404 else str(err.detail)
         return JSONResponse(error_body(err.status_code, message), status_code=err.status_code)
 
     @app.exception_handler(Exception)
     async def any_error(_request, err: Exception):
+        """Anything unexpected: a 500 with one line, never a traceback."""
         return JSONResponse(error_body(500, f"{type(err).__name__}: {err}"), status_code=500)
 
     _routes(app, state)
@@ -94,12 +101,14 @@ def make_app(state: ServerState) -> FastAPI:
 
 
 def _key_ok(request: HttpRequest, key: str) -> bool:
+    """Whether the request carries the key: `Authorization: Bearer KEY` or `X-Api-Key: KEY`."""
     auth = request.headers.get("authorization", "")
     given = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-    return given == key
+    return hmac.compare_digest(given.encode(), key.encode())  # in constant time
 
 
 async def _body(request: HttpRequest, state: ServerState) -> Fields:
+    """The request's JSON object, its size bounded (413) and its syntax checked (400)."""
     data = await request.body()
     if len(data) > state.body_limit:
         raise ApiError(413, f"the request body is {len(data)} bytes; at most {state.body_limit}")
@@ -110,18 +119,22 @@ async def _body(request: HttpRequest, state: ServerState) -> Fields:
 
 
 def _routes(app: FastAPI, state: ServerState) -> None:
+    """Register llama-server's routes on `app`."""
     @app.get("/", response_class=HTMLResponse)
     async def chat_page():
+        """The chat page (cli/serve/chat.html)."""
         return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"))
 
     @app.get("/health")
     async def health():
+        """{"status": "ok"} once the model is loaded."""
         state.ready()
         return {"status": "ok"}
 
     @app.get("/v1/models")
     @app.get("/models")
     async def models():
+        """The one model, under its alias."""
         engine = state.ready()
         return {"object": "list", "data": [{"id": state.alias, "object": "model", "created": int(state.started),
                                             "owned_by": "ggrun", "meta": {"n_vocab": engine.tok.n_vocab,
@@ -129,6 +142,7 @@ def _routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/props")
     async def props():
+        """The server's settings, as llama-server's /props."""
         engine = state.ready()
         return {"default_generation_settings": {"n_ctx": engine.slot_ctx, "params": {"n_predict": state.n_predict}},
                 "total_slots": len(engine.slots), "model_path": state.model_path, "model_alias": state.alias,
@@ -136,6 +150,7 @@ def _routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/slots")
     async def slots():
+        """Each slot's state (501 with --no-slots)."""
         engine = state.ready()
         if not state.slots:
             raise ApiError(501, "This server does not support slots endpoint. Start it with `--slots`")
@@ -143,6 +158,7 @@ def _routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics")
     async def metrics():
+        """Prometheus metrics (501 without --metrics)."""
         engine = state.ready()
         if not state.metrics:
             raise ApiError(501, "This server does not support metrics endpoint. Start it with `--metrics`")
@@ -150,6 +166,7 @@ def _routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/tokenize")
     async def tokenize(request: HttpRequest):
+        """Token ids of `content` (with_pieces: with each token's text)."""
         engine = state.ready()
         b = await _body(request, state)
         content = b.str("content", "")
@@ -162,12 +179,14 @@ def _routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/detokenize")
     async def detokenize(request: HttpRequest):
+        """The text of `tokens`."""
         engine = state.ready()
         b = await _body(request, state)
         return {"content": engine.tok.detokenize(_token_list(b.raw("tokens", []), engine.tok.n_vocab, "tokens"))}
 
     @app.post("/apply-template")
     async def apply_template(request: HttpRequest):
+        """The prompt the chat template makes of `messages`."""
         state.ready()
         b = await _body(request, state)
         return {"prompt": _render(state, b)}
@@ -175,6 +194,7 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
     async def chat(request: HttpRequest):
+        """OpenAI chat completions over the chat template."""
         engine = state.ready()
         b = await _body(request, state)
         prompt = engine.tok.tokenize(_render(state, b), add_special=True, parse_special=True)
@@ -184,6 +204,7 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     @app.post("/completions")
     async def completions(request: HttpRequest):
+        """OpenAI text completions."""
         engine = state.ready()
         b = await _body(request, state)
         req = _request(state, b, _prompt_tokens(engine, b.raw("prompt")), openai=True)
@@ -191,6 +212,7 @@ def _routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/completion")
     async def completion(request: HttpRequest):
+        """llama-server's native completion."""
         engine = state.ready()
         b = await _body(request, state)
         req = _request(state, b, _prompt_tokens(engine, b.raw("prompt")), openai=False)
@@ -200,6 +222,7 @@ def _routes(app: FastAPI, state: ServerState) -> None:
 # ---- turning a body into an engine request ---------------------------------------------------
 
 def _token_list(v, n_vocab: int, name: str) -> list[int]:
+    """A list of token ids inside the vocabulary, else 400 naming the field."""
     if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
         raise bad(f"'{name}' must be a list of token ids")
     if any(not 0 <= t < n_vocab for t in v):
@@ -247,6 +270,7 @@ def _render(state: ServerState, b: Fields) -> str:
 
 
 def _request(state: ServerState, b: Fields, prompt: list[int], openai: bool) -> Request:
+    """The engine request a body asks for: its prompt checked against a slot's context, then its fields."""
     engine = state.engine
     if not prompt:
         raise bad("the prompt is empty")
@@ -262,6 +286,7 @@ def _request(state: ServerState, b: Fields, prompt: list[int], openai: bool) -> 
 
 
 def _n_predict(state: ServerState, b: Fields, openai: bool) -> int:
+    """Tokens to generate: max_completion_tokens / max_tokens / n_predict, capped by -n."""
     names = ("max_completion_tokens", "max_tokens", "n_predict") if openai else ("n_predict", "max_tokens")
     n = -1
     for name in names:
@@ -322,14 +347,17 @@ class _Events:
     """A request's events, carried from the engine thread to the request's task."""
 
     def __init__(self) -> None:
+        """Events go to a queue of the running event loop."""
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def __call__(self, ev) -> None:
+        """Called on the engine thread: hand the event to the request's loop."""
         self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
 
 
 def _submit(engine: EngineLoop, req: Request):
+    """Submit to the engine with an event queue; 503 when the wait queue is full."""
     events = _Events()
     try:
         handle = engine.submit(req, events)
@@ -360,11 +388,13 @@ async def _events(engine: EngineLoop, handle, events: _Events, request: HttpRequ
 
 
 def _check_done(done: DoneEvent) -> None:
+    """A request the engine ended with an error is a 500 with its one line."""
     if done.finish_reason == FINISH_ERROR:
         raise ApiError(500, f"generation failed: {done.error}", "server_error")
 
 
 async def _openai(request: HttpRequest, state: ServerState, b: Fields, req: Request, chat: bool):
+    """Serve an OpenAI chat or text completion, whole or as server-sent events ending in [DONE]."""
     engine = state.engine
     stream = b.bool("stream", False)
     so = b.dict("stream_options") or {}
@@ -384,6 +414,7 @@ async def _openai(request: HttpRequest, state: ServerState, b: Fields, req: Requ
         return f.text_body(rid, state.alias, done.text, done, lp)
 
     async def gen():
+        """The response's server-sent events."""
         if chat:
             yield f.sse(f.chat_chunk(rid, state.alias, {"role": "assistant", "content": None}))
         async for ev in _events(engine, handle, events, request):
@@ -415,6 +446,7 @@ async def _openai(request: HttpRequest, state: ServerState, b: Fields, req: Requ
 
 
 async def _collect(engine: EngineLoop, handle, events: _Events, request: HttpRequest):
+    """Every token event and the DoneEvent of a request (None when the client went away first)."""
     toks: list[TokenEvent] = []
     async for ev in _events(engine, handle, events, request):
         if isinstance(ev, DoneEvent):
@@ -424,6 +456,7 @@ async def _collect(engine: EngineLoop, handle, events: _Events, request: HttpReq
 
 
 async def _native(request: HttpRequest, state: ServerState, b: Fields, req: Request):
+    """Serve llama-server's native /completion, whole or streamed."""
     engine = state.engine
     handle, events = _submit(engine, req)
     tok = engine.tok
@@ -439,6 +472,7 @@ async def _native(request: HttpRequest, state: ServerState, b: Fields, req: Requ
         return f.native_body(state.alias, done.text, done, [t.token for t in toks], probs, settings)
 
     async def gen():
+        """The response's server-sent events."""
         async for ev in _events(engine, handle, events, request):
             if isinstance(ev, TokenEvent):
                 chunk = {"content": ev.text, "tokens": [ev.token], "stop": False, "id_slot": -1}

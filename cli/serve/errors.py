@@ -12,6 +12,7 @@ class ApiError(Exception):
     """A request that cannot be served: its status and one line saying why."""
 
     def __init__(self, status: int, message: str, type_: str | None = None) -> None:
+        """status: the HTTP status; type_: OpenAI's error type (by default the status's)."""
         super().__init__(message)
         self.status = status
         self.message = message
@@ -19,8 +20,10 @@ class ApiError(Exception):
 
 
 def error_body(status: int, message: str, type_: str | None = None) -> dict:
+    """The JSON of an error: {"error": {"code", "message", "type"}}."""
     return {"error": {"code": status, "message": message, "type": type_ or TYPES.get(status, "server_error")}}
 
 
 def error_response(err: ApiError) -> JSONResponse:
+    """An ApiError as a JSON response with its status."""
     return JSONResponse(error_body(err.status, err.message, err.type), status_code=err.status)

@@ -19,6 +19,7 @@ MAX_TOP_LOGPROBS = 20
 
 
 def bad(message: str) -> ApiError:
+    """A 400 naming what is wrong with the request."""
     return ApiError(400, message)
 
 
@@ -30,24 +31,29 @@ class Fields:
 
     @staticmethod
     def of(body: Any) -> "Fields":
+        """The fields of a parsed body, which must be a JSON object."""
         if not isinstance(body, dict):
             raise bad("the request body must be a JSON object")
         return Fields(body)
 
     def has(self, name: str) -> bool:
+        """Whether the field is given (and not null)."""
         return self.body.get(name) is not None
 
     def raw(self, name: str, default: Any = None) -> Any:
+        """The field's value as given, or the default when absent or null."""
         v = self.body.get(name)
         return default if v is None else v
 
     def bool(self, name: str, default: bool) -> bool:
+        """A true/false field."""
         v = self.raw(name, default)
         if not isinstance(v, bool):
             raise bad(f"'{name}' must be true or false")
         return v
 
     def int(self, name: str, default: int, lo: int | None = None, hi: int | None = None) -> int:
+        """An integer field within [lo, hi]."""
         v = self.raw(name, default)
         if isinstance(v, float) and v.is_integer():
             v = int(v)
@@ -58,6 +64,7 @@ class Fields:
         return v
 
     def float(self, name: str, default: float, lo: float | None = None, hi: float | None = None) -> float:
+        """A finite number field within [lo, hi]."""
         v = self.raw(name, default)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise bad(f"'{name}' must be a finite number")
@@ -66,12 +73,14 @@ class Fields:
         return float(v)
 
     def str(self, name: str, default: str | None = None) -> str | None:
+        """A string field."""
         v = self.raw(name, default)
         if v is not None and not isinstance(v, str):
             raise bad(f"'{name}' must be a string")
         return v
 
     def dict(self, name: str) -> dict | None:
+        """An object field."""
         v = self.raw(name)
         if v is not None and not isinstance(v, dict):
             raise bad(f"'{name}' must be an object")

@@ -21,6 +21,7 @@ def finish_reason(done: DoneEvent) -> str:
 
 
 def timings(done: DoneEvent) -> dict:
+    """llama-server's timings object of a finished request."""
     n_eval = done.n_prompt - done.n_cached
     pn, gn = max(n_eval, 0), done.n_predicted
     return {"cache_n": done.n_cached, "prompt_n": pn, "prompt_ms": done.prompt_ms,
@@ -32,12 +33,14 @@ def timings(done: DoneEvent) -> dict:
 
 
 def usage(done: DoneEvent) -> dict:
+    """OpenAI's usage object (cached prompt tokens among the details)."""
     return {"prompt_tokens": done.n_prompt, "completion_tokens": done.n_predicted,
             "total_tokens": done.n_prompt + done.n_predicted,
             "prompt_tokens_details": {"cached_tokens": done.n_cached}}
 
 
 def _piece(tok, tid: int) -> tuple[str, list[int]]:
+    """A token's text and bytes as the logprobs objects give them."""
     data = tok.token_to_piece(tid, False)
     return data.decode("utf-8", "replace"), list(data)
 
@@ -87,6 +90,7 @@ def native_probs(tok, events: list[TokenEvent]) -> list[dict]:
 
 
 def chat_body(rid: str, model: str, text: str, done: DoneEvent, logprobs: dict | None) -> dict:
+    """A whole chat.completion."""
     choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason(done),
               "logprobs": logprobs}
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
@@ -94,17 +98,20 @@ def chat_body(rid: str, model: str, text: str, done: DoneEvent, logprobs: dict |
 
 
 def chat_chunk(rid: str, model: str, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
+    """One chat.completion.chunk of a stream."""
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
 
 
 def text_body(rid: str, model: str, text: str, done: DoneEvent, logprobs: dict | None) -> dict:
+    """A whole text_completion."""
     choice = {"index": 0, "text": text, "finish_reason": finish_reason(done), "logprobs": logprobs}
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": [choice], "usage": usage(done), "timings": timings(done)}
 
 
 def text_chunk(rid: str, model: str, text: str, finish: str | None = None, logprobs: dict | None = None) -> dict:
+    """One text_completion chunk of a stream."""
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}]}
 
@@ -117,6 +124,7 @@ def usage_chunk(rid: str, model: str, obj: str, done: DoneEvent) -> dict:
 
 def native_body(model: str, text: str, done: DoneEvent, tokens: list[int], probs: list[dict] | None,
                 settings: dict) -> dict:
+    """/completion's whole answer, or its last streamed event."""
     stop_type = {"stop": "word" if done.stop_word else "eos", "length": "limit"}.get(done.finish_reason, "none")
     body = {"content": text, "tokens": tokens, "id_slot": done.slot, "stop": True, "model": model,
             "tokens_predicted": done.n_predicted, "tokens_evaluated": done.n_prompt, "generation_settings": settings,

@@ -132,6 +132,7 @@ class EngineMetrics:
 
 @dataclass
 class _Slot:
+    """One slot: its sequence's cached tokens, the request it serves and that request's progress."""
     id: int
     handle: Handle | None = None
     cached: list[int] = field(default_factory=list)  # tokens whose cells this slot's sequence holds, by position
@@ -148,6 +149,7 @@ class _Slot:
 
     @property
     def busy(self) -> bool:
+        """Whether a request holds the slot."""
         return self.handle is not None
 
 
@@ -155,6 +157,7 @@ class EngineLoop:
     """n_slots slots over `session` (made with n_seq_max >= n_slots), served by one thread."""
 
     def __init__(self, session: Session, n_slots: int, n_batch: int = 2048, max_queue: int = 64) -> None:
+        """slot_ctx: each slot's share of the context, n_ctx / n_slots."""
         self.s = session
         self.n_batch = n_batch
         self.max_queue = max_queue
@@ -204,10 +207,12 @@ class EngineLoop:
 
     @property
     def n_deferred(self) -> int:
+        """Requests waiting for a slot."""
         return len(self._queue)
 
     @property
     def n_processing(self) -> int:
+        """Slots serving a request."""
         return sum(s.busy for s in self.slots)
 
     def slot_states(self) -> list[dict]:
@@ -259,6 +264,7 @@ class EngineLoop:
             self._start(best, h)
 
     def _start(self, s: _Slot, h: Handle) -> None:
+        """Start a request in slot s: keep the cells of the prompt's prefix the slot holds, queue the rest."""
         req = h.request
         keep = common_prefix(s.cached, req.prompt) if req.cache_prompt else 0
         keep = min(keep, len(req.prompt) - 1)  # the last prompt token is decoded again for its logits
@@ -406,6 +412,7 @@ class EngineLoop:
         return out
 
     def _finish(self, s: _Slot, why: str, error: str = "") -> None:
+        """End the slot's request with `why`; its cells stay for a later prompt with the same prefix."""
         h = s.handle
         now = time.perf_counter()
         first = s.t_first or now

@@ -36,6 +36,7 @@ class _Wrapper:
     """The tokenizer as llguidance's TokenizerWrapper reads it: ids, bytes, and a call that tokenizes bytes."""
 
     def __init__(self, tok) -> None:
+        """Read the tokenizer's ids and every token's bytes."""
         self._tok = tok
         eog = sorted(tok.eog_ids)
         self.eos_token_id = tok.eos_id if tok.eos_id is not None else (eog[0] if eog else 0)
@@ -44,6 +45,7 @@ class _Wrapper:
         self.special_token_ids = [i for i in range(tok.n_vocab) if tok.attrs[i] & CONTROL]
 
     def __call__(self, data: bytes) -> list[int]:
+        """Tokenize bytes (llguidance's calls for literal text) without special tokens."""
         text = data.decode("utf-8", "replace") if isinstance(data, bytes) else data
         return self._tok.tokenize(text, add_special=False, parse_special=False)
 
@@ -52,6 +54,7 @@ class GrammarCompiler:
     """Turns a request's schema or grammar into a fresh constraint per request; the vocabulary is read once."""
 
     def __init__(self, tok) -> None:
+        """Build llguidance's tokenizer once: the vocabulary as bytes, the end-of-generation tokens as EOS."""
         import llguidance
 
         self._ll = llguidance
@@ -79,6 +82,7 @@ class GrammarCompiler:
         return self._matcher(grammar, "grammar")
 
     def _matcher(self, grammar: str, what: str) -> "GrammarConstraint":
+        """A matcher for a compiled grammar; a grammar llguidance rejects is BadInput."""
         m = self._ll.LLMatcher(self.tokenizer, grammar, log_level=0)
         if m.is_error():
             raise BadInput(f"{what}: {m.get_error()}")
@@ -93,14 +97,17 @@ class GrammarConstraint:
     n_vocab: int
 
     def allowed(self) -> np.ndarray:
+        """The tokens the grammar allows next, as a bool mask over the vocabulary."""
         bias = np.frombuffer(self.matcher.compute_logit_bias(), dtype=np.uint8)
         mask = np.zeros(self.n_vocab, dtype=bool)
         mask[:min(len(bias), self.n_vocab)] = bias[:self.n_vocab] != 0
         return mask
 
     def accept(self, token: int) -> None:
+        """Advance the matcher by the token drawn."""
         self.matcher.consume_token(int(token))
 
     @property
     def done(self) -> bool:
+        """Whether the grammar is complete and allows nothing more."""
         return bool(self.matcher.is_stopped())
