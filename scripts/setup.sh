@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv (once) and install ggrun with its test extras into it, saying what each step does.
+# Create .venv (once) and install ggrun with its test and serve extras into it, saying what each step does.
 # $PYTHON picks the interpreter that makes the venv (default: python3); ggrun needs Python 3.11 or newer.
 # The install is redone only when pyproject.toml changed since the last one (a stamp in .venv says which).
 set -euo pipefail
@@ -25,8 +25,8 @@ want=$(cksum < pyproject.toml)
 if [ ! -x .venv/bin/ggrun ] || [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     say "updating pip in .venv"
     .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null 2>&1 || true
-    say "installing ggrun and its dependencies (numpy, numba, gguf, typer, rich, jinja2, pytest) into .venv: about a minute the first time"
-    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+    say "installing ggrun and its dependencies (numpy, numba, gguf, typer, rich, jinja2, pytest; fastapi, uvicorn, llguidance and openai for ggrun serve) into .venv: about a minute the first time"
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,serve]"
     echo "$want" > "$stamp"
 fi
 say "ready: .venv/bin/ggrun ($(.venv/bin/python -c 'import platform; print("Python", platform.python_version())'))"

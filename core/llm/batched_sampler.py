@@ -65,6 +65,7 @@ class BatchedSampler:
         for p in params:
             p.check()
         self.settings = list(params)
+        self.n_ctx = n_ctx
         self.seeds = [p.seed if p.seed >= 0 else random_seed() for p in params]
         self.rngs = [np.random.default_rng(s) for s in self.seeds]
         self.params = np.stack([param_row(p) for p in params])
@@ -84,6 +85,30 @@ class BatchedSampler:
 
     def __len__(self) -> int:
         return len(self.settings)
+
+    def configure(self, slot: int, p: SamplingParams) -> None:
+        """Give the slot new settings and a fresh stream (a server's next request in that slot). The penalty
+        ring and the bias columns grow to fit them and never shrink, so the sampling inputs keep their shapes
+        (and the decode graphs their reuse) from request to request."""
+        p.check()
+        self.settings[slot] = p
+        self.seeds[slot] = p.seed if p.seed >= 0 else random_seed()
+        self.rngs[slot] = np.random.default_rng(self.seeds[slot])
+        self.params[slot] = param_row(p)
+        self.window[slot] = self.n_ctx if p.repeat_last_n == -1 else max(p.repeat_last_n, 0)
+        if p.penalties_on and self.window[slot] > self.recent.shape[1]:
+            grow = int(self.window[slot]) - self.recent.shape[1]
+            self.recent = np.pad(self.recent, ((0, 0), (0, grow)), constant_values=-1)
+        if len(p.logit_bias) > self.bias_ids.shape[1]:
+            grow = len(p.logit_bias) - self.bias_ids.shape[1]
+            self.bias_ids = np.pad(self.bias_ids, ((0, 0), (0, grow)), constant_values=-1)
+            self.bias_vals = np.pad(self.bias_vals, ((0, 0), (0, grow)))
+        self.bias_ids[slot], self.bias_vals[slot] = -1, 0.0
+        for j, (tid, bias) in enumerate(p.logit_bias):
+            self.bias_ids[slot, j], self.bias_vals[slot, j] = tid, bias
+        self.positive[slot] = p.temp > 0
+        self.keeps[slot] = p.penalties_on and self.window[slot] > 0
+        self.reset(slot)
 
     def reset(self, slot: int) -> None:
         """A new sequence in the slot: its penalty window empties (its random stream goes on)."""
