@@ -1,17 +1,18 @@
-"""A session: one model, one KV cache, one scheduler; decodes batches micro-batch by
-micro-batch, reusing the previous graph whenever the next one would have the same shapes.
+"""A session: one model, its KV caches, one scheduler; decodes batches micro-batch by micro-batch, running
+a kept graph whenever graph_reuse.decide lets it and building one otherwise.
 
-At creation it reserves the worst-case graph (n_ubatch tokens over the full context), so
-compute buffers exist before the first token and do not grow while generating; the KV cache and
-those buffers are first checked to fit in the memory free (core.llm.budget). Logits that hold NaN
-or infinity stop decoding (core.llm.numerics), never reach a sampler. A caller may set `interrupt`, a
-poll asked before each micro-batch: when it says stop, decode raises Interrupted with the cache holding
-exactly the micro-batches already computed.
+The loop is here; what it leans on has a module each: the caches are made to fit the memory free
+(session_caches.py), the worst-case graph is reserved at creation so compute buffers exist before the
+first token and do not grow while generating (reservation.py), the reuse rule and the kept graphs
+(graph_reuse.py), the next decode step readied while a device runs this one (ready_step.py), and
+GGRUN_GRAPH_DEBUG's lines (graph_debug.py). Logits that hold NaN or infinity stop decoding
+(core.llm.numerics), never reach a sampler. A caller may set `interrupt`, a poll asked before each
+micro-batch: when it says stop, decode raises Interrupted with the cache holding exactly the
+micro-batches already computed.
 """
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -20,21 +21,24 @@ from typing import Callable
 import numpy as np
 
 from ggrun.core import ops
-from ggrun.core.dtypes import DType
 from ggrun.core.errors import BadInput, Interrupted, RuntimeFailure
 from ggrun.core.graph import build_graph
+from ggrun.core.llm import reservation
 from ggrun.core.llm.batch import Batch, UBatch, split_batch
 from ggrun.core.llm.batched_sampler import SamplingRows, sample_on_host
 from ggrun.core.llm.buckets import pad_state, wants_bucket
-from ggrun.core.llm.blocks import Build, build_k_shift
-from ggrun.core.llm.graph_result import GraphCache, GraphResult
-from ggrun.core.llm.inputs import GraphInputs, GraphParams, UBatchState
+from ggrun.core.llm.blocks import Build
 from ggrun.core.llm.budget import Budget
-from ggrun.core.llm.kv_cache import (build_k_shift_blocks, cell_record_bytes, check_cache_types, KV_PAD, KVCache,
-                                     planned_bytes)
+from ggrun.core.llm.graph_debug import decision_line, graph_debug_level, print_ubatch
+from ggrun.core.llm.graph_result import GraphResult
+from ggrun.core.llm.graph_reuse import Decision, GraphCache, REUSED, reuse_enabled_by_env
+from ggrun.core.llm.inputs import GraphInputs, GraphParams, UBatchState
+from ggrun.core.llm.kv_cache import KVCache
 from ggrun.core.llm.model import Model
 from ggrun.core.llm.numerics import NonFiniteLogits, first_non_finite, non_finite_kind
-from ggrun.core.llm.ready_step import ReadyStep
+from ggrun.core.llm.ready_step import ReadyStep, ready_next, stamp
+from ggrun.core.llm.session_caches import apply_k_shift, k_shift_graph, kv_bytes_by_backend, make_caches
+from ggrun.core.llm.session_params import SessionParams
 from ggrun.core.sched import ScheduledGraph, Scheduler
 
 
@@ -42,31 +46,11 @@ class KVCacheFull(RuntimeFailure):
     """No free cells for a micro-batch; a caller that schedules sequences waits and retries."""
 
 
-@dataclass(frozen=True)
-class SessionParams:
-    n_ctx: int = 2048
-    n_batch: int = 2048
-    n_ubatch: int = 512
-    n_seq_max: int = 1
-    type_k: DType = DType.F16  # KV cache types (llama.cpp's -ctk / -ctv)
-    type_v: DType = DType.F16
-    graph_reuse: bool = True
-    reuse_memory: bool = True  # False: every intermediate gets its own bytes (a reference run)
-    flash_attn: bool = True  # fused attention op (llama.cpp's -fa, on by default as its "auto" on the CPU)
-    check_numerics: bool = False  # on non-finite logits, find the node that made them (also GGRUN_GRAPH_DEBUG)
-    n_copies: int | None = None  # pipeline slots; None: llama.cpp's rule (pipeline_copies)
-
-    def check(self) -> None:
-        if self.n_ctx < 1:
-            raise BadInput(f"context size -c {self.n_ctx} must be positive")
-        if self.n_batch < 1 or self.n_ubatch < 1:
-            raise BadInput(f"batch sizes must be positive (-b {self.n_batch}, -ub {self.n_ubatch})")
-        if self.n_seq_max < 1:
-            raise BadInput(f"number of sequences {self.n_seq_max} must be positive")
-
-
 @dataclass
 class SessionStats:
+    """What a session did: graphs built and reused (each decision in reuse_log), seconds spent building,
+    planning and computing, tokens decoded."""
+
     graphs_built: int = 0
     graphs_reused: int = 0
     build_s: float = 0.0
@@ -74,13 +58,6 @@ class SessionStats:
     compute_s: float = 0.0
     n_tokens: int = 0  # tokens decoded (micro-batches computed), for timings of an interrupted batch
     reuse_log: list[tuple[bool, str]] = field(default_factory=list)
-
-
-def graph_debug_level() -> int:
-    try:
-        return int(os.environ.get("GGRUN_GRAPH_DEBUG", "0") or 0)
-    except ValueError:
-        return 0
 
 
 MAX_COPIES = 4  # llama.cpp's GGML_SCHED_MAX_COPIES
@@ -96,10 +73,6 @@ def pipeline_copies(model: Model) -> int:
         return max(1, int(os.environ.get("GGRUN_SCHED_MAX_COPIES", MAX_COPIES)))
     except ValueError:
         return MAX_COPIES
-
-
-def reuse_enabled_by_env() -> bool:
-    return os.environ.get("GGRUN_GRAPH_REUSE", "1") not in ("0", "false", "no")
 
 
 @np.errstate(all="ignore")
@@ -123,8 +96,9 @@ class Session:
         self.virtual = any(c.virtual for c in model.contexts.values())  # metadata-only model: plan, never run
         # what each memory pool has free before the session takes anything (a plan-only session takes nothing)
         self.budget = None if self.virtual else Budget.now(model.backends)
-        self.kv_need: dict[str, int] = {}
-        self.kv, self.kv_swa = self._make_caches()
+        # the bytes each backend's KV cache takes, checked against the budget (none for a plan-only session)
+        self.kv, self.kv_swa, self.kv_need = make_caches(model, params, self.n_ubatch, self.virtual, self.budget,
+                                                         self.sched.cpu.name)
         # the KV cache, and the sliding-window one after it when there is one (every decode step walks them)
         self.caches: tuple[KVCache, ...] = (self.kv,) if self.kv_swa is None else (self.kv, self.kv_swa)
         self.graph_reuse = params.graph_reuse and reuse_enabled_by_env()
@@ -140,48 +114,9 @@ class Session:
         self._n_probs = -1  # the likeliest tokens decode_sampled_logprobs asks for (-1: none)
         self.reserved = {} if self.virtual else self.reserve()
 
-    def _make_caches(self) -> tuple[KVCache, KVCache | None]:
-        """The KV cache, and for an architecture with sliding-window layers (gemma3) a second one for
-        those layers sized to the window (llama.cpp's iSWA: n_swa * n_seq + n_ubatch cells, padded),
-        so their memory and attention work stop growing with the context."""
-        model, p = self.model, self.params
-        swa = model.arch.swa_layers(model.hp)
-        window = model.hp.extra.get("swa_window")
-        check_cache_types(p.type_k, p.type_v, model.hp.head_dim, p.flash_attn)
-        kw = dict(n_seq_max=p.n_seq_max, type_k=p.type_k, type_v=p.type_v, head_dim=model.hp.head_dim,
-                  virtual=self.virtual, llama_numerics=model.numerics == "llama")
-        layers = model.placement.layers
-        if not any(swa):
-            specs = [dict(n_ctx=p.n_ctx, n_embd_kv=model.hp.n_embd_kv, layer_backends=layers, **kw)]
-        else:
-            n_swa = min(p.n_ctx, -(-(window * p.n_seq_max + self.n_ubatch) // KV_PAD) * KV_PAD)
-            specs = [dict(n_ctx=p.n_ctx, n_embd_kv=model.hp.n_embd_kv,
-                          layer_backends=[None if w else b for w, b in zip(swa, layers)], **kw),
-                     dict(n_ctx=n_swa, n_embd_kv=model.hp.n_embd_kv,
-                          layer_backends=[b if w else None for w, b in zip(swa, layers)], **kw,
-                          window=window, name="cache_swa")]
-        if self.budget is not None:  # the cache must fit before it is allocated (-c can ask for terabytes)
-            self.kv_need = self._kv_need(specs)
-            self.budget.check({"KV cache": self.kv_need})
-        caches = [KVCache(**spec) for spec in specs]
-        return caches[0], caches[1] if len(caches) > 1 else None
-
-    def _kv_need(self, specs: list[dict]) -> dict[str, int]:
-        """Bytes per backend the caches of `specs` will take: K and V rows, and the cell records on the host."""
-        need: dict[str, int] = {}
-        for spec in specs:
-            for name, n in planned_bytes(**spec).items():
-                need[name] = need.get(name, 0) + n
-            cpu = self.sched.cpu.name
-            need[cpu] = need.get(cpu, 0) + spec["n_ctx"] * cell_record_bytes(spec["n_seq_max"])
-        return need
-
     def kv_bytes_by_backend(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for cache in self.caches:
-            for name, n in cache.bytes_by_backend().items():
-                out[name] = out.get(name, 0) + n
-        return out
+        """Bytes of K and V rows the session's caches hold on each backend."""
+        return kv_bytes_by_backend(self.caches)
 
     @property
     def kv_version(self) -> tuple[int, ...]:
@@ -192,9 +127,9 @@ class Session:
         return self.params.n_ctx
 
     def worst_case_params(self, all_logits: bool = True) -> GraphParams:
-        n = min(self.n_ubatch, self.n_ctx)
-        return GraphParams(n_tokens=n, n_outputs=n if all_logits else 1, n_kv=self.n_ctx,
-                           n_kv_swa=self.kv_swa.n_ctx if self.kv_swa is not None else 0)
+        """The largest decode graph this session can run (reservation.worst_case_params)."""
+        return reservation.worst_case_params(self.n_ubatch, self.n_ctx,
+                                             self.kv_swa.n_ctx if self.kv_swa is not None else 0, all_logits)
 
     def build(self, p: GraphParams) -> GraphResult:
         """Build and schedule (not allocate) the decode graph for params p."""
@@ -218,43 +153,14 @@ class Session:
 
     def plan_worst_case(self, all_logits: bool = True) -> tuple[GraphResult, dict, float]:
         """Build and measure the worst-case graph without allocating: (graph, plans, plan seconds)."""
-        res = self.build(self.worst_case_params(all_logits))
-        t0 = time.perf_counter()
-        plans = self.sched.measure(res.sg)
-        return res, plans, time.perf_counter() - t0
+        return reservation.plan_worst_case(self.sched, self.build, self.worst_case_params(all_logits))
 
     def reserve(self) -> dict:
-        """Reserve every backend's compute buffer for the largest graph this session can run, so that
-        buffers exist before the first token and never grow while generating.
-
-        That is n_ubatch tokens over the full context, but the worst number of logit rows is not
-        obvious: fewer rows than tokens adds the output-row input and get_rows results that live
-        beside their sources, so logits for all tokens but one can need more than logits for all
-        (or for one). The K-shift graph (after seq_add) holds a rotated copy of one layer's keys
-        over all cells, the largest of all when n_ubatch is small. Each is measured, and the
-        largest reserved first, so that one allocation per backend is the usual case; a graph that
-        fits in what is reserved already is not planned a second time (it would allocate nothing)."""
-        worst = self.worst_case_params()
-        n = worst.n_tokens
-        graphs = [self.build(GraphParams(n, k, worst.n_kv, worst.n_kv_swa)).sg
-                  for k in sorted({n, max(n - 1, 1), 1}, reverse=True)]
-        graphs += [self.sched.schedule(self._k_shift_graph(c)[0]) for c in self.caches]
-        measured = [self.sched.measure(sg) for sg in graphs]
-        need = [sum(p.size for p in m.values()) for m in measured]
-        if self.budget is not None:  # the compute buffers must fit beside the cache before they are allocated
-            compute: dict[str, int] = {}
-            for m in measured:
-                for name, plan in m.items():
-                    compute[name] = max(compute.get(name, 0), plan.size)
-            self.budget.check({"KV cache": self.kv_need, "compute buffers": compute})
-        plans: dict = {}
-        for i in sorted(range(len(graphs)), key=lambda i: -need[i]):
-            if plans and all(name in plans and m.size <= plans[name].size for name, m in measured[i].items()):
-                continue
-            for name, plan in self.sched.reserve(graphs[i]).items():
-                if name not in plans or plan.size > plans[name].size:
-                    plans[name] = plan
-        return plans
+        """Reserve every backend's compute buffer for the largest graph this session can run, the K-shift
+        graphs included (reservation.reserve), so buffers exist before the first token and never grow."""
+        k_shifts = (k_shift_graph(self.model, c)[0] for c in self.caches)
+        return reservation.reserve(self.sched, self.build, self.worst_case_params(), k_shifts, self.budget,
+                                   self.kv_need)
 
     def reset_scheduler(self) -> None:
         """Drop compute buffers and re-reserve; a kept graph is stale afterwards."""
@@ -317,7 +223,7 @@ class Session:
         self._check_batch(batch)
         ready, self._ready = self._ready, None
         if (ready is not None and sampling is None and ready.params.greedy == greedy
-                and ready.serves(batch, self._stamp())):
+                and ready.serves(batch, stamp(self.kv, self.sched))):
             if self.interrupt is not None and self.interrupt():
                 raise Interrupted()
             return [self._take(ready, batch)]
@@ -386,7 +292,7 @@ class Session:
     def _decode_ubatch(self, ub: UBatch, greedy: bool, sampling: SamplingRows | None = None) -> np.ndarray | None:
         for cache in self.caches:  # keys move to their shifted positions before any cell is reused
             if cache.has_shift:
-                self._apply_k_shift(cache)
+                apply_k_shift(self.model, self.sched, cache)
         one_per_seq = wants_bucket(ub)
         st = pad_state(self.place_ubatch(ub), self.n_ubatch)
         if sampling is not None:
@@ -414,14 +320,13 @@ class Session:
         ub = st.ub
         _compute_quietly(self.sched, res.sg)
         if ub.n_tokens == 1 and ub.n_outputs == 1:
-            self._ready = self._ready_next(st, res)
+            self._ready = ready_next(st, res, self.caches, self.sched, self.graph_reuse)
         out, finite = self._fetch(res, st.sampling) if ub.n_outputs else (None, True)
         dt = time.perf_counter() - t0
         self.stats.compute_s += dt
         self.stats.n_tokens += ub.n_real
         if self.debug:  # one line per micro-batch, printed once its compute time is known
-            pad = f" bucket {ub.n_tokens} ({ub.n_real} + {ub.n_pad} padding)" if ub.n_pad else ""
-            print(self._debug_line + pad + (f" compute {1e3 * dt:.2f} ms" if self.debug >= 2 else ""), file=sys.stderr)
+            print_ubatch(self._debug_line, ub, dt, self.debug)
         if not finite:
             self._ready = None  # the culprit's search fills the inputs again
             raise self._non_finite(ub, out, res, partial(res.set_inputs, st, self.sched.cpu))
@@ -443,29 +348,6 @@ class Session:
             lp[missing, 0] = own - np.log(np.exp(shifted).sum(axis=1))
         return lp
 
-    def _ready_next(self, st: UBatchState, res: GraphResult) -> ReadyStep | None:
-        """The next step of st's one token's sequence, its inputs filled (ready_step.py); None where the host
-        does not wait for a device (logits made on the CPU, whose buffer the inputs share: they are read after
-        this) or the step cannot be foretold: a window's cache, no graph reuse, no free cell, another graph."""
-        if res.logits.root.buffer.backend is self.sched.cpu:
-            return None
-        if not self.graph_reuse or self.kv_swa is not None or self.kv.window is not None:
-            return None
-        cells = self.kv.find_slot(1, st.ub.seq)
-        if cells is None:
-            return None
-        ub = UBatch(st.ub.tokens, st.ub.pos + 1, st.ub.seq, st.ub.out_rows, 0)
-        with self.kv.trial(cells, ub.pos, ub.seq):
-            p = GraphParams(1, 1, self.kv.n_kv(), greedy=res.params.greedy)
-            if res.reuse_blocker(p, self.kv_version, self.sched.generation) is not None:
-                return None
-            res.set_inputs(UBatchState(ub, cells, self.kv), self.sched.cpu)
-        return ReadyStep(res, p, ub, cells, res.input_array("inp_tokens", self.sched.cpu), self._stamp())
-
-    def _stamp(self) -> tuple[int, int]:
-        """What a readied step's inputs were filled against: the cells' changes, the compute buffers' use."""
-        return self.kv.changes, self.sched.activity
-
     def _non_finite(self, ub: UBatch, logits: np.ndarray, res: GraphResult,
                     set_inputs: Callable[[], None]) -> NonFiniteLogits:
         """The error for non-finite logits of micro-batch ub; with check_numerics, naming the first
@@ -480,13 +362,10 @@ class Session:
 
     def _graph_for(self, p: GraphParams) -> GraphResult:
         """A kept graph that can serve p, else a newly built and planned one (kept in turn)."""
-        if self.graph_reuse:
-            res, why = self.graphs.take(p, self.kv_version, self.sched.generation)
-            if res is not None:
-                self._reused(p, res)
-                return res
-        else:
-            why = "first graph" if self.stats.graphs_built == 0 else "graph reuse disabled"
+        res, decision = self.graphs.take(p, self.kv_version, self.sched.generation, self.graph_reuse)
+        if res is not None:
+            self._reused(p, res)
+            return res
         t0 = time.perf_counter()
         res = self.build(p)
         t1 = time.perf_counter()
@@ -495,11 +374,8 @@ class Session:
         self.stats.graphs_built += 1
         self.stats.build_s += t1 - t0
         self.stats.plan_s += t2 - t1
-        if self.graph_reuse:
-            self.graphs.keep(res)
-        else:
-            self.graphs.last = res
-        self._log(False, f"rebuilt: {why}", p, res, (t1 - t0, t2 - t1))
+        self.graphs.keep(res, self.graph_reuse)
+        self._log(decision, p, res, (t1 - t0, t2 - t1))
         return res
 
     @property
@@ -508,39 +384,15 @@ class Session:
         return self.graphs.last
 
     def _reused(self, p: GraphParams, res: GraphResult) -> None:
+        """Count and record a graph reused for params p (taken back from the kept ones, or readied)."""
         self.stats.graphs_reused += 1
-        self._log(True, "reused", p, res, (0.0, 0.0))
+        self._log(REUSED, p, res, (0.0, 0.0))
 
-    def _log(self, reused: bool, what: str, p: GraphParams, res: GraphResult,
-             times: tuple[float, float]) -> None:
-        """Record the reuse decision; with GGRUN_GRAPH_DEBUG, keep its line for _decode_ubatch to print."""
-        self.stats.reuse_log.append((reused, what))
-        if not self.debug:
-            return
-        swa = f", n_kv_swa {p.n_kv_swa}" if p.n_kv_swa else ""
-        line = f"graph: {what} (n_tokens {p.n_tokens}, n_outputs {p.n_outputs}, n_kv {p.n_kv}{swa})"
-        if self.debug >= 2:
-            sizes = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in self.sched.buffer_sizes().items())
-            line += (f" nodes {len(res.sg.graph.nodes)} splits {len(res.sg.splits)} buffers [{sizes}]"
-                     f" build {1e3 * times[0]:.2f} ms plan {1e3 * times[1]:.2f} ms")
-        self._debug_line = line
-
-    def _k_shift_graph(self, cache: KVCache):
-        """The graph that re-rotates a cache's keys by their cells' shifts, and its shift input."""
-        arch, hp = self.model.arch, self.model.hp
-        build = build_k_shift_blocks if cache.type_k.is_quantized else build_k_shift
-        return build(hp, cache, arch.rope_mode, lambda il: arch.rope_freq_base(hp, il))
-
-    def _apply_k_shift(self, cache: KVCache) -> None:
-        """Re-rotate cached keys whose positions moved (seq_add), then clear the shift. The kept
-        decode graph stays: seq_add bumped the cache's version, so it is rebuilt (and says why)."""
-        graph, inp = self._k_shift_graph(cache)
-        sg = self.sched.schedule(graph)
-        self.sched.alloc(sg)
-        self.sched.cpu.array(inp.tensor)[...] = cache.shift
-        self.sched.compute(sg)
-        cache.shift[:] = 0
-        cache.has_shift = False
+    def _log(self, decision: Decision, p: GraphParams, res: GraphResult, times: tuple[float, float]) -> None:
+        """Record the reuse decision; with GGRUN_GRAPH_DEBUG, keep its line for _run to print."""
+        self.stats.reuse_log.append((decision.reuse, decision.said))
+        if self.debug:
+            self._debug_line = decision_line(decision.said, p, res, self.sched, times, self.debug)
 
     # ---- sequences --------------------------------------------------------------------
 

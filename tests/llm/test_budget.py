@@ -7,7 +7,7 @@ import pytest
 from ggrun.core.backends.cpu import CPUBackend
 from ggrun.core.backends.host import HostArrayBackend, host_available_bytes
 from ggrun.core.errors import BadInput
-from ggrun.core.llm import session as session_module
+from ggrun.core.llm import session as session_module, session_caches
 from ggrun.core.llm.budget import GiB, Budget
 from ggrun.core.llm.model import Model
 from ggrun.core.llm.session import Session, SessionParams
@@ -34,7 +34,7 @@ def test_an_absurd_context_is_refused_before_the_cache_exists(model, monkeypatch
     def no_cache(*args, **kwargs):
         raise AssertionError("the KV cache was allocated before the check")
 
-    monkeypatch.setattr(session_module, "KVCache", no_cache)
+    monkeypatch.setattr(session_caches, "KVCache", no_cache)
     n_ctx = 2**31
     with pytest.raises(BadInput) as info:
         Session(model, SessionParams(n_ctx=n_ctx))

@@ -15,6 +15,7 @@ from ggrun.core.backends.cpu import CPUBackend
 from ggrun.core.llm.batch import Batch, split_batch
 from ggrun.core.llm.generate import generate
 from ggrun.core.llm.graph_result import GraphResult
+from ggrun.core.llm.graph_reuse import Decision, REUSED, decide
 from ggrun.core.llm.inputs import GraphParams
 from ggrun.core.llm.kv_cache import KV_PAD
 from ggrun.core.llm.model import Model
@@ -370,7 +371,7 @@ def test_reset_scheduler_never_runs_the_stale_graph(tiny):
     assert new_buf is not old_buf and s.sched.buffer_sizes() == created
     placed = [t for t in stale.sg.order if id(t) in stale.sg.owned["CPU"]]
     assert placed and all(t.buffer is old_buf for t in placed)  # stale: planned into released memory
-    assert stale.reuse_blocker(stale.params, s.kv_version, s.sched.generation) == "scheduler was reset"
+    assert decide(stale.params, stale, stale, s.kv_version, s.sched.generation).why == "scheduler was reset"
 
     computed = []
     compute = s.sched.compute
@@ -416,5 +417,19 @@ def test_an_input_that_cannot_serve_blocks_reuse(tiny):
     res = GraphResult(kept.params, kept.inputs + [refusing], kept.logits, kept.sg, kept.kv_version,
                       kept.sched_generation)
     for _ in range(2):
-        assert res.reuse_blocker(kept.params, s.kv_version, s.sched.generation) == "an input cannot be reused"
+        assert decide(kept.params, res, res, s.kv_version, s.sched.generation).why == "an input cannot be reused"
     assert asked == [kept.params]
+
+
+def test_decide_says_reuse_or_rebuild_and_why():
+    """graph_reuse.decide, the one rule: each condition in its order, on graph records alone (no model)."""
+    p = GraphParams(1, 1, 256)
+    kept = GraphResult(p, [], None, None, (3,), 7)
+    prompt = GraphResult(GraphParams(6, 1, 256), [], None, None, (3,), 7)
+    assert decide(p, None, None, (3,), 7) == Decision(False, "first graph")
+    assert decide(p, kept, kept, (3,), 7, enabled=False).said == "rebuilt: graph reuse disabled"
+    assert decide(p, None, prompt, (3,), 7).said == "rebuilt: n_tokens 6 -> 1"  # the last graph's, then p's
+    assert decide(p, None, kept, (3,), 7).why == "not kept"
+    assert decide(p, kept, prompt, (3,), 7) is REUSED and REUSED.said == "reused"
+    assert decide(p, kept, kept, (4,), 7).why == "KV cache layout changed"
+    assert decide(p, kept, kept, (3,), 8).why == "scheduler was reset"
