@@ -40,13 +40,23 @@ def embed(b: Build, w: Weights) -> Tensor:
     """The micro-batch's token embeddings [tokens, n_embd], rows of token_embd. llama.cpp keeps token_embd on
     the CPU, which looks the rows up and copies them to the first offloaded layer. A tied head offloaded
     holds token_embd's rows on its device anyway, so where that device runs the lookup, the rows come from
-    there: only the token ids travel, and a GPU decode step has no CPU split (its lookup and its copies)."""
+    there: only the token ids travel, and a GPU decode step has no CPU split (its lookup and its copies).
+    Not for a prompt whose layers begin on another device (layers split, micro-batches pipelined): there
+    each micro-batch's lookup would queue behind the last device's work on the one before, and the devices
+    would take turns instead of overlapping (measured on 2 H200s: 1.0x one GPU), so the CPU looks it up."""
     table, head = w["token_embd.weight"], w.get("output.weight")
     if w.tied and head is not None and head is not table and head.root.buffer is not None:
+        device = head.root.buffer.backend
         lookup = ops.get_rows(head, b.inp.tokens.tensor, name="inp_embd")
-        if head.root.buffer.backend.supports_op(lookup):
+        if device.supports_op(lookup) and (b.p.n_tokens == 1 or _first_layer_backend(w) in (None, device)):
             return lookup
     return ops.get_rows(table, b.inp.tokens.tensor, name="inp_embd")
+
+
+def _first_layer_backend(w: Weights) -> Backend | None:
+    """The backend holding the first layer's weights (None for a model without layers or memory)."""
+    t = next((t for name, t in w.tensors.items() if name.startswith("blk.0.")), None)
+    return t.root.buffer.backend if t is not None and t.root.buffer is not None else None
 
 
 def norm(b: Build, x: Tensor, w: Tensor, name: str) -> Tensor:

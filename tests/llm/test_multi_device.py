@@ -61,6 +61,23 @@ def test_layer_split_gives_the_cpus_tokens(models, arch, ts):
     assert_same_run(run, ref)
 
 
+def test_a_pipelined_prompt_looks_its_tokens_up_on_the_cpu(models):
+    """With layers split (micro-batches pipelined) and the head tied to the embedding, a prompt's rows come
+    from the CPU's table, not from the head's device, where the lookup would wait for the micro-batch
+    before it; a one-token decode step still takes them from the head's device."""
+    path, _ = models["gemma3"]  # a tied head
+    model = Model.load(path, machine(), ALL, split=DeviceSplit(tensor_split=(1, 1)))
+    s = Session(model, SessionParams(n_ctx=256, n_batch=16, n_ubatch=16))
+
+    def lookup_backend() -> str:
+        sg = s.result.sg
+        return next(sg.backend_of[id(n)].name for n in sg.graph.nodes if n.name == "inp_embd")
+    s.decode(Batch.of_sequence(PROMPT[:-1], 0))
+    assert lookup_backend() == "CPU"
+    s.decode(Batch.of_sequence(PROMPT[-1:], len(PROMPT) - 1))
+    assert lookup_backend() == "SIM1"
+
+
 def test_each_layers_kv_cache_lives_with_the_layer(models):
     path, _ = models["gemma3"]  # two caches: the sliding-window layers' and the global one's
     model = Model.load(path, machine(), ALL, split=DeviceSplit(tensor_split=(1, 1)))
