@@ -386,6 +386,22 @@ def test_chunked_prefill_gives_the_unchunked_tokens_f32_numerics(tiny_f32, chunk
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=f"sequence {job}")
 
 
+@pytest.mark.parametrize("chunk", [None, 5], ids=["whole", "chunked"])
+def test_sliding_window_sequences_get_their_alone_tokens_f32_numerics(tiny_gemma3_factory, chunk):
+    """A tiny gemma3 (a window of 8 positions on most layers, its own cache): three clients over prompts
+    longer and shorter than the window, read whole or in chunks, each get the tokens of the same prompt
+    generated alone, and its logits up to float summation order, under --numerics f32."""
+    model = Model.load(tiny_gemma3_factory(), [CPUBackend()], numerics="f32")
+    prompts = PROMPTS[:5] + LONG
+    _, s, results, _, rows = run_parallel(model, prompts, n_predict=8, chunk=chunk, kv_type=DType.F32, record=True)
+    for job, (_, prompt) in enumerate(prompts):
+        want, want_rows = run_alone(model, SYSTEM + prompt, 8, kv_type=DType.F32)
+        assert results[job].response_tokens == want, f"sequence {job}"
+        for got, exp in zip(rows[job], want_rows, strict=True):
+            np.testing.assert_allclose(got, exp, rtol=0, atol=1e-4, err_msg=f"sequence {job}")
+    assert s.kv_swa is not None
+
+
 def test_step_budget():
     """The chunk defaults to one micro-batch and never exceeds -b."""
     assert step_budget(None, 2048, 512) == 512
