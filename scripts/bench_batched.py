@@ -97,6 +97,7 @@ def compare(a, model: str, llama: Path, have_llama: bool) -> float | None:
     print(f"{'B':>4} | {'ggrun S_PP':>10} {'llama S_PP':>10} {'ratio':>6} | {'ggrun S_TG':>10} {'llama S_TG':>10} "
           f"{'ratio':>6} | S_TG ratio per round", flush=True)
     lowest = None
+    run_ggrun(a, model, 1)  # untimed: kernels compiled since the last run (an edited source) are not timed
     for pl in (int(x) for x in a.npl.split(",")):
         g, l = [], []
         for r in range(a.rounds):  # alternate which tool goes first, so neither always meets a warm machine

@@ -73,6 +73,9 @@ def against_llama(a, model: str, n_parallel: list[int]) -> float:
     model = model if Path(model).is_file() else str(resolve_model(model))
     lowest = float("inf")
     ggrun = Path(__file__).resolve().parents[1] / ".venv/bin/ggrun"
+    warm = ["-m", model, "-np", "1", "-ns", "1", "-n", "4", "-c", str(a.ctx_size)]
+    # untimed: kernels compiled since the last run (an edited source) are not timed
+    gen_speed([str(ggrun), "parallel", *warm] + (["-t", str(a.threads)] if a.threads else []))
     print(f"{Path(model).name}: -ns {a.sequences} -n {a.n_predict} -c {a.ctx_size} --temp {a.temp} -s {a.seed} "
           f"-t {a.threads or 'default'}", flush=True)
     for np_ in n_parallel:
