@@ -82,14 +82,21 @@ def against_llama(a, model: str, n_parallel: list[int]) -> float:
         args = ["-m", model, "-np", str(np_), "-ns", str(a.sequences), "-n", str(a.n_predict), "-c", str(a.ctx_size),
                 "--temp", str(a.temp), "-s", str(a.seed)] + (["-t", str(a.threads)] if a.threads else [])
         speeds: dict[str, list[float]] = {"ggrun": [], "llama": []}
+        tokens: dict[str, set[int]] = {"ggrun": set(), "llama": set()}
         for r in range(a.rounds):
             for who in (("ggrun", "llama") if r % 2 == 0 else ("llama", "ggrun")):
                 cmd = [str(ggrun), "parallel", *args] if who == "ggrun" else [str(llama), *args]
-                speeds[who].append(gen_speed(cmd)[1])
+                n, speed = gen_speed(cmd)
+                speeds[who].append(speed)
+                tokens[who].add(n)
         g, ll = statistics.median(speeds["ggrun"]), statistics.median(speeds["llama"])
         rounds = " ".join(f"{x / y:.2f}" for x, y in zip(speeds["ggrun"], speeds["llama"]))
+        # the speeds are generated tokens over the whole run: where the responses' lengths differ (near-ties of
+        # greedy decoding reach a stop text sooner or later), the tool generating more also reads its prompts
+        # for more generated tokens
+        counts = f"generated tokens ggrun {sorted(tokens['ggrun'])}, llama {sorted(tokens['llama'])}"
         print(f"-np {np_:3d}: ggrun {g:7.2f} t/s {speeds['ggrun']}, llama-parallel {ll:7.2f} t/s {speeds['llama']}, "
-              f"ratio {g / ll:.2f}x (rounds {rounds})", flush=True)
+              f"ratio {g / ll:.2f}x (rounds {rounds}; {counts})", flush=True)
         lowest = min(lowest, g / ll)
     return lowest
 
