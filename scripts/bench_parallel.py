@@ -106,7 +106,8 @@ def main() -> None:
     ap.add_argument("-m", "--model", default=None,
                     help="GGUF file or known model name (default smollm2; --llama: a comma list, default "
                          "smollm2,gemma3-270m)")
-    ap.add_argument("-np", "--parallel", default="4", help="clients of the batched run (--llama: a comma list)")
+    ap.add_argument("-np", "--parallel", default=None,
+                    help="clients of the batched run (default 4; --llama: a comma list, default 1,4,8)")
     ap.add_argument("--llama", action="store_true", help="ggrun parallel against llama-parallel")
     ap.add_argument("--rounds", type=int, default=2, help="--llama: alternating rounds per -np")
     ap.add_argument("--llama-bin", default=os.environ.get("LLAMA_BIN", str(DEFAULT_ANCHOR)))
@@ -120,13 +121,14 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=1.5, help="--llama: the ratio every -np should reach")
     a = ap.parse_args()
     if a.llama:
-        lowest = {m: against_llama(a, m, [int(x) for x in a.parallel.split(",")])
+        lowest = {m: against_llama(a, m, [int(x) for x in (a.parallel or "1,4,8").split(",")])
                   for m in (a.model or "smollm2,gemma3-270m").split(",")}
         for m, r in lowest.items():
             print(f"{Path(m).name}: lowest generated t/s ratio {r:.2f}x ({'meets' if r >= a.target else 'below'} "
                   f"{a.target}x)", flush=True)
         return
     a.model = a.model or "smollm2"
+    a.parallel = a.parallel or "4"
     a.parallel = int(a.parallel)
 
     set_threads(a.threads)
