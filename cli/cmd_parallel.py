@@ -5,7 +5,8 @@ over the whole run, total speed, cache misses) and ggrun's graph reuse count.
 
 As llama-parallel, the system prompt is part of every request unless -pps shares it (evaluated once,
 its cells shared by every client); a response ends at "User:" (the next turn), an end-of-generation
-token or -n tokens. Results go to stdout (llama-parallel logs them to stderr), logs to stderr. Ctrl-C
+token or -n tokens. Prompts are read in chunks of --prefill-chunk tokens per step (default -ub) beside the
+generating clients' tokens. Results go to stdout (llama-parallel logs them to stderr), logs to stderr. Ctrl-C
 prints the summary of the sequences finished so far (each was printed when it finished), then
 `interrupted`, exit 130.
 """
@@ -56,6 +57,7 @@ class ParallelSettings:
     system: bool = True  # False: --no-system-prompt
     n_junk: int = 1
     cont_batching: bool = True
+    prefill_chunk: int = 0  # tokens per step while prompts are read (0: -ub)
     ignore_eos: bool = False
     json: bool = False
     graph_reuse: bool = True
@@ -84,6 +86,9 @@ def settings(
     cont_batching: bool = typer.Option(True, "-cb/-nocb", "--cont-batching/--no-cont-batching",
                                        help="Start a new sequence as soon as a client is free (default), or only "
                                             "when all are"),
+    prefill_chunk: int = typer.Option(0, "--prefill-chunk", help="Tokens per step while prompts are read "
+                                      "(chunked prefill: the generating clients' tokens and up to this many in "
+                                      "all, so a long prompt holds them up one chunk at a time; 0: -ub)"),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Generate past end-of-generation tokens"),
     as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout: one per sequence, then a summary"),
     list_devices_: o.ListDevices = False, no_graph_reuse: o.NoGraphReuse = False,
@@ -98,6 +103,8 @@ def settings(
         raise BadInput(f"-n {n_predict}: give a number of tokens, or 0 / -1 for no limit")
     if ctx_size < 0:
         raise BadInput(f"-c {ctx_size} must not be negative (0: the model's training context)")
+    if prefill_chunk < 0:
+        raise BadInput(f"--prefill-chunk {prefill_chunk} must not be negative (0: -ub tokens per step)")
     if junk < 0:
         raise BadInput(f"--junk {junk} must not be negative")
     sampling = SamplingParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed)
@@ -108,7 +115,7 @@ def settings(
         split=o.device_split(device, split_mode, tensor_split, main_gpu), threads=threads, numerics=numerics,
         type_k=cache_type_k, type_v=cache_type_v, flash_attn=flash_attn != "off" and not no_flash_attn, file=file,
         sampling=sampling, shared_system=shared_system, system=not no_system, n_junk=junk,
-        cont_batching=cont_batching, ignore_eos=ignore_eos, json=as_json, graph_reuse=not no_graph_reuse)
+        cont_batching=cont_batching, prefill_chunk=prefill_chunk, ignore_eos=ignore_eos, json=as_json, graph_reuse=not no_graph_reuse)
 
 
 def read_questions(file: str | None) -> list[str]:
@@ -145,7 +152,7 @@ def run(s: ParallelSettings) -> None:
                                        n_seq_max=s.n_parallel + 1, type_k=s.type_k, type_v=s.type_v,
                                        graph_reuse=s.graph_reuse, flash_attn=s.flash_attn))
     runner = ParallelRunner(session, s.n_parallel, s.n_predict, s.sampling, s.n_batch, s.ignore_eos,
-                            stop_text=STOP_TEXT, cont_batching=s.cont_batching)
+                            stop_text=STOP_TEXT, cont_batching=s.cont_batching, chunk=s.prefill_chunk)
     n_system = len(tok.tokenize(SYSTEM_PROMPT, add_special=True, parse_special=False)) if s.system else 0
     err_console.print(f"parallel: n_parallel = {s.n_parallel}, n_sequences = {s.n_sequences}, cont_batching = "
                       f"{int(s.cont_batching)}, system tokens = {n_system}", markup=False)

@@ -11,6 +11,12 @@ text is cut there); without n_predict, at the end of its share of the cache, whi
 fit is reported and skipped. An interrupted session (Ctrl-C) ends the run with the sequences already
 finished and the totals so far.
 
+Long prompts are read in chunks (chunked prefill, as llama.cpp's server and vLLM do): a step holds every
+generating client's next token and prompt tokens up to a budget of `chunk` tokens in all (by default one
+micro-batch, n_ubatch), so a client reading a long prompt holds the others up by one chunk per step, not by
+its whole prompt; the prompt goes on in the next steps beside their tokens. A step always takes at least
+one prompt token while some prompt waits, so prompts move even when the generating clients fill the budget.
+
 A step's host work does not grow with per-token Python: the generating clients' tokens, positions and
 sequence ids are rows of arrays, every row's next token is drawn in the graph (Session.decode_sampled,
 one BatchedSampler slot per client; the argmax where every client samples greedily), and the stop text
@@ -114,10 +120,11 @@ class ParallelRunner:
 
     def __init__(self, session: Session, n_clients: int, n_predict: int, sampling: SamplingParams,
                  n_batch: int, ignore_eos: bool = False, stop_text: str | None = None,
-                 cont_batching: bool = True, keep_logits: bool = False) -> None:
+                 cont_batching: bool = True, keep_logits: bool = False, chunk: int | None = None) -> None:
         self.s = session
         self.n_predict = n_predict
         self.n_batch = n_batch
+        self.chunk = step_budget(chunk, n_batch, session.n_ubatch)
         self.ignore_eos = ignore_eos
         self.stop_text = stop_text
         self.cont_batching = cont_batching
@@ -217,8 +224,9 @@ class ParallelRunner:
         return len(tokens) + max(self._limit(tokens) - 1, 0)
 
     def _step(self, prompts) -> list[SequenceResult]:
-        """One decode: a token of every generating client, then prompt tokens within n_batch; every row that
-        asks logits gets its next token drawn in the graph."""
+        """One decode: a token of every generating client, then prompt tokens (first come, first served) up to
+        the step's budget (`chunk` tokens in all, at least one prompt token); every row that asks logits gets
+        its next token drawn in the graph."""
         gen = [c for c in self.clients if c.job >= 0 and not c.pending]
         rows = list(gen)
         tokens = np.fromiter((c.next_token for c in gen), dtype=np.int32, count=len(gen))
@@ -228,10 +236,11 @@ class ParallelRunner:
         for c in gen:
             c.pos += 1
         n = len(gen)
+        budget = max(self.chunk, n + 1)
         for c in self.clients:
-            if c.job < 0 or not c.pending or n >= self.n_batch:
+            if c.job < 0 or not c.pending or n >= budget:
                 continue
-            chunk, c.pending = c.pending[:self.n_batch - n], c.pending[self.n_batch - n:]
+            chunk, c.pending = c.pending[:budget - n], c.pending[budget - n:]
             last = np.zeros(len(chunk), dtype=bool)
             last[-1] = not c.pending
             parts.append((np.asarray(chunk, dtype=np.int32), np.arange(c.pos, c.pos + len(chunk), dtype=np.int32),
@@ -293,6 +302,12 @@ class ParallelRunner:
         why = (f"needs {need} cells (prompt {len(tokens)} + {need - len(tokens)} generated), the cache has "
                f"{self.s.n_ctx - self.n_system} beside the system prompt") if tokens else "empty prompt"
         return SequenceResult(c.id, job, text, list(tokens), [], "", 0.0, skipped=why)
+
+
+def step_budget(chunk: int | None, n_batch: int, n_ubatch: int) -> int:
+    """Tokens a step of `parallel` holds (its chunked prefill's budget): `chunk` when given (0 or None: one
+    micro-batch, n_ubatch), never more than n_batch."""
+    return max(1, min(chunk or n_ubatch, n_batch))
 
 
 def _seeded(p: SamplingParams, client: int) -> SamplingParams:

@@ -67,14 +67,15 @@ def test_system_prompt_is_in_every_request_unless_shared(monkeypatch, capsys, ti
 
 
 def test_clients_do_not_change_greedy_responses(monkeypatch, capsys, tiny_llama_path):
-    """The same sequences served by 1 client or by 4 at once get the same tokens (--temp 0)."""
+    """The same sequences served by 1 client or by 4 at once, their prompts read whole or in chunks of 4
+    tokens per step, get the same tokens (--temp 0)."""
     runs = {}
-    for np_ in ("1", "4"):
+    for np_, chunk in (("1", "0"), ("4", "0"), ("4", "4")):
         seqs, _ = parallel_json(monkeypatch, capsys, tiny_llama_path, "-np", np_, "-ns", "6", "-n", "5",
-                                "-c", "1024", "--ignore-eos", NO_SYSTEM)
-        runs[np_] = {r["seq"]: r["response_tokens"] for r in seqs}
-    assert runs["1"] == runs["4"]
-    assert all(len(t) == 5 for t in runs["1"].values())
+                                "-c", "1024", "--ignore-eos", NO_SYSTEM, "--prefill-chunk", chunk)
+        runs[np_, chunk] = {r["seq"]: r["response_tokens"] for r in seqs}
+    assert runs["1", "0"] == runs["4", "0"] == runs["4", "4"]
+    assert all(len(t) == 5 for t in runs["1", "0"].values())
 
 
 def test_text_output_is_llama_parallel_report(monkeypatch, capsys, tiny_llama_path):
@@ -141,7 +142,8 @@ def test_prompt_that_never_fits_is_skipped(monkeypatch, capsys, tiny_llama_path,
     (("--temp", "-1"), "--temp"),
     (("-c", "64", "-pps"), "system prompt"),
     (("--junk", "-1"), "--junk -1"),
-], ids=["np0", "ns0", "n-neg", "c-neg", "missing-file", "temp", "system-too-long", "junk"])
+    (("--prefill-chunk", "-1"), "--prefill-chunk -1"),
+], ids=["np0", "ns0", "n-neg", "c-neg", "missing-file", "temp", "system-too-long", "junk", "chunk-neg"])
 def test_bad_options_exit_2_with_one_line(monkeypatch, capsys, tiny_llama_path, args, words):
     code, out, err = ggrun(capsys, monkeypatch, "parallel", "-m", str(tiny_llama_path), *args)
     assert code == 2

@@ -117,3 +117,31 @@ def test_flash_attn_on_several_threads(n):
     finally:
         set_threads(before)
     assert np.array_equal(two, one)
+
+
+def blocks_mask(n_seq: int, n_kv: int, shared: int, blocks: list[list[tuple[int, int]]]) -> np.ndarray:
+    """f16 [n_seq, n_kv]: a decode step of n_seq sequences, each token seeing cells 0..shared-1 (a shared
+    system prompt) and its sequence's own ranges of cells [a, b) (blocks of its own, core/llm/kv_blocks.py),
+    every other cell hidden."""
+    m = np.full((n_seq, n_kv), -np.inf, dtype=np.float32)
+    m[:, :shared] = 0
+    for t, ranges in enumerate(blocks):
+        for a, b in ranges:
+            m[t, a:b] = 0
+    return m.astype(np.float16)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_flash_attn_decode_of_sequences_in_blocks_of_their_own(threads):
+    """Each of 12 tokens sees a shared prefix and its own blocks of cells, between which lie whole tiles
+    of the others' cells (skipped by each token's tile spans) and a partly filled block."""
+    blocks = [[(64 * (2 + 2 * t), 64 * (3 + 2 * t)), (64 * (3 + 2 * t), 64 * (3 + 2 * t) + 5 + t)]
+              for t in range(12)]
+    blocks[3] = [(64 * 30 + 7, 64 * 30 + 20), (100, 120)]  # cells out of order, inside another's tile
+    before = jit.threads()
+    try:
+        set_threads(threads)
+        check(attention_graph(12, 9, 3, 64, 64 * 32, 64 * 32 + 5,
+                              mask=lambda: blocks_mask(12, 64 * 32, 70, blocks))(rng), ATTENTION["CPU"])
+    finally:
+        set_threads(before)

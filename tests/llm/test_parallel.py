@@ -11,7 +11,7 @@ from ggrun.core.backends.cpu import CPUBackend
 from ggrun.core.dtypes import DType
 from ggrun.core.llm.generate import eval_prompt, generate
 from ggrun.core.llm.model import Model
-from ggrun.core.llm.parallel import STOP_CACHE, STOP_TEXT, SYSTEM_SEQ, ParallelRunner, SequenceResult
+from ggrun.core.llm.parallel import STOP_CACHE, STOP_TEXT, SYSTEM_SEQ, ParallelRunner, SequenceResult, step_budget
 from ggrun.core.llm.sampling import Sampler, SamplingParams
 from ggrun.core.llm.session import Session, SessionParams
 
@@ -44,11 +44,27 @@ def tiny(tiny_llama_path) -> Model:
 
 def run_parallel(model: Model, prompts, n_clients: int = 3, n_predict: int = 6, n_ctx: int = 512,
                  system=SYSTEM, n_batch: int = 512, n_ubatch: int = 512, sampling: SamplingParams = GREEDY,
-                 record: bool = False, ignore_eos: bool = True, kv_type: DType = DType.F16):
-    """(runner, session, {job: result}, summary, {job: logits rows}) of one parallel run."""
+                 record: bool = False, ignore_eos: bool = True, kv_type: DType = DType.F16,
+                 chunk: int | None = None, steps: list | None = None):
+    """(runner, session, {job: result}, summary, {job: logits rows}) of one parallel run; `steps`, when
+    given, receives for each step its batch's sequence ids and, as the step began, each busy client's
+    sequence id with its job and its prompt tokens still to read."""
     s = Session(model, SessionParams(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_clients + 1,
                                      type_k=kv_type, type_v=kv_type))
-    r = ParallelRunner(s, n_clients, n_predict, sampling, n_batch, ignore_eos=ignore_eos, keep_logits=record)
+    r = ParallelRunner(s, n_clients, n_predict, sampling, n_batch, ignore_eos=ignore_eos, keep_logits=record,
+                       chunk=chunk)
+    if steps is not None:
+        real_step, real_draw = r._step, r._draw
+
+        def step(prompts):
+            steps.append([None, {c.seq_id: (c.job, len(c.pending)) for c in r.clients if c.job >= 0}])
+            return real_step(prompts)
+
+        def draw(batch, slots, rows):
+            steps[-1][0] = batch.seq.copy()
+            return real_draw(batch, slots, rows)
+
+        r._step, r._draw = step, draw
     results: dict[int, SequenceResult] = {}
 
     def done(res: SequenceResult) -> None:
@@ -324,6 +340,74 @@ def test_sequences_join_and_leave_across_buckets(tiny):
     sizes = {why for reused, why in s.stats.reuse_log if not reused}
     assert any("n_tokens" in why for why in sizes), "the bucket never changed"
     assert_cache_holds_only_system(s, len(SYSTEM))
+
+
+LONG = [("long", [int(t) for t in _rng.integers(0, 276, 150)])]
+
+
+def test_decoding_sequences_advance_while_a_long_prompt_is_read_in_chunks(tiny):
+    """Chunked prefill: two clients generate while a third reads a 150-token prompt in steps of at most 16
+    tokens; every one of those steps carries one token of each generating client, and the long prompt
+    spans many steps instead of one."""
+    steps: list = []
+    chunk = 16
+    run_parallel(tiny, PROMPTS[:2] + LONG, n_predict=24, chunk=chunk, steps=steps)
+    long_seq = None
+    reading = []  # steps that hold long-prompt tokens while the two others generate
+    for seq, clients in steps:
+        long_seq = next((sid for sid, (job, _) in clients.items() if job == 2), long_seq)
+        generating = [sid for sid, (job, pending) in clients.items() if job != 2 and pending == 0]
+        if long_seq is not None and long_seq in seq and len(generating) == 2:
+            reading.append((seq, generating))
+    assert len(reading) >= 150 // chunk - 1, f"the long prompt went in {len(reading)} steps"
+    for seq, generating in reading:
+        assert len(seq) <= chunk
+        for sid in generating:
+            assert np.count_nonzero(seq == sid) == 1, "a generating client missed a step"
+
+
+@pytest.fixture(scope="module")
+def tiny_f32(tiny_llama_path) -> Model:
+    return Model.load(tiny_llama_path, [CPUBackend()], numerics="f32")
+
+
+@pytest.mark.parametrize("chunk", [5, 16])
+def test_chunked_prefill_gives_the_unchunked_tokens_f32_numerics(tiny_f32, chunk):
+    """With --numerics f32 (results independent of batching), prompts read in chunks beside other clients'
+    decode steps give every sequence the tokens of prompts read whole, and its logits up to float summation
+    order (an f32 cache, so that no f16 rounding of a key flips; a chunk's cells may lie in other tiles of
+    the cache than the whole prompt's)."""
+    prompts = PROMPTS + LONG
+    whole = run_parallel(tiny_f32, prompts, n_predict=8, chunk=512, record=True, kv_type=DType.F32)
+    chunked = run_parallel(tiny_f32, prompts, n_predict=8, chunk=chunk, record=True, kv_type=DType.F32)
+    for job in range(len(prompts)):
+        assert chunked[2][job].response_tokens == whole[2][job].response_tokens, f"sequence {job}"
+        for a, b in zip(chunked[4][job], whole[4][job]):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=f"sequence {job}")
+
+
+@pytest.mark.parametrize("chunk", [None, 5], ids=["whole", "chunked"])
+def test_sliding_window_sequences_get_their_alone_tokens_f32_numerics(tiny_gemma3_factory, chunk):
+    """A tiny gemma3 (a window of 8 positions on most layers, its own cache): three clients over prompts
+    longer and shorter than the window, read whole or in chunks, each get the tokens of the same prompt
+    generated alone, and its logits up to float summation order, under --numerics f32."""
+    model = Model.load(tiny_gemma3_factory(), [CPUBackend()], numerics="f32")
+    prompts = PROMPTS[:5] + LONG
+    _, s, results, _, rows = run_parallel(model, prompts, n_predict=8, chunk=chunk, kv_type=DType.F32, record=True)
+    for job, (_, prompt) in enumerate(prompts):
+        want, want_rows = run_alone(model, SYSTEM + prompt, 8, kv_type=DType.F32)
+        assert results[job].response_tokens == want, f"sequence {job}"
+        for got, exp in zip(rows[job], want_rows, strict=True):
+            np.testing.assert_allclose(got, exp, rtol=0, atol=1e-4, err_msg=f"sequence {job}")
+    assert s.kv_swa is not None
+
+
+def test_step_budget():
+    """The chunk defaults to one micro-batch and never exceeds -b."""
+    assert step_budget(None, 2048, 512) == 512
+    assert step_budget(0, 256, 256) == 256
+    assert step_budget(64, 2048, 512) == 64
+    assert step_budget(4096, 2048, 512) == 2048
 
 
 # ---- SmolLM2 ------------------------------------------------------------------------------------

@@ -6,7 +6,9 @@ keys and values together, so the cache is converted from f16 once per tile and K
 items are KV heads, and blocks of tokens when several threads share the work). Each token
 attends only the span of a tile between the first and last cells its mask leaves visible, so
 the padded tail of n_kv and the causal future cost nothing; hidden cells inside the span get
-weight 0. As llama.cpp's CPU path does, queries meet an f16 cache as f16-rounded values
+weight 0. Those spans are found once per call for every token and tile (tile_spans), before any
+head is computed: a decode step of many sequences, each in cells of its own (core/llm/kv_blocks.py),
+then works on each token's own tiles and skips every other tile at the cost of one lookup. As llama.cpp's CPU path does, queries meet an f16 cache as f16-rounded values
 (`act_quant` f16 on the cache), and then the values are summed as ggml does, cell by cell in f16;
 otherwise products and the softmax are f32, tile by tile. From 64 query tokens on, llama.cpp's CPU
 kernel takes its tiled path instead (f32 queries and sums), and so do llama numerics here
@@ -41,7 +43,13 @@ _FLAGS = {"reassoc", "contract"}
 @kernel(inline="always")
 def _visible(mask, t, c0, nc):
     """The range [lo, hi) of the tile's cells from the first to the last one token t may see
-    (lo == hi when the mask hides the whole tile from it)."""
+    (lo == hi when the mask hides the whole tile from it). A hidden tile, the usual case in a step of
+    many sequences, is known by one count over the tile's mask (no early exit: it vectorizes)."""
+    seen = 0
+    for c in range(nc):
+        seen += as_f32(mask[t, c0 + c]) != -np.inf
+    if seen == 0:
+        return nc, nc
     lo = 0
     while lo < nc and as_f32(mask[t, c0 + lo]) == -np.inf:
         lo += 1
@@ -49,6 +57,35 @@ def _visible(mask, t, c0, nc):
     while hi > lo and as_f32(mask[t, c0 + hi - 1]) == -np.inf:
         hi -= 1
     return lo, hi
+
+
+@kernel(inline="always")
+def _spans_of_token(mask, t, spans):
+    """spans[t, b] = the visible range [lo, hi) of tile b's cells for token t (lo == hi: all hidden)."""
+    n_kv = mask.shape[1]
+    for b in range(spans.shape[1]):
+        c0 = b * CELLS
+        lo, hi = _visible(mask, t, c0, min(CELLS, n_kv - c0))
+        spans[t, b, 0] = lo
+        spans[t, b, 1] = hi
+
+
+@kernel
+def tile_spans(mask, n_tok, spans):
+    """Every token's visible span of every tile of cells (spans int32 [>= n_tok, tiles, 2])."""
+    for t in range(n_tok):
+        _spans_of_token(mask, t, spans)
+
+
+@kernel(parallel=True)
+def tile_spans_parallel(mask, n_tok, spans):
+    for t in prange(n_tok):
+        _spans_of_token(mask, t, spans)
+
+
+def n_tiles(n_kv: int) -> int:
+    """Tiles of CELLS cells that cover n_kv cells."""
+    return -(-n_kv // CELLS)
 
 
 # The loops below index arrays element by element (Kf[c, j], not a row view kc = Kf[c]): a view
@@ -141,9 +178,10 @@ def _accumulate_cells(S, Vf, mask, scale, t, h, c0, lo, hi, M, L, out, f16):
 
 
 @kernel(fastmath=_FLAGS)
-def attend(q, k, v, mask, scale, q_f16, g, t0, t1, Kf, Vf, S, Qr, M, L, out):
+def attend(q, k, v, mask, spans, scale, q_f16, g, t0, t1, Kf, Vf, S, Qr, M, L, out):
     """out[t, h] for tokens t0..t1 and the query heads h sharing KV head g (an online softmax over
-    tiles of cells; out holds the running sums, M and L each row's running maximum and total)."""
+    tiles of cells, each token's visible span of a tile in `spans`; out holds the running sums, M and L
+    each row's running maximum and total)."""
     n_kv, d = k.shape[0], k.shape[2]
     group = q.shape[1] // k.shape[1]
     for t in range(t0, t1):
@@ -156,7 +194,7 @@ def attend(q, k, v, mask, scale, q_f16, g, t0, t1, Kf, Vf, S, Qr, M, L, out):
         nc = min(CELLS, n_kv - c0)
         clo, chi = nc, nc  # cells of the tile converted so far: [clo, chi)
         for t in range(t0, t1):
-            lo, hi = _visible(mask, t, c0, nc)
+            lo, hi = spans[t, c0 // CELLS, 0], spans[t, c0 // CELLS, 1]
             if lo == hi:
                 continue  # the whole tile is hidden from this token
             if clo == chi:
@@ -201,16 +239,19 @@ def attend(q, k, v, mask, scale, q_f16, g, t0, t1, Kf, Vf, S, Qr, M, L, out):
 
 
 @kernel
-def flash_attn_serial(q, k, v, mask, scale, q_f16, Kf, Vf, S, Qr, ML, out):
+def flash_attn_serial(q, k, v, mask, scale, q_f16, Kf, Vf, S, Qr, ML, spans, out):
     """out [tokens, heads, d] = softmax(q k^T * scale + mask) v for q [tokens, heads, d], k and v
-    [n_kv, heads_kv, d] (f16 bits or f32), mask [>= tokens, n_kv]; Kf..Qr: one worker's tiles."""
+    [n_kv, heads_kv, d] (f16 bits or f32), mask [>= tokens, n_kv]; Kf..Qr: one worker's tiles; spans:
+    room for tile_spans."""
+    tile_spans(mask, q.shape[0], spans)
     for g in range(k.shape[1]):
-        attend(q, k, v, mask, scale, q_f16, g, 0, q.shape[0], Kf[0], Vf[0], S[0], Qr[0], ML[0], ML[1], out)
+        attend(q, k, v, mask, spans, scale, q_f16, g, 0, q.shape[0], Kf[0], Vf[0], S[0], Qr[0], ML[0], ML[1], out)
 
 
 @kernel(parallel=True)
-def flash_attn_parallel(q, k, v, mask, scale, q_f16, Kf, Vf, S, Qr, ML, out):
+def flash_attn_parallel(q, k, v, mask, scale, q_f16, Kf, Vf, S, Qr, ML, spans, out):
     """flash_attn_serial with (KV head, block of tokens) items dealt round-robin to Kf.shape[0] workers."""
+    tile_spans_parallel(mask, q.shape[0], spans)
     workers = Kf.shape[0]
     n_tok = q.shape[0]
     blocks = max(1, min(n_tok, (2 * workers + k.shape[1] - 1) // k.shape[1]))
@@ -222,7 +263,7 @@ def flash_attn_parallel(q, k, v, mask, scale, q_f16, Kf, Vf, S, Qr, ML, out):
             t0 = (item % blocks) * per_block
             t1 = min(n_tok, t0 + per_block)
             if t0 < t1:
-                attend(q, k, v, mask, scale, q_f16, g, t0, t1, Kf[w], Vf[w], S[w], Qr[w], ML[0], ML[1], out)
+                attend(q, k, v, mask, spans, scale, q_f16, g, t0, t1, Kf[w], Vf[w], S[w], Qr[w], ML[0], ML[1], out)
 
 
 def _workers(node) -> int:
@@ -238,12 +279,17 @@ def _tiled(node) -> bool:
     return node.srcs[1].root.params.get("act_quant") == "f16" and node.srcs[0].shape[1] >= tiled.TILE_Q
 
 
+def _spans_scratch(node) -> int:
+    """int32 elements of the tile spans of a node's tokens."""
+    return 2 * node.srcs[0].shape[1] * n_tiles(node.srcs[1].shape[1])
+
+
 def flash_attn_scratch(node) -> int:
     q = node.srcs[0]
     d, rows = q.shape[2], q.shape[0] * q.shape[1]
     if _tiled(node):
         return 4 * tiled.scratch_floats(_workers(node), d)
-    return 4 * (_workers(node) * (2 * CELLS * d + CELLS + d) + 2 * rows)
+    return 4 * (_workers(node) * (2 * CELLS * d + CELLS + d) + 2 * rows + _spans_scratch(node))
 
 
 def _stored(node, i: int, a: np.ndarray) -> np.ndarray | None:
@@ -255,6 +301,12 @@ def _stored(node, i: int, a: np.ndarray) -> np.ndarray | None:
     if not t.flags.c_contiguous:
         return None
     return t.view(np.uint16) if dtype is DType.F16 else t
+
+
+def _spans_room(f32: np.ndarray, at: int, n_tok: int, n_kv: int) -> np.ndarray:
+    """The tile spans' room in a node's scratch (its f32 view), from element `at`: int32 [n_tok, tiles, 2]."""
+    shape = (n_tok, n_tiles(n_kv), 2)
+    return f32[at:at + int(np.prod(shape))].view(np.int32).reshape(shape)
 
 
 @binds("flash_attn", scratch=flash_attn_scratch)
@@ -283,6 +335,7 @@ def bind_flash_attn(node, out, srcs, scratch):
         n = int(np.prod(shape))
         tiles.append(f32[at:at + n].reshape(shape))
         at += n
+    tiles.append(_spans_room(f32, at, q3.shape[0], k3.shape[0]))
     scale = np.float32(node.params["scale"])
     q_f16 = node.srcs[1].root.params.get("act_quant") == "f16"
     fn = flash_attn_parallel if workers > 1 else flash_attn_serial
@@ -328,7 +381,7 @@ def _prepare_query(q, t, h, q_round, k_rot, qq, qd):
 
 
 @kernel(_nrt=False)
-def attend_cells(q, k, v, k_code, v_code, n_head_kv, mask, scale, q_round, v_f16, k_rot, v_rot, g, t0, t1,
+def attend_cells(q, k, v, k_code, v_code, n_head_kv, mask, spans, scale, q_round, v_f16, k_rot, v_rot, g, t0, t1,
                  Kq, Kd, Vf, S, lanes, Qq, Qd, M, L, out):
     """out[t, h] for tokens t0..t1 and the query heads h sharing KV head g, over caches k and v
     given as their stored rows (bytes [n_kv, row bytes] of types k_code and v_code, n_head_kv heads
@@ -348,7 +401,7 @@ def attend_cells(q, k, v, k_code, v_code, n_head_kv, mask, scale, q_round, v_f16
         nc = min(CELLS, n_kv - c0)
         clo, chi = nc, nc  # cells of the tile decoded so far: [clo, chi)
         for t in range(t0, t1):
-            lo, hi = _visible(mask, t, c0, nc)
+            lo, hi = spans[t, c0 // CELLS, 0], spans[t, c0 // CELLS, 1]
             if lo == hi:
                 continue
             if clo == chi:
@@ -375,16 +428,18 @@ def attend_cells(q, k, v, k_code, v_code, n_head_kv, mask, scale, q_round, v_f16
 
 @kernel
 def flash_attn_cells_serial(q, k, v, k_code, v_code, n_head_kv, mask, scale, q_round, v_f16, k_rot, v_rot,
-                            Kq, Kd, Vf, S, lanes, Qq, Qd, ML, out):
+                            Kq, Kd, Vf, S, lanes, Qq, Qd, ML, spans, out):
+    tile_spans(mask, q.shape[0], spans)
     for g in range(n_head_kv):
-        attend_cells(q, k, v, k_code, v_code, n_head_kv, mask, scale, q_round, v_f16, k_rot, v_rot, g, 0, q.shape[0],
+        attend_cells(q, k, v, k_code, v_code, n_head_kv, mask, spans, scale, q_round, v_f16, k_rot, v_rot, g, 0, q.shape[0],
                      Kq[0], Kd[0], Vf[0], S[0], lanes[0], Qq, Qd, ML[0], ML[1], out)
 
 
 @kernel(parallel=True)
 def flash_attn_cells_parallel(q, k, v, k_code, v_code, n_head_kv, mask, scale, q_round, v_f16, k_rot, v_rot,
-                              Kq, Kd, Vf, S, lanes, Qq, Qd, ML, out):
+                              Kq, Kd, Vf, S, lanes, Qq, Qd, ML, spans, out):
     """flash_attn_cells_serial with (KV head, block of tokens) items dealt round-robin to workers."""
+    tile_spans_parallel(mask, q.shape[0], spans)
     workers = Kq.shape[0]
     n_tok = q.shape[0]
     blocks = max(1, min(n_tok, (2 * workers + n_head_kv - 1) // n_head_kv))
@@ -396,8 +451,8 @@ def flash_attn_cells_parallel(q, k, v, k_code, v_code, n_head_kv, mask, scale, q
             t0 = (item % blocks) * per_block
             t1 = min(n_tok, t0 + per_block)
             if t0 < t1:
-                attend_cells(q, k, v, k_code, v_code, n_head_kv, mask, scale, q_round, v_f16, k_rot, v_rot, g, t0, t1,
-                             Kq[w], Kd[w], Vf[w], S[w], lanes[w], Qq, Qd, ML[0], ML[1], out)
+                attend_cells(q, k, v, k_code, v_code, n_head_kv, mask, spans, scale, q_round, v_f16, k_rot, v_rot, g,
+                             t0, t1, Kq[w], Kd[w], Vf[w], S[w], lanes[w], Qq, Qd, ML[0], ML[1], out)
 
 
 def _cells_case(node) -> bool:
@@ -413,7 +468,7 @@ def flash_attn_cells_scratch(node) -> int:
     q = node.srcs[0]
     d, rows = q.shape[2], q.shape[0] * q.shape[1]
     per_worker = 2 * CELLS * d + CELLS * (d // BLOCK) + CELLS + 8 * CELLS
-    return 4 * (_workers(node) * per_worker + rows * (d + d // BLOCK) + 2 * rows)
+    return 4 * (_workers(node) * per_worker + rows * (d + d // BLOCK) + 2 * rows + _spans_scratch(node))
 
 
 def _cache_rows(node, i: int, a: np.ndarray) -> np.ndarray | None:
@@ -459,6 +514,7 @@ def bind_flash_attn_cells(node, out, srcs, scratch):
         n = int(np.prod(shape))
         tiles.append(f32[at:at + n].reshape(shape))
         at += n
+    tiles.append(_spans_room(f32, at, n_tok, k2.shape[0]))
     k_type, v_type = node.srcs[1], node.srcs[2]
     v_f16 = v_type.dtype is DType.F16 and v_type.root.params.get("act_quant") == "f16"
     args = (q3, k2, v2, code_of(k_type.dtype), code_of(v_type.dtype), k_type.shape[0], mask,
