@@ -59,6 +59,13 @@ def start_server(model, *args: str) -> Server:
     raise AssertionError("ggrun serve did not become healthy")
 
 
+def warm(server: Server) -> None:
+    """One short completion before the tests: a server's first request of a shape may compile kernels (a
+    minute on a fresh clone's cold cache), which no test means to time."""
+    with server.client(timeout=300) as c:
+        c.post("/completion", json={"prompt": "Hello", "n_predict": 2}).raise_for_status()
+
+
 def stop_server(server: Server) -> None:
     server.proc.terminate()
     try:
@@ -71,6 +78,7 @@ def stop_server(server: Server) -> None:
 @pytest.fixture(scope="session")
 def server(smollm2_path):
     srv = start_server(smollm2_path, "-np", "4", "-c", "4096", "--api-key", KEY, "--metrics", "-t", "2")
+    warm(srv)
     yield srv
     stop_server(srv)
 

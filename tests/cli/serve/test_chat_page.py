@@ -77,7 +77,7 @@ def test_the_chat_page_streams_a_reply(server):
     browser = DevTools(f"{server.url}/?q=Hello%2C%20who%20are%20you%3F&key={KEY}")
     try:
         page = _page_session(browser)
-        seen, deadline = [], time.monotonic() + 60
+        seen, deadline = [], time.monotonic() + 120
         while time.monotonic() < deadline:
             state = browser.call("Runtime.evaluate", page, returnByValue=True, expression=(
                 "(() => { const b = document.querySelector('.msg.assistant, .msg.error');"
