@@ -82,6 +82,7 @@ class Arch:
     rope_mode: ClassVar[int] = ops.ROPE_NORMAL
     keys: ClassVar[tuple[Key, ...]] = ()  # `<arch>.<key>` beyond checks.COMMON_KEYS; value or default in extra
     layer_tensors: ClassVar[tuple[TensorSpec, ...]] = LLAMA_LAYER
+    swa_pattern: ClassVar[int] = 0  # llama.cpp's set_swa_pattern(n): which layers are the window's (swa_layers)
 
     def hparams(self, gf) -> HParams:
         """The common hyperparameters, and in `extra` each of `keys` by its extra name (its default when absent)."""
@@ -104,8 +105,13 @@ class Arch:
         return []
 
     def swa_layers(self, hp: HParams) -> list[bool]:
-        """Which layers attend within the sliding window hp.extra['swa_window'] (they get the window's cache)."""
-        return [False] * hp.n_layer
+        """Which layers attend within the sliding window hp.extra['swa_window'] (they get the window's cache):
+        with llama.cpp's set_swa_pattern(n) (`swa_pattern` n > 0), layer il where il % n < n - 1; none
+        without a pattern or a window."""
+        n = self.swa_pattern
+        if not n or hp.extra.get("swa_window") is None:
+            return [False] * hp.n_layer
+        return [il % n < n - 1 for il in range(hp.n_layer)]
 
     def rope_freq_base(self, hp: HParams, il: int) -> float:
         """Layer il's RoPE base (the K-shift re-rotates with it too)."""

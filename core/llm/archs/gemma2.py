@@ -25,6 +25,7 @@ class Gemma2(Arch):
     keys = (Key("attention.sliding_window", int, 1, MAX_CONTEXT, default=4096, extra="swa_window"),
             Key("attn_logit_softcapping", float, 0.0, 1e6, lo_open=True, default=50.0, extra="attn_softcap"),
             Key("final_logit_softcapping", float, 0.0, 1e6, lo_open=True, default=30.0, extra="final_softcap"))
+    swa_pattern = SWA_PATTERN
     layer_tensors = GEMMA_LAYER
 
     def hparams(self, gf) -> HParams:
@@ -32,9 +33,6 @@ class Gemma2(Arch):
         per_head = hp.n_embd // hp.n_head if hp.n_layer == LAYERS_27B else hp.head_dim
         hp.extra["attn_scale"] = 1.0 / math.sqrt(per_head)
         return hp
-
-    def swa_layers(self, hp: HParams) -> list[bool]:
-        return [il % SWA_PATTERN < SWA_PATTERN - 1 for il in range(hp.n_layer)]
 
     def build(self, b: Build, w: Weights) -> Tensor:
         hp = b.hp

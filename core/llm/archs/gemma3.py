@@ -28,6 +28,7 @@ class Gemma3(Arch):
     rope_mode = ops.ROPE_NEOX
     # absent: no sliding window; present, a window of at least one cell (llama.cpp's loader needs one)
     keys = (Key("attention.sliding_window", int, 1, MAX_CONTEXT, default=0, extra="swa_window"),)
+    swa_pattern = SWA_PATTERN
     layer_tensors = GEMMA_LAYER + (base.ATTN_Q_NORM, base.ATTN_K_NORM)
 
     def hparams(self, gf) -> HParams:
@@ -35,10 +36,6 @@ class Gemma3(Arch):
         hp.extra["swa_window"] = hp.extra["swa_window"] or None
         hp.extra["attn_scale"] = 1.0 / math.sqrt(hp.head_dim)
         return hp
-
-    def swa_layers(self, hp: HParams) -> list[bool]:
-        window = hp.extra.get("swa_window") is not None
-        return [window and il % SWA_PATTERN < SWA_PATTERN - 1 for il in range(hp.n_layer)]
 
     def rope_freq_base(self, hp: HParams, il: int) -> float:
         """The local base on sliding-window layers, the file's on the global ones."""

@@ -60,6 +60,7 @@ class GptOss(Arch):
             Key("attention.sliding_window", int, 1, MAX_CONTEXT, required=True, extra="swa_window"),
             Key("rope.scaling.original_context_length", int, 1, MAX_CONTEXT, default=0, extra="n_ctx_orig"),
             Key("rope.scaling.attn_factor", float, 0.0, 1e6, lo_open=True, default=1.0, extra="rope_attn_factor"))
+    swa_pattern = SWA_PATTERN
     layer_tensors = (base.ATTN_NORM, base.ATTN_Q, base.ATTN_K, base.ATTN_V, base.ATTN_OUT, ATTN_OUT_BIAS,
                      ATTN_SINKS, base.POST_ATTN_NORM) + base.QKV_BIASES + EXPERTS + EXPERT_BIASES
 
@@ -77,9 +78,6 @@ class GptOss(Arch):
         elif scaling not in (None, "none"):
             raise BadInput(f"{gf.path}: {self.name}.rope.scaling.type = {scaling!r}, expected 'yarn' or none")
         return hp
-
-    def swa_layers(self, hp: HParams) -> list[bool]:
-        return [il % SWA_PATTERN < SWA_PATTERN - 1 for il in range(hp.n_layer)]
 
     def build(self, b: Build, w: Weights) -> Tensor:
         hp = b.hp
