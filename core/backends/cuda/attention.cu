@@ -166,6 +166,18 @@ __device__ __forceinline__ void merge_chunks(const float *part, float *out, bloc
     if (threadIdx.x == 0) tickets[g] = 0;
 }
 
+// Each of a lane's U x N partial dot products summed over the LPK lanes that share a key (xor shuffles),
+// so every one of those lanes has the whole dot.
+template <int LPK, int U, int N>
+__device__ __forceinline__ void sum_key_lanes(float (&x)[U][N]) {
+#pragma unroll
+    for (int off = LPK / 2; off > 0; off >>= 1)
+#pragma unroll
+        for (int u = 0; u < U; u++)
+#pragma unroll
+            for (int i = 0; i < N; i++) x[u][i] += __shfl_xor_sync(0xffffffff, x[u][i], off);
+}
+
 #define DEC_THREADS 128
 #define DEC_RT 4  // query rows the value pass accumulates at once (registers: DEC_RT * 8)
 #define DEC_UNROLL 4  // keys each thread loads before using them (loads in flight together)
@@ -243,12 +255,7 @@ __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
                                 qb.y * kk[5] + qb.z * kk[6] + qb.w * kk[7];
                 }
             }
-#pragma unroll
-            for (int off = LPK / 2; off > 0; off >>= 1)
-#pragma unroll
-                for (int u = 0; u < DEC_UNROLL; u++)
-#pragma unroll
-                    for (int i = 0; i < DEC_RT; i++) dot[u][i] += __shfl_xor_sync(0xffffffff, dot[u][i], off);
+            sum_key_lanes<LPK>(dot);
             if (o == 0) {
 #pragma unroll
                 for (int u = 0; u < DEC_UNROLL; u++) {
@@ -332,15 +339,7 @@ __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
 #define DS_ROWS 4   // query rows of a KV head's group that attn_decode_rows serves (one token, up to 4 heads)
 #define DS_UNROLL 4  // keys each lane group loads at once
 
-// Decode attention for up to DS_ROWS query rows of a KV head (one token of a group of up to four heads,
-// the common decode step), built for latency: every warp takes its own keys, D / 8 lanes per key (eight
-// elements each, one 16-byte load of f16), and loads DS_UNROLL keys and their values together, so a pass
-// over a few hundred keys is one or two round trips to memory. The first round's keys and values are
-// loaded before pdl_begin (while the kernel before runs), all but the rows this step writes (`fresh`,
-// the step's T cache rows; null: every row waits), which come after it with the queries, straight into
-// registers. Each lane keeps a running maximum, sum and weighted value sum per row (online softmax), so
-// values need no second pass; lanes of a warp merge by shuffles, warps through shared memory. Same
-// arguments, chunks and merging of chunks as attn_decode.
+// a key's and its value's eight elements for this lane (zeros past the span)
 template <int TK, int D>
 __device__ __forceinline__ void ds_load(const void *k, const void *v, i64 ko, i64 vo, bool live, float *kx, float *vx) {
     if (live) {
@@ -352,6 +351,109 @@ __device__ __forceinline__ void ds_load(const void *k, const void *v, i64 ko, i6
     }
 }
 
+// A round's scores: sc[u][i] = the dot of row i's query (scaled) with key u, from this lane's slices
+// qr[i] and kx[u] and those of the other LPK - 1 lanes that hold the key.
+template <int LPK>
+__device__ __forceinline__ void ds_scores(const float (&qr)[DS_ROWS][8], const float (&kx)[DS_UNROLL][8],
+                                          float (&sc)[DS_UNROLL][DS_ROWS]) {
+#pragma unroll
+    for (int u = 0; u < DS_UNROLL; u++)
+#pragma unroll
+        for (int i = 0; i < DS_ROWS; i++) {
+            float dot = 0.0f;
+#pragma unroll
+            for (int x = 0; x < 8; x++) dot += qr[i][x] * kx[u][x];
+            sc[u][i] = dot;
+        }
+    sum_key_lanes<LPK>(sc);
+}
+
+// A round's scores sc, masked (mask(u, i): key u's mask value for row i, -INFINITY: hidden), folded into
+// each row's running maximum m, sum l and weighted value slice acc (online softmax); a row that sees none
+// of the round's keys is left as it is.
+template <typename Mask>
+__device__ __forceinline__ void ds_fold(float (&sc)[DS_UNROLL][DS_ROWS], const float (&vx)[DS_UNROLL][8],
+                                        float (&m)[DS_ROWS], float (&l)[DS_ROWS], float (&acc)[DS_ROWS][8], Mask mask) {
+#pragma unroll
+    for (int i = 0; i < DS_ROWS; i++) {
+        float mn = m[i];
+#pragma unroll
+        for (int u = 0; u < DS_UNROLL; u++) {
+            const float mk = mask(u, i);
+            sc[u][i] = mk == -INFINITY ? -INFINITY : sc[u][i] + mk;
+            mn = fmaxf(mn, sc[u][i]);
+        }
+        if (mn == -INFINITY) continue;  // nothing visible to this row yet
+        const float corr = __expf(m[i] - mn);
+        l[i] *= corr;
+#pragma unroll
+        for (int x = 0; x < 8; x++) acc[i][x] *= corr;
+#pragma unroll
+        for (int u = 0; u < DS_UNROLL; u++) {
+            const float p = __expf(sc[u][i] - mn);
+            l[i] += p;
+#pragma unroll
+            for (int x = 0; x < 8; x++) acc[i][x] += p * vx[u][x];
+        }
+        m[i] = mn;
+    }
+}
+
+// After the last round: the warp's key groups merged by shuffles (lanes o of every group hold the same
+// elements), then group 0 writes the warp's rows (maximum, sum, weighted values) to its shared slots.
+template <int LPK, int D>
+__device__ __forceinline__ void ds_merge_lanes(float (&m)[DS_ROWS], float (&l)[DS_ROWS], float (&acc)[DS_ROWS][8],
+                                               int warp, int o, int kl, float (*wacc)[DS_ROWS][D],
+                                               float (*wm)[DS_ROWS], float (*wl)[DS_ROWS]) {
+#pragma unroll
+    for (int off = LPK; off < 32; off <<= 1)
+#pragma unroll
+        for (int i = 0; i < DS_ROWS; i++) {
+            const float mo = __shfl_xor_sync(0xffffffff, m[i], off), lo_ = __shfl_xor_sync(0xffffffff, l[i], off);
+            const float mn = fmaxf(m[i], mo);
+            const float a = mn == -INFINITY ? 0.0f : __expf(m[i] - mn), b = mn == -INFINITY ? 0.0f : __expf(mo - mn);
+            l[i] = l[i] * a + lo_ * b;
+#pragma unroll
+            for (int x = 0; x < 8; x++) acc[i][x] = acc[i][x] * a + __shfl_xor_sync(0xffffffff, acc[i][x], off) * b;
+            m[i] = mn;
+        }
+    if (kl == 0) {
+#pragma unroll
+        for (int i = 0; i < DS_ROWS; i++) {
+#pragma unroll
+            for (int x = 0; x < 8; x++) wacc[warp][i][o * 8 + x] = acc[i][x];
+            if (o == 0) wm[warp][i] = m[i], wl[warp][i] = l[i];
+        }
+    }
+}
+
+// Row i's element e merged over the warps' shared slots: the largest maximum mx, and the unnormalized
+// output num and sum den rescaled to it (the row's value is num / den).
+template <int D>
+__device__ __forceinline__ void ds_merge_warps(const float (*wacc)[DS_ROWS][D], const float (*wm)[DS_ROWS],
+                                               const float (*wl)[DS_ROWS], int i, int e, float &mx, float &num,
+                                               float &den) {
+    mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < DS_WARPS; w++) mx = fmaxf(mx, wm[w][i]);
+    num = 0.0f, den = 0.0f;
+#pragma unroll
+    for (int w = 0; w < DS_WARPS; w++) {
+        const float f = wm[w][i] == -INFINITY ? 0.0f : __expf(wm[w][i] - mx);
+        num += f * wacc[w][i][e];
+        den += f * wl[w][i];
+    }
+}
+
+// Decode attention for up to DS_ROWS query rows of a KV head (one token of a group of up to four heads,
+// the common decode step), built for latency: every warp takes its own keys, D / 8 lanes per key (eight
+// elements each, one 16-byte load of f16), and loads DS_UNROLL keys and their values together, so a pass
+// over a few hundred keys is one or two round trips to memory. The first round's keys and values are
+// loaded before pdl_begin (while the kernel before runs), all but the rows this step writes (`fresh`,
+// the step's T cache rows; null: every row waits), which come after it with the queries, straight into
+// registers. Each lane keeps a running maximum, sum and weighted value sum per row (online softmax), so
+// values need no second pass; lanes of a warp merge by shuffles, warps through shared memory. Same
+// arguments, chunks and merging of chunks as attn_decode.
 template <int TK, int D>
 __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_rows(
     const float *q, const void *k, const void *v, const __half *mask, float *out, float *part, int *tickets,
@@ -410,6 +512,9 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_rows(
             ds_load<TK, D>(k, v, (i64)g * sk0 + (i64)(kv0 + j) * sk1 + o * 8,
                            (i64)g * sv0 + (i64)(kv0 + j) * sv1 + o * 8, j < j1, kx[u], vx[u]);
     }
+    i64 mrow[DS_ROWS];  // where each row's mask values for the chunk start: row i's token is min(i, R - 1) / r
+#pragma unroll
+    for (int i = 0; i < DS_ROWS; i++) mrow[i] = (i64)(min(i, R - 1) / r) * ldm + kv0;
     for (; jw < j1; jw += KPB * DS_UNROLL) {  // the same rounds for a warp's lanes (shuffles)
         const int jb = jw + kl;
         if (jw > j0 + warp * KPW) {
@@ -421,81 +526,18 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_rows(
             }
         }
         float sc[DS_UNROLL][DS_ROWS];
-#pragma unroll
-        for (int u = 0; u < DS_UNROLL; u++)
-#pragma unroll
-            for (int i = 0; i < DS_ROWS; i++) {
-                float dot = 0.0f;
-#pragma unroll
-                for (int x = 0; x < 8; x++) dot += qr[i][x] * kx[u][x];
-                sc[u][i] = dot;
-            }
-#pragma unroll
-        for (int off = LPK / 2; off > 0; off >>= 1)
-#pragma unroll
-            for (int u = 0; u < DS_UNROLL; u++)
-#pragma unroll
-                for (int i = 0; i < DS_ROWS; i++) sc[u][i] += __shfl_xor_sync(0xffffffff, sc[u][i], off);
-#pragma unroll
-        for (int i = 0; i < DS_ROWS; i++) {
-            const int t = min(i, R - 1) / r;
-            float mn = m[i];
-#pragma unroll
-            for (int u = 0; u < DS_UNROLL; u++) {
-                const int j = jb + u * KPB;
-                const float mk = j < j1 ? __half2float(mask[(i64)t * ldm + kv0 + j]) : -INFINITY;
-                sc[u][i] = mk == -INFINITY ? -INFINITY : sc[u][i] + mk;
-                mn = fmaxf(mn, sc[u][i]);
-            }
-            if (mn == -INFINITY) continue;  // nothing visible to this row yet
-            const float corr = __expf(m[i] - mn);
-            l[i] *= corr;
-#pragma unroll
-            for (int x = 0; x < 8; x++) acc[i][x] *= corr;
-#pragma unroll
-            for (int u = 0; u < DS_UNROLL; u++) {
-                const float p = __expf(sc[u][i] - mn);
-                l[i] += p;
-#pragma unroll
-                for (int x = 0; x < 8; x++) acc[i][x] += p * vx[u][x];
-            }
-            m[i] = mn;
-        }
+        ds_scores<LPK>(qr, kx, sc);
+        ds_fold(sc, vx, m, l, acc, [&](int u, int i) {
+            const int j = jb + u * KPB;
+            return j < j1 ? __half2float(mask[mrow[i] + j]) : -INFINITY;
+        });
     }
-    // the warp's key groups merged by shuffles (lanes o of every group hold the same elements)
-#pragma unroll
-    for (int off = LPK; off < 32; off <<= 1)
-#pragma unroll
-        for (int i = 0; i < DS_ROWS; i++) {
-            const float mo = __shfl_xor_sync(0xffffffff, m[i], off), lo_ = __shfl_xor_sync(0xffffffff, l[i], off);
-            const float mn = fmaxf(m[i], mo);
-            const float a = mn == -INFINITY ? 0.0f : __expf(m[i] - mn), b = mn == -INFINITY ? 0.0f : __expf(mo - mn);
-            l[i] = l[i] * a + lo_ * b;
-#pragma unroll
-            for (int x = 0; x < 8; x++) acc[i][x] = acc[i][x] * a + __shfl_xor_sync(0xffffffff, acc[i][x], off) * b;
-            m[i] = mn;
-        }
-    if (kl == 0) {
-#pragma unroll
-        for (int i = 0; i < DS_ROWS; i++) {
-#pragma unroll
-            for (int x = 0; x < 8; x++) wacc[warp][i][o * 8 + x] = acc[i][x];
-            if (o == 0) wm[warp][i] = m[i], wl[warp][i] = l[i];
-        }
-    }
+    ds_merge_lanes<LPK, D>(m, l, acc, warp, o, kl, wacc, wm, wl);
     __syncthreads();
     for (int x = threadIdx.x; x < R * D; x += DS_WARPS * 32) {  // whole warps: a warp's 32 elements are one q8 block
         const int i = x / D, e = x % D;
-        float mx = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < DS_WARPS; w++) mx = fmaxf(mx, wm[w][i]);
-        float num = 0.0f, den = 0.0f;
-#pragma unroll
-        for (int w = 0; w < DS_WARPS; w++) {
-            const float f = wm[w][i] == -INFINITY ? 0.0f : __expf(wm[w][i] - mx);
-            num += f * wacc[w][i][e];
-            den += f * wl[w][i];
-        }
+        float mx, num, den;
+        ds_merge_warps<D>(wacc, wm, wl, i, e, mx, num, den);
         const i64 orow = (i64)(i / r) * hq + g * r + i % r;
         if (gridDim.y == 1) {
             const float res = den > 0.0f ? num / den : 0.0f;
@@ -715,77 +757,15 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_tok(
             mk[u] = live ? __half2float(mrow[cell]) : -INFINITY;
         }
         float sc[DS_UNROLL][DS_ROWS];
-#pragma unroll
-        for (int u = 0; u < DS_UNROLL; u++)
-#pragma unroll
-            for (int i = 0; i < DS_ROWS; i++) {
-                float dot = 0.0f;
-#pragma unroll
-                for (int x = 0; x < 8; x++) dot += qr[i][x] * kx[u][x];
-                sc[u][i] = dot;
-            }
-#pragma unroll
-        for (int off = LPK / 2; off > 0; off >>= 1)
-#pragma unroll
-            for (int u = 0; u < DS_UNROLL; u++)
-#pragma unroll
-                for (int i = 0; i < DS_ROWS; i++) sc[u][i] += __shfl_xor_sync(0xffffffff, sc[u][i], off);
-#pragma unroll
-        for (int i = 0; i < DS_ROWS; i++) {
-            float mn = m[i];
-#pragma unroll
-            for (int u = 0; u < DS_UNROLL; u++) {
-                sc[u][i] = mk[u] == -INFINITY ? -INFINITY : sc[u][i] + mk[u];
-                mn = fmaxf(mn, sc[u][i]);
-            }
-            if (mn == -INFINITY) continue;
-            const float corr = __expf(m[i] - mn);
-            l[i] *= corr;
-#pragma unroll
-            for (int x = 0; x < 8; x++) acc[i][x] *= corr;
-#pragma unroll
-            for (int u = 0; u < DS_UNROLL; u++) {
-                const float p = __expf(sc[u][i] - mn);
-                l[i] += p;
-#pragma unroll
-                for (int x = 0; x < 8; x++) acc[i][x] += p * vx[u][x];
-            }
-            m[i] = mn;
-        }
+        ds_scores<LPK>(qr, kx, sc);
+        ds_fold(sc, vx, m, l, acc, [&](int u, int) { return mk[u]; });
     }
-#pragma unroll
-    for (int off = LPK; off < 32; off <<= 1)
-#pragma unroll
-        for (int i = 0; i < DS_ROWS; i++) {
-            const float mo = __shfl_xor_sync(0xffffffff, m[i], off), lo_ = __shfl_xor_sync(0xffffffff, l[i], off);
-            const float mn = fmaxf(m[i], mo);
-            const float a = mn == -INFINITY ? 0.0f : __expf(m[i] - mn), b = mn == -INFINITY ? 0.0f : __expf(mo - mn);
-            l[i] = l[i] * a + lo_ * b;
-#pragma unroll
-            for (int x = 0; x < 8; x++) acc[i][x] = acc[i][x] * a + __shfl_xor_sync(0xffffffff, acc[i][x], off) * b;
-            m[i] = mn;
-        }
-    if (kl == 0) {
-#pragma unroll
-        for (int i = 0; i < DS_ROWS; i++) {
-#pragma unroll
-            for (int x = 0; x < 8; x++) wacc[warp][i][o * 8 + x] = acc[i][x];
-            if (o == 0) wm[warp][i] = m[i], wl[warp][i] = l[i];
-        }
-    }
+    ds_merge_lanes<LPK, D>(m, l, acc, warp, o, kl, wacc, wm, wl);
     __syncthreads();
     for (int x = threadIdx.x; x < r * D; x += DS_WARPS * 32) {
         const int i = x / D, e = x % D;
-        float mx = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < DS_WARPS; w++) mx = fmaxf(mx, wm[w][i]);
-        float num = 0.0f, den = 0.0f;
-#pragma unroll
-        for (int w = 0; w < DS_WARPS; w++) {
-            const float f = wm[w][i] == -INFINITY ? 0.0f : __expf(wm[w][i] - mx);
-            num += f * wacc[w][i][e];
-            den += f * wl[w][i];
-        }
+        float mx, num, den;
+        ds_merge_warps<D>(wacc, wm, wl, i, e, mx, num, den);
         out[((i64)t * hq + g * r + i) * D + e] = den > 0.0f ? num / den : 0.0f;
     }
 }
