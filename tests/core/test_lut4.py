@@ -16,7 +16,7 @@ from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import quantize as gguf_quantize
 
 from ggrun.core.backends.cpu import lut4 as L4
-from ggrun.core.backends.cpu.quant import activations, codes
+from ggrun.core.backends.cpu.quant import activations, codes, decode
 from ggrun.core.dtypes import DType
 from ggrun.core.quants import dequantize, e8m0_half
 from tests import synth
@@ -64,12 +64,13 @@ def test_numpy_decoder_is_ggmls(dtype):
 
 @pytest.mark.parametrize("dtype", TYPES, ids=str)
 def test_compiled_decoder_is_ggmls(dtype):
+    """quant/decode.py's row decoders (weight tiles, get_rows) hand these types to lut4.py's."""
     w = _weights(dtype)
     out = np.full((w.shape[0], K), np.nan, np.float32)
-    L4.dequantize_rows(L4.TYPES[dtype], w, 0, w.shape[0], out)
+    decode.dequantize_rows(L4.TYPES[dtype], w, 0, w.shape[0], out)
     np.testing.assert_array_equal(out.view(np.uint32), _ggml_values(dtype).view(np.uint32))
     rows = np.full((2, K), np.nan, np.float32)
-    L4.get_rows(L4.TYPES[dtype], w, np.array([5, 1], np.int32), rows)
+    decode.get_rows(L4.TYPES[dtype], w, np.array([5, 1], np.int32), rows)
     np.testing.assert_array_equal(rows, _ggml_values(dtype)[[5, 1]])
 
 

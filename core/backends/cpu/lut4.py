@@ -95,7 +95,8 @@ def _decode_block(w, at, table, scale, out, o):
 
 @kernel
 def dequantize_row(code, w, out):
-    """One row of blocks (bytes w) as f32 values into out [K], as ggml's dequantize_row_* computes them."""
+    """One row of blocks (bytes w) as f32 values into out [K], as ggml's dequantize_row_* computes them
+    (quant/decode.py's row decoders, and so its get_rows and weight tiles, call it for these types)."""
     k = out.shape[0]
     if code == IQ4_XS:
         for sb in range(k // 256):
@@ -109,28 +110,6 @@ def dequantize_row(code, w, out):
     else:
         for b in range(k // 32):
             _decode_block(w, 17 * b + 1, _MX, _E8M0_HALF[w[17 * b]], out, 32 * b)
-
-
-@kernel
-def dequantize_rows(code, w, m0, m1, out):
-    """Rows m0..m1 of w (stored rows [M, row bytes]) decoded into out [m1 - m0, K]."""
-    for m in range(m0, m1):
-        dequantize_row(code, w[m], out[m - m0])
-
-
-@kernel(parallel=True)
-def dequantize_rows_par(code, w, m0, m1, out, n_chunks):
-    step = (m1 - m0 + n_chunks - 1) // n_chunks
-    for c in prange(n_chunks):
-        for m in range(m0 + c * step, min(m1, m0 + (c + 1) * step)):
-            dequantize_row(code, w[m], out[m - m0])
-
-
-@kernel
-def get_rows(code, w, ids, out):
-    """Rows ids of w decoded into out [len(ids), K] (the token embedding's lookup)."""
-    for i in range(ids.shape[0]):
-        dequantize_row(code, w[ids[i]], out[i])
 
 
 @kernel

@@ -605,10 +605,6 @@ def _tile_loader(plan: _Plan, w, m0: int, m1: int, rhs):
     threads = jit.threads()
     vector = _avx2()
     values, mins = rhs[:, :plan.k], rhs[:, plan.k:]
-    if plan.dtype in L4.TYPES:
-        if threads > 1:
-            return partial(L4.dequantize_rows_par, plan.code, w, m0, m1, values, threads)
-        return partial(L4.dequantize_rows, plan.code, w, m0, m1, values)
     if threads > 1:
         rows = partial(decode.dequantize_rows_avx2_par if vector else decode.dequantize_rows_par,
                          plan.code, w, m0, m1, values, threads)
@@ -655,6 +651,4 @@ def bind_get_rows(node: Tensor, out, srcs: list, scratch):
     ids = srcs[1]
     if w is None or ids.ndim != 1:
         return None
-    if a.dtype in L4.TYPES:
-        return partial(L4.get_rows, code, w, ids, out)
     return partial(decode.get_rows_avx2 if _avx2() else decode.get_rows, code, w, ids, out)

@@ -1,5 +1,6 @@
 """Stored rows of every type decoded to f32 (get_rows, and the weight tiles of the BLAS path): the same
-values, bit for bit, as core.quants' numpy decoders, portable and 8 at a time on AVX2.
+values, bit for bit, as core.quants' numpy decoders, portable and 8 at a time on AVX2. The lookup-table
+types (IQ4_NL, IQ4_XS, MXFP4) are decoded by lut4.py's row decoder, in both.
 
 Listed in jit.SHARED_SOURCES: the f32 products (portable.py, avx2.py) compile the row decoders in.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
+from ggrun.core.backends.cpu import lut4
 from ggrun.core.backends.cpu.jit import kernel
 from ggrun.core.backends.cpu.quant.codes import (
     BF16, F16, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, _bf16, _f16, _k4_scale_min, _k4_sm,
@@ -131,6 +133,8 @@ def dequantize_row(code, w, out):
                 high = (w[o + 128 + 32 * h + l] >> (2 * i)) & 3
                 scale = d * np.float32(_s8(w[o + 192 + e // 16]))
                 out[256 * b + e] = np.float32(np.int64(low | (high << 4)) - 32) * scale
+    else:
+        lut4.dequantize_row(code, w, out)
 
 
 @kernel
