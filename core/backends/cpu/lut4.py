@@ -15,31 +15,16 @@ import numpy as np
 from numba import prange
 
 from ggrun.core.backends.cpu.jit import kernel
+from ggrun.core.backends.cpu.quant.codes import IQ4_NL, IQ4_XS, MXFP4, _f16
 from ggrun.core.dtypes import DType
 from ggrun.core.quants import IQ4_VALUES, MXFP4_VALUES, e8m0_half
 
-# Type codes, continuing quant/codes.py's (it registers these in its CODES and ACT_OF).
-IQ4_NL, IQ4_XS, MXFP4 = 13, 14, 15
+# The types whose kernels are here, and their codes (quant/codes.py's).
 TYPES: dict[DType, int] = {DType.IQ4_NL: IQ4_NL, DType.IQ4_XS: IQ4_XS, DType.MXFP4: MXFP4}
 
 _IQ4 = IQ4_VALUES.astype(np.int32)
 _MX = MXFP4_VALUES.astype(np.int32)
 _E8M0_HALF = e8m0_half(np.arange(256, dtype=np.uint8))  # every exponent byte as the f32 scale it stands for
-
-
-@kernel(inline="always")
-def _f16(lo, hi):
-    """The IEEE half whose little-endian bytes are lo, hi, as float32 (exact)."""
-    h = np.int64(lo) | (np.int64(hi) << 8)
-    e = (h >> 10) & 31
-    f = h & 1023
-    if e == 0:
-        v = np.float64(f) * 5.960464477539063e-08  # subnormal: f * 2^-24
-    elif e == 31:
-        v = np.inf if f == 0 else np.nan
-    else:
-        v = np.float64(1024 + f) * 2.0 ** (e - 25)
-    return np.float32(-v if h & 0x8000 else v)
 
 
 @kernel(inline="always")
@@ -73,11 +58,11 @@ def dot(code, w, qs, d):
             isum = 0  # the sub-blocks' scales are integers: the whole super-block sums exactly (ggml's AVX2)
             for ib in range(8):
                 isum += _xs_scale(w, at, ib) * _block_sum(w, at + 8 + 16 * ib, _IQ4, qs, 256 * sb + 32 * ib)
-            acc += (_f16(w[at], w[at + 1]) * d[sb]) * np.float32(isum)
+            acc += (_f16(w, at) * d[sb]) * np.float32(isum)
     elif code == IQ4_NL:
         for b in range(k // 32):
             at = b * 18
-            acc += (_f16(w[at], w[at + 1]) * d[b]) * np.float32(_block_sum(w, at + 2, _IQ4, qs, 32 * b))
+            acc += (_f16(w, at) * d[b]) * np.float32(_block_sum(w, at + 2, _IQ4, qs, 32 * b))
     else:
         for b in range(k // 32):
             at = b * 17
@@ -101,12 +86,12 @@ def dequantize_row(code, w, out):
     if code == IQ4_XS:
         for sb in range(k // 256):
             at = sb * 136
-            d = _f16(w[at], w[at + 1])
+            d = _f16(w, at)
             for ib in range(8):
                 _decode_block(w, at + 8 + 16 * ib, _IQ4, d * np.float32(_xs_scale(w, at, ib)), out, 256 * sb + 32 * ib)
     elif code == IQ4_NL:
         for b in range(k // 32):
-            _decode_block(w, 18 * b + 2, _IQ4, _f16(w[18 * b], w[18 * b + 1]), out, 32 * b)
+            _decode_block(w, 18 * b + 2, _IQ4, _f16(w, 18 * b), out, 32 * b)
     else:
         for b in range(k // 32):
             _decode_block(w, 17 * b + 1, _MX, _E8M0_HALF[w[17 * b]], out, 32 * b)

@@ -1,5 +1,5 @@
 """The block types' codes and the pieces of their layouts every kernel file reads: numba dispatches on a
-small int per type (F32 .. Q6_K), the activation formats a weight type's integer dot product reads
+small int per type (F32 .. MXFP4), the activation formats a weight type's integer dot product reads
 (Q8_0, Q8_1, Q8_K: ggml's vec_dot_type) and their planned arrays, the instruction-set level (SIMD), and
 the scalar helpers that decode a block's f16/bf16 fields and packed scales.
 
@@ -17,7 +17,6 @@ from numba.extending import intrinsic
 
 from ggrun.core.backends.cpu import isa
 from ggrun.core.backends.cpu.jit import kernel
-from ggrun.core.backends.cpu.lut4 import TYPES as LUT4_TYPES
 from ggrun.core.dtypes import DType
 
 
@@ -30,12 +29,13 @@ _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntTyp
 F32, F16, BF16 = 0, 1, 2
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 3, 4, 5, 6, 7
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 8, 9, 10, 11, 12
+IQ4_NL, IQ4_XS, MXFP4 = 13, 14, 15  # the lookup-table types: their kernels are lut4.py's
 
 CODES: dict[DType, int] = {
     DType.F32: F32, DType.F16: F16, DType.BF16: BF16,
     DType.Q4_0: Q4_0, DType.Q4_1: Q4_1, DType.Q5_0: Q5_0, DType.Q5_1: Q5_1, DType.Q8_0: Q8_0,
     DType.Q2_K: Q2_K, DType.Q3_K: Q3_K, DType.Q4_K: Q4_K, DType.Q5_K: Q5_K, DType.Q6_K: Q6_K,
-    **LUT4_TYPES,  # IQ4_NL, IQ4_XS, MXFP4: their kernels are lut4.py's, which matmul.py calls for them
+    DType.IQ4_NL: IQ4_NL, DType.IQ4_XS: IQ4_XS, DType.MXFP4: MXFP4,
 }
 
 # Activation formats: the 8-bit blocks a weight type's integer dot product reads (ggml's vec_dot_type).
