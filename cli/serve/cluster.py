@@ -24,6 +24,7 @@ import asyncio
 import signal
 import threading
 import time
+from dataclasses import replace
 
 import ray
 from ray import serve
@@ -152,7 +153,8 @@ async def _relay(first: list[bytes], rest):
 
 
 def replica_options(s: ServeSettings) -> dict:
-    """The engine deployment's options: a GPU per replica when layers are offloaded, else -t CPU cores;
+    """The engine deployment's options: a GPU per replica when layers are offloaded, else -t CPU cores (1 without
+    -t: a replica's engine runs as many threads as it has cores, not every core of its node);
     a fixed replica count, or Ray Serve's autoscaling between --replicas and --max-replicas."""
     actor = {"num_gpus": 1, "num_cpus": 1} if s.n_gpu_layers else {"num_cpus": s.threads or 1}
     opts = {"name": "ggrun-engine", "ray_actor_options": actor, "max_ongoing_requests": s.n_parallel + s.max_queue,
@@ -167,7 +169,7 @@ def replica_options(s: ServeSettings) -> dict:
 
 def application(s: ServeSettings):
     """The Ray Serve application: the ingress bound to the engine deployment."""
-    engine = serve.deployment(EngineReplica, **replica_options(s)).bind(s)
+    engine = serve.deployment(EngineReplica, **replica_options(s)).bind(replace(s, threads=s.threads or 1))
     most = max(s.replicas, s.max_replicas) * (s.n_parallel + s.max_queue)
     ingress = serve.deployment(Ingress, name="ggrun-ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=most)

@@ -12,6 +12,7 @@ from ggrun.core.errors import BadInput
 
 
 def parse(args: str):
+    """The settings record of `ggrun serve ARGS`."""
     return parse_settings(cmd_serve.settings, shlex.split(args))
 
 

@@ -15,6 +15,8 @@ from ggrun.cli.serve.asgi_call import HttpCall, ResponseStart, call_app  # noqa:
 
 
 def app_with(events: list[str], release: asyncio.Event) -> FastAPI:
+    """/echo answers what reached it; /stream sends one chunk, a second once `release` is set, then waits for
+    its client to go away, noting each in `events`."""
     app = FastAPI()
 
     @app.post("/echo")

@@ -1,6 +1,7 @@
 """`ggrun serve --replicas` on a local Ray cluster (ray.init(num_cpus=2), two engine replicas of the synthetic
 tiny llama under --numerics f32, one core each): concurrent requests through the one ingress are answered by
-both replicas with the text one request gets alone, streamed and whole, behind the same key check; killing a
+both replicas with the text one request gets alone, streamed and whole, behind the same key check; a client
+that leaves a stream frees its slot on the replica at once; killing a
 replica's actor while requests run on it loses none of them (the ingress sends them again to the other
 replica), and Ray Serve brings the killed one back. Skipped without the extra ggrun[cluster]."""
 from __future__ import annotations
@@ -29,8 +30,9 @@ LONG = 900  # tokens: the requests still run when a replica is killed
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_path):
+    """The ingress's URL: a local Ray of 2 CPUs running two engine replicas of one core each."""
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    s = ServeSettings(model=str(tiny_llama_path), port=free_port(), n_ctx=4096, n_parallel=4, threads=1,
+    s = ServeSettings(model=str(tiny_llama_path), port=free_port(), n_ctx=16384, n_parallel=4, threads=1,
                       numerics="f32", api_key=KEY, chat_template="chatml", replicas=2, max_replicas=2)
     try:
         start(s, APP)
@@ -49,6 +51,7 @@ def complete(url: str, n_predict: int) -> tuple[int, str, str]:
 
 
 def concurrently(url: str, n: int, n_predict: int) -> list[tuple[int, str, str]]:
+    """n completions at once, as `complete` returns them."""
     with ThreadPoolExecutor(n) as pool:
         return list(pool.map(lambda _: complete(url, n_predict), range(n)))
 
@@ -76,6 +79,22 @@ def test_two_replicas_answer_concurrent_requests_streamed_and_whole(cluster):
     with httpx.Client(base_url=cluster, timeout=30, trust_env=False) as c:  # the same app: its key check
         assert c.get("/v1/models").status_code == 401
         assert c.get("/health").status_code == 200
+
+
+def test_a_client_that_leaves_a_stream_frees_its_slot_on_the_replica(cluster):
+    body = {"prompt": PROMPT, "n_predict": -1, "ignore_eos": True, "temperature": 0, "stream": True}  # 4k tokens
+    with httpx.Client(base_url=cluster, headers=HEADERS, timeout=60, trust_env=False) as c:
+        with c.stream("POST", "/completion", json=body) as r:
+            assert r.status_code == 200
+            replica = r.headers[REPLICA_HEADER]
+            next(r.iter_lines())  # generating; then the client goes away
+        deadline = time.monotonic() + 3  # well before the slot's 4096 tokens would have ended it
+        while time.monotonic() < deadline:  # /slots of that replica (either may answer) shows every slot free
+            r = c.get("/slots")
+            if r.headers[REPLICA_HEADER] == replica and not any(slot["is_processing"] for slot in r.json()):
+                return
+            time.sleep(0.1)
+    raise AssertionError("the stream's slot was not freed")
 
 
 def busy_replica(url: str) -> str:
