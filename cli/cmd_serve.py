@@ -51,7 +51,8 @@ def settings(
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for a slot; more get 503"),
     replicas: int = typer.Option(0, "--replicas", help="Serve from N engine replicas on Ray Serve behind one "
                                                        "ingress (each on a GPU of its own with -ngl, else on -t CPU "
-                                                       "cores, default 1); needs ggrun[cluster]. 0: one engine here"),
+                                                       "cores, default 1); needs the extra ggrun\\[cluster]. 0: one "
+                                                       "engine here"),
     max_replicas: Optional[int] = typer.Option(None, "--max-replicas", help="With --replicas N: let Ray Serve's "
                                                "autoscaler run N..M replicas, aiming at -np requests in each"),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="With --replicas: the Ray cluster to "
