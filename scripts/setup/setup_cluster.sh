@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install the extra ggrun[cluster] (ray[serve], about 370 MB) into .venv for `ggrun serve --replicas` and its
-# test (tests/cli/serve/test_cluster.py, which skips without it); CI runs it (scripts/test.sh with CI set).
+# test (tests/cli/serve/test_cluster.py, which skips without it); scripts/test.sh runs it.
 # Kept out of scripts/setup.sh so that a plain set-up does not download Ray.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
