@@ -173,6 +173,7 @@ class KVCache:
         self.has_shift = False
         self.version = 0
         self.changes = 0  # counts every change of the cells: a step readied against them checks it
+        self.pow2_cells = False  # n_kv rounded to a power of two (a session whose masks are made from the cells)
         self._recount()
 
     @property
@@ -190,8 +191,22 @@ class KVCache:
         return self.n_ctx - self.n_used
 
     def n_kv(self) -> int:
-        """Cells the attention reads: up to the last used cell, padded so shapes stay stable."""
-        return min(self.n_ctx, max(self.pad, -(-self._top // self.pad) * self.pad))
+        """Cells the attention reads: up to the last used cell, padded so shapes stay stable; with
+        `pow2_cells`, to a power of two (a graph then serves while the cache doubles: prompt chunks of many
+        sequences and decode steps whose sequences take new blocks keep their graphs)."""
+        n = max(self.pad, -(-self._top // self.pad) * self.pad)
+        if self.pow2_cells:
+            n = 1 << (n - 1).bit_length()
+        return min(self.n_ctx, n)
+
+    def fill_cell_seqs(self, out: np.ndarray) -> None:
+        """out i32 [cells, words]: the first cells' sequences as bits, sequence s as bit s % 32 of word s // 32
+        (what ops.kq_mask reads)."""
+        n, nbytes = out.shape[0], out.shape[1] * 4
+        packed = np.packbits(self.seqs[:n], axis=1, bitorder="little")
+        raw = out.view(np.uint8).reshape(n, nbytes)
+        raw[:, :packed.shape[1]] = packed
+        raw[:, packed.shape[1]:] = 0
 
     def _recount(self) -> None:
         """Count the used cells and find the highest one again, after cells were freed or moved."""
