@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument("-ntg", type=int, default=32)
     ap.add_argument("-npl", default="1,16,64,128")
     ap.add_argument("-ub", type=int, default=512)
-    ap.add_argument("--profile", type=int, default=64)
+    ap.add_argument("--profile", type=int, default=64, help="B whose steps run under cProfile (0: none)")
     ap.add_argument("--modes", default="decode,greedy,sampled")
     ap.add_argument("--kernels", type=int, default=0, help="B whose greedy steps' GPU kernels are listed (0: none)")
     a = ap.parse_args()
@@ -116,7 +116,7 @@ def main() -> None:
     if a.kernels:
         kernel_table(s, BatchedTest(a.npp, a.ntg, a.kernels), 2048)
     test = BatchedTest(a.npp, a.ntg, a.profile)
-    for mode in modes:
+    for mode in modes if a.profile else ():
         steps(s, test, mode, 2048)
         prof = cProfile.Profile()
         prof.enable()
