@@ -343,19 +343,23 @@ class KVCache:
             raise BadInput(f"sequence id out of range 0..{self.n_seq_max - 1}")
 
     def fill_mask(self, out: np.ndarray, pos: np.ndarray, seq: np.ndarray, window: int | None = None) -> None:
-        """KQ mask [tokens, n_kv]: 0 where a token may see a cell (same sequence, not later, and
+        """KQ mask [tokens, n_kv] (f16): 0 where a token may see a cell (same sequence, not later, and
         with a window, fewer than `window` positions back), else -inf."""
-        # all hidden, then the visible cells opened: no float64 temporary of the mask's size (np.where)
-        out.fill(-np.inf)
         if len(pos) == 1:
+            out.fill(-np.inf)
             self._open_row(out[0], int(pos[0]), int(seq[0]), window)
             return
+        # the hidden cells as flags, made in place, then written as f16 bits (-inf is 0xfc00, 0 is 0) in one
+        # pass: a boolean-indexed store of zeros over an all -inf mask took 2-3x as long (64 and 128 sequences'
+        # decode steps over 256 cells each)
         n_kv = out.shape[1]
         cell_pos = self.pos[None, :n_kv]
-        visible = self.seqs[:n_kv, seq].T & (cell_pos <= pos[:, None]) & (cell_pos >= 0)
+        hidden = np.logical_not(self.seqs[:n_kv, seq].T, order="C")
+        hidden |= cell_pos > pos[:, None]
+        hidden |= cell_pos < 0
         if window is not None:
-            visible &= pos[:, None] - cell_pos < window
-        out[visible] = 0
+            hidden |= pos[:, None] - cell_pos >= window
+        np.multiply(hidden, np.uint16(0xFC00), out=out.view(np.uint16))
 
     def _open_row(self, row: np.ndarray, pos: int, seq: int, window: int | None) -> None:
         """Open one token's row of the mask (a decode step): the slice 0..top when the token sees exactly
