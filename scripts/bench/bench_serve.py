@@ -174,8 +174,15 @@ def report(conc: int, runs: dict) -> None:
         print(f"  c={conc:3d} {name:5s}: gen {tps:8.2f} t/s  TTFT p50 {1e3 * figs[name][1]:8.1f} ms  "
               f"p99 {1e3 * figs[name][2]:8.1f} ms  HTTP share {100 * figs[name][3]:5.1f} %")
     g, ll = figs["ggrun"], figs["llama"]
-    print(f"  c={conc:3d} ratio ggrun/llama-server: gen t/s {g[0] / ll[0]:.2f}x  TTFT p50 {g[1] / ll[1]:.2f}x  "
-          f"TTFT p99 {g[2] / ll[2]:.2f}x")
+    ratios = "  ".join(f"{what} {_ratio(a, b)}" for what, a, b in
+                       (("gen t/s", g[0], ll[0]), ("TTFT p50", g[1], ll[1]), ("TTFT p99", g[2], ll[2])))
+    print(f"  c={conc:3d} ratio ggrun/llama-server: {ratios}")
+
+
+def _ratio(a: float, b: float) -> str:
+    """a / b as a ratio, or why there is none: a TTFT stays 0 when no chunk carried text (a synthetic model's
+    random tokens may decode to no whole character)."""
+    return f"{a / b:.2f}x" if a and b else "n/a (no text streamed)"
 
 
 if __name__ == "__main__":

@@ -31,9 +31,11 @@ from ggrun.core.llm.session import Session, SessionParams
 
 
 def _gpu_stream(session: Session):
-    """The stream of the backend that computes the logits, when it is a GPU (else None)."""
+    """(the stream, the device index) of the backend that computes the logits, when it is a GPU (else None):
+    events are made with that device current (another one's events cannot be recorded on its stream)."""
     backend = session.model.placement.output
-    return getattr(backend, "stream", None)
+    stream = getattr(backend, "stream", None)
+    return None if stream is None else (stream, backend.index)
 
 
 def steps(session: Session, test: BatchedTest, mode: str, n_batch: int) -> tuple[float, list[float], list[float]]:
@@ -45,14 +47,16 @@ def steps(session: Session, test: BatchedTest, mode: str, n_batch: int) -> tuple
     t_pp = time.perf_counter() - t0
     sampler = BatchedSampler([SamplingParams(seed=i) for i in range(test.pl)], session.n_ctx)
     slots = np.arange(test.pl)
-    stream = _gpu_stream(session)
+    on_gpu = _gpu_stream(session)
     out, gpu = [], []
     for i in range(test.tg):
         b = decode_batch(test, i)
-        if stream is not None:
+        if on_gpu is not None:
             import cupy
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(stream)
+            stream, index = on_gpu
+            with cupy.cuda.Device(index):
+                start, end = cupy.cuda.Event(), cupy.cuda.Event()
+                start.record(stream)
         t0 = time.perf_counter()
         if mode == "decode":
             session.decode(b)
@@ -62,10 +66,11 @@ def steps(session: Session, test: BatchedTest, mode: str, n_batch: int) -> tuple
             ids = session.decode_sampled(b, sampler.rows(slots))
             sampler.accept_rows(slots, ids)
         out.append(time.perf_counter() - t0)
-        if stream is not None:
-            end.record(stream)
-            end.synchronize()
-            gpu.append(cupy.cuda.get_elapsed_time(start, end))
+        if on_gpu is not None:
+            with cupy.cuda.Device(index):
+                end.record(stream)
+                end.synchronize()
+                gpu.append(cupy.cuda.get_elapsed_time(start, end))
     return t_pp, out, gpu
 
 
