@@ -148,13 +148,29 @@ class KQMaskFromCells:
     """The KQ mask made where attention runs (ops.kq_mask) from the cells' positions and sequence bits and
     the tokens' positions and sequences, in place of a host-filled InpKQMask: for a step of many sequences
     the host sends a few bytes a cell instead of filling tokens x cells. Like InpKQMask, `tensor` is what
-    attention reads; its own inputs are `inputs`."""
+    attention reads (`on` gives the one made on a layer's own backend); its own inputs are `inputs`."""
 
     def __init__(self, p: GraphParams, tok_pos: Tensor, tok_seq: Tensor, words: int, window: int | None = None,
                  own_cache: bool = False) -> None:
         self.inputs = [InpCellPos(p, own_cache), InpCellSeqs(p, words, own_cache)]
-        name = "kq_mask" if window is None else "kq_mask_swa"
-        self.tensor = ops.kq_mask(self.inputs[0].tensor, self.inputs[1].tensor, tok_pos, tok_seq, window, name=name)
+        self.name = "kq_mask" if window is None else "kq_mask_swa"
+        self._srcs = (self.inputs[0].tensor, self.inputs[1].tensor, tok_pos, tok_seq)
+        self.window = window
+        self.tensor = ops.kq_mask(*self._srcs, window, name=self.name)
+        self._on: dict[str, Tensor] = {}
+
+    def on(self, backend) -> Tensor:
+        """The mask made on `backend` (a layer's, where its attention reads it; None: wherever the scheduler
+        puts it), one node per backend: made on one device and read on others, it would cross between them at
+        every step, and a pipelined prompt's device could make the next micro-batch's mask over it before a
+        later device has copied it. Its inputs, a few bytes a cell, go to each device instead."""
+        if backend is None:
+            return self.tensor
+        t = self._on.get(backend.name)
+        if t is None:
+            t = self._on[backend.name] = ops.kq_mask(*self._srcs, self.window, name=f"{self.name}-{backend.name}")
+            t.params[ops.RUN_ON] = backend.name
+        return t
 
 
 def _token_seqs(st: UBatchState) -> np.ndarray:
@@ -256,6 +272,14 @@ class GraphInputs:
                            mask_swa,
                            InpPerToken(p, "inp_kv_idx_swa", lambda st: st.cells_swa) if own else None,
                            sampling_inputs(p) if p.sampler else None, seq)
+
+    def mask_on(self, mask: Tensor, backend) -> Tensor:
+        """The mask attention on `backend` reads for `mask` (the tensor of kq_mask or kq_mask_swa): a mask made
+        from the cells is made on that backend (KQMaskFromCells.on); a host-filled one is itself."""
+        for m in (self.kq_mask, self.kq_mask_swa):
+            if isinstance(m, KQMaskFromCells) and m.tensor is mask:
+                return m.on(backend)
+        return mask
 
     def all(self) -> list[GraphInput]:
         out: list[GraphInput] = []

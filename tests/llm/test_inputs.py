@@ -1,7 +1,8 @@
 """KQ masks made from the cells (inputs.KQMaskFromCells, ops.kq_mask): the mask the reference kernel makes
 from the cells' positions and sequence bits is the host-filled one (KVCache.fill_mask), windows and padding
 rows included; a session whose masks are made so decodes many sequences, prompts and decode steps, to the
-same logits as one that fills them on the host (llama's global attention, gemma3's sliding window)."""
+same logits as one that fills them on the host (llama's global attention, gemma3's sliding window), and
+with layers split over two devices each makes its own."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 from ggrun.core import ops
 from ggrun.core.backends.cpu import CPUBackend
 from ggrun.core.backends.kernels import KERNELS
+from ggrun.core.backends.sim import SimBackend
 from ggrun.core.dtypes import DType
 from ggrun.core.llm.batch import Batch
 from ggrun.core.llm.kv_cache import KVCache
@@ -90,3 +92,23 @@ def test_a_session_with_masks_from_the_cells_decodes_as_one_with_host_masks(fami
     model = Model.load(path, [CPUBackend()], numerics="f32")
     for got, want in zip(_logits(model, True), _logits(model, False)):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_masks_from_the_cells_are_made_on_each_device_of_a_layer_split(family, tiny_llama_factory,
+                                                                       tiny_gemma3_factory):
+    """Layers split over two stand-in devices (what two GPUs are to the engine): each device makes the masks
+    its layers read from the cells, none crosses between them, and the logits are those of host masks."""
+    path = tiny_llama_factory(n_layer=4) if family == "llama" else tiny_gemma3_factory()
+    model = Model.load(path, [SimBackend(name="SIM0"), SimBackend(name="SIM1"), CPUBackend()], 99, numerics="f32")
+    assert {model.placement.layers[0].name, model.placement.layers[-1].name} == {"SIM0", "SIM1"}
+    got, want = _logits(model, True), _logits(model, False)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)
+    s = Session(model, SessionParams(n_ctx=512, n_ubatch=32, n_seq_max=6, mask_from_cells=True))
+    s.decode(Batch([5, 6], [0, 0], [0, 1], [True, True]))
+    sg = s.result.sg
+    masks = [n for n in sg.graph.nodes if n.op == "kq_mask"]
+    assert all(n.name.endswith("-" + sg.home(n).name) for n in masks)
+    assert {sg.home(n).name for n in masks} == {"SIM0", "SIM1"}
+    assert not [c for sp in sg.splits for c in sp.copies if c.srcs[0].op == "kq_mask"]
