@@ -11,6 +11,7 @@ from typing import Callable
 import numpy as np
 
 from ggrun.core import ops
+from ggrun.core.backends.base import Backend
 from ggrun.core.dtypes import DType
 from ggrun.core.llm.batch import UBatch
 from ggrun.core.tensor import Tensor, new_tensor
@@ -141,6 +142,7 @@ class InpCellSeqs(GraphInput):
 
 
 def _cells(p: GraphParams, own_cache: bool) -> int:
+    """Cells attended in the cache (or, with own_cache, in the sliding-window cache) for params p."""
     return p.n_kv_swa if own_cache else p.n_kv
 
 
@@ -159,7 +161,7 @@ class KQMaskFromCells:
         self.tensor = ops.kq_mask(*self._srcs, window, name=self.name)
         self._on: dict[str, Tensor] = {}
 
-    def on(self, backend) -> Tensor:
+    def on(self, backend: Backend | None) -> Tensor:
         """The mask made on `backend` (a layer's, where its attention reads it; None: wherever the scheduler
         puts it), one node per backend: made on one device and read on others, it would cross between them at
         every step, and a pipelined prompt's device could make the next micro-batch's mask over it before a
@@ -273,7 +275,7 @@ class GraphInputs:
                            InpPerToken(p, "inp_kv_idx_swa", lambda st: st.cells_swa) if own else None,
                            sampling_inputs(p) if p.sampler else None, seq)
 
-    def mask_on(self, mask: Tensor, backend) -> Tensor:
+    def mask_on(self, mask: Tensor, backend: Backend | None) -> Tensor:
         """The mask attention on `backend` reads for `mask` (the tensor of kq_mask or kq_mask_swa): a mask made
         from the cells is made on that backend (KQMaskFromCells.on); a host-filled one is itself."""
         for m in (self.kq_mask, self.kq_mask_swa):
