@@ -68,7 +68,11 @@ def test_many_sequences_decode_as_on_the_cpu(tiny_llama_factory):
             assert any(k is tok for k in used), "the per-token decode attention did not run"
     for g, c in zip(logits["gpu"], logits["cpu"]):  # measured on an H200: at most 6e-3 apart over the 6 steps
         np.testing.assert_allclose(g, c, rtol=0, atol=1e-2)
-        assert np.array_equal(g.argmax(axis=1), c.argmax(axis=1))
+        # the same top token wherever the CPU's best two are further apart than the two runs may be: 72 rows
+        # of a random tiny model's logits hold near-ties, which 6e-3 can order either way
+        top2 = np.sort(c, axis=1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 2e-2
+        assert np.array_equal(g.argmax(axis=1)[clear], c.argmax(axis=1)[clear])
 
 
 def test_buckets_are_captured_once_and_recaptured_on_a_bucket_change(tiny_llama_factory, monkeypatch, capfd):
