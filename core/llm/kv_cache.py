@@ -355,7 +355,8 @@ class KVCache:
         n_kv = out.shape[1]
         cell_pos = self.pos[None, :n_kv]
         hidden = np.logical_not(self.seqs[:n_kv, seq].T, order="C")
-        hidden |= cell_pos > pos[:, None]
+        if self._max_pos > int(pos.min()):  # else no cell is later than any token (a decode step in step)
+            hidden |= cell_pos > pos[:, None]
         hidden |= cell_pos < 0
         if window is not None:
             hidden |= pos[:, None] - cell_pos >= window

@@ -29,6 +29,7 @@ def _cache(n_ctx: int, n_seq: int, rng) -> KVCache:
     kv.seqs[np.flatnonzero(used), rng.integers(0, n_seq, n_ctx)[used]] = True
     shared = np.flatnonzero(used)[::7]
     kv.seqs[shared, (rng.integers(0, n_seq, len(shared)))] = True
+    kv._recount()  # the counts and the bound on positions the cache keeps, for the cells written here
     return kv
 
 
