@@ -3,7 +3,11 @@ prompt shared by all with `shared`, llama.cpp's -pps), then TG decode steps of B
 sequence; the prompt and the generation are timed apart.
 
 As in llama-batched-bench every token is id 0, the prompt's batch asks logits for its last token only
-and every decode step asks them for all B; the cache is cleared at the start of each prompt's timing
+and every decode step asks them for all B. Where the logits are computed off the host (a GPU), a decode
+step ends in their argmax and only the B token ids come back, as generation's steps do (Session.decode_greedy;
+llama-batched-bench copies every row's logits to the host instead, 64 MB a step at B = 128 with a 128k
+vocabulary, which no sampler of ggrun's reads there); on the CPU they are in host memory already and decode
+returns them. The cache is cleared at the start of each prompt's timing
 and, when shared, the prompt's cells are then shared with sequences 1..B-1 (seq_cp). Timing goes
 through an injectable clock so tests can check the arithmetic.
 """
@@ -69,11 +73,13 @@ def tests_of(npp: tuple[int, ...], ntg: tuple[int, ...], npl: tuple[int, ...], s
     return [BatchedTest(pp, tg, pl, shared) for pp in npp for tg in ntg for pl in npl]
 
 
-def _decode_in_batches(session: Session, batch: Batch, n_batch: int) -> None:
-    """llama-batched-bench's decode_helper: the batch in slices of n_batch tokens, one decode each."""
+def _decode_in_batches(session: Session, batch: Batch, n_batch: int, ids_only: bool = False) -> None:
+    """llama-batched-bench's decode_helper: the batch in slices of n_batch tokens, one decode each; with
+    ids_only, each slice's next tokens come back rather than its logits (Session.decode_greedy)."""
+    decode = session.decode_greedy if ids_only else session.decode
     for i in range(0, len(batch), n_batch):
-        session.decode(Batch(batch.tokens[i:i + n_batch], batch.pos[i:i + n_batch], batch.seq[i:i + n_batch],
-                             batch.logits[i:i + n_batch]))
+        decode(Batch(batch.tokens[i:i + n_batch], batch.pos[i:i + n_batch], batch.seq[i:i + n_batch],
+                     batch.logits[i:i + n_batch]))
 
 
 def warm_up(session: Session, n_batch: int) -> None:
@@ -110,7 +116,8 @@ def run_batched(session: Session, test: BatchedTest, n_batch: int, clock: Clock 
         for s in range(1, test.pl):
             session.seq_cp(0, s)
     t1 = clock()
+    ids_only = session.logits_on_device
     for i in range(test.tg):
-        _decode_in_batches(session, decode_batch(test, i), n_batch)
+        _decode_in_batches(session, decode_batch(test, i), n_batch, ids_only)
     t2 = clock()
     return BatchedResult(test, t1 - t0, t2 - t1)

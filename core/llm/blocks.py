@@ -162,7 +162,7 @@ def attention(b: Build, il: int, q: Tensor, k: Tensor, v: Tensor, wo: Tensor, ro
     keys = ops.permute(heads_view(k_all, n_kv, hp.n_head_kv, hp.head_dim), (1, 0, 2))  # [heads_kv, n_kv, head_dim]
     qh = ops.permute(q, (1, 0, 2))  # [heads, tokens, head_dim]
     scale = kq_scale if kq_scale is not None else 1.0 / math.sqrt(hp.head_dim)
-    kq_mask = b.inp.kq_mask.tensor if mask is None else mask
+    kq_mask = b.inp.mask_on(b.inp.kq_mask.tensor if mask is None else mask, _home((rows.k,)))
     if b.flash_attn and softcap is None and sinks is None:
         vals = ops.permute(heads_view(v_all, n_kv, hp.n_head_kv, hp.head_dim), (1, 0, 2))  # [heads_kv, n_kv, head_dim]
         merged = ops.flash_attn(qh, keys, vals, kq_mask, scale, name=f"fattn-{il}")  # [tokens, heads, head_dim]

@@ -422,6 +422,24 @@ def _fresh_rows(node: Tensor, backend) -> np.uint64:
     return ptr(backend.array(idx))
 
 
+def _mask_is_step_input(node: Tensor) -> bool:
+    """Whether attention's mask is copied in before the step's first kernel (attn_decode and attn_decode_rows
+    read it before pdl_begin then), not made by a kernel of the step (ops.kq_mask), which may still run."""
+    return node.srcs[3].root.op != "kq_mask"
+
+
+@binds("kq_mask")
+def _kq_mask(node: Tensor, out, srcs, scratch, backend):
+    """The KQ mask from the cells (ops.kq_mask): a block of 256 cells of one token's row each."""
+    cell_pos, cell_seqs, tok_pos, tok_seq = srcs
+    if not all(a.flags.c_contiguous for a in (out, *srcs)):
+        return None
+    t, n_kv = out.shape
+    args = (ptr(cell_pos), ptr(cell_seqs), ptr(tok_pos), ptr(tok_seq), ptr(out), i32(n_kv), i32(cell_seqs.shape[1]),
+            i32(node.params["window"]))
+    return launch_step(node.op, Launch(kernel("attention.cu", "kq_mask"), (-(-n_kv // 256), t), (256,), args))
+
+
 TOK_MAX_CELLS = 65536  # cells attn_decode_tok lists the tiles of (attention.cu's DT_MAX_TILES * 32)
 
 
@@ -455,11 +473,12 @@ def _attn_decode(node: Tensor, out, srcs, scratch, backend):
     split = -(-n_kv // chunk)
     args = (ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), ptr(scratch) if split > 1 else NULL,
             ptr(backend.tickets(hk)), *_attention_args(node, srcs, chunk), _q8_dest(node, backend))
+    mask_in = i32(_mask_is_step_input(node))
     if t * (hq // hk) <= DECODE_FEW_ROWS:  # one token's heads: the kernel built for latency
         fn = kernel("attention.cu", f"attn_decode_rows<{_tid(node.srcs[1].dtype)}, {d}>")
-        rows_args = args + (_fresh_rows(node, backend), i32(0))
+        rows_args = args + (_fresh_rows(node, backend), mask_in, i32(0))
         return launch_step(node.op, Launch(fn, (hk, split), (256,), rows_args, prologue=True, light=True))
-    args += (i32(0),)
+    args += (mask_in, i32(0))
     fn = kernel("attention.cu", f"attn_decode<{_tid(node.srcs[1].dtype)}, {d}>")
     smem = _decode_smem(node, chunk)
     fn.max_dynamic_shared_size_bytes = max(fn.max_dynamic_shared_size_bytes, smem)
