@@ -154,7 +154,7 @@ def attention(b: Build, il: int, q: Tensor, k: Tensor, v: Tensor, wo: Tensor, ro
     if yarn_of(hp) is None:
         k_all = ops.rope_set_rows(rows.k, k, idx, b.inp.pos.tensor, hp.n_rot, rope_mode, base, hp.rope_freq_scale,
                                   name=f"k_store-{il}", norm=k_norm, eps=hp.norm_eps)
-    else:  # YaRN's RoPE may run elsewhere than the cache (CUDA has none): rotated first, then written there
+    else:  # YaRN's RoPE may run elsewhere than the cache (a backend without it): rotated first, then written there
         k_rot = ops.rope(k, b.inp.pos.tensor, hp.n_rot, rope_mode, base, hp.rope_freq_scale, name=f"k_rot-{il}",
                          norm=k_norm, eps=hp.norm_eps, yarn=yarn_of(hp))
         k_all = ops.set_rows(rows.k, ops.reshape(k_rot, (n_tokens, hp.n_embd_kv)), idx, name=f"k_store-{il}")

@@ -1,0 +1,120 @@
+"""Which CUDA kernels run a mixture of experts' ops: the routing (`moe_topk`, `moe_weights`) and the experts'
+products (`mul_mat_id`, ggml's op of that name; kernels in matmul.cu and elementwise.cu).
+
+A decode step's few slots (token, chosen expert) each read only their expert's blocks: the activations are
+quantized to q8_1 once and mmvq_id takes a warp per weight row and a block row per slot, as ggml's mmvq
+with ids. A prompt's slots are grouped by expert on the device (moe_group: counts, offsets, the slots of
+each expert), then one grouped GEMM (mmid_tc) multiplies each expert's decoded weight tiles by its slots'
+f16 activations on tensor cores, as ggml's mmq with ids: every launch has a fixed grid, so the step is
+captured in a CUDA graph like any other, and blocks past an expert's slots return at once.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ggrun.core.backends.cuda.binding import Launch, binds, estrides, grid1d, i32, i64, launch_step, ptr, rows_of
+from ggrun.core.backends.cuda.handoff import Q8_1_BYTES
+from ggrun.core.backends.cuda.matmul import GEMV_MAX_ROWS, WARPS, quantize_launch
+from ggrun.core.backends.cuda.module import DP4A_TYPES, TYPE_IDS, kernel
+from ggrun.core.dtypes import DType
+from ggrun.core.tensor import Tensor
+
+ID_M, ID_N = 64, 64  # weight rows and slots of an mmid_tc block (matmul.cu's ID_M, ID_N)
+MAX_EXPERTS = 1024  # moe_topk's rows (a lane holds 32 of them) and moe_group's shared counts
+ALIGN = 256
+
+
+def _case(node: Tensor) -> tuple[int, int, int, int, int, int] | None:
+    """(n_expert, M, K, tokens, k, rows of b per token) of a mul_mat_id the kernels here run, else None."""
+    w, b, ids = node.srcs
+    n_expert, m, k_cols = w.shape
+    if (b.dtype is not DType.F32 or w.dtype.name not in TYPE_IDS or not w.is_contiguous
+            or (w.dtype.is_quantized and k_cols % w.dtype.block_size) or n_expert > MAX_EXPERTS):
+        return None
+    t, k = ids.shape
+    return n_expert, m, k_cols, t, k, b.shape[1]
+
+
+def _decodes(node: Tensor, case: tuple) -> bool:
+    """Whether the slots go through mmvq_id (few tokens, a __dp4a type) rather than the grouped GEMM."""
+    _, _, k_cols, t, _, _ = case
+    return t <= GEMV_MAX_ROWS and k_cols % 32 == 0 and node.srcs[0].dtype.name in DP4A_TYPES
+
+
+def _up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _group_bytes(n_expert: int, slots: int) -> int:
+    """moe_group's ints: offsets (n_expert + 1), cursors (n_expert), the grouped slots."""
+    return _up((2 * n_expert + 1 + slots) * 4)
+
+
+def _scratch(node: Tensor) -> int:
+    case = _case(node)
+    if case is None:
+        return 0
+    n_expert, _, k_cols, t, k, b1 = case
+    if _decodes(node, case):
+        return t * b1 * (k_cols // 32) * Q8_1_BYTES
+    return _group_bytes(n_expert, t * k) + t * b1 * k_cols * 2
+
+
+@binds("mul_mat_id", scratch=_scratch)
+def _mul_mat_id(node: Tensor, out, srcs, scratch, backend):
+    """out [tokens, k, M]: each slot's expert matrix times its activation row."""
+    case = _case(node)
+    w, b, ids = srcs
+    rows = rows_of(b)
+    if case is None or rows is None or not out.flags.c_contiguous or ids.strides[1] != ids.itemsize:
+        return None
+    n_expert, m, k_cols, t, k, b1 = case
+    qt = node.srcs[0].dtype
+    row_bytes = qt.row_bytes(k_cols)
+    ldb, ldi = rows[2], estrides(ids)[0]
+    if _decodes(node, case):
+        y = scratch.data.ptr
+        fn = kernel("matmul.cu", f"mmvq_id<{TYPE_IDS[qt.name]}>")
+        args = (ptr(w), np.uint64(y), ptr(ids), ptr(out), i32(k_cols), i64(row_bytes), i64(m * row_bytes), i32(m),
+                i32(k), i64(ldi), i32(b1 != 1))
+        return launch_step(node.op, quantize_launch(b, ldb, y, k_cols, t * b1),
+                           Launch(fn, (-(-m // WARPS), t * k), (32 * WARPS,), args))
+    if k_cols % 8:
+        return None
+    offs = scratch.data.ptr
+    cursor, slots = offs + (n_expert + 1) * 4, offs + (2 * n_expert + 1) * 4
+    x16 = offs + _group_bytes(n_expert, t * k)
+    grid, block = grid1d(t * b1 * k_cols)
+    convert = Launch(kernel("matmul.cu", "f32_to_f16"), grid, block,
+                     (ptr(b), np.uint64(x16), i32(k_cols), i64(ldb), i64(t * b1)))
+    group = Launch(kernel("matmul.cu", "moe_group"), (1,), (1024,),
+                   (ptr(ids), np.uint64(offs), np.uint64(cursor), np.uint64(slots), i32(t), i32(k), i64(ldi),
+                    i32(n_expert)), n_expert * 4)
+    fn = kernel("matmul.cu", f"mmid_tc<{TYPE_IDS[qt.name]}>")
+    args = (ptr(w), np.uint64(x16), np.uint64(offs), np.uint64(slots), ptr(out), i32(k_cols), i64(row_bytes),
+            i64(m * row_bytes), i32(m), i32(k), i32(b1 != 1))
+    # tiles of slots per expert: sized for a token's experts being distinct (moe_topk's); more loop in a block
+    tiles = Launch(fn, (-(-m // ID_M), n_expert, -(-t // ID_N)), (128,), args)
+    return launch_step(node.op, convert, group, tiles)
+
+
+@binds("moe_topk")
+def _moe_topk(node: Tensor, out, srcs, scratch, backend):
+    p = rows_of(srcs[0])
+    if p is None or not out.flags.c_contiguous or p[1] > MAX_EXPERTS:
+        return None
+    rows, n, ldp = p
+    args = (ptr(srcs[0]), ptr(out), i32(n), i32(node.params["k"]), i64(ldp), i32(rows))
+    return launch_step(node.op, Launch(kernel("elementwise.cu", "moe_topk"), (-(-rows // WARPS),), (32 * WARPS,), args))
+
+
+@binds("moe_weights")
+def _moe_weights(node: Tensor, out, srcs, scratch, backend):
+    p, ids = rows_of(srcs[0]), rows_of(srcs[1])
+    if p is None or ids is None or not out.flags.c_contiguous or ids[1] > 32:
+        return None
+    rows, k = ids[0], ids[1]
+    args = (ptr(srcs[0]), ptr(srcs[1]), ptr(out), i32(k), i64(p[2]), i64(ids[2]), i32(rows),
+            i32(bool(node.params["norm"])))
+    return launch_step(node.op, Launch(kernel("elementwise.cu", "moe_weights"), (-(-rows // WARPS),), (32 * WARPS,),
+                                       args))
