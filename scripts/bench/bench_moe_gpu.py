@@ -76,9 +76,12 @@ def main() -> None:
     ap.add_argument("--llama-bench", type=Path, default=Path(os.environ.get("LLB", "/tmp/llama-cuda/llama.cpp/build/bin"))
                     / "llama-bench")
     ap.add_argument("--timeout", type=int, default=240, help="seconds one tool's run on one model may take")
+    ap.add_argument("--write-only", action="store_true", help="write the missing models and stop")
     a = ap.parse_args()
     specs = a.models.split(",")
     write_models(specs)
+    if a.write_only:
+        return
     tools = {"llama.cpp": [str(a.llama_bench)],
              "ggrun": [sys.executable, "-c", "from ggrun.cli.app import main; main()", "bench"]}
     runs: dict[tuple[str, str], dict[str, list[float]]] = {}

@@ -18,6 +18,7 @@ import numpy as np
 
 from ggrun.core import ops
 from ggrun.core.dtypes import DType
+from ggrun.core.llm.blocks import weighted_sum
 from ggrun.core.ops import ROPE_NEOX, ROPE_NORMAL
 from tests.core.backend_ops import TYPES, Leafs, weight_data
 
@@ -475,6 +476,30 @@ def _mul_mat_id(dtype: DType, n: int, n_expert: int, k: int, per_slot: bool, m: 
     return make
 
 
+def _gated_experts(dtype: DType, n: int, glu: str):
+    """A gated unit over the experts' gate and up products (qwen3moe's feed-forward's first half)."""
+    def make(rng):
+        m, cols, n_expert, k = 64, 256, 8, 3
+        gd, ud = (weight_data(dtype, n_expert * m, cols, seed=int(rng.integers(1 << 30))) for _ in range(2))
+        x, ids = values(rng, n, 1, cols), _expert_ids(rng, n, n_expert, k)
+
+        def build(lf):
+            xs, ix = lf.input("x", F32, x), lf.input("ids", I32, ids)
+            gate = ops.mul_mat_id(lf.weight("gate", dtype, (n_expert, m, cols), gd), xs, ix)
+            up = ops.mul_mat_id(lf.weight("up", dtype, (n_expert, m, cols), ud), xs, ix)
+            return getattr(ops, glu)(gate, up)
+        return build
+    return make
+
+
+def _weighted_sum(n: int, k: int, width: int):
+    """The experts' outputs weighted and summed (blocks.weighted_sum: a mul and k - 1 adds)."""
+    def make(rng):
+        ed, wd = values(rng, n, k, width), np.abs(values(rng, n, k))
+        return lambda lf: weighted_sum(lf.input("e", F32, ed), lf.input("w", F32, wd), 0)
+    return make
+
+
 def _moe_routing(op: str, n: int, n_expert: int, k: int, norm: bool = False):
     """A router's choice (moe_topk) or its weights (moe_weights) over softmax probabilities, some tied."""
     def make(rng):
@@ -527,6 +552,10 @@ def moe_cases() -> list[OpCase]:
              for t in (DType.Q4_K, DType.MXFP4, DType.Q8_0, F16) for n in (1, 3, 9, 70) for per_slot in (False, True)]
     cases.append(OpCase("mul_mat_id-many-slots-one-expert", _mul_mat_id(DType.Q4_0, 150, 2, 2, False, m=130), MUL_MAT,
                         CUDA))
+    cases += [OpCase(f"mul_mat_id-gated-{glu}-{t}-n{n}", _gated_experts(t, n, glu), GLU, CUDA)
+              for glu in ("swiglu", "geglu") for t in (DType.Q4_K, DType.MXFP4) for n in (1, 2, 9)]
+    cases += [OpCase(f"moe-weighted-sum-k{k}-n{n}", _weighted_sum(n, k, 96), ELEMENTWISE, CUDA)
+              for k in (1, 2, 4, 8) for n in (1, 7)]
     cases += [OpCase(f"moe_topk-{e}-k{k}-n{n}", _moe_routing("moe_topk", n, e, k), EXACT, CUDA)
               for e, k in ((128, 8), (32, 4), (60, 1)) for n in (1, 33)]
     cases += [OpCase(f"moe_weights-{'norm' if norm else 'plain'}-n{n}", _moe_routing("moe_weights", n, 128, 8, norm),

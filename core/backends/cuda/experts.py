@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from ggrun.core.backends.cuda.binding import Launch, binds, estrides, grid1d, i32, i64, launch_step, ptr, rows_of
+from ggrun.core.backends.cuda.binding import (Launch, binds, estrides, fuses, grid1d, i32, i64, launch_step, ptr,
+                                              rows_of)
 from ggrun.core.backends.cuda.handoff import Q8_1_BYTES
 from ggrun.core.backends.cuda.matmul import GEMV_MAX_ROWS, WARPS, quantize_launch
-from ggrun.core.backends.cuda.module import DP4A_TYPES, TYPE_IDS, kernel
+from ggrun.core.backends.cuda.module import DP4A_TYPES, GLU_ACTS, TYPE_IDS, kernel
 from ggrun.core.dtypes import DType
 from ggrun.core.tensor import Tensor
 
 ID_M, ID_N = 64, 64  # weight rows and slots of an mmid_tc block (matmul.cu's ID_M, ID_N)
 MAX_EXPERTS = 1024  # moe_topk's rows (a lane holds 32 of them) and moe_group's shared counts
+MAX_USED = 16  # experts a token uses, up to which moe_sum fuses the weighting and the sum
 ALIGN = 256
 
 
@@ -98,6 +100,32 @@ def _mul_mat_id(node: Tensor, out, srcs, scratch, backend):
     return launch_step(node.op, convert, group, tiles)
 
 
+@fuses("mul_mat_id", "mul_mat_id", "swiglu")
+@fuses("mul_mat_id", "mul_mat_id", "geglu")
+def _gated_experts(nodes: list[Tensor], outs: list, srcs: list, backend):
+    """A decode step's gate and up experts' products and the gated unit after them (qwen3moe's) in one
+    mmvq_id_glu launch, after the activations' quantization: each weight row's two products in one warp."""
+    gate, up, glu = nodes
+    case = _case(gate)
+    if (case is None or not _decodes(gate, case) or _case(up) != case or glu.srcs != (gate, up)
+            or up.srcs[1] is not gate.srcs[1] or up.srcs[2] is not gate.srcs[2]
+            or up.srcs[0].dtype is not gate.srcs[0].dtype or not all(o.flags.c_contiguous for o in outs)):
+        return None
+    w, b, ids = srcs[0]
+    rows = rows_of(b)
+    if rows is None or ids.strides[1] != ids.itemsize:
+        return None
+    _, m, k_cols, t, k, b1 = case
+    qt = gate.srcs[0].dtype
+    row_bytes = qt.row_bytes(k_cols)
+    y = backend.array(gate.scratch).data.ptr
+    fn = kernel("matmul.cu", f"mmvq_id_glu<{TYPE_IDS[qt.name]}, {GLU_ACTS[glu.op]}>")
+    args = (ptr(w), ptr(srcs[1][0]), np.uint64(y), ptr(ids), ptr(outs[0]), ptr(outs[1]), ptr(outs[2]), i32(k_cols),
+            i64(row_bytes), i64(m * row_bytes), i32(m), i32(k), i64(estrides(ids)[0]), i32(b1 != 1))
+    return launch_step("mmvq_id_glu", quantize_launch(b, rows[2], y, k_cols, t * b1),
+                       Launch(fn, (-(-m // WARPS), t * k), (32 * WARPS,), args))
+
+
 @binds("moe_topk")
 def _moe_topk(node: Tensor, out, srcs, scratch, backend):
     p = rows_of(srcs[0])
@@ -118,3 +146,30 @@ def _moe_weights(node: Tensor, out, srcs, scratch, backend):
             i32(bool(node.params["norm"])))
     return launch_step(node.op, Launch(kernel("elementwise.cu", "moe_weights"), (-(-rows // WARPS),), (32 * WARPS,),
                                        args))
+
+
+def _moe_sum(nodes: list[Tensor], outs: list, srcs: list, backend):
+    """blocks.ffn_moe's end in one launch: the experts' rows [tokens, k, M] times their weights (the mul node),
+    then summed one after another (k - 1 add nodes, each adding the mul's next row to the sum so far).
+    moe_sum writes the mul's result and the last sum; the partial sums only feed the next add."""
+    mul, adds = nodes[0], nodes[1:]
+    if mul.dtype is not DType.F32 or len(mul.shape) != 3 or mul.shape[1] != len(nodes):
+        return None
+    t, k, m = mul.shape
+    e, w = srcs[0]
+    if (any(x.dtype is not DType.F32 for x in mul.srcs) or mul.srcs[1].shape != (t, k, 1)
+            or not (e.flags.c_contiguous and w.flags.c_contiguous and outs[0].flags.c_contiguous
+                    and outs[-1].flags.c_contiguous)):
+        return None
+    for j, add in enumerate(adds, 1):
+        first, row = add.srcs
+        want_first = (first.root is mul and first.view_offset == 0) if j == 1 else first is adds[j - 2]
+        if not want_first or row.root is not mul or row.view_offset != j * m * 4 or add.shape != (t, m):
+            return None
+    grid, block = grid1d(t * m)
+    args = (ptr(e), ptr(w), ptr(outs[0]), ptr(outs[-1]), i32(m), i32(k), i64(t))
+    return launch_step("moe_sum", Launch(kernel("elementwise.cu", "moe_sum"), grid, block, args))
+
+
+for _k in range(MAX_USED, 1, -1):  # the longest runs first: a shorter one would match a longer run's start
+    fuses("mul", *("add",) * (_k - 1))(_moe_sum)

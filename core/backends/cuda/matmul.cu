@@ -459,6 +459,32 @@ __global__ void mmvq_id(const u8 *w, const block_q8_1 *y, const int *ids, float 
     if (lane == 0) out[(i64)s * M + row] = acc;
 }
 
+// mmvq_id of a gated unit's gate and up matrices at once (one token's experts: blockIdx.y the slot) and the
+// unit after them: go = G . y, uo = U . y (both products, as the nodes' results) and out = act(go) uo (F: 1 silu)
+template <int T, int F>
+__global__ void mmvq_id_glu(const u8 *wg, const u8 *wu, const block_q8_1 *y, const int *ids, float *go, float *uo,
+                            float *out, int ncols, i64 row_bytes, i64 expert_bytes, int M, int k, i64 ldi, int bstep) {
+    pdl_begin();
+    const int s = blockIdx.y, t = s / k, j = s % k;
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (row >= M) return;
+    const int lane = threadIdx.x & 31, nb = ncols / 32;
+    const i64 at = (i64)ids[(i64)t * ldi + j] * expert_bytes + (i64)row * row_bytes;
+    const u8 *gr = wg + at, *ur = wu + at;
+    const block_q8_1 *yr = y + (i64)(bstep ? s : t) * nb;
+    float ag = 0.0f, au = 0.0f;
+    for (int b = lane; b < nb; b += 32) {
+        ag += vdot_at<T>(gr, b, yr[b]);
+        au += vdot_at<T>(ur, b, yr[b]);
+    }
+    ag = warp_sum(ag);
+    au = warp_sum(au);
+    if (lane == 0) {
+        const i64 o = (i64)s * M + row;
+        go[o] = ag, uo[o] = au, out[o] = glu_act<F>(ag) * au;
+    }
+}
+
 // A prompt's slots grouped by expert (one block): offs[e] .. offs[e + 1] of `list` are the slots routed to
 // expert e (in no particular order: each slot's product is computed alone). `cursor` is n_expert ints of
 // scratch; the block's shared memory holds n_expert counts.
