@@ -255,18 +255,17 @@ extern "C" __global__ void moe_weights(const float *p, const int *ids, float *w,
 }
 
 // A mixture of experts' output (the graph's mul by the weights and its adds of the experts' rows, one
-// launch): we [rows, k, M] = e * w (w [rows, k]), out [rows, M] the sum of we's k rows in order, each
-// product rounded before it is added, as the separate nodes round them
-extern "C" __global__ void moe_sum(const float *e, const float *w, float *we, float *out, int M, int k, i64 rows) {
+// launch): out [rows, M] the sum over j in order of e [rows, k, M] times w [rows, k], each product rounded
+// before it is added, as the separate nodes round them. The mul's own result is not written: only the
+// adds read it, and the planner may have put their sum where it lies.
+extern "C" __global__ void moe_sum(const float *e, const float *w, float *out, int M, int k, i64 rows) {
     pdl_begin();
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= rows * M) return;
     const i64 t = i / M, c = i % M;
     float s = 0.0f;
     for (int j = 0; j < k; j++) {
-        const i64 at = (t * k + j) * M + c;
-        const float v = __fmul_rn(e[at], w[t * k + j]);
-        we[at] = v;
+        const float v = __fmul_rn(e[(t * k + j) * M + c], w[t * k + j]);
         s = j == 0 ? v : __fadd_rn(s, v);
     }
     out[i] = s;

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ggrun.core.backends.cuda.binding import (Launch, binds, estrides, fuses, grid1d, i32, i64, launch_step, ptr,
-                                              rows_of)
+from ggrun.core.backends.cuda.binding import (Launch, binds, disjoint, estrides, fuses, grid1d, i32, i64,
+                                              launch_step, ptr, rows_of)
 from ggrun.core.backends.cuda.handoff import Q8_1_BYTES
 from ggrun.core.backends.cuda.matmul import GEMV_MAX_ROWS, WARPS, quantize_launch
 from ggrun.core.backends.cuda.module import DP4A_TYPES, GLU_ACTS, TYPE_IDS, kernel
@@ -118,7 +118,10 @@ def _gated_experts(nodes: list[Tensor], outs: list, srcs: list, backend):
     _, m, k_cols, t, k, b1 = case
     qt = gate.srcs[0].dtype
     row_bytes = qt.row_bytes(k_cols)
-    y = backend.array(gate.scratch).data.ptr
+    scratch = backend.array(gate.scratch)
+    if not all(disjoint(o, scratch) for o in outs[1:]):  # planned after the gate's node, over its scratch
+        return None
+    y = scratch.data.ptr
     fn = kernel("matmul.cu", f"mmvq_id_glu<{TYPE_IDS[qt.name]}, {GLU_ACTS[glu.op]}>")
     args = (ptr(w), ptr(srcs[1][0]), np.uint64(y), ptr(ids), ptr(outs[0]), ptr(outs[1]), ptr(outs[2]), i32(k_cols),
             i64(row_bytes), i64(m * row_bytes), i32(m), i32(k), i64(estrides(ids)[0]), i32(b1 != 1))
@@ -151,15 +154,16 @@ def _moe_weights(node: Tensor, out, srcs, scratch, backend):
 def _moe_sum(nodes: list[Tensor], outs: list, srcs: list, backend):
     """blocks.ffn_moe's end in one launch: the experts' rows [tokens, k, M] times their weights (the mul node),
     then summed one after another (k - 1 add nodes, each adding the mul's next row to the sum so far).
-    moe_sum writes the mul's result and the last sum; the partial sums only feed the next add."""
+    moe_sum writes the last sum alone: the mul's result and the partial sums feed only these adds (the
+    graph of blocks.weighted_sum), and the planner may place the sum over the mul's result."""
     mul, adds = nodes[0], nodes[1:]
     if mul.dtype is not DType.F32 or len(mul.shape) != 3 or mul.shape[1] != len(nodes):
         return None
     t, k, m = mul.shape
     e, w = srcs[0]
     if (any(x.dtype is not DType.F32 for x in mul.srcs) or mul.srcs[1].shape != (t, k, 1)
-            or not (e.flags.c_contiguous and w.flags.c_contiguous and outs[0].flags.c_contiguous
-                    and outs[-1].flags.c_contiguous)):
+            or not (e.flags.c_contiguous and w.flags.c_contiguous and outs[-1].flags.c_contiguous)
+            or (t > 1 and not disjoint(outs[-1], e))):  # token t's sum would land on rows others still read
         return None
     for j, add in enumerate(adds, 1):
         first, row = add.srcs
@@ -167,7 +171,7 @@ def _moe_sum(nodes: list[Tensor], outs: list, srcs: list, backend):
         if not want_first or row.root is not mul or row.view_offset != j * m * 4 or add.shape != (t, m):
             return None
     grid, block = grid1d(t * m)
-    args = (ptr(e), ptr(w), ptr(outs[0]), ptr(outs[-1]), i32(m), i32(k), i64(t))
+    args = (ptr(e), ptr(w), ptr(outs[-1]), i32(m), i32(k), i64(t))
     return launch_step("moe_sum", Launch(kernel("elementwise.cu", "moe_sum"), grid, block, args))
 
 
