@@ -44,7 +44,7 @@ from gguf.constants import GGMLQuantizationType as QT  # noqa: E402
 
 from ggrun.core.llm.kl_divergence import KLStats, LogProbReader, dequantize_log_probs  # noqa: E402
 from ppl_vs_llama import ggrun_cmd, run  # noqa: E402  (this folder, beside this script)
-from tests.synth import FAMILY_PRESETS, SPEED_PRESETS, write_random_family, write_tiny_family  # noqa: E402
+from tests.synth import FAMILY_PRESETS, SPEED_PRESETS, write_synthetic, write_tiny_family  # noqa: E402
 
 DEFAULT_ANCHOR = Path.home() / ".cache/ggrun-anchor/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
 TEXT = ROOT / "tests" / "data" / "ppl_prose.txt"
@@ -185,7 +185,7 @@ def bench(cmd: list[str]) -> dict[str, float]:
 def speed(bin_dir: Path, preset: str, rounds: int, threads: int) -> None:
     """llama-bench and ggrun bench alternating on a synthetic model of the preset's shape; medians, ratios."""
     with tempfile.TemporaryDirectory() as tmp:
-        model = write_random_family(Path(tmp) / f"{preset}-Q4_K.gguf", preset, QT.Q4_K)
+        model = write_synthetic(Path(tmp) / f"{preset}-Q4_K.gguf", preset, QT.Q4_K)
         args = ["-m", str(model), "-p", "512", "-n", "128", "-t", str(threads), "-r", "1", "-o", "json"]
         ours: dict[str, list[float]] = {}
         theirs: dict[str, list[float]] = {}

@@ -512,21 +512,13 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_rows(
     if (gridDim.y > 1) merge_chunks<D>(part, out, q8, tickets, R, T, r);
 }
 
-// Prompt attention on tensor cores (mma.sync m16n8k16: f16 inputs, f32 sums) for an f16 cache and head
+// Prompt attention on tensor cores (mma16816, common.cuh: f16 inputs, f32 sums) for an f16 cache and head
 // dimension D, flash-attention-2 style: a block is 4 warps, a warp 16 query rows of one KV head's group
 // (row rr: token rr / r, query head g * r + rr % r) whose queries (scaled, f16), scores, running
 // maxima and sums and outputs stay in registers in the mma fragments' layouts. Tiles of 32 keys and
 // values go through shared memory; a tile that every row of the block masks out is skipped. One key
-// chunk (no split). Fragment layouts (PTX ISA, m16n8k16): lane = 4 * grp + tig; A holds rows grp and
-// grp + 8, columns 2 tig (+1) and 2 tig + 8 (+1); B columns grp, rows 2 tig (+1) and 2 tig + 8 (+1);
-// C rows grp and grp + 8, columns 2 tig (+1).
+// chunk (no split).
 #define TC_KEYS 32
-__device__ __forceinline__ void mma16816(float *c, const u32 *a, u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 __device__ __forceinline__ u32 pack_h2(float lo, float hi) {
     __half2 h = __floats2half2_rn(lo, hi);
     return *(u32 *)&h;
