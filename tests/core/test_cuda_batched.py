@@ -118,7 +118,7 @@ def test_kq_mask_kernel_is_the_reference(window):
 
     gpu = CUDABackend(0)
     got, want = run_on(gpu, build), run_on(ReferenceBackend(), build)
-    assert np.array_equal(got, want) and np.count_nonzero(want == 0) > n_tok
+    assert np.array_equal(got, want) and 0 < np.count_nonzero(want == 0) < want.size  # neither all shown nor all hidden
     _, sg, _, _ = planned(gpu, build)
     assert all(step.capturable for step in gpu.prepare(sg.splits[0].nodes).steps)
 
