@@ -1,8 +1,9 @@
 """IQ4_NL, IQ4_XS and MXFP4 against ggml itself (tests/data/ggml_quants.json, from
 scripts/tools/ggml_quant_reference.py): the numpy decoders (core/quants.py) and the CPU's compiled ones
 (core/backends/cpu/lut4.py) equal ggml's dequantize_row_* bit for bit, on ggml's own quantization of
-random rows and on random blocks; the CPU's integer dot products (scalar and AVX2) match ggml's vec_dot against ggml's own
-8-bit activation blocks, and quant/activations.py's quantizers make those same blocks from the f32 activations. The
+random rows and on random blocks; the CPU's integer dot products (lut4.py's scalar ones, quant/lut4_avx2.py's
+AVX2 ones) match ggml's vec_dot against ggml's own 8-bit activation blocks, and quant/activations.py's
+quantizers make those same blocks from the f32 activations. The
 synthetic writer's quantizers: gguf's for MXFP4 (ggml's bytes), its own for IQ4_NL and IQ4_XS.
 """
 from __future__ import annotations

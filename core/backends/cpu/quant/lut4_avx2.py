@@ -16,14 +16,17 @@ import numpy as np
 from numba import prange
 
 from ggrun.core.backends.cpu.jit import kernel
-from ggrun.core.backends.cpu.lut4 import _E8M0_HALF, IQ4_NL, IQ4_XS
-from ggrun.core.backends.cpu.quant.avx2 import _blk, _four_rows, _prefetch4, _store4
+from ggrun.core.backends.cpu.quant.codes import CODES
 from ggrun.core.backends.cpu.quant.vec import (
-    sf16, su8, su16, vabs8, vadd32, vcvt, vfma, vhsum, vload, vlut16, vmadd, vmaddubs, vnib, vset16x2, vsetf,
-    vsign8, vtable16, vzero,
+    blk_fma, four_rows, prefetch4, sf16, store4, su8, su16, vabs8, vadd32, vcvt, vfma, vhsum, vload, vlut16, vmadd,
+    vmaddubs, vnib, vset16x2, vsetf, vsign8, vtable16, vzero,
 )
-from ggrun.core.quants import IQ4_VALUES, MXFP4_VALUES
+from ggrun.core.dtypes import DType
+from ggrun.core.quants import IQ4_VALUES, MXFP4_VALUES, e8m0_half
 
+# (read from the shared sources, not from lut4.py: jit.SHARED_SOURCES keys the kernel cache)
+IQ4_NL, IQ4_XS = CODES[DType.IQ4_NL], CODES[DType.IQ4_XS]
+_E8M0_HALF = e8m0_half(np.arange(256, dtype=np.uint8))  # every exponent byte as the f32 scale it stands for
 _IQ4_TABLE = vtable16(IQ4_VALUES)
 _MX_TABLE = vtable16(MXFP4_VALUES)
 
@@ -52,19 +55,19 @@ def _rows_iq4_nl(w, qs, d, out, m0, m1):
     k = qs.shape[1]
     t = _IQ4_TABLE()
     for m in range(m0, m1, 4):
-        r0, r1, r2, r3 = _four_rows(w, m, m1)
+        r0, r1, r2, r3 = four_rows(w, m, m1)
         for n in range(qs.shape[0]):
             a0 = a1 = a2 = a3 = vzero()
             for b in range(k // 32):
                 x = vload(qs, n * k + 32 * b)
                 da = d[n, b]
                 o = 18 * b
-                _prefetch4(w, r0, r1, r2, r3, o)
-                a0 = _blk(w, r0 + o, da, _lanes(w, r0 + o + 2, t, x), a0)
-                a1 = _blk(w, r1 + o, da, _lanes(w, r1 + o + 2, t, x), a1)
-                a2 = _blk(w, r2 + o, da, _lanes(w, r2 + o + 2, t, x), a2)
-                a3 = _blk(w, r3 + o, da, _lanes(w, r3 + o + 2, t, x), a3)
-            _store4(out, n, m, m1, vhsum(a0), vhsum(a1), vhsum(a2), vhsum(a3))
+                prefetch4(w, r0, r1, r2, r3, o)
+                a0 = blk_fma(w, r0 + o, da, _lanes(w, r0 + o + 2, t, x), a0)
+                a1 = blk_fma(w, r1 + o, da, _lanes(w, r1 + o + 2, t, x), a1)
+                a2 = blk_fma(w, r2 + o, da, _lanes(w, r2 + o + 2, t, x), a2)
+                a3 = blk_fma(w, r3 + o, da, _lanes(w, r3 + o + 2, t, x), a3)
+            store4(out, n, m, m1, vhsum(a0), vhsum(a1), vhsum(a2), vhsum(a3))
 
 
 @kernel(_nrt=False)
@@ -72,19 +75,19 @@ def _rows_mxfp4(w, qs, d, out, m0, m1):
     k = qs.shape[1]
     t = _MX_TABLE()
     for m in range(m0, m1, 4):
-        r0, r1, r2, r3 = _four_rows(w, m, m1)
+        r0, r1, r2, r3 = four_rows(w, m, m1)
         for n in range(qs.shape[0]):
             a0 = a1 = a2 = a3 = vzero()
             for b in range(k // 32):
                 x = vload(qs, n * k + 32 * b)
                 da = d[n, b]
                 o = 17 * b
-                _prefetch4(w, r0, r1, r2, r3, o)
+                prefetch4(w, r0, r1, r2, r3, o)
                 a0 = _mx_blk(w, r0 + o, da, _lanes(w, r0 + o + 1, t, x), a0)
                 a1 = _mx_blk(w, r1 + o, da, _lanes(w, r1 + o + 1, t, x), a1)
                 a2 = _mx_blk(w, r2 + o, da, _lanes(w, r2 + o + 1, t, x), a2)
                 a3 = _mx_blk(w, r3 + o, da, _lanes(w, r3 + o + 1, t, x), a3)
-            _store4(out, n, m, m1, vhsum(a0), vhsum(a1), vhsum(a2), vhsum(a3))
+            store4(out, n, m, m1, vhsum(a0), vhsum(a1), vhsum(a2), vhsum(a3))
 
 
 @kernel(inline="always")
@@ -101,7 +104,7 @@ def _xs_super(w, at, t, qs, q_at):
 
 
 @kernel(inline="always")
-def _xs_blk(w, at, ds, t, qs, q_at, acc):
+def _xsblk_fma(w, at, ds, t, qs, q_at, acc):
     return vfma(vsetf(sf16(w, at) * ds), vcvt(_xs_super(w, at, t, qs, q_at)), acc)
 
 
@@ -110,20 +113,20 @@ def _rows_iq4_xs(w, qs, d, out, m0, m1):
     k = qs.shape[1]
     t = _IQ4_TABLE()
     for m in range(m0, m1, 4):
-        r0, r1, r2, r3 = _four_rows(w, m, m1)
+        r0, r1, r2, r3 = four_rows(w, m, m1)
         for n in range(qs.shape[0]):
             a0 = a1 = a2 = a3 = vzero()
             for sb in range(k // 256):
                 ds = d[n, sb]
                 q_at = n * k + 256 * sb
                 o = 136 * sb
-                _prefetch4(w, r0, r1, r2, r3, o)
-                _prefetch4(w, r0, r1, r2, r3, o + 64)
-                a0 = _xs_blk(w, r0 + o, ds, t, qs, q_at, a0)
-                a1 = _xs_blk(w, r1 + o, ds, t, qs, q_at, a1)
-                a2 = _xs_blk(w, r2 + o, ds, t, qs, q_at, a2)
-                a3 = _xs_blk(w, r3 + o, ds, t, qs, q_at, a3)
-            _store4(out, n, m, m1, vhsum(a0), vhsum(a1), vhsum(a2), vhsum(a3))
+                prefetch4(w, r0, r1, r2, r3, o)
+                prefetch4(w, r0, r1, r2, r3, o + 64)
+                a0 = _xsblk_fma(w, r0 + o, ds, t, qs, q_at, a0)
+                a1 = _xsblk_fma(w, r1 + o, ds, t, qs, q_at, a1)
+                a2 = _xsblk_fma(w, r2 + o, ds, t, qs, q_at, a2)
+                a3 = _xsblk_fma(w, r3 + o, ds, t, qs, q_at, a3)
+            store4(out, n, m, m1, vhsum(a0), vhsum(a1), vhsum(a2), vhsum(a3))
 
 
 @kernel(_nrt=False)

@@ -335,3 +335,41 @@ def vhsum(typingctx, x):
 def vdot(u, s):
     """8 int32 lanes, each the sum of 4 products of unsigned bytes u and signed bytes s."""
     return vmadd(vmaddubs(u, s), vset16x2(1, 1))
+
+
+# Helpers of the kernels that read four weight rows per pass (avx2.py's legacy types, lut4_avx2.py): each
+# pass reads rows m..m+3 (the last pass repeats the last row where fewer than four remain).
+
+@kernel(inline="always")
+def four_rows(w, m, m1):
+    """Byte offsets of the pass's four rows of w from row m (rows past m1 - 1 repeat it)."""
+    rs = w.strides[0]
+    return m * rs, min(m + 1, m1 - 1) * rs, min(m + 2, m1 - 1) * rs, min(m + 3, m1 - 1) * rs
+
+
+@kernel(inline="always")
+def store4(out, n, m, m1, v0, v1, v2, v3):
+    """The pass's four results into out[n, m..m+3], those of repeated rows left out."""
+    out[n, m] = v0
+    if m + 1 < m1:
+        out[n, m + 1] = v1
+    if m + 2 < m1:
+        out[n, m + 2] = v2
+    if m + 3 < m1:
+        out[n, m + 3] = v3
+
+
+@kernel(inline="always")
+def prefetch4(w, r0, r1, r2, r3, o):
+    """Prefetch block offset o of the next four rows (the hardware prefetcher loses four streams)."""
+    ahead = 4 * w.strides[0]
+    prefetch(w, r0 + ahead + o)
+    prefetch(w, r1 + ahead + o)
+    prefetch(w, r2 + ahead + o)
+    prefetch(w, r3 + ahead + o)
+
+
+@kernel(inline="always")
+def blk_fma(w, at, da, p, acc):
+    """acc + f16 scale at w[at] * da * the block's integer lanes p."""
+    return vfma(vsetf(sf16(w, at) * da), vcvt(p), acc)
