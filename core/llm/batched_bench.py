@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from ggrun.core.llm.batch import Batch
+from ggrun.core.llm.bench import no_collections
 from ggrun.core.llm.session import Session
 
 Clock = Callable[[], float]
@@ -83,10 +84,16 @@ def _decode_in_batches(session: Session, batch: Batch, n_batch: int, ids_only: b
 
 
 def warm_up(session: Session, n_batch: int) -> None:
-    """Untimed: 16 tokens of sequence 0, fewer in a smaller context (readies what a first run would)."""
+    """Untimed: 16 tokens of sequence 0, fewer in a smaller context, then one decode step of one token after
+    them where the context has room (readies what a first run would). llama.cpp's kernels are the same
+    for a prompt and a decode step, so its 16 tokens ready both; ggrun's decode steps have kernels of their
+    own (integer products on repacked weights, per-token attention), loaded on their first call: without
+    the step, the first row's generation paid for loading them (tens of ms, a few % of B = 1's T_TG)."""
     session.clear()
     n = min(WARMUP_TOKENS, session.n_ctx)
     _decode_in_batches(session, Batch.of_sequence([0] * n, 0, 0, last_logits=False), n_batch)
+    if n < session.n_ctx:
+        session.decode(Batch.of_sequence([0], n, 0))
 
 
 def prompt_batch(test: BatchedTest) -> Batch:
@@ -107,17 +114,20 @@ def decode_batch(test: BatchedTest, step: int) -> Batch:
 
 
 def run_batched(session: Session, test: BatchedTest, n_batch: int, clock: Clock = time.perf_counter) -> BatchedResult:
-    """One row: clear, the prompts (shared to every sequence when asked), then tg steps of B tokens."""
-    t0 = clock()
-    session.clear()
-    if test.pp:
-        _decode_in_batches(session, prompt_batch(test), n_batch)
-    if test.shared:
-        for s in range(1, test.pl):
-            session.seq_cp(0, s)
-    t1 = clock()
+    """One row: clear, the prompts (shared to every sequence when asked), then tg steps of B tokens (on a GPU
+    ending in the ids only); timed with Python's cycle collector off, as llama-bench's repetitions are
+    (bench.no_collections)."""
     ids_only = session.logits_on_device
-    for i in range(test.tg):
-        _decode_in_batches(session, decode_batch(test, i), n_batch, ids_only)
-    t2 = clock()
+    with no_collections():
+        t0 = clock()
+        session.clear()
+        if test.pp:
+            _decode_in_batches(session, prompt_batch(test), n_batch)
+        if test.shared:
+            for s in range(1, test.pl):
+                session.seq_cp(0, s)
+        t1 = clock()
+        for i in range(test.tg):
+            _decode_in_batches(session, decode_batch(test, i), n_batch, ids_only)
+        t2 = clock()
     return BatchedResult(test, t1 - t0, t2 - t1)
