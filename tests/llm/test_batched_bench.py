@@ -11,6 +11,8 @@ class _Recorder:
     """The part of a Session the measurement uses, recording each decode's positions and whether the
     cycle collector was on."""
 
+    logits_on_device = False  # a CPU session: generation steps bring the logits back
+
     def __init__(self, n_ctx: int) -> None:
         self.n_ctx = n_ctx
         self.calls: list[tuple[list[int], bool]] = []
