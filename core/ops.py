@@ -62,6 +62,7 @@ OPS: dict[str, OpInfo] = {
     "moe_weights": OpInfo(),
     "mul_mat_id": OpInfo(),
     "flash_attn": OpInfo(),
+    "kq_mask": OpInfo(),
     "copy": OpInfo(),  # a scheduler copy of a tensor into another backend's memory
 }
 
@@ -491,6 +492,28 @@ def soft_max(a: Tensor, mask: Tensor | None = None, scale: float = 1.0, name: st
     if mask is None or sinks.dtype is not DType.F32 or len(a.shape) != 3 or sinks.shape != (a.shape[0],):
         raise _fail("soft_max", "sinks must be f32 [heads] of a [heads, rows, cols], with a mask", a, sinks)
     return _node("soft_max", DType.F32, a.shape, srcs + (sinks,), name, scale=float(scale), sinks=True)
+
+
+def kq_mask(cell_pos: Tensor, cell_seqs: Tensor, tok_pos: Tensor, tok_seq: Tensor, window: int | None = None,
+            name: str | None = None) -> Tensor:
+    """f16 [tokens, cells]: the KQ mask of a micro-batch made from the cache's cells, where attention runs,
+    instead of filled on the host: 0 where token t may see cell c (c holds t's sequence, at a position from 0
+    up to t's own, and with a window fewer than `window` positions back), else -inf. A token of sequence -1
+    (a padding row, core/llm/buckets.py) sees cell 0 only.
+
+    cell_pos i32 [cells] holds each cell's position (-1 free); cell_seqs i32 [cells, words] each cell's
+    sequences as bits (sequence s: bit s % 32 of word s // 32); tok_pos and tok_seq i32 [tokens]. A step of
+    many sequences sends these (a few bytes a cell) rather than a mask of tokens x cells, which the host
+    took milliseconds to fill for 64 sequences.
+    """
+    if cell_pos.dtype is not DType.I32 or len(cell_pos.shape) != 1:
+        raise _fail("kq_mask", "expects i32 cell positions [cells]", cell_pos)
+    if cell_seqs.dtype is not DType.I32 or len(cell_seqs.shape) != 2 or cell_seqs.shape[0] != cell_pos.shape[0]:
+        raise _fail("kq_mask", "expects i32 sequence bits [cells, words] beside the positions", cell_pos, cell_seqs)
+    if any(t.dtype is not DType.I32 or t.shape != tok_pos.shape or len(t.shape) != 1 for t in (tok_pos, tok_seq)):
+        raise _fail("kq_mask", "expects i32 token positions and sequences [tokens]", tok_pos, tok_seq)
+    return _node("kq_mask", DType.F16, (tok_pos.shape[0], cell_pos.shape[0]), (cell_pos, cell_seqs, tok_pos, tok_seq),
+                 name, window=int(window or 0))
 
 
 def argmax(a: Tensor, name: str | None = None) -> Tensor:

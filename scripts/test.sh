@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh; on CI also chromium for the chat page's test, scripts/setup/setup_browser.sh), fetch SmolLM2 and gemma-3-270m into the cache, and run the test suite;
+# Set up (scripts/setup.sh; on CI also chromium for the chat page's test, scripts/setup/setup_browser.sh, and
+# always Ray Serve for the replicas' test, scripts/setup/setup_cluster.sh), fetch SmolLM2 and gemma-3-270m into the cache, and run the test suite;
 # then the CPU kernel tests again under each instruction-set level below this CPU's best
 # (GGRUN_CPU_ISA=avx2, =generic: core/backends/cpu/isa.py), each compiled for its level. A level the
 # CPU lacks is not run; with GGRUN_CPU_ISA set, only the suite at that level runs.
@@ -7,6 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 [ -n "${CI:-}" ] && bash scripts/setup/setup_browser.sh
+bash scripts/setup/setup_cluster.sh
 .venv/bin/ggrun models pull smollm2
 .venv/bin/ggrun models pull gemma3-270m
 .venv/bin/python -m pytest "$@"

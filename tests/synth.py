@@ -1,6 +1,7 @@
 """Write synthetic GGUF files for tests and scripts: tiny models of every family ggrun runs (llama, gemma3,
-and through FamilyConfig qwen2, qwen3, gemma2, phi3) with random weights and a tiny byte-level BPE
-tokenizer, and huge sparse ones whose tensor data never reaches the disk.
+and through FamilyConfig qwen2, qwen3, qwen3moe, gemma2, phi3, gpt-oss) with random weights and a tiny
+byte-level BPE tokenizer, models of real shapes (SPEED_PRESETS) of random blocks for speed measurements,
+and huge sparse ones whose tensor data never reaches the disk.
 
 A test helper only: it writes files, and it never imports ggrun's own code so that it can check it.
 """
@@ -329,35 +330,6 @@ def write_tiny_family(path: str | os.PathLike[str], arch: str, *, n_layer: int =
     return write_gguf(path, arch_name or arch, metadata, tensors)
 
 
-# Real families' shapes for speed measurements (write_random_family): Qwen3-0.6B (tied head, 151936 tokens).
-SPEED_PRESETS: dict[str, dict[str, Any]] = {
-    "qwen3-0.6b": {"arch": "qwen3", "n_layer": 28, "n_embd": 1024, "n_head": 16, "n_head_kv": 8, "head_dim": 128,
-                   "n_ff": 3072, "n_vocab": 151936, "tied_output": True},
-}
-
-
-def write_random_family(path: str | os.PathLike[str], preset: str, weight_type: QT = QT.Q4_K, seed: int = 0) -> Path:
-    """A model of a real family's shape (SPEED_PRESETS) for speed measurements only: matrices are blocks of
-    `weight_type` with random quants and small fixed scales (written in seconds, like make_synthetic.py; the
-    numbers it computes mean nothing), norms near 1, the tiny tokenizer padded to the vocabulary."""
-    options = dict(SPEED_PRESETS[preset])
-    arch = options.pop("arch")
-    tok_meta = tokenizer_metadata(options.pop("n_vocab"))
-    config = FamilyConfig(arch, n_vocab=len(tok_meta["tokenizer.ggml.tokens"]), **options)
-    rng = np.random.default_rng(seed)
-    block, size = GGML_QUANT_SIZES[QT(weight_type)]
-    tensors: dict[str, np.ndarray | QuantizedTensor] = {}
-    for name, shape in config.tensor_shapes().items():
-        if len(shape) == 1:
-            tensors[name] = _random_weight(rng, shape, QT.F32)
-            continue
-        raw = rng.integers(0, 256, size=shape[:-1] + (shape[-1] // block, size), dtype=np.uint8)
-        raw[..., 0:2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)  # d (and Q4_K/Q5_K's dmin after it)
-        raw[..., 2:4] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
-        tensors[name] = QuantizedTensor(raw.reshape(shape[:-1] + (-1,)), QT(weight_type))
-    return write_gguf(path, arch, config.metadata() | tok_meta, tensors)
-
-
 def quantize_q4_k(values: np.ndarray) -> np.ndarray:
     """values [..., K] (K a multiple of 256) as Q4_K blocks (uint8 [..., K / 256 * 144]): per 256-value
     super-block an f16 scale d and min dmin, eight 6-bit sub-block scales and mins, and 4-bit quants, so
@@ -597,32 +569,78 @@ def write_sparse_big(path: str | os.PathLike[str], *, n_layer: int = 32, n_embd:
     return write_gguf_sparse(path, "llama", config.metadata() | tok_meta, shapes)
 
 
-# Real models' shapes for speed measurements (llama.cpp's make_synthetic presets, llama-70b added):
-# n_layer, n_embd, n_head, n_head_kv, n_ff, n_vocab
-SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
-    "llama-135m": (30, 576, 9, 3, 1536, 49152),
-    "llama-1b": (16, 2048, 32, 8, 8192, 128256),
-    "llama-3b": (28, 3072, 24, 8, 8192, 128256),
-    "llama-8b": (32, 4096, 32, 8, 14336, 128256),
-    "llama-70b": (80, 8192, 64, 8, 28672, 128256),
+@dataclass(frozen=True)
+class SpeedPreset:
+    """A real model's shape for speed measurements (write_synthetic): its family's hyperparameters, and
+    `dense_type`, the type its non-expert matrices ship in when they differ from the experts' (gpt-oss: Q8_0
+    beside MXFP4 experts; None: the written type throughout)."""
+
+    config: FamilyConfig
+    dense_type: QT | None = None
+
+
+def _llama_shape(n_layer: int, n_embd: int, n_head: int, n_head_kv: int, n_ff: int, n_vocab: int) -> SpeedPreset:
+    """A llama preset as llama.cpp's make_synthetic presets give them (head n_embd / n_head, RoPE base 500000)."""
+    return SpeedPreset(FamilyConfig("llama", n_layer, n_embd, n_head, n_head_kv, n_embd // n_head, n_ff, n_vocab,
+                                    n_ctx_train=8192, rope_base=500000.0, rms_eps=1e-5, tied_output=True))
+
+
+# Real models' shapes for speed measurements: llama.cpp's make_synthetic presets (llama-70b added), Qwen3-0.6B,
+# Qwen3-30B-A3B (128 experts, 8 used) and gpt-oss-20b (32 experts, 4 used, window 128 on alternate layers);
+# heads are tied to the embedding (the product is the same size as an output matrix's) but gpt-oss's, which
+# llama.cpp requires as a tensor of its own.
+SPEED_PRESETS: dict[str, SpeedPreset] = {
+    "llama-135m": _llama_shape(30, 576, 9, 3, 1536, 49152),
+    "llama-1b": _llama_shape(16, 2048, 32, 8, 8192, 128256),
+    "llama-3b": _llama_shape(28, 3072, 24, 8, 8192, 128256),
+    "llama-8b": _llama_shape(32, 4096, 32, 8, 14336, 128256),
+    "llama-70b": _llama_shape(80, 8192, 64, 8, 28672, 128256),
+    "qwen3-0.6b": SpeedPreset(FamilyConfig("qwen3", 28, 1024, 16, 8, 128, 3072, 151936, n_ctx_train=40960,
+                                           rope_base=1_000_000.0, tied_output=True)),
+    "qwen3-30b-a3b": SpeedPreset(FamilyConfig("qwen3moe", 48, 2048, 32, 4, 128, 6144, 151936, n_ctx_train=40960,
+                                              rope_base=1_000_000.0, tied_output=True, n_expert=128,
+                                              n_expert_used=8, n_ff_exp=768)),
+    "gpt-oss-20b": SpeedPreset(FamilyConfig("gpt-oss", 24, 2880, 64, 8, 64, 2880, 201088, n_ctx_train=131072,
+                                            rope_base=150000.0, rms_eps=1e-5, sliding_window=128,
+                                            n_expert=32, n_expert_used=4, n_ff_exp=2880), dense_type=QT.Q8_0),
 }
-RANDOM_BLOCK_TYPES = (QT.Q4_0, QT.Q8_0, QT.F16)
-BLOCK_SCALE = 0.002  # every block's f16 scale: products of random quants stay finite over 80 layers
+BLOCK_SCALE = 0.002  # Q4_0's f16 scale: products of random quants stay finite over 80 layers
+
+
+def _f16(x: float) -> bytes:
+    return np.float16(x).tobytes()
+
+
+# Per block type, the bytes written over each random block's scale fields (offset, bytes), chosen so that its
+# values stay within about Q4_0's at BLOCK_SCALE (|x| <~ 0.02): Q4_K's d and dmin (dmin * 7.5 d centres the
+# sub-blocks' mins near their quants' mean), IQ4_XS's d (times six-bit scales up to 32 and values up to 127),
+# MXFP4's E8M0 exponent (2^(118 - 128) times values up to 12).
+RANDOM_BLOCK_SCALES: dict[QT, tuple[tuple[int, bytes], ...]] = {
+    QT.Q4_0: ((0, _f16(BLOCK_SCALE)),),
+    QT.Q8_0: ((0, _f16(BLOCK_SCALE / 16)),),
+    QT.Q4_K: ((0, _f16(BLOCK_SCALE / 32)), (2, _f16(BLOCK_SCALE / 32 * 7.5))),
+    QT.IQ4_NL: ((0, _f16(BLOCK_SCALE / 16)),),
+    QT.IQ4_XS: ((0, _f16(BLOCK_SCALE / 1024)),),
+    QT.MXFP4: ((0, bytes([118])),),
+}
+RANDOM_BLOCK_TYPES = (*RANDOM_BLOCK_SCALES, QT.F16)
 
 
 def write_synthetic(path: str | os.PathLike[str], preset: str, weight_type: QT = QT.Q4_0, seed: int = 0) -> Path:
-    """A llama model of a real model's shape (SHAPES) whose matrices are random blocks with small scales (as
-    llama.cpp's make_synthetic.py fills them; for speed measurements only), the head tied to the embedding,
+    """A model of a real model's shape (SPEED_PRESETS) whose matrices are random blocks with small scales (as
+    llama.cpp's make_synthetic.py fills them; for speed measurements only), the head as the preset says,
     and the tiny tokenizer padded to the vocabulary. Tensors are drawn and written one at a time, so a
     70B model (about 75 GB in Q8_0) never has to fit in memory; it takes minutes, mostly the disk's."""
-    n_layer, n_embd, n_head, n_head_kv, n_ff, n_vocab = SHAPES[preset]
+    spec = SPEED_PRESETS[preset]
     qtype = QT(weight_type)
     if qtype not in RANDOM_BLOCK_TYPES:
         raise ValueError(f"{qtype.name}: random blocks are written for {[t.name for t in RANDOM_BLOCK_TYPES]}")
-    config = LlamaConfig(n_layer, n_embd, n_head, n_head_kv, n_ff, n_vocab, 8192, rope_base=500000.0,
-                         rms_eps=1e-5, tied_output=True)
-    shapes = {name: (shape, QT.F32 if len(shape) == 1 else qtype) for name, shape in config.tensor_shapes().items()}
-    writer = _writer_with_metadata("llama", config.metadata() | tokenizer_metadata(n_vocab)
+    config = spec.config
+    shapes = {name: (shape, _speed_type(spec, name, shape, qtype)) for name, shape in config.tensor_shapes().items()}
+    for name, (shape, t) in shapes.items():
+        if shape[-1] % GGML_QUANT_SIZES[t][0]:
+            raise ValueError(f"{preset} in {qtype.name}: {name}'s rows of {shape[-1]} are not whole {t.name} blocks")
+    writer = _writer_with_metadata(config.arch, config.metadata() | tokenizer_metadata(config.n_vocab)
                                    | {"general.name": f"synthetic {preset} {qtype.name}"})
     for name, (shape, t) in shapes.items():
         writer.add_tensor_info(name, shape, np.dtype(np.float32), _nbytes(t, shape), raw_dtype=t)
@@ -631,23 +649,37 @@ def write_synthetic(path: str | os.PathLike[str], preset: str, weight_type: QT =
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
-    for shape, t in shapes.values():
-        writer.write_tensor_data(_random_blocks(rng, shape, t))
+    for name, (shape, t) in shapes.items():
+        writer.write_tensor_data(_random_blocks(rng, name, shape, t))
     writer.close()
     return path
 
 
-def _random_blocks(rng: np.random.Generator, shape: tuple[int, ...], qtype: QT) -> np.ndarray:
-    """A tensor's bytes: norms of ones; f16 values of N(0, 0.02); block types as random quants behind a small
-    scale (each block's first two bytes)."""
+def _speed_type(spec: SpeedPreset, name: str, shape: tuple[int, ...], qtype: QT) -> QT:
+    """The type write_synthetic stores a tensor in: norms, biases, sinks and routers F32 (as quantized files
+    keep them), experts in `qtype`, other matrices in the preset's dense_type if it has one, else `qtype`."""
+    if len(shape) == 1 or name.endswith((".bias", "ffn_gate_inp.weight")):
+        return QT.F32
+    if "_exps." in name or spec.dense_type is None:
+        return qtype
+    return spec.dense_type
+
+
+def _random_blocks(rng: np.random.Generator, name: str, shape: tuple[int, ...], qtype: QT) -> np.ndarray:
+    """A tensor's bytes: norms and sinks of ones, biases of zeros, routers (F32 matrices) of N(0, 0.02), so that
+    tokens spread over the experts; f16 values of N(0, 0.02); block types as random quants behind small scales
+    (RANDOM_BLOCK_SCALES)."""
     if qtype == QT.F32:
-        return np.ones(shape, np.float32)
+        if name.endswith(".bias"):
+            return np.zeros(shape, np.float32)
+        return np.ones(shape, np.float32) if len(shape) == 1 else rng.standard_normal(shape, np.float32) * 0.02
     if qtype == QT.F16:
         return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16)
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     n_blocks = int(np.prod(shape, dtype=np.int64)) // block_size
     raw = np.frombuffer(rng.bytes(n_blocks * type_size), np.uint8).reshape(n_blocks, type_size).copy()
-    raw[:, :2] = np.frombuffer(np.float16(BLOCK_SCALE).tobytes(), np.uint8)
+    for offset, value in RANDOM_BLOCK_SCALES[qtype]:
+        raw[:, offset:offset + len(value)] = np.frombuffer(value, np.uint8)
     return raw
 
 

@@ -1,6 +1,8 @@
 """The FastAPI app of `ggrun serve`: llama-server's routes over one EngineLoop.
 
-Every route but /health and the chat page checks --api-key (a Bearer token or X-Api-Key); every failure is an
+Every route but /health, /v1/health and the chat page at / checks --api-key (a Bearer token or X-Api-Key), as
+llama-server's middleware does (server-http.cpp: its public set is the health routes and the web UI's files):
+the page holds no data, and its API calls carry the key the user types into it. Every failure is an
 OpenAI-style error body (errors.py), never a traceback. Generation routes turn the request into an
 engine_loop.Request, submit it and read its events from an asyncio queue the engine thread feeds; a
 client that goes away cancels its request (its slot is free before the next step).
@@ -29,7 +31,7 @@ from ggrun.core.llm.engine_loop import (FINISH_CANCELLED, FINISH_ERROR, DoneEven
                                         TokenEvent)
 
 CHAT_PAGE = Path(__file__).with_name("chat.html")
-OPEN_ROUTES = ("/health", "/")
+OPEN_ROUTES = ("/health", "/v1/health", "/")  # llama-server's public routes: health, and the page (no data)
 
 
 @dataclass
@@ -69,7 +71,7 @@ def make_app(state: ServerState) -> FastAPI:
 
     @app.middleware("http")
     async def guard(request: HttpRequest, call_next):
-        """The key check on every route but /health and the page, and the body's size before it is read."""
+        """The key check on every route but OPEN_ROUTES, and the body's size before it is read."""
         if state.api_key and request.url.path not in OPEN_ROUTES and not _key_ok(request, state.api_key):
             return error_response(ApiError(401, "Invalid API Key"))
         size = request.headers.get("content-length")
@@ -126,6 +128,7 @@ def _routes(app: FastAPI, state: ServerState) -> None:
         return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"))
 
     @app.get("/health")
+    @app.get("/v1/health")
     async def health():
         """{"status": "ok"} once the model is loaded."""
         state.ready()

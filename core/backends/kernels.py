@@ -524,6 +524,22 @@ def _soft_max(xp, node, out, srcs):
     out /= s
 
 
+@kernel("kq_mask")
+def _kq_mask(xp, node, out, srcs):
+    """The KQ mask from the cells' positions and sequence bits (ops.kq_mask)."""
+    cell_pos, cell_seqs, tok_pos, tok_seq = srcs
+    seq = xp.maximum(tok_seq, 0).astype(xp.int64)
+    words = cell_seqs.view(xp.uint32)[:, seq // 32].T  # [tokens, cells]
+    held = (words >> (seq % 32).astype(xp.uint32)[:, None]) & xp.uint32(1)
+    visible = (held != 0) & (cell_pos[None, :] >= 0) & (cell_pos[None, :] <= tok_pos[:, None])
+    if node.params["window"]:
+        visible &= tok_pos[:, None] - cell_pos[None, :] < node.params["window"]
+    pad = tok_seq < 0
+    visible[pad] = False
+    visible[pad, 0] = True
+    out[...] = xp.where(visible, xp.float16(0), xp.float16(-xp.inf))
+
+
 @kernel("argmax")
 def _argmax(xp, node, out, srcs):
     """Each row's first largest value's index, -1 for a row holding NaN or infinity (ops.argmax)."""

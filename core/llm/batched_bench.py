@@ -3,7 +3,11 @@ prompt shared by all with `shared`, llama.cpp's -pps), then TG decode steps of B
 sequence; the prompt and the generation are timed apart.
 
 As in llama-batched-bench every token is id 0, the prompt's batch asks logits for its last token only
-and every decode step asks them for all B; the cache is cleared at the start of each prompt's timing
+and every decode step asks them for all B. Where the logits are computed off the host (a GPU), a decode
+step ends in their argmax and only the B token ids come back, as generation's steps do (Session.decode_greedy;
+llama-batched-bench copies every row's logits to the host instead, 64 MB a step at B = 128 with a 128k
+vocabulary, which no sampler of ggrun's reads there); on the CPU they are in host memory already and decode
+returns them. The cache is cleared at the start of each prompt's timing
 and, when shared, the prompt's cells are then shared with sequences 1..B-1 (seq_cp). Timing goes
 through an injectable clock so tests can check the arithmetic.
 """
@@ -16,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from ggrun.core.llm.batch import Batch
+from ggrun.core.llm.bench import no_collections
 from ggrun.core.llm.session import Session
 
 Clock = Callable[[], float]
@@ -69,18 +74,26 @@ def tests_of(npp: tuple[int, ...], ntg: tuple[int, ...], npl: tuple[int, ...], s
     return [BatchedTest(pp, tg, pl, shared) for pp in npp for tg in ntg for pl in npl]
 
 
-def _decode_in_batches(session: Session, batch: Batch, n_batch: int) -> None:
-    """llama-batched-bench's decode_helper: the batch in slices of n_batch tokens, one decode each."""
+def _decode_in_batches(session: Session, batch: Batch, n_batch: int, ids_only: bool = False) -> None:
+    """llama-batched-bench's decode_helper: the batch in slices of n_batch tokens, one decode each; with
+    ids_only, each slice's next tokens come back rather than its logits (Session.decode_greedy)."""
+    decode = session.decode_greedy if ids_only else session.decode
     for i in range(0, len(batch), n_batch):
-        session.decode(Batch(batch.tokens[i:i + n_batch], batch.pos[i:i + n_batch], batch.seq[i:i + n_batch],
-                             batch.logits[i:i + n_batch]))
+        decode(Batch(batch.tokens[i:i + n_batch], batch.pos[i:i + n_batch], batch.seq[i:i + n_batch],
+                     batch.logits[i:i + n_batch]))
 
 
 def warm_up(session: Session, n_batch: int) -> None:
-    """Untimed: 16 tokens of sequence 0, fewer in a smaller context (readies what a first run would)."""
+    """Untimed: 16 tokens of sequence 0, fewer in a smaller context, then one decode step of one token after
+    them where the context has room (readies what a first run would). llama.cpp's kernels are the same
+    for a prompt and a decode step, so its 16 tokens ready both; ggrun's decode steps have kernels of their
+    own (integer products on repacked weights, per-token attention), loaded on their first call: without
+    the step, the first row's generation paid for loading them (tens of ms, a few % of B = 1's T_TG)."""
     session.clear()
     n = min(WARMUP_TOKENS, session.n_ctx)
     _decode_in_batches(session, Batch.of_sequence([0] * n, 0, 0, last_logits=False), n_batch)
+    if n < session.n_ctx:
+        session.decode(Batch.of_sequence([0], n, 0))
 
 
 def prompt_batch(test: BatchedTest) -> Batch:
@@ -101,16 +114,20 @@ def decode_batch(test: BatchedTest, step: int) -> Batch:
 
 
 def run_batched(session: Session, test: BatchedTest, n_batch: int, clock: Clock = time.perf_counter) -> BatchedResult:
-    """One row: clear, the prompts (shared to every sequence when asked), then tg steps of B tokens."""
-    t0 = clock()
-    session.clear()
-    if test.pp:
-        _decode_in_batches(session, prompt_batch(test), n_batch)
-    if test.shared:
-        for s in range(1, test.pl):
-            session.seq_cp(0, s)
-    t1 = clock()
-    for i in range(test.tg):
-        _decode_in_batches(session, decode_batch(test, i), n_batch)
-    t2 = clock()
+    """One row: clear, the prompts (shared to every sequence when asked), then tg steps of B tokens (on a GPU
+    ending in the ids only); timed with Python's cycle collector off, as llama-bench's repetitions are
+    (bench.no_collections)."""
+    ids_only = session.logits_on_device
+    with no_collections():
+        t0 = clock()
+        session.clear()
+        if test.pp:
+            _decode_in_batches(session, prompt_batch(test), n_batch)
+        if test.shared:
+            for s in range(1, test.pl):
+                session.seq_cp(0, s)
+        t1 = clock()
+        for i in range(test.tg):
+            _decode_in_batches(session, decode_batch(test, i), n_batch, ids_only)
+        t2 = clock()
     return BatchedResult(test, t1 - t0, t2 - t1)

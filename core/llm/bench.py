@@ -123,7 +123,7 @@ def run_bench(session: Session, test: BenchTest, repetitions: int, warmup: bool 
             say("warmup generation run")
         run_once(session, BenchTest(test.n_prompt, min(test.n_gen, 1), test.n_depth), rng)
     res = BenchResult(test)
-    with _no_collections():
+    with no_collections():
         for i in range(repetitions):
             if test.n_depth and i:
                 say(f"depth run {i + 1}/{repetitions} (cached)")
@@ -140,7 +140,7 @@ def run_bench(session: Session, test: BenchTest, repetitions: int, warmup: bool 
 
 
 @contextmanager
-def _no_collections():
+def no_collections():
     """Python's cycle collector off while repetitions are timed (as timeit does): a full collection walks
     every object the model and its graphs made, tens of milliseconds that would land in one repetition."""
     was = gc.isenabled()

@@ -154,7 +154,7 @@ def attention(b: Build, il: int, q: Tensor, k: Tensor, v: Tensor, wo: Tensor, ro
     if yarn_of(hp) is None:
         k_all = ops.rope_set_rows(rows.k, k, idx, b.inp.pos.tensor, hp.n_rot, rope_mode, base, hp.rope_freq_scale,
                                   name=f"k_store-{il}", norm=k_norm, eps=hp.norm_eps)
-    else:  # YaRN's RoPE may run elsewhere than the cache (CUDA has none): rotated first, then written there
+    else:  # YaRN's RoPE may run elsewhere than the cache (a backend without it): rotated first, then written there
         k_rot = ops.rope(k, b.inp.pos.tensor, hp.n_rot, rope_mode, base, hp.rope_freq_scale, name=f"k_rot-{il}",
                          norm=k_norm, eps=hp.norm_eps, yarn=yarn_of(hp))
         k_all = ops.set_rows(rows.k, ops.reshape(k_rot, (n_tokens, hp.n_embd_kv)), idx, name=f"k_store-{il}")
@@ -162,7 +162,7 @@ def attention(b: Build, il: int, q: Tensor, k: Tensor, v: Tensor, wo: Tensor, ro
     keys = ops.permute(heads_view(k_all, n_kv, hp.n_head_kv, hp.head_dim), (1, 0, 2))  # [heads_kv, n_kv, head_dim]
     qh = ops.permute(q, (1, 0, 2))  # [heads, tokens, head_dim]
     scale = kq_scale if kq_scale is not None else 1.0 / math.sqrt(hp.head_dim)
-    kq_mask = b.inp.kq_mask.tensor if mask is None else mask
+    kq_mask = b.inp.mask_on(b.inp.kq_mask.tensor if mask is None else mask, _home((rows.k,)))
     if b.flash_attn and softcap is None and sinks is None:
         vals = ops.permute(heads_view(v_all, n_kv, hp.n_head_kv, hp.head_dim), (1, 0, 2))  # [heads_kv, n_kv, head_dim]
         merged = ops.flash_attn(qh, keys, vals, kq_mask, scale, name=f"fattn-{il}")  # [tokens, heads, head_dim]
@@ -254,11 +254,17 @@ def ffn_moe(x: Tensor, L: LayerWeights, il: int, n_used: int, norm_weights: bool
     up = _expert_product(L, "ffn_up_exps", xs, ids, f"ffn_moe_up-{il}")
     h = glu(gate, up, f"ffn_moe_glu-{il}") if glu is not None else ops.swiglu(gate, up, name=f"ffn_moe_swiglu-{il}")
     experts = _expert_product(L, "ffn_down_exps", h, ids, f"ffn_moe_down-{il}")  # [tokens, n_used, n_embd]
+    return weighted_sum(experts, weights, il)
+
+
+def weighted_sum(experts: Tensor, weights: Tensor, il: int) -> Tensor:
+    """The experts' outputs [tokens, n_used, n_embd] weighted by weights [tokens, n_used] and summed one
+    expert after another, in llama.cpp's order: [tokens, n_embd]."""
+    n, n_used, n_embd = experts.shape
     experts = ops.mul(experts, ops.reshape(weights, (n, n_used, 1)), name=f"ffn_moe_weighted-{il}")
-    n_embd = experts.shape[2]
     row = (n_used * n_embd * 4, 4)
     out = ops.view(experts, (n, n_embd), row, 0, name=f"ffn_moe_expert0-{il}")
-    for j in range(1, n_used):  # summed one expert after another, in llama.cpp's order
+    for j in range(1, n_used):
         out = ops.add(out, ops.view(experts, (n, n_embd), row, j * n_embd * 4), name=f"ffn_moe_sum{j}-{il}")
     return out if n_used > 1 else ops.cont(out, name=f"ffn_moe_out-{il}")
 

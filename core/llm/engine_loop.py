@@ -6,7 +6,9 @@ core/llm/parallel.py): n slots, one KV sequence each, every step one batch holdi
 generating slot and the prompt tokens of newly started ones (within n_batch), each row's next token drawn
 in the graph (Session.decode_sampled with a BatchedSampler slot per slot, or the argmax when every row is
 greedy). The context is shared out as llama-server does: each slot may hold n_ctx / n_slots cells, so the
-cache never runs out while every slot is busy.
+cache never runs out while every slot is busy. Without continuous batching (-nocb, llama-server's
+--no-cont-batching) a step that has generating slots takes no prompt tokens: a new request's prompt waits
+until every slot in flight has finished, then the waiting prompts go in together.
 
 A slot keeps its tokens' cells after its request ends; the next request whose prompt starts with them
 (cache_prompt) decodes only the rest. A cancelled request (a client that went away) frees its slot before
@@ -156,10 +158,13 @@ class _Slot:
 class EngineLoop:
     """n_slots slots over `session` (made with n_seq_max >= n_slots), served by one thread."""
 
-    def __init__(self, session: Session, n_slots: int, n_batch: int = 2048, max_queue: int = 64) -> None:
-        """slot_ctx: each slot's share of the context, n_ctx / n_slots."""
+    def __init__(self, session: Session, n_slots: int, n_batch: int = 2048, max_queue: int = 64,
+                 cont_batching: bool = True) -> None:
+        """slot_ctx: each slot's share of the context, n_ctx / n_slots; cont_batching False: prompts join only
+        a step with no generating slot (llama-server's -nocb)."""
         self.s = session
         self.n_batch = n_batch
+        self.cont_batching = cont_batching
         self.max_queue = max_queue
         self.slot_ctx = session.n_ctx // n_slots
         self.slots = [_Slot(i) for i in range(n_slots)]
@@ -296,7 +301,8 @@ class EngineLoop:
                     self._finish(s, FINISH_ERROR, error=msg)
 
     def _step(self) -> None:
-        """One decode: the next token of every generating slot, then prompt tokens within n_batch."""
+        """One decode: the next token of every generating slot, then prompt tokens within n_batch (without
+        continuous batching, only when no slot is generating: llama-server's update_slots)."""
         gen = [s for s in self.slots if s.busy and not s.pending]
         rows = list(gen)
         n = len(gen)
@@ -307,7 +313,7 @@ class EngineLoop:
         for s in gen:
             s.cached.append(s.next_token)
         for s in self.slots:
-            if not s.busy or not s.pending or n >= self.n_batch:
+            if not s.busy or not s.pending or n >= self.n_batch or (gen and not self.cont_batching):
                 continue
             chunk, s.pending = s.pending[:self.n_batch - n], s.pending[self.n_batch - n:]
             tokens += chunk

@@ -10,6 +10,8 @@ from typing import Callable
 
 import numpy as np
 
+from ggrun.core import ops
+from ggrun.core.backends.base import Backend
 from ggrun.core.dtypes import DType
 from ggrun.core.llm.batch import UBatch
 from ggrun.core.tensor import Tensor, new_tensor
@@ -108,6 +110,81 @@ class InpKQMask(GraphInput):
         return self.tensor.shape == self._shape(p)
 
 
+class InpCellPos(GraphInput):
+    """Each cell's position (-1 free) in the cache attention reads, or in the sliding-window cache with
+    `own_cache` (what ops.kq_mask builds the mask from)."""
+
+    def __init__(self, p: GraphParams, own_cache: bool = False) -> None:
+        self.own_cache = own_cache
+        self.tensor = _input("inp_cell_pos_swa" if own_cache else "inp_cell_pos", DType.I32, (_cells(p, own_cache),))
+
+    def set_input(self, st, arr):
+        kv = st.kv_swa if self.own_cache else st.kv
+        arr[...] = kv.pos[:len(arr)]
+
+    def can_reuse(self, p):
+        return self.tensor.shape == (_cells(p, self.own_cache),)
+
+
+class InpCellSeqs(GraphInput):
+    """Each cell's sequences as bits, `words` i32 a cell (KVCache.fill_cell_seqs; ops.kq_mask reads them)."""
+
+    def __init__(self, p: GraphParams, words: int, own_cache: bool = False) -> None:
+        self.own_cache = own_cache
+        name = "inp_cell_seqs_swa" if own_cache else "inp_cell_seqs"
+        self.tensor = _input(name, DType.I32, (_cells(p, own_cache), words))
+
+    def set_input(self, st, arr):
+        (st.kv_swa if self.own_cache else st.kv).fill_cell_seqs(arr)
+
+    def can_reuse(self, p):
+        return self.tensor.shape[0] == _cells(p, self.own_cache)
+
+
+def _cells(p: GraphParams, own_cache: bool) -> int:
+    """Cells attended in the cache (or, with own_cache, in the sliding-window cache) for params p."""
+    return p.n_kv_swa if own_cache else p.n_kv
+
+
+class KQMaskFromCells:
+    """The KQ mask made where attention runs (ops.kq_mask) from the cells' positions and sequence bits and
+    the tokens' positions and sequences, in place of a host-filled InpKQMask: for a step of many sequences
+    the host sends a few bytes a cell instead of filling tokens x cells. Like InpKQMask, `tensor` is what
+    attention reads (`on` gives the one made on a layer's own backend); its own inputs are `inputs`."""
+
+    def __init__(self, p: GraphParams, tok_pos: Tensor, tok_seq: Tensor, words: int, window: int | None = None,
+                 own_cache: bool = False) -> None:
+        self.inputs = [InpCellPos(p, own_cache), InpCellSeqs(p, words, own_cache)]
+        self.name = "kq_mask" if window is None else "kq_mask_swa"
+        self._srcs = (self.inputs[0].tensor, self.inputs[1].tensor, tok_pos, tok_seq)
+        self.window = window
+        self.tensor = ops.kq_mask(*self._srcs, window, name=self.name)
+        self._on: dict[str, Tensor] = {}
+
+    def on(self, backend: Backend | None) -> Tensor:
+        """The mask made on `backend` (a layer's, where its attention reads it; None: wherever the scheduler
+        puts it), one node per backend: made on one device and read on others, it would cross between them at
+        every step, and a pipelined prompt's device could make the next micro-batch's mask over it before a
+        later device has copied it. Its inputs, a few bytes a cell, go to each device instead."""
+        if backend is None:
+            return self.tensor
+        t = self._on.get(backend.name)
+        if t is None:
+            t = self._on[backend.name] = ops.kq_mask(*self._srcs, self.window, name=f"{self.name}-{backend.name}")
+            t.params[ops.RUN_ON] = backend.name
+        return t
+
+
+def _token_seqs(st: UBatchState) -> np.ndarray:
+    """Each token's sequence, -1 for a padding row (buckets.py), which ops.kq_mask shows cell 0 only."""
+    ub = st.ub
+    if not ub.n_pad:
+        return ub.seq
+    seq = np.array(ub.seq, dtype=np.int32)
+    seq[ub.n_real:] = -1
+    return seq
+
+
 class InpOutIds(GraphInput):
     """Rows of the micro-batch whose logits are computed."""
 
@@ -170,24 +247,48 @@ class GraphInputs:
     tokens: InpPerToken
     pos: InpPerToken
     kv_idx: InpPerToken
-    kq_mask: InpKQMask
+    kq_mask: InpKQMask | KQMaskFromCells
     out_ids: InpOutIds | None
-    kq_mask_swa: InpKQMask | None = None
+    kq_mask_swa: InpKQMask | KQMaskFromCells | None = None
     kv_idx_swa: InpPerToken | None = None  # rows of the sliding-window cache (iSWA), when there is one
     sampling: list[InpSamplingRows] | None = None  # ops.sample's inputs, when the graph samples
+    seq: InpPerToken | None = None  # each token's sequence, when the masks are made from the cells
 
     @staticmethod
-    def for_params(p: GraphParams, swa_window: int | None = None) -> "GraphInputs":
+    def for_params(p: GraphParams, swa_window: int | None = None, seq_words: int = 0) -> "GraphInputs":
+        """The inputs of a graph for p; with seq_words (the cache's i32 words of sequence bits a cell), masks
+        made where attention runs from the cells (KQMaskFromCells) instead of filled on the host."""
         own = p.n_kv_swa > 0
-        return GraphInputs(InpPerToken(p, "inp_tokens", lambda st: st.ub.tokens),
-                           InpPerToken(p, "inp_pos", lambda st: st.ub.pos),
+        pos = InpPerToken(p, "inp_pos", lambda st: st.ub.pos)
+        seq = InpPerToken(p, "inp_seq", _token_seqs) if seq_words else None
+        if seq is not None:
+            mask = KQMaskFromCells(p, pos.tensor, seq.tensor, seq_words)
+            mask_swa = KQMaskFromCells(p, pos.tensor, seq.tensor, seq_words, swa_window, own) if swa_window else None
+        else:
+            mask = InpKQMask(p)
+            mask_swa = InpKQMask(p, swa_window, own) if swa_window else None
+        return GraphInputs(InpPerToken(p, "inp_tokens", lambda st: st.ub.tokens), pos,
                            InpPerToken(p, "inp_kv_idx", lambda st: st.cells),
-                           InpKQMask(p),
+                           mask,
                            InpOutIds(p) if p.n_outputs < p.n_tokens else None,
-                           InpKQMask(p, swa_window, own) if swa_window else None,
+                           mask_swa,
                            InpPerToken(p, "inp_kv_idx_swa", lambda st: st.cells_swa) if own else None,
-                           sampling_inputs(p) if p.sampler else None)
+                           sampling_inputs(p) if p.sampler else None, seq)
+
+    def mask_on(self, mask: Tensor, backend: Backend | None) -> Tensor:
+        """The mask attention on `backend` reads for `mask` (the tensor of kq_mask or kq_mask_swa): a mask made
+        from the cells is made on that backend (KQMaskFromCells.on); a host-filled one is itself."""
+        for m in (self.kq_mask, self.kq_mask_swa):
+            if isinstance(m, KQMaskFromCells) and m.tensor is mask:
+                return m.on(backend)
+        return mask
 
     def all(self) -> list[GraphInput]:
-        return [i for i in (self.tokens, self.pos, self.kv_idx, self.kq_mask, self.out_ids, self.kq_mask_swa,
-                            self.kv_idx_swa) if i is not None] + (self.sampling or [])
+        out: list[GraphInput] = []
+        for i in (self.tokens, self.pos, self.kv_idx, self.kq_mask, self.out_ids, self.kq_mask_swa,
+                  self.kv_idx_swa, self.seq):
+            if isinstance(i, KQMaskFromCells):
+                out += i.inputs
+            elif i is not None:
+                out.append(i)
+        return out + (self.sampling or [])

@@ -101,6 +101,9 @@ class Session:
                                                          self.sched.cpu.name)
         # the KV cache, and the sliding-window one after it when there is one (every decode step walks them)
         self.caches: tuple[KVCache, ...] = (self.kv,) if self.kv_swa is None else (self.kv, self.kv_swa)
+        self.seq_words = self.mask_seq_words()
+        for cache in self.caches:  # masks made from the cells cost little per cell: shapes in powers of two
+            cache.pow2_cells = self.seq_words > 0
         self.graph_reuse = params.graph_reuse and reuse_enabled_by_env()
         self.debug = graph_debug_level()
         self.check_numerics = params.check_numerics or self.debug >= 1
@@ -118,6 +121,21 @@ class Session:
         """Bytes of K and V rows the session's caches hold on each backend."""
         return kv_bytes_by_backend(self.caches)
 
+    def mask_seq_words(self) -> int:
+        """The i32 words of sequence bits a cell takes when the KQ masks are made where attention runs from the
+        cells (inputs.KQMaskFromCells), else 0 (host-filled masks). Made from the cells when
+        SessionParams.mask_from_cells says so, or (None) with GGRUN_MASK_FROM_CELLS=1 when several sequences
+        share a cache held off the CPU: a host-filled mask of 64 sequences' decode step over their 16k cells
+        took the host 2-3 ms to fill and copy, a prompt chunk's of 512 tokens more; the cells' positions and
+        bits take a fraction. Not by default: its one GPU run so far (4 H200s, layers split over them) gave NaN
+        logits for 128 sequences' prompts and failed tests/core/test_cuda_batched.py; the CPU's reference
+        kernel makes exactly the host's masks (tests/llm/test_inputs.py)."""
+        on = self.params.mask_from_cells
+        if on is None:
+            on = (os.environ.get("GGRUN_MASK_FROM_CELLS", "0") == "1" and self.params.n_seq_max > 1
+                  and any(name != self.sched.cpu.name for name in self.kv_bytes_by_backend()))
+        return -(-self.params.n_seq_max // 32) if on else 0
+
     @property
     def kv_version(self) -> tuple[int, ...]:
         return tuple([c.version for c in self.caches])
@@ -133,7 +151,7 @@ class Session:
 
     def build(self, p: GraphParams) -> GraphResult:
         """Build and schedule (not allocate) the decode graph for params p."""
-        inputs = GraphInputs.for_params(p, self.model.hp.extra.get("swa_window"))
+        inputs = GraphInputs.for_params(p, self.model.hp.extra.get("swa_window"), self.seq_words)
         build = Build(self.model.hp, inputs, self.kv, p, self.params.flash_attn, self.model.numerics == "llama",
                       self.kv_swa)
         logits = self.model.arch.build(build, self.model.weights)

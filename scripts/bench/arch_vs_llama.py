@@ -7,9 +7,8 @@ KL divergence (and its 99th percentile and maximum), how often both rank the sam
 mean KLD <= 0.005 and same top >= 98%). Perplexities are not shown: a random model's next tokens lie far
 below the 16 nats of log-probability the saved file keeps, so the two would not compare.
 
-`--speed qwen3-0.6b` instead measures speed side by side: a model of that family's real shape
-(tests/synth.py SPEED_PRESETS, Q4_K blocks of random quants) under `llama-bench` and `ggrun bench`
-alternating (pp512, tg128, -t 2 by default), with medians and the ratio.
+Speed on a family's real shape is bench_cpu.py's (`--models qwen3-0.6b:q4_k`: tests/synth.py SPEED_PRESETS,
+llama-bench and ggrun bench alternating).
 
 `--save-data` also writes llama.cpp's top token and log-probabilities at every scored position
 (tests/data/families_llama_cpp.json), which tests/llm/test_families.py checks ggrun against without llama.cpp.
@@ -23,14 +22,12 @@ the same file format.
 
     .venv/bin/python scripts/bench/arch_vs_llama.py                       # every family: F32, F16, its shipped type
     .venv/bin/python scripts/bench/arch_vs_llama.py --families qwen3 gemma2 --types F32 --save-data
-    .venv/bin/python scripts/bench/arch_vs_llama.py --speed qwen3-0.6b --rounds 3
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -44,7 +41,7 @@ from gguf.constants import GGMLQuantizationType as QT  # noqa: E402
 
 from ggrun.core.llm.kl_divergence import KLStats, LogProbReader, dequantize_log_probs  # noqa: E402
 from ppl_vs_llama import ggrun_cmd, run  # noqa: E402  (this folder, beside this script)
-from tests.synth import FAMILY_PRESETS, SPEED_PRESETS, write_random_family, write_tiny_family  # noqa: E402
+from tests.synth import FAMILY_PRESETS, write_tiny_family  # noqa: E402
 
 DEFAULT_ANCHOR = Path.home() / ".cache/ggrun-anchor/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
 TEXT = ROOT / "tests" / "data" / "ppl_prose.txt"
@@ -175,32 +172,6 @@ def saved_positions(base: Path, n_chunks: int) -> dict:
         r.close()
 
 
-def bench(cmd: list[str]) -> dict[str, float]:
-    """t/s of pp and tg from a llama-bench-style JSON list (both tools write the same fields)."""
-    out = run(cmd).stdout
-    return {(f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"): float(r["avg_ts"])
-            for r in json.loads(out[out.index("["):])}
-
-
-def speed(bin_dir: Path, preset: str, rounds: int, threads: int) -> None:
-    """llama-bench and ggrun bench alternating on a synthetic model of the preset's shape; medians, ratios."""
-    with tempfile.TemporaryDirectory() as tmp:
-        model = write_random_family(Path(tmp) / f"{preset}-Q4_K.gguf", preset, QT.Q4_K)
-        args = ["-m", str(model), "-p", "512", "-n", "128", "-t", str(threads), "-r", "1", "-o", "json"]
-        ours: dict[str, list[float]] = {}
-        theirs: dict[str, list[float]] = {}
-        for _ in range(rounds):
-            for k, v in bench([str(bin_dir / "llama-bench"), *args]).items():
-                theirs.setdefault(k, []).append(v)
-            for k, v in bench([*ggrun_cmd(), "bench", *args]).items():
-                ours.setdefault(k, []).append(v)
-    print(f"{preset} Q4_K (synthetic), -t {threads}, medians of {rounds} alternating rounds")
-    print(f"{'test':6} {'llama.cpp t/s':>14} {'ggrun t/s':>10} {'ratio':>6}")
-    for test in ("pp512", "tg128"):
-        a, b = statistics.median(ours[test]), statistics.median(theirs[test])
-        print(f"{test:6} {b:14.2f} {a:10.2f} {a / b:6.2f}")
-
-
 def save(data: dict, via_lib: bool) -> None:
     """Write llama.cpp's saved positions per model (DATA), with where they came from."""
     producer = "libllama.so through llama_cpp.py" if via_lib else "llama-perplexity"
@@ -220,16 +191,11 @@ def main() -> None:
     ap.add_argument("--via-lib", action="store_true", help="score with libllama.so (no llama-perplexity needed)")
     ap.add_argument("--noise", action="store_true",
                     help="with --via-lib, add llama.cpp against itself at -ub 16 (its own noise floor)")
-    ap.add_argument("--speed", choices=sorted(SPEED_PRESETS), help="measure speed on this preset instead")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of the speed measurement")
     ap.add_argument("--save-data", action="store_true", help=f"write llama.cpp's results to {DATA.relative_to(ROOT)}")
     a = ap.parse_args()
     bin_dir = Path(a.llama_bin)
     if not (bin_dir / ("libllama.so" if a.via_lib else "llama-perplexity")).exists():
         raise SystemExit(f"no llama-perplexity in {bin_dir} (bash ../shared/tools/cpu_anchor.sh builds it)")
-    if a.speed:
-        speed(bin_dir, a.speed, a.rounds, a.threads)
-        return
     data = json.loads(DATA.read_text()) if a.save_data and DATA.exists() else {}
     noise = a.noise and a.via_lib
     extra = f" {'llama.cpp ub16: KLD':>20} {'same top':>9}" if noise else ""

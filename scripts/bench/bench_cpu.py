@@ -5,12 +5,16 @@ then peak RSS and time to first token of `ggrun run` and `llama-completion` on t
 every figure and the ratios, after the CPU's model, its SIMD flags and ggrun's instruction-set level
 (GGRUN_CPU_ISA caps it: core/backends/cpu/isa.py).
 
+A model is a known model's name, or PRESET:TYPE for a synthetic model of a real shape (tests/synth.py's
+write_synthetic, SPEED_PRESETS: random blocks, written once into a temporary folder), e.g. qwen3-0.6b:q4_k.
+
 llama.cpp's tools come from `bash ../shared/tools/cpu_anchor.sh` (pass its directory with
 --llama-bin or $LLAMA_BIN); where they are absent their column is skipped, and the output says so.
 
     .venv/bin/python scripts/bench/bench_cpu.py                  # SmolLM2 Q4_1 and gemma-3-270m Q4_K_M, -t 2
     .venv/bin/python scripts/bench/bench_cpu.py --models smollm2 --rounds 3 -t 1
     .venv/bin/python scripts/bench/bench_cpu.py --vs-isa avx2    # ggrun against itself at a lower level
+    .venv/bin/python scripts/bench/bench_cpu.py --models qwen3-0.6b:q4_k,qwen3-0.6b:iq4_xs --speed-only
 """
 from __future__ import annotations
 
@@ -20,10 +24,16 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+from gguf.constants import GGMLQuantizationType as QT
+
 from ggrun.loaders.download import KNOWN_MODELS, model_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.synth import SPEED_PRESETS, write_synthetic  # noqa: E402
 
 DEFAULT_ANCHOR = Path.home() / ".cache/ggrun-anchor/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
 PROMPT = "The capital of France is"
@@ -90,11 +100,22 @@ class Other:
         return [*ggrun_cmd(), "run", "-no-cnv"] if self.env else [str(self.llama / "llama-completion"), "-no-cnv"]
 
 
-def measure_model(name: str, args, other: Other) -> None:
+def resolve(name: str, folder: Path) -> Path | None:
+    """The file of a known model (None, said, where it is not cached), or a synthetic PRESET:TYPE written into
+    `folder`."""
+    if ":" in name:
+        preset, qtype = name.split(":")
+        if preset not in SPEED_PRESETS:
+            raise SystemExit(f"{preset}: not a synthetic preset ({', '.join(SPEED_PRESETS)})")
+        return write_synthetic(folder / f"{preset}-{qtype}.gguf", preset, QT[qtype.upper()])
     path = model_path(KNOWN_MODELS[name])
     if not path.exists():
         print(f"{name}: not in the cache (ggrun models pull {name}); skipped")
-        return
+        return None
+    return path
+
+
+def measure_model(path: Path, args, other: Other) -> None:
     ours: dict[str, list[float]] = {}
     theirs: dict[str, list[float]] = {}
     for _ in range(args.rounds):
@@ -103,7 +124,9 @@ def measure_model(name: str, args, other: Other) -> None:
                 theirs.setdefault(k, []).append(v)
         for k, v in bench_speeds([*ggrun_cmd(), "bench", *bench_args(path, args.threads, args.reps)]).items():
             ours.setdefault(k, []).append(v)
-    print(f"\n## {path.name}, -t {args.threads}, medians of {args.rounds} alternating rounds (-r {args.reps} each)")
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"\n## {path.name}, -t {args.threads}, medians of {args.rounds} alternating rounds (-r {args.reps} each); "
+          f"load average after: {load}")
     print(f"| test | {other.name} t/s | ggrun t/s | ggrun / {other.name} | each round's ratio |")
     print("|---|---|---|---|---|")
     for test in ("pp512", "tg128"):
@@ -111,6 +134,8 @@ def measure_model(name: str, args, other: Other) -> None:
         b = statistics.median(theirs[test]) if test in theirs else None
         rounds = " ".join(fmt_ratio(x, y) for x, y in zip(ours.get(test, []), theirs.get(test, [])))
         print(f"| {test} | {fmt(b, '.1f')} | {fmt(a, '.1f')} | {fmt_ratio(a, b)} | {rounds or '-'} |")
+    if args.speed_only:
+        return
 
     first_ours, first_theirs, rss_ours, rss_theirs = [], [], [], []
     for _ in range(args.rounds):
@@ -136,6 +161,7 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of the two tools")
     ap.add_argument("-r", "--reps", type=int, default=2, help="repetitions inside each bench run")
+    ap.add_argument("--speed-only", action="store_true", help="pp512 and tg128 only (no first token, no RSS)")
     ap.add_argument("--vs-isa", choices=("avx512", "avx2", "generic"),
                     help="measure against ggrun at this instruction-set level instead of llama.cpp")
     args = ap.parse_args()
@@ -145,8 +171,10 @@ def main() -> None:
               "their column is skipped")
         llama = None
     print(cpu_line())
-    for name in args.models.split(","):
-        measure_model(name.strip(), args, Other(llama, args.vs_isa))
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            if (path := resolve(name.strip(), Path(tmp))) is not None:
+                measure_model(path, args, Other(llama, args.vs_isa))
 
 
 def cpu_line() -> str:

@@ -14,7 +14,12 @@ llama-server comes from `bash /work/shared/tools/cpu_anchor.sh` (--llama-bin or 
 default (50) they spin, and on a shared 2-core machine each parallel step then waits behind other work
 (measured here: 0.47 t/s per slot at -np 32, 2.5 t/s at c=1). Loopback only.
 
+On a GPU machine (issue 34's GPU bench: synthetic llama-1b Q4_0 at 1, 16, 64), pass -ngl 99 to both servers
+and llama.cpp's CUDA tools' directory (cuda_anchor.sh's build/bin); a model without a chat template of its own
+(the synthetic ones) takes --chat-template chatml on both.
+
 Usage: python scripts/bench/bench_serve.py [-m MODEL] [--levels 1,8,32] [-n 32] [-np 32] [-c 8192] [-t 2] [--rounds 2]
+       [-ngl 0] [--chat-template NAME]
 """
 from __future__ import annotations
 
@@ -120,6 +125,8 @@ def main() -> None:
     ap.add_argument("-c", type=int, default=8192)
     ap.add_argument("-t", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("-ngl", type=int, default=0, help="layers on the GPU, both servers (99: all)")
+    ap.add_argument("--chat-template", default="", help="both servers' chat template (for a model without one)")
     ap.add_argument("--llama-poll", type=int, default=0, help="llama-server's --poll (0: idle threads sleep)")
     ap.add_argument("--llama-bin", default=os.environ.get("LLAMA_BIN", str(DEFAULT_ANCHOR)))
     a = ap.parse_args()
@@ -128,7 +135,9 @@ def main() -> None:
     server = Path(a.llama_bin) / "llama-server"
     if not server.exists():
         sys.exit(f"no {server}: build it with `bash /work/shared/tools/cpu_anchor.sh` (or give --llama-bin)")
-    common = ["-m", model, "-c", str(a.c), "-np", str(a.np), "-t", str(a.t), "--host", "127.0.0.1"]
+    common = ["-m", model, "-c", str(a.c), "-np", str(a.np), "-t", str(a.t), "-ngl", str(a.ngl), "--host", "127.0.0.1"]
+    if a.chat_template:
+        common += ["--chat-template", a.chat_template]
     ports = {"ggrun": free_port(), "llama": free_port()}
     cmds = {"ggrun": [sys.executable, "-m", "ggrun.cli.app", "serve", *common, "--port", str(ports["ggrun"]),
                       "--max-queue", "256"],
@@ -140,7 +149,7 @@ def main() -> None:
         for name in ("ggrun", "llama"):
             procs[name] = start(cmds[name], urls[name], name, Path(f"/tmp/bench_serve_{name}.log"))
             asyncio.run(level(urls[name], max(levels), a.n))  # warm-up
-        print(f"model {Path(model).name}, -c {a.c} -np {a.np} -t {a.t}, {a.n} tokens per reply, "
+        print(f"model {Path(model).name}, -c {a.c} -np {a.np} -t {a.t} -ngl {a.ngl}, {a.n} tokens per reply, "
               f"{a.rounds} alternating rounds per level")
         for conc in levels:
             runs: dict[str, list[tuple[float, list[Result]]]] = {"ggrun": [], "llama": []}
@@ -165,8 +174,15 @@ def report(conc: int, runs: dict) -> None:
         print(f"  c={conc:3d} {name:5s}: gen {tps:8.2f} t/s  TTFT p50 {1e3 * figs[name][1]:8.1f} ms  "
               f"p99 {1e3 * figs[name][2]:8.1f} ms  HTTP share {100 * figs[name][3]:5.1f} %")
     g, ll = figs["ggrun"], figs["llama"]
-    print(f"  c={conc:3d} ratio ggrun/llama-server: gen t/s {g[0] / ll[0]:.2f}x  TTFT p50 {g[1] / ll[1]:.2f}x  "
-          f"TTFT p99 {g[2] / ll[2]:.2f}x")
+    ratios = "  ".join(f"{what} {_ratio(a, b)}" for what, a, b in
+                       (("gen t/s", g[0], ll[0]), ("TTFT p50", g[1], ll[1]), ("TTFT p99", g[2], ll[2])))
+    print(f"  c={conc:3d} ratio ggrun/llama-server: {ratios}")
+
+
+def _ratio(a: float, b: float) -> str:
+    """a / b as a ratio, or why there is none: a TTFT stays 0 when no chunk carried text (a synthetic model's
+    random tokens may decode to no whole character)."""
+    return f"{a / b:.2f}x" if a and b else "n/a (no text streamed)"
 
 
 if __name__ == "__main__":

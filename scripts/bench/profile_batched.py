@@ -6,8 +6,13 @@ Each step is run three ways: `decode` (every row's logits come back, as llama-ba
 copies them), `greedy` (the argmax in the graph, ids back) and `sampled` (ops.sample in the graph with
 llama.cpp's default chain, ids back).
 
+On a GPU each mode's line also gives the GPU's time between events recorded on the backend's stream
+around the step (host time beyond it is the host's share), and --kernels B prints the GPU kernels of B's
+greedy steps summed by name (torch.profiler's CUDA activity, where torch is installed; ggrun does not use it
+otherwise).
+
 Usage: python scripts/bench/profile_batched.py -m MODEL [-ngl 99] [-npp 128] [-ntg 32] [-npl 1,16,64,128]
-       [--profile 64] [--modes decode,greedy,sampled]
+       [--profile 64] [--modes decode,greedy,sampled] [--kernels 64]
 """
 from __future__ import annotations
 
@@ -25,17 +30,33 @@ from ggrun.core.llm.sampling import SamplingParams
 from ggrun.core.llm.session import Session, SessionParams
 
 
-def steps(session: Session, test: BatchedTest, mode: str, n_batch: int) -> tuple[float, list[float]]:
-    """Clear, the prompts, then test.tg decode steps in `mode`: the prompts' seconds and each step's."""
+def _gpu_stream(session: Session):
+    """(the stream, the device index) of the backend that computes the logits, when it is a GPU (else None):
+    events are made with that device current (another one's events cannot be recorded on its stream)."""
+    backend = session.model.placement.output
+    stream = getattr(backend, "stream", None)
+    return None if stream is None else (stream, backend.index)
+
+
+def steps(session: Session, test: BatchedTest, mode: str, n_batch: int) -> tuple[float, list[float], list[float]]:
+    """Clear, the prompts, then test.tg decode steps in `mode`: the prompts' seconds, each step's, and each
+    step's GPU milliseconds between events around it (empty without a GPU)."""
     t0 = time.perf_counter()
     session.clear()
     _decode_in_batches(session, prompt_batch(test), n_batch)
     t_pp = time.perf_counter() - t0
     sampler = BatchedSampler([SamplingParams(seed=i) for i in range(test.pl)], session.n_ctx)
     slots = np.arange(test.pl)
-    out = []
+    on_gpu = _gpu_stream(session)
+    out, gpu = [], []
     for i in range(test.tg):
         b = decode_batch(test, i)
+        if on_gpu is not None:
+            import cupy
+            stream, index = on_gpu
+            with cupy.cuda.Device(index):
+                start, end = cupy.cuda.Event(), cupy.cuda.Event()
+                start.record(stream)
         t0 = time.perf_counter()
         if mode == "decode":
             session.decode(b)
@@ -45,7 +66,30 @@ def steps(session: Session, test: BatchedTest, mode: str, n_batch: int) -> tuple
             ids = session.decode_sampled(b, sampler.rows(slots))
             sampler.accept_rows(slots, ids)
         out.append(time.perf_counter() - t0)
-    return t_pp, out
+        if on_gpu is not None:
+            with cupy.cuda.Device(index):
+                end.record(stream)
+                end.synchronize()
+                gpu.append(cupy.cuda.get_elapsed_time(start, end))
+    return t_pp, out, gpu
+
+
+def kernel_table(session: Session, test: BatchedTest, n_batch: int) -> None:
+    """The GPU kernels of test's greedy steps (prompt excluded), summed by name, by torch.profiler."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        print("--kernels: torch is not installed here", flush=True)
+        return
+    torch.cuda.init()
+    session.clear()
+    _decode_in_batches(session, prompt_batch(test), n_batch)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(test.tg):
+            session.decode_greedy(decode_batch(test, i))
+    print(f"== GPU kernels, B={test.pl}, {test.tg} greedy steps", flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
 
 
 def main() -> None:
@@ -56,8 +100,9 @@ def main() -> None:
     ap.add_argument("-ntg", type=int, default=32)
     ap.add_argument("-npl", default="1,16,64,128")
     ap.add_argument("-ub", type=int, default=512)
-    ap.add_argument("--profile", type=int, default=64)
+    ap.add_argument("--profile", type=int, default=64, help="B whose steps run under cProfile (0: none)")
     ap.add_argument("--modes", default="decode,greedy,sampled")
+    ap.add_argument("--kernels", type=int, default=0, help="B whose greedy steps' GPU kernels are listed (0: none)")
     a = ap.parse_args()
     npl = [int(x) for x in a.npl.split(",")]
     modes = a.modes.split(",")
@@ -68,12 +113,15 @@ def main() -> None:
         test = BatchedTest(a.npp, a.ntg, pl)
         for mode in modes:
             steps(s, test, mode, 2048)  # warm: graphs built and captured
-            t_pp, t = steps(s, test, mode, 2048)
+            t_pp, t, gpu = steps(s, test, mode, 2048)
             med = float(np.median(t))
-            print(f"B={pl:4d} {mode:8s} step median {1e3 * med:7.3f} ms  S_TG {pl / med:9.1f} t/s  "
+            dev = f"  GPU {float(np.median(gpu)):7.3f} ms" if gpu else ""
+            print(f"B={pl:4d} {mode:8s} step median {1e3 * med:7.3f} ms{dev}  S_TG {pl / med:9.1f} t/s  "
                   f"S_PP {pl * a.npp / t_pp:9.1f} t/s", flush=True)
+    if a.kernels:
+        kernel_table(s, BatchedTest(a.npp, a.ntg, a.kernels), 2048)
     test = BatchedTest(a.npp, a.ntg, a.profile)
-    for mode in modes:
+    for mode in modes if a.profile else ():
         steps(s, test, mode, 2048)
         prof = cProfile.Profile()
         prof.enable()

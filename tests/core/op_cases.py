@@ -18,6 +18,7 @@ import numpy as np
 
 from ggrun.core import ops
 from ggrun.core.dtypes import DType
+from ggrun.core.llm.blocks import weighted_sum
 from ggrun.core.ops import ROPE_NEOX, ROPE_NORMAL
 from tests.core.backend_ops import TYPES, Leafs, weight_data
 
@@ -456,4 +457,115 @@ def elementwise_cases() -> list[OpCase]:
     return cases
 
 
-CASES: list[OpCase] = product_cases() + norm_cases() + rope_cases() + attention_cases() + elementwise_cases()
+# ---- mixtures of experts and gpt-oss (qwen3moe, gpt-oss) -------------------------------------------
+
+def _expert_ids(rng, n: int, n_expert: int, k: int) -> np.ndarray:
+    """i32 [n, k]: k distinct experts a token, as moe_topk chooses them."""
+    return np.stack([rng.choice(n_expert, size=k, replace=False) for _ in range(n)]).astype(np.int32)
+
+
+def _mul_mat_id(dtype: DType, n: int, n_expert: int, k: int, per_slot: bool, m: int = 80):
+    """The experts' products of n tokens, k experts each: one activation row a token (gate, up) or a slot
+    (down)."""
+    def make(rng):
+        cols = 512 if dtype.block_size == 256 else 96
+        data = weight_data(dtype, n_expert * m, cols, seed=int(rng.integers(1 << 30)))
+        x, ids = values(rng, n, k if per_slot else 1, cols), _expert_ids(rng, n, n_expert, k)
+        return lambda lf: ops.mul_mat_id(lf.weight("w", dtype, (n_expert, m, cols), data), lf.input("x", F32, x),
+                                         lf.input("ids", I32, ids))
+    return make
+
+
+def _gated_experts(dtype: DType, n: int, glu: str):
+    """A gated unit over the experts' gate and up products (qwen3moe's feed-forward's first half)."""
+    def make(rng):
+        m, cols, n_expert, k = 64, 256, 8, 3
+        gd, ud = (weight_data(dtype, n_expert * m, cols, seed=int(rng.integers(1 << 30))) for _ in range(2))
+        x, ids = values(rng, n, 1, cols), _expert_ids(rng, n, n_expert, k)
+
+        def build(lf):
+            xs, ix = lf.input("x", F32, x), lf.input("ids", I32, ids)
+            gate = ops.mul_mat_id(lf.weight("gate", dtype, (n_expert, m, cols), gd), xs, ix)
+            up = ops.mul_mat_id(lf.weight("up", dtype, (n_expert, m, cols), ud), xs, ix)
+            return getattr(ops, glu)(gate, up)
+        return build
+    return make
+
+
+def _weighted_sum(n: int, k: int, width: int):
+    """The experts' outputs weighted and summed (blocks.weighted_sum: a mul and k - 1 adds)."""
+    def make(rng):
+        ed, wd = values(rng, n, k, width), np.abs(values(rng, n, k))
+        return lambda lf: weighted_sum(lf.input("e", F32, ed), lf.input("w", F32, wd), 0)
+    return make
+
+
+def _moe_routing(op: str, n: int, n_expert: int, k: int, norm: bool = False):
+    """A router's choice (moe_topk) or its weights (moe_weights) over softmax probabilities, some tied."""
+    def make(rng):
+        logits = values(rng, n, n_expert, scale=2.0)
+        logits[0, 3] = logits[0, 5] = logits[0].max() + 1  # a tie at the top: the lower index first
+        probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+        probs = (probs / probs.sum(axis=1, keepdims=True)).astype(np.float32)
+        ids = _expert_ids(rng, n, n_expert, k)
+
+        def build(lf):
+            p = lf.input("p", F32, probs)
+            if op == "moe_topk":
+                return ops.moe_topk(p, k)
+            return ops.moe_weights(p, lf.input("ids", I32, ids), norm)
+        return build
+    return make
+
+
+def _swiglu_oai(n: int, width: int, scale: float):
+    """gpt-oss's gated unit, gate and up beyond its clamp (7) both ways."""
+    def make(rng):
+        gd, ud = values(rng, n, width, scale=scale), values(rng, n, width, scale=scale)
+        return lambda lf: ops.swiglu_oai(lf.input("g", F32, gd), lf.input("u", F32, ud), 1.702, 7.0)
+    return make
+
+
+def _soft_max_sinks(heads: int, n: int, n_kv: int):
+    """gpt-oss's attention softmax: masked scores and a sink logit per head."""
+    def make(rng):
+        xd, sd = values(rng, heads, n, n_kv, scale=4.0), values(rng, heads, scale=3.0)
+        md = causal_mask(n, n_kv, n_kv - 3, rows=n + 5, window=5)
+        return lambda lf: ops.soft_max(lf.input("kq", F32, xd), lf.input("mask", F16, md), 0.125,
+                                       sinks=lf.weight("sinks", F32, sd.shape, sd))
+    return make
+
+
+def _rope_yarn(n: int, ext_factor: float, fscale: float):
+    """gpt-oss's RoPE: neox pairs, YaRN's ramp (ext_factor) between the interpolated and original angles."""
+    def make(rng):
+        xd, p = values(rng, n, 3, 64, scale=2.0), positions(rng, n)
+        yarn = ops.Yarn(ext_factor, 1.2, 32.0, 1.0, 4096)
+        return lambda lf: ops.rope(lf.input("x", F32, xd), lf.input("pos", I32, p), 64, ROPE_NEOX, 150000.0, fscale,
+                                   yarn=yarn)
+    return make
+
+
+def moe_cases() -> list[OpCase]:
+    cases = [OpCase(f"mul_mat_id-{t}-n{n}-{'slots' if per_slot else 'tokens'}",
+                    _mul_mat_id(t, n, 16, 4, per_slot), MUL_MAT, CUDA)
+             for t in (DType.Q4_K, DType.MXFP4, DType.Q8_0, F16) for n in (1, 3, 9, 70) for per_slot in (False, True)]
+    cases.append(OpCase("mul_mat_id-many-slots-one-expert", _mul_mat_id(DType.Q4_0, 150, 2, 2, False, m=130), MUL_MAT,
+                        CUDA))
+    cases += [OpCase(f"mul_mat_id-gated-{glu}-{t}-n{n}", _gated_experts(t, n, glu), GLU, CUDA)
+              for glu in ("swiglu", "geglu") for t in (DType.Q4_K, DType.MXFP4) for n in (1, 2, 9)]
+    cases += [OpCase(f"moe-weighted-sum-k{k}-n{n}", _weighted_sum(n, k, 96), ELEMENTWISE, CUDA)
+              for k in (1, 2, 4, 8) for n in (1, 7)]
+    cases += [OpCase(f"moe_topk-{e}-k{k}-n{n}", _moe_routing("moe_topk", n, e, k), EXACT, CUDA)
+              for e, k in ((128, 8), (32, 4), (60, 1)) for n in (1, 33)]
+    cases += [OpCase(f"moe_weights-{'norm' if norm else 'plain'}-n{n}", _moe_routing("moe_weights", n, 128, 8, norm),
+                     ELEMENTWISE, CUDA) for norm in (False, True) for n in (1, 33)]
+    cases += [OpCase(f"swiglu_oai-n{n}", _swiglu_oai(n, 2880, 6.0), GATED, CUDA) for n in (1, 33)]
+    cases += [OpCase(f"soft_max-sinks-n{n}", _soft_max_sinks(8, n, 77), ELEMENTWISE, CUDA) for n in (1, 7)]
+    cases += [OpCase(f"rope-yarn-ext{e}-n{n}", _rope_yarn(n, e, 1 / 32), ROPE, CUDA)
+              for e in (1.0, 0.0) for n in (1, 9)]
+    return cases
+
+
+CASES: list[OpCase] = (product_cases() + norm_cases() + rope_cases() + attention_cases() + elementwise_cases()
+                       + moe_cases())

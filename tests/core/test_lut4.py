@@ -1,8 +1,9 @@
 """IQ4_NL, IQ4_XS and MXFP4 against ggml itself (tests/data/ggml_quants.json, from
 scripts/tools/ggml_quant_reference.py): the numpy decoders (core/quants.py) and the CPU's compiled ones
 (core/backends/cpu/lut4.py) equal ggml's dequantize_row_* bit for bit, on ggml's own quantization of
-random rows and on random blocks; the CPU's integer dot products match ggml's vec_dot against ggml's own
-8-bit activation blocks, and quant/activations.py's quantizers make those same blocks from the f32 activations. The
+random rows and on random blocks; the CPU's integer dot products (lut4.py's scalar ones, quant/lut4_avx2.py's
+AVX2 ones) match ggml's vec_dot against ggml's own 8-bit activation blocks, and quant/activations.py's
+quantizers make those same blocks from the f32 activations. The
 synthetic writer's quantizers: gguf's for MXFP4 (ggml's bytes), its own for IQ4_NL and IQ4_XS.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import quantize as gguf_quantize
 
 from ggrun.core.backends.cpu import lut4 as L4
-from ggrun.core.backends.cpu.quant import activations, codes, decode
+from ggrun.core.backends.cpu.quant import activations, codes, decode, lut4_avx2
 from ggrun.core.dtypes import DType
 from ggrun.core.quants import dequantize, e8m0_half
 from tests import synth
@@ -74,12 +75,25 @@ def test_compiled_decoder_is_ggmls(dtype):
     np.testing.assert_array_equal(rows, _ggml_values(dtype)[[5, 1]])
 
 
+def _product_kernels() -> list:
+    """lut4.py's scalar kernels, and quant/lut4_avx2.py's where this CPU runs AVX2."""
+    kernels = [pytest.param(L4, id="scalar")]
+    if codes.SIMD != "generic":
+        kernels.append(pytest.param(lut4_avx2, id="avx2"))
+    return kernels
+
+
+@pytest.mark.parametrize("kernels", _product_kernels())
+@pytest.mark.parametrize("parallel", [False, True], ids=["one", "par"])
 @pytest.mark.parametrize("dtype", TYPES, ids=str)
-def test_dot_products_are_ggmls_vec_dot(dtype):
+def test_dot_products_are_ggmls_vec_dot(dtype, parallel, kernels):
     w = _weights(dtype)
     qs, d = _ggml_acts(dtype)
     out = np.zeros((qs.shape[0], w.shape[0]), np.float32)
-    L4.mul_mat_q8(L4.TYPES[dtype], w, qs, d, out)
+    if parallel:  # three chunks over the seven rows: the last pass of four repeats its last row
+        kernels.mul_mat_q8_par(L4.TYPES[dtype], w, qs, d, out, 3)
+    else:
+        kernels.mul_mat_q8(L4.TYPES[dtype], w, qs, d, out)
     expected = np.frombuffer(bytes.fromhex(GGML[dtype.name]["dots"]), np.float32).reshape(w.shape[0], -1).T
     # the same exact integer sums per block (IQ4_XS: per super-block), scaled alike; only the order in
     # which ggml's eight AVX2 lanes add the blocks' products differs

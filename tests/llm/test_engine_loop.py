@@ -1,5 +1,6 @@
 """EngineLoop (`ggrun serve`'s engine): requests decoded together in slots give the tokens each gives alone;
-a prompt whose prefix a slot holds decodes only the rest; a cancelled request frees its slot; the queue is
+a prompt whose prefix a slot holds decodes only the rest; without continuous batching a new request waits for
+the batch in flight to finish; a cancelled request frees its slot; the queue is
 bounded; stop strings cut the text, streamed and whole alike; a seed repeats a draw; a constraint's mask
 holds every token drawn; log-probabilities are the logits' log-softmax. Synthetic tiny llama."""
 from __future__ import annotations
@@ -56,9 +57,10 @@ class Collector:
         return "".join(t.text for t in self.tokens)
 
 
-def engine(model: Model, n_slots: int = 3, n_ctx: int = 512, max_queue: int = 16) -> EngineLoop:
+def engine(model: Model, n_slots: int = 3, n_ctx: int = 512, max_queue: int = 16,
+           cont_batching: bool = True) -> EngineLoop:
     s = Session(model, SessionParams(n_ctx=n_ctx, n_seq_max=n_slots))
-    return EngineLoop(s, n_slots, 512, max_queue)
+    return EngineLoop(s, n_slots, 512, max_queue, cont_batching)
 
 
 def alone(model: Model, prompt: list[int], n: int, params: SamplingParams = GREEDY) -> list[int]:
@@ -103,6 +105,36 @@ def test_a_slot_holding_the_prefix_decodes_only_the_rest(tiny):
     assert again.done.n_cached == len(PROMPTS[3])
     assert fresh.done.n_cached == 0
     assert again.ids == fresh.ids == alone(tiny, PROMPTS[3] + [7, 8], 4)
+
+
+@pytest.mark.parametrize("cont_batching", [True, False])
+def test_without_cont_batching_a_new_request_waits_for_the_batch_in_flight(tiny, cont_batching):
+    """B is submitted once A has its first token (a slot is free for B): with -cb B's first token comes while
+    A generates; with -nocb only after A is done (llama-server's update_slots), and B's tokens are the same."""
+    e = engine(tiny, n_slots=2, cont_batching=cont_batching)
+    order: list[str] = []
+    a, b = Collector(), Collector()
+
+    def on_a(ev) -> None:
+        order.append("A done" if isinstance(ev, DoneEvent) else "A")
+        a(ev)
+        if len(order) == 1:
+            e.submit(Request(PROMPTS[1], GREEDY, 4, ignore_eos=True), on_b)
+
+    def on_b(ev) -> None:
+        order.append("B done" if isinstance(ev, DoneEvent) else "B")
+        b(ev)
+
+    e.start()
+    try:
+        e.submit(Request(PROMPTS[0], GREEDY, 12, ignore_eos=True), on_a)
+        a.wait()
+        b.wait()
+    finally:
+        e.stop()
+    first_b, a_done = order.index("B"), order.index("A done")
+    assert (first_b < a_done) == cont_batching, order
+    assert b.ids == alone(tiny, PROMPTS[1], 4)
 
 
 def test_cancel_frees_the_slot_and_the_queue_is_bounded(tiny):

@@ -140,7 +140,7 @@ def test_gpt_oss_features_change_the_logits(family_factory, change):
 
 
 def test_gpt_oss_offloaded_to_a_device_without_its_pieces(family_factory):
-    """A device that lacks YaRN's RoPE and sinks (as CUDA does: the stand-in refuses every rope and softmax)
+    """A device that lacks YaRN's RoPE and sinks (as CUDA did: the stand-in refuses every rope and softmax)
     holds the layers and their caches; those nodes run on the CPU, the keys are rotated there and written
     into the device's cache: the logits are the CPU's."""
     path = family_factory(arch="gpt-oss")

@@ -6,9 +6,11 @@ import os
 import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType as QT
+from gguf.quants import dequantize
 
 from ggrun.loaders.gguf_file import open_gguf
-from tests.synth import EOT, TINY_MERGES, WEIGHT_TYPES, bytes_to_unicode, write_sparse_big, write_tiny_llama
+from tests.synth import (EOT, RANDOM_BLOCK_SCALES, SPEED_PRESETS, TINY_MERGES, WEIGHT_TYPES, _random_blocks,
+                         _speed_type, bytes_to_unicode, write_sparse_big, write_synthetic, write_tiny_llama)
 
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
                  "ffn_down")
@@ -112,3 +114,35 @@ def test_sparse_big_is_huge_but_takes_no_disk(tmp_path):
         assert f.tensors["blk.31.ffn_down.weight"].shape == (4096, 14336)
         assert f.file_bytes > 3 * 2 ** 30
         assert len(f.require("tokenizer.ggml.tokens")) == f.tensors["token_embd.weight"].shape[0]
+
+
+@pytest.mark.parametrize("qtype", sorted(RANDOM_BLOCK_SCALES), ids=lambda t: t.name)
+def test_random_blocks_stay_small(qtype):
+    """write_synthetic's random blocks decode to values within about Q4_0's at BLOCK_SCALE, not all alike."""
+    raw = _random_blocks(np.random.default_rng(0), "blk.0.ffn_up.weight", (8, 256), qtype)
+    values = dequantize(raw, qtype)
+    assert np.isfinite(values).all() and np.abs(values).max() < 0.1 and values.std() > 1e-3
+
+
+def test_speed_preset_types():
+    """gpt-oss-20b ships MXFP4 experts beside Q8_0 matrices, F32 routers and biases; rows that are not whole
+    blocks of the type asked for are refused."""
+    spec = SPEED_PRESETS["gpt-oss-20b"]
+    types = {name: _speed_type(spec, name, shape, QT.MXFP4) for name, shape in spec.config.tensor_shapes().items()}
+    assert types["blk.3.ffn_up_exps.weight"] == QT.MXFP4
+    assert types["blk.3.attn_q.weight"] == types["output.weight"] == QT.Q8_0
+    assert types["blk.3.ffn_gate_inp.weight"] == types["blk.3.ffn_up_exps.bias"] == QT.F32
+    with pytest.raises(ValueError, match="not whole Q4_K blocks"):
+        write_synthetic(os.devnull, "gpt-oss-20b", QT.Q4_K)
+
+
+def test_write_synthetic_qwen3(tmp_path):
+    """A Qwen3-0.6B-shaped Q4_K file: the family's tensors (QK-norms, tied head), its head size, finite weights."""
+    path = write_synthetic(tmp_path / "q.gguf", "qwen3-0.6b", QT.Q4_K)
+    with open_gguf(path) as f:
+        assert f.arch == "qwen3" and f.require("qwen3.attention.key_length") == 128
+        assert set(f.tensors) == set(SPEED_PRESETS["qwen3-0.6b"].config.tensor_shapes())
+        assert f.tensors["blk.27.attn_q.weight"].qtype == QT.Q4_K
+        assert f.tensors["blk.27.attn_k_norm.weight"].shape == (128,)
+        w = f.load_f32("blk.0.ffn_down.weight")
+        assert np.isfinite(w).all() and np.abs(w).max() < 0.1

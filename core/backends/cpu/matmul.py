@@ -34,7 +34,9 @@ from ggrun.core.backends.cpu import jit, vecmath
 from ggrun.core.backends.cpu import lut4 as L4
 from ggrun.core.backends.cpu.dispatch import binds
 from ggrun.core.backends.cpu.elementwise import f16_gelu_table
-from ggrun.core.backends.cpu.quant import activations, avx2, avx2_r8, avx512, codes, decode, layouts, portable
+from ggrun.core.backends.cpu.quant import (
+    activations, avx2, avx2_r8, avx512, codes, decode, layouts, lut4_avx2, portable,
+)
 from ggrun.core.backends.cpu.warmup import THREADS, product, warms
 from ggrun.core.dtypes import DType
 from ggrun.core.tensor import Tensor
@@ -312,16 +314,17 @@ def _bind_product(plan: _Plan, a: Tensor, w, x, out2, scratch):
 
 
 def _bind_lut4(plan: _Plan, w, x, out2, scratch, chunks: int):
-    """The "q8" or "f32" path of an IQ4_NL, IQ4_XS or MXFP4 weight (stored rows w): lut4.py's kernels,
-    after quant/activations.py's quantizer has made x's 8-bit blocks (q8)."""
+    """The "q8" or "f32" path of an IQ4_NL, IQ4_XS or MXFP4 weight (stored rows w): lut4.py's kernels (q8:
+    quant/lut4_avx2.py's where AVX2 runs), after quant/activations.py's quantizer has made x's 8-bit blocks."""
     if plan.path == "q8":
         qs, d, s, sums = codes.act_arrays(scratch, plan.n, plan.k)
         quantize = partial(activations.quantize_rows_avx2 if _avx2() else activations.quantize_rows, plan.act, x,
                            qs, d, s, sums)
+        kernels = lut4_avx2 if _avx2() else L4
         if chunks > 1:
-            dots = partial(L4.mul_mat_q8_par, plan.code, w, qs, d, out2, chunks)
+            dots = partial(kernels.mul_mat_q8_par, plan.code, w, qs, d, out2, chunks)
         else:
-            dots = partial(L4.mul_mat_q8, plan.code, w, qs, d, out2)
+            dots = partial(kernels.mul_mat_q8, plan.code, w, qs, d, out2)
 
         def call() -> None:
             quantize()

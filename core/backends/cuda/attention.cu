@@ -197,7 +197,7 @@ template <int TK, int D>
 __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
     const float *q, const void *k, const void *v, const __half *mask, float *out, float *part, int *tickets,
     int d, int T, int r, int n_kv, int chunk, i64 sq0, i64 sq1, i64 sk0, i64 sk1, i64 sv0, i64 sv1, i64 ldm,
-    float scale, block_q8_1 *q8, int pf) {
+    float scale, block_q8_1 *q8, int mask_in, int pf) {
     constexpr int LPK = D / 8, KPB = DEC_THREADS / LPK;  // lanes per key, keys per block step
     extern __shared__ __align__(16) float smem[];
     __shared__ float row_m[DECODE_ROWS], row_l[DECODE_ROWS];
@@ -208,6 +208,7 @@ __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
     float *qs = smem, *ss = qs + R * D, *red = ss + R * chunk;  // q [R][D], scores [R][chunk], sums [KPB][RT][D]
     if (threadIdx.x == 0) lo = C, hi = 0;
     __syncthreads();
+    if (!mask_in) pdl_begin();  // a mask a kernel of the step made (ops.kq_mask): read once that kernel is done
     // the mask (a step input, copied before any kernel of the step) before pdl_begin: scores start as the
     // mask values, and the chunk's visible span [lo, hi) is found
     for (int jj = 0; jj < C; jj += DEC_THREADS) {  // every lane of a warp runs as many rounds (reductions below)
@@ -458,7 +459,7 @@ template <int TK, int D>
 __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_rows(
     const float *q, const void *k, const void *v, const __half *mask, float *out, float *part, int *tickets,
     int d, int T, int r, int n_kv, int chunk, i64 sq0, i64 sq1, i64 sk0, i64 sk1, i64 sv0, i64 sv1, i64 ldm,
-    float scale, block_q8_1 *q8, const int *fresh, int pf) {
+    float scale, block_q8_1 *q8, const int *fresh, int mask_in, int pf) {
     constexpr int LPK = D / 8, KPW = 32 / LPK, KPB = KPW * DS_WARPS;  // lanes a key, keys a warp step, a block step
     __shared__ __align__(16) float wacc[DS_WARPS][DS_ROWS][D];
     __shared__ float wm[DS_WARPS][DS_ROWS], wl[DS_WARPS][DS_ROWS];
@@ -468,6 +469,7 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_rows(
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, o = lane % LPK, kl = lane / LPK;
     if (threadIdx.x == 0) lo = C, hi = 0;
     __syncthreads();
+    if (!mask_in) pdl_begin();  // a mask a kernel of the step made (ops.kq_mask): read once that kernel is done
     // the chunk's visible span from the mask (a step input: read before pdl_begin)
     for (int jj = 0; jj < C; jj += DS_WARPS * 32) {
         const int j = jj + threadIdx.x;
@@ -552,21 +554,13 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_rows(
     if (gridDim.y > 1) merge_chunks<D>(part, out, q8, tickets, R, T, r);
 }
 
-// Prompt attention on tensor cores (mma.sync m16n8k16: f16 inputs, f32 sums) for an f16 cache and head
+// Prompt attention on tensor cores (mma16816, common.cuh: f16 inputs, f32 sums) for an f16 cache and head
 // dimension D, flash-attention-2 style: a block is 4 warps, a warp 16 query rows of one KV head's group
 // (row rr: token rr / r, query head g * r + rr % r) whose queries (scaled, f16), scores, running
 // maxima and sums and outputs stay in registers in the mma fragments' layouts. Tiles of 32 keys and
 // values go through shared memory; a tile that every row of the block masks out is skipped. One key
-// chunk (no split). Fragment layouts (PTX ISA, m16n8k16): lane = 4 * grp + tig; A holds rows grp and
-// grp + 8, columns 2 tig (+1) and 2 tig + 8 (+1); B columns grp, rows 2 tig (+1) and 2 tig + 8 (+1);
-// C rows grp and grp + 8, columns 2 tig (+1).
+// chunk (no split).
 #define TC_KEYS 32
-__device__ __forceinline__ void mma16816(float *c, const u32 *a, u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 __device__ __forceinline__ u32 pack_h2(float lo, float hi) {
     __half2 h = __floats2half2_rn(lo, hi);
     return *(u32 *)&h;
@@ -767,5 +761,27 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_tok(
         float mx, num, den;
         ds_merge_warps<D>(wacc, wm, wl, i, e, mx, num, den);
         out[((i64)t * hq + g * r + i) * D + e] = den > 0.0f ? num / den : 0.0f;
+    }
+}
+
+// The KQ mask of a micro-batch made on the device (ops.kq_mask): token t = blockIdx.y sees cell c when the cell
+// holds t's sequence (bit s % 32 of the cell's word s / 32) at a position from 0 up to t's, and with a window
+// (window > 0) fewer than `window` positions back; a token of sequence -1 (a padding row) sees cell 0 only.
+// A thread a cell, the cells' positions and bits read once per token row from L2.
+extern "C" __global__ void kq_mask(const int *cell_pos, const u32 *cell_seqs, const int *tok_pos, const int *tok_seq,
+                                   __half *out, int n_kv, int words, int window) {
+    pdl_begin();
+    const int t = blockIdx.y, s = tok_seq[t], p = tok_pos[t];
+    const __half hidden = __ushort_as_half((unsigned short)0xfc00u), seen = __ushort_as_half((unsigned short)0);
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < n_kv; c += gridDim.x * blockDim.x) {
+        bool vis;
+        if (s < 0) {
+            vis = c == 0;
+        } else {
+            const int cp = cell_pos[c];
+            vis = cp >= 0 && cp <= p && ((cell_seqs[(i64)c * words + (s >> 5)] >> (s & 31)) & 1u) != 0u
+                  && (window <= 0 || p - cp < window);
+        }
+        out[(i64)t * n_kv + c] = vis ? seen : hidden;
     }
 }

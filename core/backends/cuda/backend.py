@@ -30,6 +30,7 @@ import numpy as np
 from ggrun.core.backends.array_backend import storage_dtype
 from ggrun.core.backends.base import Backend, Buffer, BufferType
 from ggrun.core.backends.cuda import blas, handoff, launch, uploads
+from ggrun.core.backends.cuda import experts as _experts  # noqa: F401  (registers the experts' kernels)
 from ggrun.core.backends.cuda import matmul as _matmul  # registers kernels
 from ggrun.core.backends.cuda import ops as _ops  # noqa: F401  (registers kernels)
 from ggrun.core.backends.cuda import sample as _sample  # noqa: F401  (registers ops.sample's kernel)
@@ -50,7 +51,8 @@ NO_FLAGS = bytes(4 * FETCH_BLOCKS)  # the flags of fetch_checked when every valu
 H2D, D2H = 1, 2  # cudaMemcpyKind
 PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 TICKETS = 1024  # counters shared by kernels that elect a last block (one per KV head in attention)
-BLOCK_OPS = ("mul_mat", "mul_mat_multi", "mul_mat_glu", "get_rows")  # the ops whose kernels read GGUF blocks
+# the ops whose kernels read GGUF blocks
+BLOCK_OPS = ("mul_mat", "mul_mat_multi", "mul_mat_glu", "get_rows", "mul_mat_id")
 
 
 def _device_errors() -> tuple[type[BaseException], ...]:
@@ -156,16 +158,15 @@ class CUDABackend(Backend):
 
     def supports_op(self, node: Tensor) -> bool:
         """Block-quantized data only as the weights of products and embedding lookups (2-d, of a type
-        the kernels decode); a quantized KV cache's reads and writes stay on the CPU, and so do YaRN's
-        RoPE and attention sinks (gpt-oss), which the CUDA kernels lack."""
-        if "yarn" in node.params or node.params.get("sinks"):
-            return False
+        the kernels decode; 3-d: the experts' matrices of mul_mat_id); a quantized KV cache's reads and
+        writes stay on the CPU."""
         quantized = [s for s in node.srcs if s.dtype.is_quantized]
         if node.dtype.is_quantized:
             return False
         if quantized:
+            dims = 3 if node.op == "mul_mat_id" else 2
             return node.op in BLOCK_OPS and all(
-                s.dtype.name in TYPE_IDS and len(s.shape) == 2 and s.is_contiguous for s in quantized)
+                s.dtype.name in TYPE_IDS and len(s.shape) == dims and s.is_contiguous for s in quantized)
         return TABLE.handles(node.op) or node.op in KERNELS
 
     def tickets(self, n: int) -> "cupy.ndarray":

@@ -228,6 +228,17 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// One tensor-core product c += a b (mma.sync m16n8k16: f16 inputs, f32 sums). Fragment layouts (PTX ISA):
+// lane = 4 * grp + tig; A (16 x 16) holds rows grp and grp + 8, columns 2 tig (+1) and 2 tig + 8 (+1) in
+// a[0] (row grp), a[1] (row grp + 8), a[2] (row grp, columns + 8), a[3]; B (16 x 8) column grp, rows 2 tig
+// (+1) in b0 and 2 tig + 8 (+1) in b1; C rows grp (c[0], c[1]) and grp + 8 (c[2], c[3]), columns 2 tig (+1).
+__device__ __forceinline__ void mma16816(float *c, const u32 *a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // 32 activations in the 8-bit blocks the __dp4a products read (ggml's block_q8_1)
 struct block_q8_1 {
     __half2 ds;  // scale d = amax / 127, and the sum of the block's original values

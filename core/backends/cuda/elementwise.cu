@@ -47,6 +47,17 @@ __global__ void gated(const float *g, const float *u, float *out, int n, i64 row
     out[i] = glu_act<F>(x) * u[r * ldu + c];
 }
 
+// gpt-oss's gated unit (ggml's swiglu_oai): x = min(g, limit), x sigmoid(alpha x) (clamp(u, -limit, limit) + 1)
+extern "C" __global__ void swiglu_oai(const float *g, const float *u, float *out, int n, i64 rows, i64 ldg, i64 ldu,
+                                      float alpha, float limit) {
+    pdl_begin();
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * n) return;
+    i64 r = i / n, c = i % n;
+    const float x = fminf(g[r * ldg + c], limit), y = fminf(fmaxf(u[r * ldu + c], -limit), limit);
+    out[i] = x / (1.0f + expf(-alpha * x)) * (y + 1.0f);
+}
+
 // dst[idx[r], :] = src[r, :] (the KV cache write), converting f32 to D
 template <int D>
 __global__ void set_rows(const float *src, const int *idx, void *dst, int n, i64 rows, i64 lds, i64 ldd) {
@@ -57,9 +68,12 @@ __global__ void set_rows(const float *src, const int *idx, void *dst, int n, i64
     st<D>(dst, (i64)idx[r] * ldd + c, src[r * lds + c]);
 }
 
-// softmax(a * scale + mask) over rows of n; row r of the matrix uses mask row r % R (M: mask type, -1 none)
+// softmax(a * scale + mask) over rows of n; row r of the matrix uses mask row r % R (M: mask type, -1 none).
+// With sinks (gpt-oss's attention sinks; a is [heads, R, n]), row r counts one more logit, sinks[r / R],
+// whose share is dropped.
 template <int M>
-__global__ void soft_max(const float *a, const void *mask, float *out, int n, int R, i64 lda, i64 ldm, float scale) {
+__global__ void soft_max(const float *a, const void *mask, const float *sinks, float *out, int n, int R, i64 lda,
+                         i64 ldm, float scale) {
     pdl_begin();
     __shared__ float sh[32];
     i64 r = blockIdx.x;
@@ -76,7 +90,7 @@ __global__ void soft_max(const float *a, const void *mask, float *out, int n, in
     __syncthreads();
     if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = mx;
     __syncthreads();
-    mx = -INFINITY;
+    mx = sinks != nullptr ? sinks[r / R] : -INFINITY;
     for (int w = 0; w < (blockDim.x + 31) / 32; w++) mx = fmaxf(mx, sh[w]);
     float s = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
@@ -84,7 +98,9 @@ __global__ void soft_max(const float *a, const void *mask, float *out, int n, in
         o[i] = e;
         s += e;
     }
-    float inv = 1.0f / block_sum(s, sh);
+    s = block_sum(s, sh);
+    if (sinks != nullptr) s += expf(sinks[r / R] - mx);
+    float inv = 1.0f / s;
     for (int i = threadIdx.x; i < n; i += blockDim.x) o[i] *= inv;
 }
 
@@ -191,4 +207,66 @@ extern "C" __global__ void fetch_checked(const float *x, i64 n, float *out, int 
     }
     bad = __syncthreads_or(bad);
     if (threadIdx.x == 0) flags[blockIdx.x] = bad;
+}
+
+// A mixture of experts' routing, a warp per token row of p [rows, n] (row stride ldp, n <= 1024): ids [rows, k]
+// the k largest entries' indices, largest first, the lower index first among equal values (ggml's
+// argsort_top_k; a stable argsort of -p)
+extern "C" __global__ void moe_topk(const float *p, int *ids, int n, int k, i64 ldp, int rows) {
+    pdl_begin();
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const float *x = p + (i64)row * ldp;
+    u32 taken = 0;  // bit q: element lane + 32 q was chosen
+    for (int r = 0; r < k; r++) {
+        float best = -INFINITY;
+        int bi = IDX_NONE;
+        for (int i = lane, q = 0; i < n; i += 32, q++) {
+            const float v = x[i];
+            if (!((taken >> q) & 1) && (bi == IDX_NONE || v > best)) best = v, bi = i;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ob = __shfl_xor_sync(0xffffffff, best, o);
+            const int oi = __shfl_xor_sync(0xffffffff, bi, o);
+            if (oi != IDX_NONE && (bi == IDX_NONE || ob > best || (ob == best && oi < bi))) best = ob, bi = oi;
+        }
+        if (bi != IDX_NONE && (bi & 31) == lane) taken |= 1u << (bi >> 5);
+        if (lane == 0) ids[(i64)row * k + r] = bi;
+    }
+}
+
+// The chosen experts' weights, a warp per token row (k <= 32): w[row, j] = p[row, ids[row, j]]; with norm,
+// divided by their sum (in double, as ggml sums rows; at least 2^-14, as llama.cpp clamps it)
+extern "C" __global__ void moe_weights(const float *p, const int *ids, float *w, int k, i64 ldp, i64 ldi, int rows,
+                                       int norm) {
+    pdl_begin();
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const float v = lane < k ? p[(i64)row * ldp + ids[(i64)row * ldi + lane]] : 0.0f;
+    float out = v;
+    if (norm) {
+        double s = (double)v;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+        out = v / fmaxf((float)s, 6.103515625e-5f);
+    }
+    if (lane < k) w[(i64)row * k + lane] = out;
+}
+
+// A mixture of experts' output (the graph's mul by the weights and its adds of the experts' rows, one
+// launch): out [rows, M] the sum over j in order of e [rows, k, M] times w [rows, k], each product rounded
+// before it is added, as the separate nodes round them. The mul's own result is not written: only the
+// adds read it, and the planner may have put their sum where it lies.
+extern "C" __global__ void moe_sum(const float *e, const float *w, float *out, int M, int k, i64 rows) {
+    pdl_begin();
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * M) return;
+    const i64 t = i / M, c = i % M;
+    float s = 0.0f;
+    for (int j = 0; j < k; j++) {
+        const float v = __fmul_rn(e[(t * k + j) * M + c], w[t * k + j]);
+        s = j == 0 ? v : __fadd_rn(s, v);
+    }
+    out[i] = s;
 }

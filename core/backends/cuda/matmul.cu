@@ -434,3 +434,152 @@ __global__ void mul_mat_float(const void *a, const void *bm, float *out, int M, 
     for (int k = 0; k < K; k++) s += ld<TA>(a, oa + k * sa2) * ld<TB>(bm, ob + k * sb2);
     out[i] = s;
 }
+
+// ---- the experts' products (ggml's mul_mat_id): out[s, :] = W[ids[s]] . b[row of slot s] -----------------
+// Slot s = t * k + j is token t's j-th chosen expert; its activation row is b's row t (one row a token,
+// bstep 0) or s (a row a slot, bstep 1). W holds n_expert matrices [M, ncols] one after another
+// (expert_bytes apart); out is [slots, M].
+
+// Decode: mmvq over q8_1 activations y [rows of b, ncols / 32], a warp per weight row, blockIdx.y the slot:
+// each slot reads only its own expert's rows. The ids come from the kernel before, so nothing is read
+// before pdl_begin.
+template <int T>
+__global__ void mmvq_id(const u8 *w, const block_q8_1 *y, const int *ids, float *out, int ncols, i64 row_bytes,
+                        i64 expert_bytes, int M, int k, i64 ldi, int bstep) {
+    pdl_begin();
+    const int s = blockIdx.y, t = s / k, j = s % k;
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (row >= M) return;
+    const int lane = threadIdx.x & 31, nb = ncols / 32;
+    const u8 *wr = w + (i64)ids[(i64)t * ldi + j] * expert_bytes + (i64)row * row_bytes;
+    const block_q8_1 *yr = y + (i64)(bstep ? s : t) * nb;
+    float acc = 0.0f;
+    for (int b = lane; b < nb; b += 32) acc += vdot_at<T>(wr, b, yr[b]);
+    acc = warp_sum(acc);
+    if (lane == 0) out[(i64)s * M + row] = acc;
+}
+
+// mmvq_id of a gated unit's gate and up matrices at once (one token's experts: blockIdx.y the slot) and the
+// unit after them: go = G . y, uo = U . y (both products, as the nodes' results) and out = act(go) uo (F: 1 silu)
+template <int T, int F>
+__global__ void mmvq_id_glu(const u8 *wg, const u8 *wu, const block_q8_1 *y, const int *ids, float *go, float *uo,
+                            float *out, int ncols, i64 row_bytes, i64 expert_bytes, int M, int k, i64 ldi, int bstep) {
+    pdl_begin();
+    const int s = blockIdx.y, t = s / k, j = s % k;
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (row >= M) return;
+    const int lane = threadIdx.x & 31, nb = ncols / 32;
+    const i64 at = (i64)ids[(i64)t * ldi + j] * expert_bytes + (i64)row * row_bytes;
+    const u8 *gr = wg + at, *ur = wu + at;
+    const block_q8_1 *yr = y + (i64)(bstep ? s : t) * nb;
+    float ag = 0.0f, au = 0.0f;
+    for (int b = lane; b < nb; b += 32) {
+        ag += vdot_at<T>(gr, b, yr[b]);
+        au += vdot_at<T>(ur, b, yr[b]);
+    }
+    ag = warp_sum(ag);
+    au = warp_sum(au);
+    if (lane == 0) {
+        const i64 o = (i64)s * M + row;
+        go[o] = ag, uo[o] = au, out[o] = glu_act<F>(ag) * au;
+    }
+}
+
+// A prompt's slots grouped by expert (one block): offs[e] .. offs[e + 1] of `list` are the slots routed to
+// expert e (in no particular order: each slot's product is computed alone). `cursor` is n_expert ints of
+// scratch; the block's shared memory holds n_expert counts.
+extern "C" __global__ void moe_group(const int *ids, int *offs, int *cursor, int *list, int n_tokens, int k,
+                                     i64 ldi, int n_expert) {
+    pdl_begin();
+    extern __shared__ int count[];
+    const int n = n_tokens * k;
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) count[e] = 0;
+    __syncthreads();
+    for (int s = threadIdx.x; s < n; s += blockDim.x) atomicAdd(&count[ids[(i64)(s / k) * ldi + s % k]], 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int at = 0;
+        for (int e = 0; e < n_expert; e++) {
+            offs[e] = cursor[e] = at;
+            at += count[e];
+        }
+        offs[n_expert] = at;
+    }
+    __syncthreads();
+    for (int s = threadIdx.x; s < n; s += blockDim.x) {
+        const int e = ids[(i64)(s / k) * ldi + s % k];
+        list[atomicAdd(&cursor[e], 1)] = s;
+    }
+}
+
+// Prompt: a grouped GEMM on tensor cores. Block (x, e, z): weight rows 64 x .. + 63 of expert e against its
+// slots in tiles of 64, tiles z, z + gridDim.z, ... (a block past the expert's slots returns at once). Each
+// step of 32 columns decodes the weight tile to f16 and gathers the slots' f16 activations (x16 [rows of b,
+// ncols]) into shared memory; each of the 4 warps multiplies 16 weight rows by the 64 slots (mma16816).
+// ncols a multiple of 8.
+#define ID_M 64
+#define ID_N 64
+#define ID_K 32
+#define ID_LD (ID_K + 8)  // halves a shared row: 80 bytes, so the fragments' rows fall in different banks
+template <int T>
+__global__ void __launch_bounds__(128) mmid_tc(const u8 *w, const __half *x16, const int *offs, const int *list,
+                                               float *out, int ncols, i64 row_bytes, i64 expert_bytes, int M,
+                                               int k, int bstep) {
+    pdl_begin();
+    __shared__ __align__(16) __half ws[ID_M * ID_LD], xs[ID_N * ID_LD];
+    __shared__ int slot[ID_N];
+    const int e = blockIdx.y, end = offs[e + 1];
+    const int m0 = blockIdx.x * ID_M, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane >> 2, tig = lane & 3;
+    const u8 *we = w + (i64)e * expert_bytes;
+    for (int first = offs[e] + blockIdx.z * ID_N; first < end; first += gridDim.z * ID_N) {
+        __syncthreads();  // the last tile's slots are read
+        if (threadIdx.x < ID_N) slot[threadIdx.x] = first + (int)threadIdx.x < end ? list[first + threadIdx.x] : -1;
+        __syncthreads();
+        float c[ID_N / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < ID_N / 8; nt++) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.0f;
+        for (int k0 = 0; k0 < ncols; k0 += ID_K) {
+            // 64 rows x 32 columns of each operand: 256 runs of 8 halves, two a thread
+#pragma unroll
+            for (int x = 0; x < 2; x++) {
+                const int g = threadIdx.x + 128 * x, r = g >> 2, col = k0 + (g & 3) * 8, m = m0 + r;
+                __half2 h[4];
+                if (m < M && col < ncols) {
+                    const u8 *row = we + (i64)m * row_bytes;
+#pragma unroll
+                    for (int q = 0; q < 4; q++)
+                        h[q] = __floats2half2_rn(dq_at<T>(row, col + 2 * q), dq_at<T>(row, col + 2 * q + 1));
+                } else {
+                    h[0] = h[1] = h[2] = h[3] = __floats2half2_rn(0.0f, 0.0f);
+                }
+                *(uint4 *)(ws + r * ID_LD + (g & 3) * 8) = *(const uint4 *)h;
+                const int s = slot[r];
+                uint4 v = make_uint4(0, 0, 0, 0);
+                if (s >= 0 && col < ncols) v = *(const uint4 *)(x16 + (i64)(bstep ? s : s / k) * ncols + col);
+                *(uint4 *)(xs + r * ID_LD + (g & 3) * 8) = v;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int kc = 0; kc < ID_K; kc += 16) {
+                const __half *wa = ws + (warp * 16 + grp) * ID_LD + kc + 2 * tig;
+                const u32 a[4] = {*(const u32 *)wa, *(const u32 *)(wa + 8 * ID_LD), *(const u32 *)(wa + 8),
+                                  *(const u32 *)(wa + 8 * ID_LD + 8)};
+#pragma unroll
+                for (int nt = 0; nt < ID_N / 8; nt++) {
+                    const __half *xb = xs + (nt * 8 + grp) * ID_LD + kc + 2 * tig;
+                    mma16816(c[nt], a, *(const u32 *)xb, *(const u32 *)(xb + 8));
+                }
+            }
+            __syncthreads();
+        }
+        const int ma = m0 + warp * 16 + grp, mb = ma + 8;
+#pragma unroll
+        for (int nt = 0; nt < ID_N / 8; nt++) {
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                const int m = x < 2 ? ma : mb, s = slot[nt * 8 + 2 * tig + (x & 1)];
+                if (m < M && s >= 0) out[(i64)s * M + m] = c[nt][x];
+            }
+        }
+    }
+}

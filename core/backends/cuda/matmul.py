@@ -121,7 +121,7 @@ def _fed_at(node: Tensor, backend) -> int | None:
     return backend.q8_slot(slot) if slot is not None else None
 
 
-def _quantize(b, ldb: int, y: int, k: int, n: int) -> Launch:
+def quantize_launch(b, ldb: int, y: int, k: int, n: int) -> Launch:
     """Activation rows b [n, k] (row stride ldb) to q8_1 blocks at address y."""
     blocks = n * (k // 32)
     return Launch(kernel("matmul.cu", "quantize_q8_1"), (-(-blocks // 8),), (256,),
@@ -137,7 +137,7 @@ def _gemv(node: Tensor, parts: list, b, ldb: int, scratch, k: int, n: int, fed_a
     y = fed_at
     if quantized and fed_at is None:
         y = scratch.data.ptr
-        launches.append(_quantize(b, ldb, y, k, n))
+        launches.append(quantize_launch(b, ldb, y, k, n))
     dp4a = [p for p in parts if quantized and p[0].name in DP4A_TYPES]
     others = [p for p in parts if not (quantized and p[0].name in DP4A_TYPES)]
     groups = _same_type_groups(dp4a)
@@ -170,17 +170,18 @@ def _qkv_rope(nodes: list[Tensor], outs: list, srcs: list, backend):
     d, n_dims = rk.srcs[1].shape[-1], rq.params["n_dims"]
     if (qt.name not in DP4A_TYPES or any(w.dtype is not qt for w in _weights(qkv))
             or any(a.root is not qkv or a.view_offset != at * 4 for a, at in views)
-            or rq.params["mode"] == ROPE_NEOX or weight_id(rq, 2) != NO_WEIGHT or d % 2 or n_dims % 2
+            or rq.params["mode"] == ROPE_NEOX or "yarn" in rq.params or weight_id(rq, 2) != NO_WEIGHT
+            or d % 2 or n_dims % 2
             or m0 % d or rope_qkv(nodes[1:], outs[1:], srcs[1:], backend) is None):
         return None
     launches = []
     y = _fed_at(qkv, backend)
     if y is None:
         y = backend.array(qkv.scratch).data.ptr
-        launches.append(_quantize(srcs[0][-1], k, y, k, 1))
+        launches.append(quantize_launch(srcs[0][-1], k, y, k, 1))
     q_out, k_out, v_out = outs[1:]
     base = outs[0].data.ptr
-    dims_arg, d_arg, _, _, theta_scale, freq_scale, _, _ = rope_params(rk, d, 1, 1.0)  # as rope_qkv takes them
+    dims_arg, d_arg, _, _, theta_scale, freq_scale = rope_params(rk, d, 1, 1.0)[:6]  # as rope_qkv takes them
     args = (*(ptr(w) for w in srcs[0][:3]), np.uint64(base), np.uint64(base + m0 * 4), np.uint64(base + (m0 + m1) * 4),
             i32(m0), i32(m1), np.uint64(y), i32(k), i64(qt.row_bytes(k)), i32(m0 + m1 + m2), ptr(srcs[1][1]),
             ptr(srcs[2][2]), ptr(q_out), ptr(k_out), ptr(v_out), i64(estrides(k_out)[0]), i64(estrides(v_out)[0]),
@@ -301,7 +302,7 @@ def _mmvq_glu(node: Tensor, srcs, ldb: int, scratch, out, act: int, k: int, n: i
     y0 = _fed_at(node, backend)
     if y0 is None:
         y0 = scratch.data.ptr
-        launches.append(_quantize(srcs[-1], ldb, y0, k, n))
+        launches.append(quantize_launch(srcs[-1], ldb, y0, k, n))
     slot = backend.handoffs.dest(node) if m % 32 == 0 else None
     q8 = backend.q8_slot(slot) if slot is not None else 0
     warps = 32 if slot is not None else WARPS

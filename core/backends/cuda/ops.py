@@ -1,14 +1,18 @@
 """Which CUDA kernel runs each node that is not a weight product: copies and casts, element-wise
-ops, norms (fused with their weight and residual add), RoPE (fused with per-head norms, output
-scale, the cache write), cache row writes, softmax, fused attention. Each binder returns None
+ops and gated units, norms (fused with their weight and residual add), RoPE (YaRN's too; fused with
+per-head norms, output scale, the cache write), cache row writes, softmax (with attention sinks),
+fused attention. Each binder returns None
 for a case its kernel does not cover, and the node then runs the shared array kernel."""
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 from ggrun.core.backends.cuda.binding import (NULL, Launch, binds, disjoint, estrides, f32, fuses, grid1d, i32, i64,
                                               launch_step, pad4, ptr, rows_of, threads_for)
 from ggrun.core.backends.cuda.module import DECODE_DIMS, FA_EPL, GLU_ACTS, NO_WEIGHT, TC_DIMS, TYPE_IDS, kernel
+from ggrun.core.backends.kernels import yarn_corr_dims
 from ggrun.core.dtypes import DType
 from ggrun.core.ops import ROPE_NEOX
 from ggrun.core.tensor import Tensor
@@ -155,6 +159,18 @@ for _op, _act in GLU_ACTS.items():
     binds(_op)(_gated(_act))
 
 
+@binds("swiglu_oai")
+def _swiglu_oai(node: Tensor, out, srcs, scratch, backend):
+    g, u = (rows_of(x) for x in srcs)
+    if g is None or u is None or any(s.dtype is not DType.F32 for s in node.srcs) or not out.flags.c_contiguous:
+        return None
+    rows, n, ldg = g
+    grid, block = grid1d(rows * n)
+    args = (ptr(srcs[0]), ptr(srcs[1]), ptr(out), i32(n), i64(rows), i64(ldg), i64(u[2]), f32(node.params["alpha"]),
+            f32(node.params["limit"]))
+    return launch_step(node.op, Launch(kernel("elementwise.cu", "swiglu_oai"), grid, block, args))
+
+
 @binds("set_rows")
 def _set_rows(node: Tensor, out, srcs, scratch, backend):
     _, rows, idx = srcs
@@ -182,8 +198,14 @@ def _soft_max(node: Tensor, out, srcs, scratch, backend):
         if not _is_float(node.srcs[1].dtype) or m.strides[-1] != m.itemsize:
             return None
         mask, mid, ldm = ptr(m), _tid(node.srcs[1].dtype), estrides(m)[0]
+    sinks = NULL
+    if node.params.get("sinks"):
+        s = srcs[2]
+        if node.srcs[2].dtype is not DType.F32 or s.ndim != 1 or s.strides[0] != s.itemsize:
+            return None
+        sinks = ptr(s)
     k = kernel("elementwise.cu", f"soft_max<{mid}>")
-    args = (ptr(srcs[0]), mask, ptr(out), i32(n), i32(srcs[0].shape[-2] if srcs[0].ndim > 1 else 1), i64(lda),
+    args = (ptr(srcs[0]), mask, sinks, ptr(out), i32(n), i32(srcs[0].shape[-2] if srcs[0].ndim > 1 else 1), i64(lda),
             i64(ldm), f32(node.params["scale"]))
     return launch_step(node.op, Launch(k, (rows,), (threads_for(n, 256),), args))
 
@@ -242,11 +264,20 @@ def _add_rms_norm(node: Tensor, out, srcs, scratch, backend):
 
 
 def rope_params(node: Tensor, d: int, heads: int, out_scale: float) -> tuple:
+    """The RoPE kernels' ROPE_PARAMS (rope.cu): dimensions, angles, scales, and YaRN's ramp where the node
+    has one (ext_factor 0 and mscale 1 where not)."""
     p = node.params
     n_dims = p["n_dims"]
     theta_scale = p["freq_base"] ** (-2.0 / n_dims)
+    ext, mscale, low, high = 0.0, 1.0, 0.0, 0.0
+    yarn = p.get("yarn")
+    if yarn is not None:
+        ext, mscale = yarn.ext_factor, yarn.attn_factor
+        if ext != 0:
+            low, high = yarn_corr_dims(n_dims, yarn.n_ctx_orig, p["freq_base"], yarn.beta_fast, yarn.beta_slow)
+            mscale *= 1 + 0.1 * math.log(1 / p["freq_scale"])
     return (i32(n_dims), i32(d), i32(heads), i32(p["mode"] == ROPE_NEOX), f32(theta_scale), f32(p["freq_scale"]),
-            f32(out_scale), f32(p.get("eps", 0.0)))
+            f32(out_scale), f32(p.get("eps", 0.0)), f32(ext), f32(mscale), f32(low), f32(high))
 
 
 def _heads(a) -> tuple[int, int, int, int] | None:
@@ -284,7 +315,8 @@ def _rope_set_rows(node: Tensor, out, srcs, scratch, backend):
     return launch_step(node.op, Launch(k, (t * heads,), (threads_for(node.params["n_dims"] // 2, 512),), args))
 
 
-ROPE_SHARED = ("n_dims", "mode", "freq_base", "freq_scale", "eps")  # what the queries' and keys' RoPE must share
+# what the queries' and keys' RoPE must share
+ROPE_SHARED = ("n_dims", "mode", "freq_base", "freq_scale", "eps", "yarn")
 
 
 @fuses("rope", "rope_set_rows", "set_rows")
@@ -422,6 +454,24 @@ def _fresh_rows(node: Tensor, backend) -> np.uint64:
     return ptr(backend.array(idx))
 
 
+def _mask_is_step_input(node: Tensor) -> bool:
+    """Whether attention's mask is copied in before the step's first kernel (attn_decode and attn_decode_rows
+    read it before pdl_begin then), not made by a kernel of the step (ops.kq_mask), which may still run."""
+    return node.srcs[3].root.op != "kq_mask"
+
+
+@binds("kq_mask")
+def _kq_mask(node: Tensor, out, srcs, scratch, backend):
+    """The KQ mask from the cells (ops.kq_mask): a block of 256 cells of one token's row each."""
+    cell_pos, cell_seqs, tok_pos, tok_seq = srcs
+    if not all(a.flags.c_contiguous for a in (out, *srcs)):
+        return None
+    t, n_kv = out.shape
+    args = (ptr(cell_pos), ptr(cell_seqs), ptr(tok_pos), ptr(tok_seq), ptr(out), i32(n_kv), i32(cell_seqs.shape[1]),
+            i32(node.params["window"]))
+    return launch_step(node.op, Launch(kernel("attention.cu", "kq_mask"), (-(-n_kv // 256), t), (256,), args))
+
+
 TOK_MAX_CELLS = 65536  # cells attn_decode_tok lists the tiles of (attention.cu's DT_MAX_TILES * 32)
 
 
@@ -455,11 +505,12 @@ def _attn_decode(node: Tensor, out, srcs, scratch, backend):
     split = -(-n_kv // chunk)
     args = (ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), ptr(scratch) if split > 1 else NULL,
             ptr(backend.tickets(hk)), *_attention_args(node, srcs, chunk), _q8_dest(node, backend))
+    mask_in = i32(_mask_is_step_input(node))
     if t * (hq // hk) <= DECODE_FEW_ROWS:  # one token's heads: the kernel built for latency
         fn = kernel("attention.cu", f"attn_decode_rows<{_tid(node.srcs[1].dtype)}, {d}>")
-        rows_args = args + (_fresh_rows(node, backend), i32(0))
+        rows_args = args + (_fresh_rows(node, backend), mask_in, i32(0))
         return launch_step(node.op, Launch(fn, (hk, split), (256,), rows_args, prologue=True, light=True))
-    args += (i32(0),)
+    args += (mask_in, i32(0))
     fn = kernel("attention.cu", f"attn_decode<{_tid(node.srcs[1].dtype)}, {d}>")
     smem = _decode_smem(node, chunk)
     fn.max_dynamic_shared_size_bytes = max(fn.max_dynamic_shared_size_bytes, smem)

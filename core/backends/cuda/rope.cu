@@ -2,13 +2,32 @@
 // before an output scale, or written straight into a KV-cache row. A block per (token, head),
 // a thread per rotated pair; angles in f32 as ggml's CUDA rope computes them.
 
+// YaRN (ggml's rope_yarn) where ext_factor is not 0: pair i's angle mixes the interpolated (freq_scale) and
+// the original one by a ramp between pairs corr_low and corr_high; cos and sin are scaled by mscale
+// (1 without YaRN).
 struct RopeArgs {
     int n_dims, d, heads, neox;
-    float theta_scale, freq_scale, out_scale, eps;
+    float theta_scale, freq_scale, out_scale, eps, ext_factor, mscale, corr_low, corr_high;
 };
 
-#define ROPE_PARAMS int n_dims, int d, int heads, int neox, float theta_scale, float freq_scale, float out_scale, float eps
-#define ROPE_ARGS RopeArgs{n_dims, d, heads, neox, theta_scale, freq_scale, out_scale, eps}
+#define ROPE_PARAMS int n_dims, int d, int heads, int neox, float theta_scale, float freq_scale, float out_scale, \
+    float eps, float ext_factor, float mscale, float corr_low, float corr_high
+#define ROPE_ARGS RopeArgs{n_dims, d, heads, neox, theta_scale, freq_scale, out_scale, eps, ext_factor, mscale, \
+    corr_low, corr_high}
+
+// cos and sin of pair i's angle at position pos
+__device__ __forceinline__ void rope_angle(const RopeArgs &p, int pos, int i, float &c, float &s) {
+    if (p.ext_factor == 0.0f) {
+        sincosf(p.freq_scale * (float)pos * powf(p.theta_scale, (float)i), &s, &c);
+    } else {
+        const float extrap = (float)pos * powf(p.theta_scale, (float)i), interp = p.freq_scale * extrap;
+        const float y = ((float)i - p.corr_low) / fmaxf(0.001f, p.corr_high - p.corr_low);
+        const float mix = (1.0f - fminf(1.0f, fmaxf(0.0f, y))) * p.ext_factor;
+        sincosf(interp * (1.0f - mix) + extrap * mix, &s, &c);
+    }
+    c *= p.mscale;
+    s *= p.mscale;
+}
 
 // rotate head (t, h) = (blk / heads, blk % heads) of a (row stride lda per token, d per head) at
 // position pos[t]; the result's element e goes to put(e, value). With W >= 0 the head is rms_norm'ed
@@ -35,8 +54,7 @@ __device__ __forceinline__ void rope_head(int blk, const float *a, const int *po
     int e0 = p.neox ? i : 2 * i, e1 = p.neox ? i + p.n_dims / 2 : 2 * i + 1;
     float x0 = 0.0f, x1 = 0.0f, c = 0.0f, s = 0.0f;
     if (active) {
-        float theta = p.freq_scale * (float)pos[t] * powf(p.theta_scale, (float)i);
-        sincosf(theta, &s, &c);
+        rope_angle(p, pos[t], i, c, s);
         x0 = in(e0);
         x1 = in(e1);
     }

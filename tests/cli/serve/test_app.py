@@ -1,5 +1,5 @@
-"""The app's routes without a model (FastAPI's test client, in-process): every route but /health and the chat
-page wants the key; while the model loads /health and the model routes say 503; unknown routes 404; bodies are
+"""The app's routes without a model (FastAPI's test client, in-process): every route but /health, /v1/health and
+the chat page wants the key (llama-server's public set); while the model loads /health and the model routes say 503; unknown routes 404; bodies are
 OpenAI-style errors. The served routes with a model are tested on a real server (test_serve.py)."""
 from __future__ import annotations
 
@@ -18,14 +18,17 @@ def client():
 
 
 def test_health_says_503_while_loading_without_a_key(client):
-    r = client.get("/health")
-    assert r.status_code == 503
-    assert r.json() == {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+    for path in ("/health", "/v1/health"):
+        r = client.get(path)
+        assert r.status_code == 503
+        assert r.json() == {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
 
 
 def test_every_other_route_wants_the_key(client):
-    for method, path in (("get", "/v1/models"), ("get", "/props"), ("get", "/slots"), ("get", "/metrics"),
-                         ("post", "/v1/chat/completions"), ("post", "/completion"), ("post", "/tokenize")):
+    for method, path in (("get", "/v1/models"), ("get", "/models"), ("get", "/props"), ("get", "/slots"),
+                         ("get", "/metrics"), ("post", "/v1/chat/completions"), ("post", "/v1/completions"),
+                         ("post", "/completion"), ("post", "/tokenize"), ("post", "/detokenize"),
+                         ("post", "/apply-template")):
         r = getattr(client, method)(path)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", path
         r = getattr(client, method)(path, headers={"Authorization": "Bearer k"})

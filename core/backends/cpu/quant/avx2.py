@@ -18,8 +18,9 @@ from ggrun.core.backends.cpu.quant.codes import (
 )
 from ggrun.core.backends.cpu.quant.decode import dequantize_row_avx2
 from ggrun.core.backends.cpu.quant.vec import (
-    prefetch, sf16, vabs8, vadd32, vaddf, vand, vbf16x8, vbits, vcvt, vdot, vf16x8, vf32x8, vfma, vhsum, vlane0,
-    vload, vmadd, vmaddubs, vnib, vor, vset16x2, vset32, vset8, vsetf, vsign8, vsll16, vsrl16, vsub32, vzero,
+    blk_fma, four_rows, prefetch4, sf16, store4, vabs8, vadd32, vaddf, vand, vbf16x8, vbits, vcvt, vdot, vf16x8,
+    vf32x8, vfma, vhsum, vlane0, vload, vmadd, vmaddubs, vnib, vor, vset16x2, vset32, vset8, vsetf, vsign8, vsll16,
+    vsrl16, vsub32, vzero,
 )
 
 
@@ -28,44 +29,11 @@ from ggrun.core.backends.cpu.quant.vec import (
 # chains per block); the last pass repeats the last row where fewer than four remain.
 # Compiled without NRT: they allocate nothing, and array views then cost no reference counting.
 
-@kernel(inline="always")
-def _four_rows(w, m, m1):
-    rs = w.strides[0]
-    return m * rs, min(m + 1, m1 - 1) * rs, min(m + 2, m1 - 1) * rs, min(m + 3, m1 - 1) * rs
-
-
-@kernel(inline="always")
-def _store4(out, n, m, m1, v0, v1, v2, v3):
-    out[n, m] = v0
-    if m + 1 < m1:
-        out[n, m + 1] = v1
-    if m + 2 < m1:
-        out[n, m + 2] = v2
-    if m + 3 < m1:
-        out[n, m + 3] = v3
-
-
-@kernel(inline="always")
-def _prefetch4(w, r0, r1, r2, r3, o):
-    """Prefetch block offset o of the next four rows (the hardware prefetcher loses four streams)."""
-    ahead = 4 * w.strides[0]
-    prefetch(w, r0 + ahead + o)
-    prefetch(w, r1 + ahead + o)
-    prefetch(w, r2 + ahead + o)
-    prefetch(w, r3 + ahead + o)
-
-
-@kernel(inline="always")
-def _blk(w, at, da, p, acc):
-    """acc + f16 scale at w[at] * da * the block's integer lanes p."""
-    return vfma(vsetf(sf16(w, at) * da), vcvt(p), acc)
-
-
 @kernel(_nrt=False)
 def _rows_q4_0_avx2(w, qs, d, s, sums, out, m0, m1):
     k = qs.shape[1]
     for m in range(m0, m1, 4):
-        r0, r1, r2, r3 = _four_rows(w, m, m1)
+        r0, r1, r2, r3 = four_rows(w, m, m1)
         for n in range(qs.shape[0]):
             a0 = a1 = a2 = a3 = vzero()
             for b in range(k // 32):
@@ -73,19 +41,19 @@ def _rows_q4_0_avx2(w, qs, d, s, sums, out, m0, m1):
                 off = vset32(sums[n, 2 * b] + sums[n, 2 * b + 1])  # q - 8: 8 * sum(x) over 8 lanes
                 da = d[n, b]
                 o = 18 * b
-                _prefetch4(w, r0, r1, r2, r3, o)
-                a0 = _blk(w, r0 + o, da, vsub32(vdot(vnib(w, r0 + o + 2), x), off), a0)
-                a1 = _blk(w, r1 + o, da, vsub32(vdot(vnib(w, r1 + o + 2), x), off), a1)
-                a2 = _blk(w, r2 + o, da, vsub32(vdot(vnib(w, r2 + o + 2), x), off), a2)
-                a3 = _blk(w, r3 + o, da, vsub32(vdot(vnib(w, r3 + o + 2), x), off), a3)
-            _store4(out, n, m, m1, vhsum(a0), vhsum(a1), vhsum(a2), vhsum(a3))
+                prefetch4(w, r0, r1, r2, r3, o)
+                a0 = blk_fma(w, r0 + o, da, vsub32(vdot(vnib(w, r0 + o + 2), x), off), a0)
+                a1 = blk_fma(w, r1 + o, da, vsub32(vdot(vnib(w, r1 + o + 2), x), off), a1)
+                a2 = blk_fma(w, r2 + o, da, vsub32(vdot(vnib(w, r2 + o + 2), x), off), a2)
+                a3 = blk_fma(w, r3 + o, da, vsub32(vdot(vnib(w, r3 + o + 2), x), off), a3)
+            store4(out, n, m, m1, vhsum(a0), vhsum(a1), vhsum(a2), vhsum(a3))
 
 
 @kernel(_nrt=False)
 def _rows_q4_1_avx2(w, qs, d, s, sums, out, m0, m1):
     k = qs.shape[1]
     for m in range(m0, m1, 4):
-        r0, r1, r2, r3 = _four_rows(w, m, m1)
+        r0, r1, r2, r3 = four_rows(w, m, m1)
         for n in range(qs.shape[0]):
             a0 = a1 = a2 = a3 = vzero()
             e0 = e1 = e2 = e3 = np.float32(0.0)  # sum of m * s (ggml's summs)
@@ -94,16 +62,16 @@ def _rows_q4_1_avx2(w, qs, d, s, sums, out, m0, m1):
                 da = d[n, b]
                 sb = s[n, b]
                 o = 20 * b
-                _prefetch4(w, r0, r1, r2, r3, o)
-                a0 = _blk(w, r0 + o, da, vdot(vnib(w, r0 + o + 4), x), a0)
-                a1 = _blk(w, r1 + o, da, vdot(vnib(w, r1 + o + 4), x), a1)
-                a2 = _blk(w, r2 + o, da, vdot(vnib(w, r2 + o + 4), x), a2)
-                a3 = _blk(w, r3 + o, da, vdot(vnib(w, r3 + o + 4), x), a3)
+                prefetch4(w, r0, r1, r2, r3, o)
+                a0 = blk_fma(w, r0 + o, da, vdot(vnib(w, r0 + o + 4), x), a0)
+                a1 = blk_fma(w, r1 + o, da, vdot(vnib(w, r1 + o + 4), x), a1)
+                a2 = blk_fma(w, r2 + o, da, vdot(vnib(w, r2 + o + 4), x), a2)
+                a3 = blk_fma(w, r3 + o, da, vdot(vnib(w, r3 + o + 4), x), a3)
                 e0 += sf16(w, r0 + o + 2) * sb
                 e1 += sf16(w, r1 + o + 2) * sb
                 e2 += sf16(w, r2 + o + 2) * sb
                 e3 += sf16(w, r3 + o + 2) * sb
-            _store4(out, n, m, m1, vhsum(a0) + e0, vhsum(a1) + e1, vhsum(a2) + e2, vhsum(a3) + e3)
+            store4(out, n, m, m1, vhsum(a0) + e0, vhsum(a1) + e1, vhsum(a2) + e2, vhsum(a3) + e3)
 
 
 @kernel(inline="always")
@@ -117,7 +85,7 @@ def _rows_q5_0_avx2(w, qs, d, s, sums, out, m0, m1):
     k = qs.shape[1]
     hm = vset8(16)
     for m in range(m0, m1, 4):
-        r0, r1, r2, r3 = _four_rows(w, m, m1)
+        r0, r1, r2, r3 = four_rows(w, m, m1)
         for n in range(qs.shape[0]):
             a0 = a1 = a2 = a3 = vzero()
             for b in range(k // 32):
@@ -125,12 +93,12 @@ def _rows_q5_0_avx2(w, qs, d, s, sums, out, m0, m1):
                 off = vset32(2 * (sums[n, 2 * b] + sums[n, 2 * b + 1]))  # q - 16
                 da = d[n, b]
                 o = 22 * b
-                _prefetch4(w, r0, r1, r2, r3, o)
-                a0 = _blk(w, r0 + o, da, vsub32(vdot(_q5(w, r0 + o + 2, hm), x), off), a0)
-                a1 = _blk(w, r1 + o, da, vsub32(vdot(_q5(w, r1 + o + 2, hm), x), off), a1)
-                a2 = _blk(w, r2 + o, da, vsub32(vdot(_q5(w, r2 + o + 2, hm), x), off), a2)
-                a3 = _blk(w, r3 + o, da, vsub32(vdot(_q5(w, r3 + o + 2, hm), x), off), a3)
-            _store4(out, n, m, m1, vhsum(a0), vhsum(a1), vhsum(a2), vhsum(a3))
+                prefetch4(w, r0, r1, r2, r3, o)
+                a0 = blk_fma(w, r0 + o, da, vsub32(vdot(_q5(w, r0 + o + 2, hm), x), off), a0)
+                a1 = blk_fma(w, r1 + o, da, vsub32(vdot(_q5(w, r1 + o + 2, hm), x), off), a1)
+                a2 = blk_fma(w, r2 + o, da, vsub32(vdot(_q5(w, r2 + o + 2, hm), x), off), a2)
+                a3 = blk_fma(w, r3 + o, da, vsub32(vdot(_q5(w, r3 + o + 2, hm), x), off), a3)
+            store4(out, n, m, m1, vhsum(a0), vhsum(a1), vhsum(a2), vhsum(a3))
 
 
 @kernel(_nrt=False)
@@ -138,7 +106,7 @@ def _rows_q5_1_avx2(w, qs, d, s, sums, out, m0, m1):
     k = qs.shape[1]
     hm = vset8(16)
     for m in range(m0, m1, 4):
-        r0, r1, r2, r3 = _four_rows(w, m, m1)
+        r0, r1, r2, r3 = four_rows(w, m, m1)
         for n in range(qs.shape[0]):
             a0 = a1 = a2 = a3 = vzero()
             e0 = e1 = e2 = e3 = np.float32(0.0)
@@ -147,16 +115,16 @@ def _rows_q5_1_avx2(w, qs, d, s, sums, out, m0, m1):
                 da = d[n, b]
                 sb = s[n, b]
                 o = 24 * b
-                _prefetch4(w, r0, r1, r2, r3, o)
-                a0 = _blk(w, r0 + o, da, vdot(_q5(w, r0 + o + 4, hm), x), a0)
-                a1 = _blk(w, r1 + o, da, vdot(_q5(w, r1 + o + 4, hm), x), a1)
-                a2 = _blk(w, r2 + o, da, vdot(_q5(w, r2 + o + 4, hm), x), a2)
-                a3 = _blk(w, r3 + o, da, vdot(_q5(w, r3 + o + 4, hm), x), a3)
+                prefetch4(w, r0, r1, r2, r3, o)
+                a0 = blk_fma(w, r0 + o, da, vdot(_q5(w, r0 + o + 4, hm), x), a0)
+                a1 = blk_fma(w, r1 + o, da, vdot(_q5(w, r1 + o + 4, hm), x), a1)
+                a2 = blk_fma(w, r2 + o, da, vdot(_q5(w, r2 + o + 4, hm), x), a2)
+                a3 = blk_fma(w, r3 + o, da, vdot(_q5(w, r3 + o + 4, hm), x), a3)
                 e0 += sf16(w, r0 + o + 2) * sb
                 e1 += sf16(w, r1 + o + 2) * sb
                 e2 += sf16(w, r2 + o + 2) * sb
                 e3 += sf16(w, r3 + o + 2) * sb
-            _store4(out, n, m, m1, vhsum(a0) + e0, vhsum(a1) + e1, vhsum(a2) + e2, vhsum(a3) + e3)
+            store4(out, n, m, m1, vhsum(a0) + e0, vhsum(a1) + e1, vhsum(a2) + e2, vhsum(a3) + e3)
 
 
 @kernel(inline="always")
@@ -170,19 +138,19 @@ def _q8_lanes(w, at, x):
 def _rows_q8_0_avx2(w, qs, d, s, sums, out, m0, m1):
     k = qs.shape[1]
     for m in range(m0, m1, 4):
-        r0, r1, r2, r3 = _four_rows(w, m, m1)
+        r0, r1, r2, r3 = four_rows(w, m, m1)
         for n in range(qs.shape[0]):
             a0 = a1 = a2 = a3 = vzero()
             for b in range(k // 32):
                 x = vload(qs, n * k + 32 * b)
                 da = d[n, b]
                 o = 34 * b
-                _prefetch4(w, r0, r1, r2, r3, o)
-                a0 = _blk(w, r0 + o, da, _q8_lanes(w, r0 + o + 2, x), a0)
-                a1 = _blk(w, r1 + o, da, _q8_lanes(w, r1 + o + 2, x), a1)
-                a2 = _blk(w, r2 + o, da, _q8_lanes(w, r2 + o + 2, x), a2)
-                a3 = _blk(w, r3 + o, da, _q8_lanes(w, r3 + o + 2, x), a3)
-            _store4(out, n, m, m1, vhsum(a0), vhsum(a1), vhsum(a2), vhsum(a3))
+                prefetch4(w, r0, r1, r2, r3, o)
+                a0 = blk_fma(w, r0 + o, da, _q8_lanes(w, r0 + o + 2, x), a0)
+                a1 = blk_fma(w, r1 + o, da, _q8_lanes(w, r1 + o + 2, x), a1)
+                a2 = blk_fma(w, r2 + o, da, _q8_lanes(w, r2 + o + 2, x), a2)
+                a3 = blk_fma(w, r3 + o, da, _q8_lanes(w, r3 + o + 2, x), a3)
+            store4(out, n, m, m1, vhsum(a0), vhsum(a1), vhsum(a2), vhsum(a3))
 
 
 @kernel(_nrt=False)

@@ -102,6 +102,18 @@ vsll32 = _vec_op(2, lambda b, x, n: _as(b, b.shl(_as(b, x, _D8), _splat(b, b.tru
                  (vec, types.int64))
 vadd16 = _vec_op(2, lambda b, x, y: _as(b, b.add(_as(b, x, _W16), _as(b, y, _W16)), _V))
 vmulf = _vec_op(2, lambda b, x, y: _as(b, b.fmul(_as(b, x, _F8), _as(b, y, _F8)), _V))
+# bytes of a table (both 128-bit halves alike) picked by the low four bits of each index byte (vpshufb)
+vlut16 = _vec_op(2, lambda b, table, idx: _as(b, _llvm_call(b, "llvm.x86.avx2.pshuf.b", _B32,
+                                                            [_as(b, table, _B32), _as(b, idx, _B32)]), _V))
+
+
+def vtable16(values) -> object:
+    """A vector constant of 16 signed byte values in both 128-bit halves (vlut16's table), as an intrinsic of
+    no arguments."""
+    table = [int(v) & 0xFF for v in values]
+    if len(table) != 16:
+        raise ValueError("a vlut16 table holds 16 values")
+    return _vec_op(0, lambda b: _as(b, ir.Constant(_B32, table + table), _V))
 
 
 def _lane0(b, x):
@@ -172,6 +184,14 @@ def _sf16(b, ctx, aryty, ary, off):
     return b.fpext(b.load(_addr(ctx, b, aryty, ary, off, ir.HalfType()), align=1), ir.FloatType())
 
 
+def _su8(b, ctx, aryty, ary, off):
+    return b.load(_addr(ctx, b, aryty, ary, off, _I8), align=1)
+
+
+def _su16(b, ctx, aryty, ary, off):
+    return b.load(_addr(ctx, b, aryty, ary, off, _I16), align=1)
+
+
 def _vbcast32(b, ctx, aryty, ary, off):
     return _as(b, _splat(b, b.load(_addr(ctx, b, aryty, ary, off, _I32), align=1), _D8), _V)
 
@@ -201,6 +221,8 @@ vf16x8 = _load_op((vec, _vf16x8))    # 8 halves as 8 floats
 vbf16x8 = _load_op((vec, _vbf16x8))  # 8 bfloat16 as 8 floats
 vf32x8 = _load_op((vec, _vf32x8))    # 8 floats
 sf16 = _load_op((types.float32, _sf16))  # one half as a float (F16C)
+su8 = _load_op((types.uint8, _su8))      # one byte
+su16 = _load_op((types.uint16, _su16))   # two bytes, little-endian
 
 
 @intrinsic
@@ -313,3 +335,41 @@ def vhsum(typingctx, x):
 def vdot(u, s):
     """8 int32 lanes, each the sum of 4 products of unsigned bytes u and signed bytes s."""
     return vmadd(vmaddubs(u, s), vset16x2(1, 1))
+
+
+# Helpers of the kernels that read four weight rows per pass (avx2.py's legacy types, lut4_avx2.py): each
+# pass reads rows m..m+3 (the last pass repeats the last row where fewer than four remain).
+
+@kernel(inline="always")
+def four_rows(w, m, m1):
+    """Byte offsets of the pass's four rows of w from row m (rows past m1 - 1 repeat it)."""
+    rs = w.strides[0]
+    return m * rs, min(m + 1, m1 - 1) * rs, min(m + 2, m1 - 1) * rs, min(m + 3, m1 - 1) * rs
+
+
+@kernel(inline="always")
+def store4(out, n, m, m1, v0, v1, v2, v3):
+    """The pass's four results into out[n, m..m+3], those of repeated rows left out."""
+    out[n, m] = v0
+    if m + 1 < m1:
+        out[n, m + 1] = v1
+    if m + 2 < m1:
+        out[n, m + 2] = v2
+    if m + 3 < m1:
+        out[n, m + 3] = v3
+
+
+@kernel(inline="always")
+def prefetch4(w, r0, r1, r2, r3, o):
+    """Prefetch block offset o of the next four rows (the hardware prefetcher loses four streams)."""
+    ahead = 4 * w.strides[0]
+    prefetch(w, r0 + ahead + o)
+    prefetch(w, r1 + ahead + o)
+    prefetch(w, r2 + ahead + o)
+    prefetch(w, r3 + ahead + o)
+
+
+@kernel(inline="always")
+def blk_fma(w, at, da, p, acc):
+    """acc + f16 scale at w[at] * da * the block's integer lanes p."""
+    return vfma(vsetf(sf16(w, at) * da), vcvt(p), acc)

@@ -1,0 +1,179 @@
+"""Which CUDA kernels run a mixture of experts' ops: the routing (`moe_topk`, `moe_weights`) and the experts'
+products (`mul_mat_id`, ggml's op of that name; kernels in matmul.cu and elementwise.cu).
+
+A decode step's few slots (token, chosen expert) each read only their expert's blocks: the activations are
+quantized to q8_1 once and mmvq_id takes a warp per weight row and a block row per slot, as ggml's mmvq
+with ids. A prompt's slots are grouped by expert on the device (moe_group: counts, offsets, the slots of
+each expert), then one grouped GEMM (mmid_tc) multiplies each expert's decoded weight tiles by its slots'
+f16 activations on tensor cores, as ggml's mmq with ids: every launch has a fixed grid, so the step is
+captured in a CUDA graph like any other, and blocks past an expert's slots return at once.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ggrun.core.backends.cuda.binding import (Launch, binds, disjoint, estrides, fuses, grid1d, i32, i64,
+                                              launch_step, ptr, rows_of)
+from ggrun.core.backends.cuda.handoff import Q8_1_BYTES
+from ggrun.core.backends.cuda.matmul import GEMV_MAX_ROWS, WARPS, quantize_launch
+from ggrun.core.backends.cuda.module import DP4A_TYPES, GLU_ACTS, TYPE_IDS, kernel
+from ggrun.core.dtypes import DType
+from ggrun.core.tensor import Tensor
+
+ID_M, ID_N = 64, 64  # weight rows and slots of an mmid_tc block (matmul.cu's ID_M, ID_N)
+MAX_EXPERTS = 1024  # moe_topk's rows (a lane holds 32 of them) and moe_group's shared counts
+MAX_USED = 16  # experts a token uses, up to which moe_sum fuses the weighting and the sum
+ALIGN = 256
+
+
+def _case(node: Tensor) -> tuple[int, int, int, int, int, int] | None:
+    """(n_expert, M, K, tokens, k, rows of b per token) of a mul_mat_id the kernels here run, else None."""
+    w, b, ids = node.srcs
+    n_expert, m, k_cols = w.shape
+    if (b.dtype is not DType.F32 or w.dtype.name not in TYPE_IDS or not w.is_contiguous
+            or (w.dtype.is_quantized and k_cols % w.dtype.block_size) or n_expert > MAX_EXPERTS):
+        return None
+    t, k = ids.shape
+    return n_expert, m, k_cols, t, k, b.shape[1]
+
+
+def _decodes(node: Tensor, case: tuple) -> bool:
+    """Whether the slots go through mmvq_id (few tokens, a __dp4a type) rather than the grouped GEMM."""
+    _, _, k_cols, t, _, _ = case
+    return t <= GEMV_MAX_ROWS and k_cols % 32 == 0 and node.srcs[0].dtype.name in DP4A_TYPES
+
+
+def _up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _group_bytes(n_expert: int, slots: int) -> int:
+    """moe_group's ints: offsets (n_expert + 1), cursors (n_expert), the grouped slots."""
+    return _up((2 * n_expert + 1 + slots) * 4)
+
+
+def _scratch(node: Tensor) -> int:
+    case = _case(node)
+    if case is None:
+        return 0
+    n_expert, _, k_cols, t, k, b1 = case
+    if _decodes(node, case):
+        return t * b1 * (k_cols // 32) * Q8_1_BYTES
+    return _group_bytes(n_expert, t * k) + t * b1 * k_cols * 2
+
+
+@binds("mul_mat_id", scratch=_scratch)
+def _mul_mat_id(node: Tensor, out, srcs, scratch, backend):
+    """out [tokens, k, M]: each slot's expert matrix times its activation row."""
+    case = _case(node)
+    w, b, ids = srcs
+    rows = rows_of(b)
+    if case is None or rows is None or not out.flags.c_contiguous or ids.strides[1] != ids.itemsize:
+        return None
+    n_expert, m, k_cols, t, k, b1 = case
+    qt = node.srcs[0].dtype
+    row_bytes = qt.row_bytes(k_cols)
+    ldb, ldi = rows[2], estrides(ids)[0]
+    if _decodes(node, case):
+        y = scratch.data.ptr
+        fn = kernel("matmul.cu", f"mmvq_id<{TYPE_IDS[qt.name]}>")
+        args = (ptr(w), np.uint64(y), ptr(ids), ptr(out), i32(k_cols), i64(row_bytes), i64(m * row_bytes), i32(m),
+                i32(k), i64(ldi), i32(b1 != 1))
+        return launch_step(node.op, quantize_launch(b, ldb, y, k_cols, t * b1),
+                           Launch(fn, (-(-m // WARPS), t * k), (32 * WARPS,), args))
+    if k_cols % 8:
+        return None
+    offs = scratch.data.ptr
+    cursor, slots = offs + (n_expert + 1) * 4, offs + (2 * n_expert + 1) * 4
+    x16 = offs + _group_bytes(n_expert, t * k)
+    grid, block = grid1d(t * b1 * k_cols)
+    convert = Launch(kernel("matmul.cu", "f32_to_f16"), grid, block,
+                     (ptr(b), np.uint64(x16), i32(k_cols), i64(ldb), i64(t * b1)))
+    group = Launch(kernel("matmul.cu", "moe_group"), (1,), (1024,),
+                   (ptr(ids), np.uint64(offs), np.uint64(cursor), np.uint64(slots), i32(t), i32(k), i64(ldi),
+                    i32(n_expert)), n_expert * 4)
+    fn = kernel("matmul.cu", f"mmid_tc<{TYPE_IDS[qt.name]}>")
+    args = (ptr(w), np.uint64(x16), np.uint64(offs), np.uint64(slots), ptr(out), i32(k_cols), i64(row_bytes),
+            i64(m * row_bytes), i32(m), i32(k), i32(b1 != 1))
+    # tiles of slots per expert: sized for a token's experts being distinct (moe_topk's); more loop in a block
+    tiles = Launch(fn, (-(-m // ID_M), n_expert, -(-t // ID_N)), (128,), args)
+    return launch_step(node.op, convert, group, tiles)
+
+
+@fuses("mul_mat_id", "mul_mat_id", "swiglu")
+@fuses("mul_mat_id", "mul_mat_id", "geglu")
+def _gated_experts(nodes: list[Tensor], outs: list, srcs: list, backend):
+    """A decode step's gate and up experts' products and the gated unit after them (qwen3moe's) in one
+    mmvq_id_glu launch, after the activations' quantization: each weight row's two products in one warp."""
+    gate, up, glu = nodes
+    case = _case(gate)
+    if (case is None or not _decodes(gate, case) or _case(up) != case or glu.srcs != (gate, up)
+            or up.srcs[1] is not gate.srcs[1] or up.srcs[2] is not gate.srcs[2]
+            or up.srcs[0].dtype is not gate.srcs[0].dtype or not all(o.flags.c_contiguous for o in outs)):
+        return None
+    w, b, ids = srcs[0]
+    rows = rows_of(b)
+    if rows is None or ids.strides[1] != ids.itemsize:
+        return None
+    _, m, k_cols, t, k, b1 = case
+    qt = gate.srcs[0].dtype
+    row_bytes = qt.row_bytes(k_cols)
+    scratch = backend.array(gate.scratch)
+    if not all(disjoint(o, scratch) for o in outs[1:]):  # planned after the gate's node, over its scratch
+        return None
+    y = scratch.data.ptr
+    fn = kernel("matmul.cu", f"mmvq_id_glu<{TYPE_IDS[qt.name]}, {GLU_ACTS[glu.op]}>")
+    args = (ptr(w), ptr(srcs[1][0]), np.uint64(y), ptr(ids), ptr(outs[0]), ptr(outs[1]), ptr(outs[2]), i32(k_cols),
+            i64(row_bytes), i64(m * row_bytes), i32(m), i32(k), i64(estrides(ids)[0]), i32(b1 != 1))
+    return launch_step("mmvq_id_glu", quantize_launch(b, rows[2], y, k_cols, t * b1),
+                       Launch(fn, (-(-m // WARPS), t * k), (32 * WARPS,), args))
+
+
+@binds("moe_topk")
+def _moe_topk(node: Tensor, out, srcs, scratch, backend):
+    p = rows_of(srcs[0])
+    if p is None or not out.flags.c_contiguous or p[1] > MAX_EXPERTS:
+        return None
+    rows, n, ldp = p
+    args = (ptr(srcs[0]), ptr(out), i32(n), i32(node.params["k"]), i64(ldp), i32(rows))
+    return launch_step(node.op, Launch(kernel("elementwise.cu", "moe_topk"), (-(-rows // WARPS),), (32 * WARPS,), args))
+
+
+@binds("moe_weights")
+def _moe_weights(node: Tensor, out, srcs, scratch, backend):
+    p, ids = rows_of(srcs[0]), rows_of(srcs[1])
+    if p is None or ids is None or not out.flags.c_contiguous or ids[1] > 32:
+        return None
+    rows, k = ids[0], ids[1]
+    args = (ptr(srcs[0]), ptr(srcs[1]), ptr(out), i32(k), i64(p[2]), i64(ids[2]), i32(rows),
+            i32(bool(node.params["norm"])))
+    return launch_step(node.op, Launch(kernel("elementwise.cu", "moe_weights"), (-(-rows // WARPS),), (32 * WARPS,),
+                                       args))
+
+
+def _moe_sum(nodes: list[Tensor], outs: list, srcs: list, backend):
+    """blocks.ffn_moe's end in one launch: the experts' rows [tokens, k, M] times their weights (the mul node),
+    then summed one after another (k - 1 add nodes, each adding the mul's next row to the sum so far).
+    moe_sum writes the last sum alone: the mul's result and the partial sums feed only these adds (the
+    graph of blocks.weighted_sum), and the planner may place the sum over the mul's result."""
+    mul, adds = nodes[0], nodes[1:]
+    if mul.dtype is not DType.F32 or len(mul.shape) != 3 or mul.shape[1] != len(nodes):
+        return None
+    t, k, m = mul.shape
+    e, w = srcs[0]
+    if (any(x.dtype is not DType.F32 for x in mul.srcs) or mul.srcs[1].shape != (t, k, 1)
+            or not (e.flags.c_contiguous and w.flags.c_contiguous and outs[-1].flags.c_contiguous)
+            or (t > 1 and not disjoint(outs[-1], e))):  # token t's sum would land on rows others still read
+        return None
+    for j, add in enumerate(adds, 1):
+        first, row = add.srcs
+        want_first = (first.root is mul and first.view_offset == 0) if j == 1 else first is adds[j - 2]
+        if not want_first or row.root is not mul or row.view_offset != j * m * 4 or add.shape != (t, m):
+            return None
+    grid, block = grid1d(t * m)
+    args = (ptr(e), ptr(w), ptr(outs[-1]), i32(m), i32(k), i64(t))
+    return launch_step("moe_sum", Launch(kernel("elementwise.cu", "moe_sum"), grid, block, args))
+
+
+for _k in range(MAX_USED, 1, -1):  # the longest runs first: a shorter one would match a longer run's start
+    fuses("mul", *("add",) * (_k - 1))(_moe_sum)
