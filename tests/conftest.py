@@ -13,7 +13,7 @@ library_patches.apply()  # as the CLI does, before the engine is imported
 
 from gguf.constants import GGMLQuantizationType as QT  # noqa: E402
 
-from tests.synth import write_tiny_gemma3, write_tiny_llama, written_once  # noqa: E402
+from ggrun.loaders.synthetic import write_tiny_gemma3, write_tiny_llama, written_once  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 

@@ -21,7 +21,7 @@ from ggrun.core.backends.registry import sim_backends
 from ggrun.core.llm.batch import Batch
 from ggrun.core.llm.model import Model
 from ggrun.core.llm.session import Session, SessionParams
-from tests.synth import write_tiny_llama
+from ggrun.loaders.synthetic import write_tiny_llama
 
 PROMPT = [1, 5, 9, 14, 3, 7]
 

@@ -41,7 +41,7 @@ from gguf.constants import GGMLQuantizationType as QT  # noqa: E402
 
 from ggrun.core.llm.kl_divergence import KLStats, LogProbReader, dequantize_log_probs  # noqa: E402
 from ppl_vs_llama import ggrun_cmd, run  # noqa: E402  (this folder, beside this script)
-from tests.synth import FAMILY_PRESETS, write_tiny_family  # noqa: E402
+from ggrun.loaders.synthetic import FAMILY_PRESETS, write_tiny_family  # noqa: E402
 
 DEFAULT_ANCHOR = Path.home() / ".cache/ggrun-anchor/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
 TEXT = ROOT / "tests" / "data" / "ppl_prose.txt"

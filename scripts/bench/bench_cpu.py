@@ -33,7 +33,7 @@ from gguf.constants import GGMLQuantizationType as QT
 from ggrun.loaders.download import KNOWN_MODELS, model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.synth import SPEED_PRESETS, write_synthetic  # noqa: E402
+from ggrun.loaders.synthetic import SPEED_PRESETS, write_synthetic  # noqa: E402
 
 DEFAULT_ANCHOR = Path.home() / ".cache/ggrun-anchor/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
 PROMPT = "The capital of France is"

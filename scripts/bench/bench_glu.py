@@ -29,12 +29,12 @@ sys.path.insert(0, str(ROOT))
 
 from ggrun.core import ops  # noqa: E402
 from ggrun.core.backends.cpu import CPUBackend, set_threads  # noqa: E402
+from ggrun.core.backends.op_harness import Leafs, planned, weight_data  # noqa: E402
 from ggrun.core.dtypes import DType  # noqa: E402
 from ggrun.core.llm.batch import Batch  # noqa: E402
 from ggrun.core.llm.model import Model  # noqa: E402
 from ggrun.core.llm.session import Session, SessionParams  # noqa: E402
 from ggrun.loaders.download import resolve_model  # noqa: E402
-from tests.core.backend_ops import Leafs, planned, weight_data  # noqa: E402
 
 MODELS = {"SmolLM2 (Q4_1, 576 -> 1536, swiglu)": (DType.Q4_1, 576, 1536, "swiglu"),
           "gemma-3-270m (Q5_0, 640 -> 2048, geglu)": (DType.Q5_0, 640, 2048, "geglu")}

@@ -24,10 +24,10 @@ sys.path.insert(0, str(ROOT))
 
 from ggrun.core import ops  # noqa: E402
 from ggrun.core.backends.cpu import CPUBackend, set_threads  # noqa: E402
+from ggrun.core.backends.op_harness import Leafs, ReferenceBackend, weight_data  # noqa: E402
 from ggrun.core.dtypes import DType  # noqa: E402
 from ggrun.core.graph import build_graph  # noqa: E402
 from ggrun.core.sched import Scheduler  # noqa: E402
-from tests.core.backend_ops import Leafs, ReferenceBackend, weight_data  # noqa: E402
 
 N_EMBD, N_HEAD, N_HEAD_KV, HEAD_DIM, N_FF, N_LAYER = 576, 9, 3, 64, 1536, 30
 N_CTX = 1024

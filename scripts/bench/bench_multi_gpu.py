@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.synth import write_synthetic  # noqa: E402
+from ggrun.loaders.synthetic import write_synthetic  # noqa: E402
 
 SYNTH = Path("/tmp/synth")
 LLAMA_BENCH = Path("/tmp/llama-cuda/llama.cpp/build/bin/llama-bench")

@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.gguf_mutations import FAMILIES, MAY_RUN, Mutation, variants  # noqa: E402
+from ggrun.loaders.gguf_mutations import FAMILIES, MAY_RUN, Mutation, variants  # noqa: E402
 
 # The limit is set by the child itself (a preexec_fn in a threaded parent can deadlock).
 ENTRY = [sys.executable, "-c", "import os, resource; n = int(os.environ['FUZZ_MEM_BYTES']); "

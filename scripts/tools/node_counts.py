@@ -19,7 +19,7 @@ from ggrun.core.backends.cpu import CPUBackend  # noqa: E402
 from ggrun.core.llm.batch import Batch  # noqa: E402
 from ggrun.core.llm.model import Model  # noqa: E402
 from ggrun.core.llm.session import Session, SessionParams  # noqa: E402
-from tests.synth import write_tiny_gemma3, write_tiny_llama  # noqa: E402
+from ggrun.loaders.synthetic import write_tiny_gemma3, write_tiny_llama  # noqa: E402
 
 
 def counts(path: Path, flash_attn: bool, n_tokens: int) -> tuple[int, int]:

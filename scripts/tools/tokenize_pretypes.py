@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 from arch_vs_llama import DEFAULT_ANCHOR, llama_lib  # noqa: E402  (scripts/bench)
-from tests.synth import LlamaConfig, write_gguf  # noqa: E402
+from ggrun.loaders.synthetic import LlamaConfig, write_gguf  # noqa: E402
 
 DATA = ROOT / "tests" / "data" / "tokenize_pretypes.json"
 

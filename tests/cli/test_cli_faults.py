@@ -8,8 +8,8 @@ import re
 import numpy as np
 import pytest
 
+from ggrun.loaders.synthetic import LlamaConfig, tokenizer_metadata, write_variant
 from tests.cli.runner import ggrun
-from tests.synth import LlamaConfig, tokenizer_metadata, write_variant
 
 N_VOCAB = len(tokenizer_metadata()["tokenizer.ggml.tokens"])
 LLAMA = LlamaConfig(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_vocab=N_VOCAB, n_ctx_train=256)

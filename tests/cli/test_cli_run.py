@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType as QT
 
+from ggrun.loaders.synthetic import EOT, LlamaConfig, QuantizedTensor, tiny_bpe_vocab, tokenizer_metadata, write_gguf
 from tests.cli.runner import ggrun, ggrun_process
 from tests.llm.llama_reference import ReferenceLlama
-from tests.synth import EOT, LlamaConfig, QuantizedTensor, tiny_bpe_vocab, tokenizer_metadata, write_gguf
 
 REPO = Path(__file__).resolve().parents[2]
 TIMING_LABELS = ("sampling time", "load time", "prompt eval time", "eval time", "total time", "unaccounted time",
@@ -201,7 +201,7 @@ def test_run_in_a_real_process(tiny_llama_path):
 def _text_of(tokens: list[int]) -> str:
     """Text of tiny-vocabulary tokens, decoded independently of ggrun: each token is a run of GPT-2
     byte symbols; invalid UTF-8 becomes U+FFFD."""
-    from tests.synth import bytes_to_unicode
+    from ggrun.loaders.synthetic import bytes_to_unicode
 
     to_byte = {c: b for b, c in bytes_to_unicode().items()}
     vocab = tiny_bpe_vocab()[0]

@@ -16,9 +16,9 @@ import time
 
 import pytest
 
+from ggrun.loaders.synthetic import write_tiny_llama
 from tests.cli.runner import ENTRY, REPO
 from tests.cli.test_run_output import CHAT_TEMPLATE, EOT_ID, tiny_tokenizer
-from tests.synth import write_tiny_llama
 
 FIGURES = re.compile(r"^\[ Prompt: (\d+) new tokens, (\d+) cached, [\d.]+ t/s \| Generation: (\d+) tokens", re.M)
 

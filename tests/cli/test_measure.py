@@ -127,7 +127,7 @@ def test_missing_model_exits_2(tmp_path, nothing_loads, monkeypatch, capsys):
 def test_sparse_big_model_is_measured_from_metadata(tmp_path):
     """A ~3.8 GB Q4_K llama of Llama-3-8B's shape (sparse: a few KB on disk); measuring it keeps the
     process's peak resident memory small, though its weights would take ~3.8 GB."""
-    from tests.synth import write_sparse_big
+    from ggrun.loaders.synthetic import write_sparse_big
 
     path = write_sparse_big(tmp_path / "big.gguf")
     file_bytes = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)

@@ -12,9 +12,9 @@ import pytest
 from gguf.constants import GGMLQuantizationType as QT
 
 from ggrun.core.llm.kl_divergence import LogProbReader
+from ggrun.loaders.synthetic import write_tiny_llama
 from tests.cli.runner import ggrun
 from tests.llm.llama_reference import ReferenceLlama
-from tests.synth import write_tiny_llama
 
 TEXT = "the world is in the hello world of the tiny model, and hello again to the world. " * 6
 

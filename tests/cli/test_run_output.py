@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
+from ggrun.loaders.synthetic import EOT, tiny_bpe_vocab, write_tiny_llama
 from tests.cli.runner import ggrun
 from tests.cli.test_cli_run import _text_of
 from tests.llm.llama_reference import ReferenceLlama
-from tests.synth import EOT, tiny_bpe_vocab, write_tiny_llama
 
 EOT_ID = tiny_bpe_vocab()[0].index(EOT)
 CHAT_TEMPLATE = ("{% for m in messages %}<|reserved_0|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"

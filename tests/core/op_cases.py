@@ -17,10 +17,10 @@ from typing import Callable
 import numpy as np
 
 from ggrun.core import ops
+from ggrun.core.backends.op_harness import TYPES, Leafs, weight_data
 from ggrun.core.dtypes import DType
 from ggrun.core.llm.blocks import weighted_sum
 from ggrun.core.ops import ROPE_NEOX, ROPE_NORMAL
-from tests.core.backend_ops import TYPES, Leafs, weight_data
 
 F32, F16, I32 = DType.F32, DType.F16, DType.I32
 Build = Callable[[Leafs], object]

@@ -12,7 +12,7 @@ import pytest
 
 from ggrun.core.backends.base import Backend
 from ggrun.core.backends.kernels import KERNELS
-from tests.core.backend_ops import compare, planned
+from ggrun.core.backends.op_harness import compare, planned
 from tests.core.op_cases import CASES, OpCase
 
 

@@ -17,10 +17,10 @@ from ggrun.core.backends.cpu import CPUBackend, isa, jit
 from ggrun.core.backends.cpu import backend as cpu_backend
 from ggrun.core.backends.cpu import matmul
 from ggrun.core.backends.cpu.quant import activations, avx2_r8, avx512, codes, decode, layouts, portable
+from ggrun.core.backends.op_harness import (K_QUANTS, LEGACY, LUT4, TYPES, Leafs, ReferenceBackend, compare, planned,
+                                            run_on, weight_data)
 from ggrun.core.dtypes import DType
 from ggrun.core.quants import vec_dot_blocks
-from tests.core.backend_ops import (K_QUANTS, LEGACY, LUT4, TYPES, Leafs, ReferenceBackend, compare, planned, run_on,
-                                    weight_data)
 
 # ggml's test-backend-ops allows 5e-4 for mul_mat; the only differences here are the order of
 # float sums, Q8_1's f16 s = d * sum(q) (ggml's own rounding) and, for a few activations, rounding

@@ -12,8 +12,8 @@ import pytest
 from ggrun.core import ops
 from ggrun.core.backends.cpu import CPUBackend, jit, set_threads
 from ggrun.core.backends.kernels import KERNELS
+from ggrun.core.backends.op_harness import compare, planned, run_on
 from ggrun.core.dtypes import DType
-from tests.core.backend_ops import compare, planned, run_on
 from tests.core.op_cases import ATTENTION, ELEMENTWISE, attention_graph, causal_mask, values
 
 F32, F16 = DType.F32, DType.F16

@@ -87,7 +87,7 @@ def _greedy_agreement(path, gpu, n_tokens: int = 160) -> tuple[float, float]:
 def test_quantized_model_agrees_with_cpu(tiny_llama_factory, tmp_path, gpu, arch):
     from gguf.constants import GGMLQuantizationType as QT
 
-    from tests.synth import write_tiny_gemma3, write_tiny_llama
+    from ggrun.loaders.synthetic import write_tiny_gemma3, write_tiny_llama
 
     write = write_tiny_llama if arch == "llama" else write_tiny_gemma3
     path = write(tmp_path / f"{arch}.gguf", weight_type=QT.Q4_0, n_embd=128, n_ff=256)

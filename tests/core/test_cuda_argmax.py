@@ -15,8 +15,8 @@ cupy = require_gpu()
 from ggrun.core import ops  # noqa: E402
 from ggrun.core.backends.cpu import CPUBackend  # noqa: E402
 from ggrun.core.backends.cuda import CUDABackend  # noqa: E402
+from ggrun.core.backends.op_harness import planned, run_on  # noqa: E402
 from ggrun.core.dtypes import DType  # noqa: E402
-from tests.core.backend_ops import planned, run_on  # noqa: E402
 from tests.core.test_argmax import ref_argmax, tricky_rows  # noqa: E402
 
 F32 = DType.F32

@@ -17,11 +17,11 @@ from ggrun.core.backends.cpu import CPUBackend  # noqa: E402
 from ggrun.core.backends.cuda import CUDABackend  # noqa: E402
 from ggrun.core.backends.cuda.binding import launches_of  # noqa: E402
 from ggrun.core.backends.cuda.module import kernel  # noqa: E402
+from ggrun.core.backends.op_harness import ReferenceBackend, planned, run_on  # noqa: E402
+from ggrun.core.dtypes import DType  # noqa: E402
 from ggrun.core.llm.batch import Batch  # noqa: E402
 from ggrun.core.llm.model import Model  # noqa: E402
-from ggrun.core.dtypes import DType  # noqa: E402
 from ggrun.core.llm.session import Session, SessionParams  # noqa: E402
-from tests.core.backend_ops import ReferenceBackend, planned, run_on  # noqa: E402
 
 # head_dim 64 (a size the decode kernels are built for), four query heads per KV head
 SHAPE = dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=1, n_ff=256)

@@ -16,9 +16,9 @@ cupy = require_gpu()
 from ggrun.core import ops  # noqa: E402
 from ggrun.core.backends.cuda import CUDABackend  # noqa: E402
 from ggrun.core.backends.cuda.binding import Launch  # noqa: E402
+from ggrun.core.backends.op_harness import ReferenceBackend, compare, nmse, planned, run_on, weight_data  # noqa: E402
 from ggrun.core.dtypes import DType  # noqa: E402
 from ggrun.core.ops import ROPE_NEOX, ROPE_NORMAL  # noqa: E402
-from tests.core.backend_ops import ReferenceBackend, compare, nmse, planned, run_on, weight_data  # noqa: E402
 from tests.core.op_cases import attention_case  # noqa: E402
 
 F32, F16, I32 = DType.F32, DType.F16, DType.I32

@@ -14,10 +14,10 @@ cupy = require_gpu()
 
 from ggrun.core import ops  # noqa: E402
 from ggrun.core.backends.cuda import CUDABackend  # noqa: E402
+from ggrun.core.backends.op_harness import planned  # noqa: E402
 from ggrun.core.dtypes import DType  # noqa: E402
 from ggrun.core.llm.batched_sampler import BatchedSampler, SamplingRows  # noqa: E402
 from ggrun.core.llm.sampling import Sampler, SamplingParams  # noqa: E402
-from tests.core.backend_ops import planned  # noqa: E402
 from tests.llm.test_batched_sampler import SETTINGS  # noqa: E402
 
 

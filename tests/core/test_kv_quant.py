@@ -15,9 +15,9 @@ import pytest
 from ggrun.core import ops
 from ggrun.core.backends.cpu import CPUBackend, jit, set_threads
 from ggrun.core.backends.kernels import round_q8_blocks, walsh_hadamard
+from ggrun.core.backends.op_harness import ReferenceBackend, compare, nmse, run_on
 from ggrun.core.dtypes import DType
 from ggrun.core.quants import dequantize, quantize, quantize_q4_0, quantize_q8_0
-from tests.core.backend_ops import ReferenceBackend, compare, nmse, run_on
 from tests.core.op_cases import causal_mask
 from tests.core.test_cpu_ops import bound_calls
 

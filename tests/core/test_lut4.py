@@ -20,7 +20,7 @@ from ggrun.core.backends.cpu import lut4 as L4
 from ggrun.core.backends.cpu.quant import activations, codes, decode, lut4_avx2
 from ggrun.core.dtypes import DType
 from ggrun.core.quants import dequantize, e8m0_half
-from tests import synth
+from ggrun.loaders import synthetic as synth
 
 GGML = json.loads((Path(__file__).parents[1] / "data" / "ggml_quants.json").read_text(encoding="utf-8"))
 K = GGML["k"]

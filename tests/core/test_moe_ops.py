@@ -8,11 +8,11 @@ import pytest
 
 from ggrun.core import ops
 from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.backends.op_harness import Leafs, run_on
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import GraphError
 from ggrun.core.quants import dequantize
-from tests.core.backend_ops import Leafs, run_on
-from tests.synth import quantize_q4_k
+from ggrun.loaders.synthetic import quantize_q4_k
 
 E, M, K, T, TOP = 6, 32, 256, 5, 2
 

@@ -17,11 +17,11 @@ from ggrun.core.backends.cpu import CPUBackend
 from ggrun.core.backends.cpu import backend as cpu_backend
 from ggrun.core.backends.cpu import matmul
 from ggrun.core.backends.cpu.quant import avx2_r8, avx512, codes
+from ggrun.core.backends.op_harness import TYPES, Leafs, ReferenceBackend, nmse, planned, run_on, weight_data
 from ggrun.core.backends.sim import SimBackend
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import GraphError
 from ggrun.core.llm import blocks
-from tests.core.backend_ops import TYPES, Leafs, ReferenceBackend, nmse, planned, run_on, weight_data
 from tests.core.test_cpu_matmul import (MAX_NMSE, act_quant_of, computed_in_place, k_for, simd,  # noqa: F401
                                         two_threads)
 

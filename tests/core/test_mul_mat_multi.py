@@ -13,11 +13,11 @@ from ggrun.core.backends.cpu import CPUBackend
 from ggrun.core.backends.cpu import backend as cpu_backend
 from ggrun.core.backends.cpu import matmul
 from ggrun.core.backends.cpu.quant import avx2_r8, avx512, codes
+from ggrun.core.backends.op_harness import Leafs, ReferenceBackend, nmse, run_on, weight_data
 from ggrun.core.backends.sim import SimBackend
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import GraphError
 from ggrun.core.llm import blocks
-from tests.core.backend_ops import Leafs, ReferenceBackend, nmse, run_on, weight_data
 from tests.core.test_cpu_matmul import MAX_NMSE, act_quant_of, two_threads  # noqa: F401
 
 K = 256

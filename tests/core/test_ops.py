@@ -607,7 +607,7 @@ def test_gelu_f16_table_is_ggmls_lookup(rt: Runner):
 @pytest.fixture(params=["reference", "cpu"])
 def both(request) -> Runner:
     """A runner on the reference array kernels, then on the CPU backend (compiled kernels)."""
-    from tests.core.backend_ops import ReferenceBackend
+    from ggrun.core.backends.op_harness import ReferenceBackend
 
     return Runner(seed=99, backend=ReferenceBackend() if request.param == "reference" else None)
 

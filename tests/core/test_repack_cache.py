@@ -13,8 +13,8 @@ from ggrun.core.backends.cpu import CPUBackend
 from ggrun.core.backends.cpu import matmul
 from ggrun.core.backends.cpu import repack_cache
 from ggrun.core.llm.model import Model
+from ggrun.loaders.synthetic import write_tiny_llama
 from tests.llm.test_tiny_llama import PROMPT, all_logits, session
-from tests.synth import write_tiny_llama
 
 
 @pytest.fixture

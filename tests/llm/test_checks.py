@@ -12,7 +12,7 @@ import pytest
 from ggrun.core.errors import BadInput
 from ggrun.core.llm.model import Model
 from ggrun.loaders.gguf_file import open_gguf
-from tests.synth import Gemma3Config, LlamaConfig, tokenizer_metadata, write_variant
+from ggrun.loaders.synthetic import Gemma3Config, LlamaConfig, tokenizer_metadata, write_variant
 
 TOK = tokenizer_metadata()
 N_VOCAB = len(TOK["tokenizer.ggml.tokens"])

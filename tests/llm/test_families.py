@@ -22,7 +22,7 @@ from ggrun.core.llm.model import Model
 from ggrun.core.llm.perplexity import ChunkPlan, evaluate_chunks, token_nll
 from ggrun.core.llm.session import Session, SessionParams
 from ggrun.loaders.gguf_file import open_gguf
-from tests.synth import FAMILY_PRESETS, write_tiny_family, written_once
+from ggrun.loaders.synthetic import FAMILY_PRESETS, write_tiny_family, written_once
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "families_llama_cpp.json"
 PROMPT = [104, 101, 108, 108, 111, 256, 263, 32, 119, 275, 10, 66, 200, 7, 268, 258, 111, 33, 120, 99,

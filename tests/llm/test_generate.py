@@ -183,7 +183,7 @@ def test_going_back_over_a_sliding_window_starts_again(tmp_path, back_to, reused
     or 20 would need dropped keys, so the sequence is evaluated from the start. Either way the logits
     are those of a fresh evaluation."""
     from ggrun.core.llm.generate import Generation
-    from tests.synth import write_tiny_gemma3
+    from ggrun.loaders.synthetic import write_tiny_gemma3
 
     m = Model.load(write_tiny_gemma3(tmp_path / "g.gguf", sliding_window=8), [CPUBackend()])
     prompt = [97 + i % 26 for i in range(30)]

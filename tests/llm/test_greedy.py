@@ -15,8 +15,8 @@ from ggrun.core.llm.model import Model
 from ggrun.core.llm.numerics import NonFiniteLogits
 from ggrun.core.llm.sampling import Sampler, SamplingParams
 from ggrun.core.llm.session import Session, SessionParams
+from ggrun.loaders.synthetic import write_variant
 from tests.llm.test_numerics import LLAMA, poisoned
-from tests.synth import write_variant
 
 PROMPT = list(range(3, 30))
 

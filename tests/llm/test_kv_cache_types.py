@@ -14,6 +14,7 @@ import pytest
 from gguf.constants import GGMLQuantizationType as QT
 
 from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.backends.op_harness import ReferenceBackend, nmse
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import BadInput
 from ggrun.core.llm.batch import Batch
@@ -22,8 +23,7 @@ from ggrun.core.llm.memory import measure
 from ggrun.core.llm.model import Model
 from ggrun.core.llm.session import Session, SessionParams
 from ggrun.core.quants import dequantize
-from tests.core.backend_ops import ReferenceBackend, nmse
-from tests.synth import write_tiny_gemma3, write_tiny_llama, written_once
+from ggrun.loaders.synthetic import write_tiny_gemma3, write_tiny_llama, written_once
 
 F16, F32, Q8_0, Q4_0 = DType.F16, DType.F32, DType.Q8_0, DType.Q4_0
 PROMPT = [104, 101, 108, 108, 111, 256, 263, 32, 119, 275, 10, 66, 200, 7, 268, 258, 111, 33, 120, 99]

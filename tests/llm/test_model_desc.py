@@ -7,7 +7,7 @@ from gguf.constants import GGMLQuantizationType as QT
 
 from ggrun.core.llm.model_desc import file_type_name, model_description, size_class
 from ggrun.loaders.gguf_file import open_gguf
-from tests.synth import write_tiny_llama
+from ggrun.loaders.synthetic import write_tiny_llama
 
 
 @pytest.mark.parametrize("arch, n_layer, n_vocab, heads, want", [

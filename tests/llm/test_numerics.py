@@ -17,7 +17,7 @@ from ggrun.core.llm.model import Model
 from ggrun.core.llm.numerics import HINT, NonFiniteLogits, non_finite_kind
 from ggrun.core.llm.sampling import Sampler, SamplingParams
 from ggrun.core.llm.session import Session, SessionParams
-from tests.synth import LlamaConfig, tokenizer_metadata, write_variant
+from ggrun.loaders.synthetic import LlamaConfig, tokenizer_metadata, write_variant
 
 N_VOCAB = len(tokenizer_metadata()["tokenizer.ggml.tokens"])
 LLAMA = LlamaConfig(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_vocab=N_VOCAB, n_ctx_train=256)

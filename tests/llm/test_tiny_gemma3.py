@@ -22,9 +22,9 @@ from ggrun.core.llm.kv_cache import KVCache
 from ggrun.core.llm.model import Model
 from ggrun.core.llm.sampling import Sampler, SamplingParams
 from ggrun.core.llm.session import Session, SessionParams
+from ggrun.loaders.synthetic import bytes_to_unicode, tiny_bpe_vocab, write_tiny_gemma3, written_once
 from tests.cli.runner import ggrun
 from tests.llm.gemma3_reference import ReferenceGemma3
-from tests.synth import bytes_to_unicode, tiny_bpe_vocab, write_tiny_gemma3, written_once
 
 # 20 token ids spread over the tiny vocabulary (bytes, merges, the control token).
 PROMPT = [104, 101, 108, 108, 111, 256, 263, 32, 119, 275, 10, 66, 200, 7, 268, 258, 111, 33, 120, 99]

@@ -15,8 +15,8 @@ from ggrun.core.llm.model import Model
 from ggrun.core.llm.perplexity import score_window
 from ggrun.core.llm.sampling import Sampler, SamplingParams
 from ggrun.core.llm.session import Session, SessionParams
+from ggrun.loaders.synthetic import EOT, tiny_bpe_vocab
 from tests.llm.llama_reference import ReferenceLlama, perplexity
-from tests.synth import EOT, tiny_bpe_vocab
 
 # 20 token ids spread over the tiny vocabulary (bytes, merges, the control token).
 PROMPT = [104, 101, 108, 108, 111, 256, 263, 32, 119, 275, 10, 66, 200, 7, 268, 258, 111, 33, 120, 99]

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from ggrun.core.errors import BadInput
 from ggrun.loaders.gguf_file import GGUFFile, TensorInfo, open_gguf
-from tests.synth import QuantizedTensor, write_gguf, write_tiny_llama
+from ggrun.loaders.synthetic import QuantizedTensor, write_gguf, write_tiny_llama
 
 METADATA = {
     "general.name": "round trip",

@@ -17,8 +17,8 @@ from ggrun.core.llm.batch import Batch
 from ggrun.core.llm.model import Model
 from ggrun.core.llm.numerics import NonFiniteLogits
 from ggrun.core.llm.session import Session, SessionParams
-from tests.gguf_mutations import FAMILIES, MAY_RUN, MUST_REJECT, Mutation, mutate, read_layout
-from tests.synth import write_tiny_gemma3, write_tiny_llama
+from ggrun.loaders.gguf_mutations import FAMILIES, MAY_RUN, MUST_REJECT, Mutation, mutate, read_layout
+from ggrun.loaders.synthetic import write_tiny_gemma3, write_tiny_llama
 
 SOURCES = {"llama": lambda p: write_tiny_llama(p, n_layer=2, weight_type=QT.Q4_0),  # and F32 norms
            "gemma3": lambda p: write_tiny_gemma3(p, n_layer=2, weight_type=QT.Q5_0)}

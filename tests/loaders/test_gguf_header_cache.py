@@ -10,7 +10,7 @@ from gguf.constants import GGMLQuantizationType as QT
 
 from ggrun.loaders import gguf_file, gguf_header_cache
 from ggrun.loaders.gguf_file import open_gguf
-from tests.synth import write_tiny_llama
+from ggrun.loaders.synthetic import write_tiny_llama
 
 
 @pytest.fixture

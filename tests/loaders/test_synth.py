@@ -9,8 +9,8 @@ from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
 from ggrun.loaders.gguf_file import open_gguf
-from tests.synth import (EOT, RANDOM_BLOCK_SCALES, SPEED_PRESETS, TINY_MERGES, WEIGHT_TYPES, _random_blocks,
-                         _speed_type, bytes_to_unicode, write_sparse_big, write_synthetic, write_tiny_llama)
+from ggrun.loaders.synthetic import (EOT, RANDOM_BLOCK_SCALES, SPEED_PRESETS, TINY_MERGES, WEIGHT_TYPES, _random_blocks,
+                                     _speed_type, bytes_to_unicode, write_sparse_big, write_synthetic, write_tiny_llama)
 
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
                  "ffn_down")

@@ -8,8 +8,8 @@ import pytest
 from gguf.constants import GGMLQuantizationType as QT
 from ggrun.core.quants import first_non_finite, quantize
 from ggrun.loaders.gguf_file import open_gguf
+from ggrun.loaders.synthetic import write_tiny_llama
 from tests.cli.runner import ggrun
-from tests.synth import write_tiny_llama
 
 
 def _poison(path, name: str, byte_at: int, value: bytes) -> None:

@@ -16,12 +16,12 @@ from gguf.quants import quantize as gguf_quantize
 
 from ggrun.core.backends.base import Backend
 from ggrun.core.backends.host import HostArrayBackend
+from ggrun.core.backends.kernels import narrow_into
 from ggrun.core.context import ImmediateContext
 from ggrun.core.dtypes import DType
 from ggrun.core.graph import build_graph
 from ggrun.core.sched import Scheduler
 from ggrun.core.tensor import Tensor, new_tensor
-from tests.core.harness import f32_to_bf16
 
 LEGACY = [DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q8_0]
 K_QUANTS = [DType.Q2_K, DType.Q3_K, DType.Q4_K, DType.Q5_K, DType.Q6_K]
@@ -44,7 +44,9 @@ def weight_data(dtype: DType, m: int, k: int, seed: int) -> np.ndarray:
     if dtype is DType.F16:
         return values.astype(np.float16)
     if dtype is DType.BF16:
-        return f32_to_bf16(values)
+        bits = np.empty(values.shape, np.uint16)
+        narrow_into(np, bits, values, DType.BF16)
+        return bits
     if dtype in LEGACY:
         return np.asarray(gguf_quantize(values, QT[dtype.name])).view(np.uint8).reshape(m, -1)
     n_blocks = m * k // dtype.block_size
