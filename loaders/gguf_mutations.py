@@ -10,7 +10,7 @@ as undetectably; either may run or stop with non-finite logits. Edits that leave
 an unread key, changing a vocabulary string, a plausible hyperparameter or the version 3 to 2, whose
 layout is the same) are not corruptions any reader could see, and are not made.
 
-A test helper: it reads bytes with struct alone and never imports ggrun's own code.
+For tests and scripts only: it reads bytes with struct alone and never imports the rest of ggrun.
 """
 from __future__ import annotations
 

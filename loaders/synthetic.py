@@ -3,7 +3,8 @@ and through FamilyConfig qwen2, qwen3, qwen3moe, gemma2, phi3, gpt-oss) with ran
 byte-level BPE tokenizer, models of real shapes (SPEED_PRESETS) of random blocks for speed measurements,
 and huge sparse ones whose tensor data never reaches the disk.
 
-A test helper only: it writes files, and it never imports ggrun's own code so that it can check it.
+For tests and scripts only (the engine never calls it): it writes files with gguf's writer and never
+imports the rest of ggrun, so that the files it writes check ggrun's reader against something written apart.
 """
 from __future__ import annotations
 
@@ -774,7 +775,7 @@ def written_once(write, make_dir, prefix: str):
     return once
 
 
-if __name__ == "__main__":  # python -m tests.synth OUT.gguf PRESET TYPE: a synthetic model of a real shape
+if __name__ == "__main__":  # python -m ggrun.loaders.synthetic OUT.gguf PRESET TYPE: a model of a real shape
     import sys
 
     print(write_synthetic(sys.argv[1], sys.argv[2], QT[sys.argv[3].upper()]))

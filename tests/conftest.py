@@ -51,14 +51,14 @@ def smollm2_reference() -> dict:
 
 @pytest.fixture(scope="session")
 def tiny_llama_factory(tmp_path_factory):
-    """write(**options) -> path of a synthetic tiny llama (tests.synth.write_tiny_llama), written once per
+    """write(**options) -> path of a synthetic tiny llama (ggrun.loaders.synthetic.write_tiny_llama), written once per
     distinct set of options."""
     return written_once(write_tiny_llama, tmp_path_factory.mktemp, "tiny")
 
 
 @pytest.fixture(scope="session")
 def tiny_gemma3_factory(tmp_path_factory):
-    """write(**options) -> path of a synthetic tiny gemma3 (tests.synth.write_tiny_gemma3), written once per
+    """write(**options) -> path of a synthetic tiny gemma3 (ggrun.loaders.synthetic.write_tiny_gemma3), written once per
     distinct set of options."""
     return written_once(write_tiny_gemma3, tmp_path_factory.mktemp, "tiny_gemma3")
 

@@ -5,7 +5,10 @@ outside core/llm, never imports core.llm; loaders import neither cli nor core.ll
 Every import statement is an edge, those inside functions included: a cycle hidden by moving one of its
 imports into a function is still two modules that need each other (the cycles this test was written
 against were all of that kind), and an upward import is upward wherever it runs. The one exception is an
-import under `if TYPE_CHECKING:`, which never runs: it names a type for annotations only."""
+import under `if TYPE_CHECKING:`, which never runs: it names a type for annotations only.
+
+The scripts under scripts/ use ggrun as an installed package: none imports from tests/ (what they share with
+the tests lives in the package) or puts the repository root on sys.path."""
 from __future__ import annotations
 
 import ast
@@ -162,3 +165,79 @@ def test_upward_imports_are_found(tmp_path):
     assert sorted(upward(import_graph(root))) == ["ggrun.core.llm.session:1 -> ggrun.cli.app",
                                                   "ggrun.core.ops:2 -> ggrun.core.llm.session",
                                                   "ggrun.loaders.gguf:1 -> ggrun.core.llm.session"]
+
+
+def _path_of(node: ast.expr, names: dict[str, Path], script: Path) -> Path | None:
+    """The folder a sys.path expression of `script` names, read from the few forms scripts use
+    (Path(__file__), .resolve(), .parent, .parents[n], / "name", str(...), a module-level name); None if
+    it is something else."""
+    if isinstance(node, ast.Name):
+        return names.get(node.id)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) == 1:
+        if node.func.id == "str":
+            return _path_of(node.args[0], names, script)
+        if node.func.id == "Path" and isinstance(node.args[0], ast.Name) and node.args[0].id == "__file__":
+            return script
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "resolve":
+        return _path_of(node.func.value, names, script)
+    if isinstance(node, ast.Attribute) and node.attr == "parent":
+        base = _path_of(node.value, names, script)
+        return base.parent if base else None
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "parents" \
+            and isinstance(node.slice, ast.Constant):
+        base = _path_of(node.value.value, names, script)
+        return base.parents[node.slice.value] if base else None
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.right, ast.Constant):
+        base = _path_of(node.left, names, script)
+        return base / node.right.value if base else None
+    return None
+
+
+def script_faults(root: Path) -> list[str]:
+    """Each import from tests/ and each sys.path entry that is the repository root (or that this check
+    cannot read) in the scripts under root/scripts, as 'script:line what'."""
+    faults = []
+    for script in sorted((root / "scripts").rglob("*.py")):
+        tree = ast.parse(script.read_text(), str(script))
+        rel = script.relative_to(root)
+        found: list[tuple[int, str]] = []
+        names: dict[str, Path] = {}
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                value = _path_of(node.value, names, script)
+                if value is not None:
+                    names[node.targets[0].id] = value
+        for node in ast.walk(tree):
+            modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                       else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [(node.lineno, f"imports {m}") for m in modules if m == "tests" or m.startswith("tests.")]
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in ("insert", "append") and ast.unparse(node.func.value) == "sys.path":
+                entry = _path_of(node.args[-1], names, script)
+                if entry is None:
+                    found.append((node.lineno, f"adds {ast.unparse(node.args[-1])} to sys.path (not readable here)"))
+                elif entry.resolve() == root.resolve():
+                    found.append((node.lineno, "puts the repository root on sys.path"))
+        faults += [f"{rel}:{line} {what}" for line, what in sorted(found)]
+    return faults
+
+
+def test_scripts_use_the_installed_package():
+    assert list((ROOT / "scripts").rglob("*.py"))  # the scripts were found
+    assert script_faults(ROOT) == []
+
+
+def test_script_faults_are_found(tmp_path):
+    bench = tmp_path / "scripts" / "bench"
+    bench.mkdir(parents=True)
+    (bench / "a.py").write_text("import sys\nfrom pathlib import Path\nROOT = Path(__file__).resolve().parents[2]\n"
+                                "sys.path.insert(0, str(ROOT))\nsys.path.insert(0, str(ROOT / 'scripts' / 'bench'))\n"
+                                "from tests.synth import write_tiny_llama\n")
+    (bench / "b.py").write_text("import sys, os\nsys.path.append(os.getcwd())\n"
+                                "def f():\n    import tests.core.op_cases\n")
+    (bench / "c.py").write_text("import sys\nfrom pathlib import Path\n"
+                                "sys.path.insert(0, str(Path(__file__).parent))\n")
+    assert script_faults(tmp_path) == ["scripts/bench/a.py:4 puts the repository root on sys.path",
+                                       "scripts/bench/a.py:6 imports tests.synth",
+                                       "scripts/bench/b.py:2 adds os.getcwd() to sys.path (not readable here)",
+                                       "scripts/bench/b.py:4 imports tests.core.op_cases"]

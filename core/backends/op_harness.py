@@ -5,6 +5,7 @@ kernels), and compare the results by normalized mean squared error, as ggml does
 `build(ctx)` makes its leafs through the given `Leafs` (weights in an immediate context on the
 backend, inputs fed after planning) and returns the output tensor; it is called once per
 backend with the same random data. `weight_data` makes a weight's stored bytes for every type.
+For the op tests (tests/core/) and the kernel benchmarks (scripts/bench/); the engine never calls it.
 """
 from __future__ import annotations
 

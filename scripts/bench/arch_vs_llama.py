@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Every architecture ggrun runs against llama.cpp, on tiny synthetic models (tests/synth.py's FAMILY_PRESETS:
+"""Every architecture ggrun runs against llama.cpp, on tiny synthetic models (loaders/synthetic.py's FAMILY_PRESETS:
 random weights scaled so that next-token distributions are peaked): llama-perplexity scores
 tests/data/ppl_prose.txt and saves its log-probabilities (--kl-divergence-base), then `ggrun perplexity
 --kl-divergence` scores the same tokens against them. The table gives, per family and weight type, the mean
@@ -7,7 +7,7 @@ KL divergence (and its 99th percentile and maximum), how often both rank the sam
 mean KLD <= 0.005 and same top >= 98%). Perplexities are not shown: a random model's next tokens lie far
 below the 16 nats of log-probability the saved file keeps, so the two would not compare.
 
-Speed on a family's real shape is bench_cpu.py's (`--models qwen3-0.6b:q4_k`: tests/synth.py SPEED_PRESETS,
+Speed on a family's real shape is bench_cpu.py's (`--models qwen3-0.6b:q4_k`: loaders/synthetic.py SPEED_PRESETS,
 llama-bench and ggrun bench alternating).
 
 `--save-data` also writes llama.cpp's top token and log-probabilities at every scored position
@@ -33,15 +33,13 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from gguf.constants import GGMLQuantizationType as QT
+from ppl_vs_llama import ggrun_cmd, run  # this folder, beside this script
+
+from ggrun.core.llm.kl_divergence import KLStats, LogProbReader, dequantize_log_probs
+from ggrun.loaders.synthetic import FAMILY_PRESETS, write_tiny_family
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from gguf.constants import GGMLQuantizationType as QT  # noqa: E402
-
-from ggrun.core.llm.kl_divergence import KLStats, LogProbReader, dequantize_log_probs  # noqa: E402
-from ppl_vs_llama import ggrun_cmd, run  # noqa: E402  (this folder, beside this script)
-from ggrun.loaders.synthetic import FAMILY_PRESETS, write_tiny_family  # noqa: E402
 
 DEFAULT_ANCHOR = Path.home() / ".cache/ggrun-anchor/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
 TEXT = ROOT / "tests" / "data" / "ppl_prose.txt"
@@ -176,7 +174,8 @@ def save(data: dict, via_lib: bool) -> None:
     """Write llama.cpp's saved positions per model (DATA), with where they came from."""
     producer = "libllama.so through llama_cpp.py" if via_lib else "llama-perplexity"
     DATA.write_text(json.dumps({"producer": f"{producer} (llama.cpp as llama-cpp-python 0.3.36 vendors it), "
-                                            "scripts/bench/arch_vs_llama.py", "models": "tests/synth.py FAMILY_PRESETS",
+                                            "scripts/bench/arch_vs_llama.py",
+                                "models": "loaders/synthetic.py FAMILY_PRESETS",
                                 **{k: v for k, v in sorted(data.items()) if "/" in k}}) + "\n")
 
 

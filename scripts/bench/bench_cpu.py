@@ -5,7 +5,7 @@ then peak RSS and time to first token of `ggrun run` and `llama-completion` on t
 every figure and the ratios, after the CPU's model, its SIMD flags and ggrun's instruction-set level
 (GGRUN_CPU_ISA caps it: core/backends/cpu/isa.py).
 
-A model is a known model's name, or PRESET:TYPE for a synthetic model of a real shape (tests/synth.py's
+A model is a known model's name, or PRESET:TYPE for a synthetic model of a real shape (loaders/synthetic.py's
 write_synthetic, SPEED_PRESETS: random blocks, written once into a temporary folder), e.g. qwen3-0.6b:q4_k.
 
 llama.cpp's tools come from `bash ../shared/tools/cpu_anchor.sh` (pass its directory with
@@ -31,9 +31,7 @@ from pathlib import Path
 from gguf.constants import GGMLQuantizationType as QT
 
 from ggrun.loaders.download import KNOWN_MODELS, model_path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from ggrun.loaders.synthetic import SPEED_PRESETS, write_synthetic  # noqa: E402
+from ggrun.loaders.synthetic import SPEED_PRESETS, write_synthetic
 
 DEFAULT_ANCHOR = Path.home() / ".cache/ggrun-anchor/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
 PROMPT = "The capital of France is"

@@ -18,23 +18,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from ggrun.core import ops  # noqa: E402
-from ggrun.core.backends.cpu import CPUBackend, set_threads  # noqa: E402
-from ggrun.core.backends.op_harness import Leafs, planned, weight_data  # noqa: E402
-from ggrun.core.dtypes import DType  # noqa: E402
-from ggrun.core.llm.batch import Batch  # noqa: E402
-from ggrun.core.llm.model import Model  # noqa: E402
-from ggrun.core.llm.session import Session, SessionParams  # noqa: E402
-from ggrun.loaders.download import resolve_model  # noqa: E402
+from ggrun.core import ops
+from ggrun.core.backends.cpu import CPUBackend, set_threads
+from ggrun.core.backends.op_harness import Leafs, planned, weight_data
+from ggrun.core.dtypes import DType
+from ggrun.core.llm.batch import Batch
+from ggrun.core.llm.model import Model
+from ggrun.core.llm.session import Session, SessionParams
+from ggrun.loaders.download import resolve_model
 
 MODELS = {"SmolLM2 (Q4_1, 576 -> 1536, swiglu)": (DType.Q4_1, 576, 1536, "swiglu"),
           "gemma-3-270m (Q5_0, 640 -> 2048, geglu)": (DType.Q5_0, 640, 2048, "geglu")}

@@ -13,21 +13,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from ggrun.core import ops  # noqa: E402
-from ggrun.core.backends.cpu import CPUBackend, set_threads  # noqa: E402
-from ggrun.core.backends.op_harness import Leafs, ReferenceBackend, weight_data  # noqa: E402
-from ggrun.core.dtypes import DType  # noqa: E402
-from ggrun.core.graph import build_graph  # noqa: E402
-from ggrun.core.sched import Scheduler  # noqa: E402
+from ggrun.core import ops
+from ggrun.core.backends.cpu import CPUBackend, set_threads
+from ggrun.core.backends.op_harness import Leafs, ReferenceBackend, weight_data
+from ggrun.core.dtypes import DType
+from ggrun.core.graph import build_graph
+from ggrun.core.sched import Scheduler
 
 N_EMBD, N_HEAD, N_HEAD_KV, HEAD_DIM, N_FF, N_LAYER = 576, 9, 3, 64, 1536, 30
 N_CTX = 1024

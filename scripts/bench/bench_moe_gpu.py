@@ -2,7 +2,7 @@
 """ggrun's CUDA backend against llama.cpp's CUDA llama-bench on mixture-of-experts models, side by side in one
 run on the GPU machine: a Qwen3-30B-A3B-shaped Q4_K model (48 layers, 128 experts of 768, 8 used) and a
 gpt-oss-20b-shaped MXFP4 model (24 layers, 32 experts of 2880, 4 used, attention sinks, window 128 on
-alternate layers), written by tests/synth.py's write_synthetic (random blocks, for speed only). Every layer
+alternate layers), written by loaders/synthetic.py's write_synthetic (random blocks, for speed only). Every layer
 offloaded (-ngl 99), pp512 and tg128; the tools alternate per model and round, and the table shows medians,
 the ratio ggrun / llama.cpp and issue 32's bar for it.
 
@@ -33,7 +33,7 @@ def model_path(spec: str) -> Path:
 
 
 def write_models(specs: list[str]) -> None:
-    """Write the missing models at once, one process each (tests.synth: random blocks, mostly disk time)."""
+    """Write the missing models at once, one process each (ggrun.loaders.synthetic: random blocks, mostly disk time)."""
     SYNTH.mkdir(parents=True, exist_ok=True)
     procs = []
     for spec in specs:
@@ -41,8 +41,8 @@ def write_models(specs: list[str]) -> None:
         if not path.exists():
             preset, qtype = spec.split(":")
             tmp = path.with_suffix(".part")
-            procs.append((subprocess.Popen([sys.executable, "-m", "tests.synth", str(tmp), preset, qtype], cwd=ROOT,
-                                           stdout=subprocess.DEVNULL), tmp, path))
+            procs.append((subprocess.Popen([sys.executable, "-m", "ggrun.loaders.synthetic", str(tmp), preset, qtype],
+                                           cwd=ROOT, stdout=subprocess.DEVNULL), tmp, path))
     for proc, tmp, path in procs:
         if proc.wait():
             raise SystemExit(f"writing {path.name} failed ({proc.returncode})")
@@ -72,7 +72,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--reps", type=int, default=3, help="llama-bench's and ggrun bench's -r")
-    ap.add_argument("--models", default=MODELS, help="preset:type,... (tests/synth.py's SPEED_PRESETS)")
+    ap.add_argument("--models", default=MODELS, help="preset:type,... (loaders/synthetic.py's SPEED_PRESETS)")
     ap.add_argument("--llama-bench", type=Path, default=Path(os.environ.get("LLB", "/tmp/llama-cuda/llama.cpp/build/bin"))
                     / "llama-bench")
     ap.add_argument("--timeout", type=int, default=240, help="seconds one tool's run on one model may take")

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """One model over two GPUs against one GPU, ggrun and llama.cpp's CUDA llama-bench side by side: a synthetic
-model of a real shape (tests/synth.py's write_synthetic; default llama-8b Q4_0), pp2048 and tg128 with every
+model of a real shape (loaders/synthetic.py's write_synthetic; default llama-8b Q4_0), pp2048 and tg128 with every
 layer offloaded, on one GPU (-sm none -mg 0), split by layers (-sm layer -ts 1,1: micro-batches pipelined
 over the two) and split by rows (-sm row -ts 1,1). It prints each tool's t/s, each split's ratio to the
 same tool on one GPU and to llama.cpp, and the issue's bars: with layers split, pp2048 at least 1.6x one
@@ -25,10 +25,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from ggrun.loaders.synthetic import write_synthetic
 
-from ggrun.loaders.synthetic import write_synthetic  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 SYNTH = Path("/tmp/synth")
 LLAMA_BENCH = Path("/tmp/llama-cuda/llama.cpp/build/bin/llama-bench")
@@ -63,7 +62,7 @@ def gpu_count() -> int:
 
 def prepare(anchor: Path, model: str) -> Path:
     """llama-bench built (cuda_anchor.sh, which also writes and benches its smallest model once) and the model
-    written by tests/synth.py (whose presets include llama-70b)."""
+    written by loaders/synthetic.py (whose presets include llama-70b)."""
     if not LLAMA_BENCH.exists():
         subprocess.run(["bash", str(anchor / "cuda_anchor.sh"), "device", "llama-135m:q4_0"], check=True,
                        stdout=subprocess.DEVNULL)
@@ -147,7 +146,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--anchor", type=Path, required=True, help="directory made by cuda_anchor.sh prepare")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--model", default="llama-8b:q4_0", help="PRESET:TYPE for tests/synth.py's write_synthetic")
+    ap.add_argument("--model", default="llama-8b:q4_0", help="PRESET:TYPE for loaders/synthetic.py's write_synthetic")
     ap.add_argument("--gpus", type=int, default=2, help="GPUs the layer and row splits cover")
     a = ap.parse_args()
     n = gpu_count()

@@ -11,7 +11,7 @@
 # Logs go to OUT (default /tmp/gpu_batched).
 #
 # Usage: bash scripts/bench/gpu_batched.sh MODEL.gguf LLAMA_BIN_DIR [OUT]
-#   (a synthetic llama-1b Q4_0: python3 -m tests.synth /tmp/synth/llama-1b-q4_0.gguf llama-1b q4_0;
+#   (a synthetic llama-1b Q4_0: python3 -m ggrun.loaders.synthetic /tmp/synth/llama-1b-q4_0.gguf llama-1b q4_0;
 #    LLAMA_BIN_DIR: cuda_anchor.sh's build/bin)
 set -o pipefail
 M=${1:?model}; LLB=${2:?llama.cpp bin dir}; OUT=${3:-/tmp/gpu_batched}

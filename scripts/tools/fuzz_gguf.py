@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Fuzz ggrun with corrupted copies of a real GGUF model: N variants (default 1,000), each one field
-corrupted by tests/gguf_mutations.py (families taken in turn: header fields, metadata types, lengths and
+corrupted by loaders/gguf_mutations.py (families taken in turn: header fields, metadata types, lengths and
 values, tensor dims, types, offsets and names, truncations, same-size tensor retypes, tensor-data flips),
 each run through `ggrun run` and `ggrun measure` in a process of its own under a memory limit and a
 timeout. Prints a table of outcomes per family and command, then the verdict:
@@ -30,10 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from ggrun.loaders.gguf_mutations import FAMILIES, MAY_RUN, Mutation, variants
 
-from ggrun.loaders.gguf_mutations import FAMILIES, MAY_RUN, Mutation, variants  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 # The limit is set by the child itself (a preexec_fn in a threaded parent can deadlock).
 ENTRY = [sys.executable, "-c", "import os, resource; n = int(os.environ['FUZZ_MEM_BYTES']); "

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Graph nodes per layer of each architecture, on tiny synthetic models (tests/synth.py): the
+"""Graph nodes per layer of each architecture, on tiny synthetic models (loaders/synthetic.py): the
 difference between the graphs of models with n and n + 1 layers, so nothing outside the layers
 counts. Compute nodes (kernel calls) and all nodes (views too), for a decode step and a 64-token
 micro-batch, with fused attention on and off.
@@ -8,18 +8,14 @@ micro-batch, with fused attention on and off.
 """
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from ggrun.core.backends.cpu import CPUBackend  # noqa: E402
-from ggrun.core.llm.batch import Batch  # noqa: E402
-from ggrun.core.llm.model import Model  # noqa: E402
-from ggrun.core.llm.session import Session, SessionParams  # noqa: E402
-from ggrun.loaders.synthetic import write_tiny_gemma3, write_tiny_llama  # noqa: E402
+from ggrun.core.backends.cpu import CPUBackend
+from ggrun.core.llm.batch import Batch
+from ggrun.core.llm.model import Model
+from ggrun.core.llm.session import Session, SessionParams
+from ggrun.loaders.synthetic import write_tiny_gemma3, write_tiny_llama
 
 
 def counts(path: Path, flash_attn: bool, n_tokens: int) -> tuple[int, int]:

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ggrun.loaders.synthetic import LlamaConfig, write_gguf
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 from arch_vs_llama import DEFAULT_ANCHOR, llama_lib  # noqa: E402  (scripts/bench)
-from ggrun.loaders.synthetic import LlamaConfig, write_gguf  # noqa: E402
 
 DATA = ROOT / "tests" / "data" / "tokenize_pretypes.json"
 

@@ -1,7 +1,7 @@
 """Quantized KV caches (Q8_0, Q4_0) op by op: the reference encoders and rotation against independent
 formulas and against ggml itself (tests/data/ggml_kv_quant.json, from scripts/tools/ggml_kv_reference.py),
-and the CPU backend's compiled kernels against the reference array kernels (tests/core/
-backend_ops.py): cache writes bit for bit (set_rows; rope_set_rows and the K-shift's rope_shift
+and the CPU backend's compiled kernels against the reference array kernels (core/backends/
+op_harness.py): cache writes bit for bit (set_rows; rope_set_rows and the K-shift's rope_shift
 within a rounding step), attention over quantized and mixed caches by NMSE and against ggml's
 flash_attn_ext, the unfused product against quantized keys."""
 from __future__ import annotations

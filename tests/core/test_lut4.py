@@ -126,7 +126,7 @@ def _x() -> np.ndarray:
 
 @pytest.mark.parametrize("dtype", [DType.IQ4_NL, DType.IQ4_XS], ids=str)
 def test_synthetic_writers_quantizer_is_about_as_close_as_ggmls(dtype):
-    """tests/synth.py's own IQ4 quantizer (gguf has none): its blocks decode near the values, within 15%
+    """loaders/synthetic.py's own IQ4 quantizer (gguf has none): its blocks decode near the values, within 15%
     of the squared error of ggml's quantization (its values from dequantize_row_*) of the same rows."""
     x = _x()
     ours = dequantize(synth.quantize_iq4_nl(x) if dtype is DType.IQ4_NL else synth.quantize_iq4_xs(x),

@@ -1,4 +1,4 @@
-"""Every architecture in the registry on its tiny synthetic model (tests.synth.FAMILY_PRESETS): what each
+"""Every architecture in the registry on its tiny synthetic model (ggrun.loaders.synthetic.FAMILY_PRESETS): what each
 family's contract says (hyperparameters, sliding-window layers, fused matrices loaded as parts), that
 micro-batching and graph reuse leave the logits alone, and, where tests/data/families_llama_cpp.json holds
 llama.cpp's results for the model (scripts/bench/arch_vs_llama.py --save-data), that ggrun ranks the same token

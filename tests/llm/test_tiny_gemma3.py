@@ -1,4 +1,4 @@
-"""The gemma3 graph on a synthetic tiny model (tests.synth.write_tiny_gemma3: 7 layers, so sliding-window
+"""The gemma3 graph on a synthetic tiny model (ggrun.loaders.synthetic.write_tiny_gemma3: 7 layers, so sliding-window
 layers 0-4 and 6 and global layer 5 both appear; head_dim 32 != n_embd / n_head; window 8) against an
 independent float64 numpy forward pass (tests/llm/gemma3_reference.py).
 

@@ -1,4 +1,4 @@
-"""The GGUF fuzzer as property tests (tests/gguf_mutations.py): a tiny llama and a tiny gemma3 are mutated
+"""The GGUF fuzzer as property tests (loaders/gguf_mutations.py): a tiny llama and a tiny gemma3 are mutated
 one field at a time (header fields, metadata types, lengths and values, array element types, tensor
 dimensions, types, offsets and names, truncations) and loaded as `ggrun run` loads them. Every such
 corruption is one BadInput line of at most 300 characters naming the file, never another exception;
