@@ -16,16 +16,13 @@ import numpy as np
 from numba import prange
 
 from ggrun.core.backends.cpu.jit import kernel
-from ggrun.core.backends.cpu.quant.codes import CODES
+from ggrun.core.backends.cpu.quant.codes import IQ4_NL, IQ4_XS
 from ggrun.core.backends.cpu.quant.vec import (
     blk_fma, four_rows, prefetch4, sf16, store4, su8, su16, vabs8, vadd32, vcvt, vfma, vhsum, vload, vlut16, vmadd,
     vmaddubs, vnib, vset16x2, vsetf, vsign8, vtable16, vzero,
 )
-from ggrun.core.dtypes import DType
 from ggrun.core.quants import IQ4_VALUES, MXFP4_VALUES, e8m0_half
 
-# (read from the shared sources, not from lut4.py: jit.SHARED_SOURCES keys the kernel cache)
-IQ4_NL, IQ4_XS = CODES[DType.IQ4_NL], CODES[DType.IQ4_XS]
 _E8M0_HALF = e8m0_half(np.arange(256, dtype=np.uint8))  # every exponent byte as the f32 scale it stands for
 _IQ4_TABLE = vtable16(IQ4_VALUES)
 _MX_TABLE = vtable16(MXFP4_VALUES)
