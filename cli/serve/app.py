@@ -32,6 +32,7 @@ from ggrun.core.llm.engine_loop import (FINISH_CANCELLED, FINISH_ERROR, DoneEven
 
 CHAT_PAGE = Path(__file__).with_name("chat.html")
 OPEN_ROUTES = ("/health", "/v1/health", "/")  # llama-server's public routes: health, and the page (no data)
+PAGE_ROUTES = ("/",)  # the chat page: served while the model loads too, as llama-server's frontend is
 
 
 @dataclass
@@ -71,7 +72,10 @@ def make_app(state: ServerState) -> FastAPI:
 
     @app.middleware("http")
     async def guard(request: HttpRequest, call_next):
-        """The key check on every route but OPEN_ROUTES, and the body's size before it is read."""
+        """As llama-server's pre-routing: 503 on every route but the page while the model loads (or failed to),
+        then the key check on every route but OPEN_ROUTES, and the body's size before it is read."""
+        if state.engine is None and request.url.path not in PAGE_ROUTES:
+            return error_response(ApiError(503, state.load_error or "Loading model"))
         if state.api_key and request.url.path not in OPEN_ROUTES and not _key_ok(request, state.api_key):
             return error_response(ApiError(401, "Invalid API Key"))
         size = request.headers.get("content-length")

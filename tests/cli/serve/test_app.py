@@ -1,5 +1,6 @@
 """The app's routes without a model (FastAPI's test client, in-process): every route but /health, /v1/health and
-the chat page wants the key (llama-server's public set); while the model loads /health and the model routes say 503; unknown routes 404; bodies are
+the chat page wants the key (llama-server's public set); while the model loads every route but the page says 503,
+before the key is checked (llama-server's order); unknown routes 404; bodies are
 OpenAI-style errors. The served routes with a model are tested on a real server (test_serve.py)."""
 from __future__ import annotations
 
@@ -24,21 +25,33 @@ def test_health_says_503_while_loading_without_a_key(client):
         assert r.json() == {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
 
 
-def test_every_other_route_wants_the_key(client):
-    for method, path in (("get", "/v1/models"), ("get", "/models"), ("get", "/props"), ("get", "/slots"),
-                         ("get", "/metrics"), ("post", "/v1/chat/completions"), ("post", "/v1/completions"),
-                         ("post", "/completion"), ("post", "/tokenize"), ("post", "/detokenize"),
-                         ("post", "/apply-template")):
+ROUTES = (("get", "/v1/models"), ("get", "/models"), ("get", "/props"), ("get", "/slots"),
+          ("get", "/metrics"), ("post", "/v1/chat/completions"), ("post", "/v1/completions"),
+          ("post", "/completion"), ("post", "/tokenize"), ("post", "/detokenize"), ("post", "/apply-template"))
+
+
+def test_while_loading_every_route_but_the_page_says_503_before_the_key(client):
+    """llama-server's order: the server's state first (503 "Loading model"), then the key."""
+    for method, path in ROUTES:
+        for headers in ({}, {"Authorization": "Bearer k"}, {"Authorization": "Bearer wrong"}):
+            r = getattr(client, method)(path, headers=headers)
+            assert r.status_code == 503 and r.json()["error"]["message"] == "Loading model", (path, headers)
+
+
+def test_once_loaded_every_other_route_wants_the_key(client):
+    """Past loading, a route answers 401 without the key (a stand-in engine: the key check comes first)."""
+    client.app.state.ggrun.engine = object()
+    for method, path in ROUTES:
         r = getattr(client, method)(path)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", path
-        r = getattr(client, method)(path, headers={"Authorization": "Bearer k"})
-        assert r.status_code == 503, path  # past the key: the model is still loading
-    assert client.get("/v1/models", headers={"X-Api-Key": "k"}).status_code == 503
+        r = getattr(client, method)(path, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401, path
 
 
 def test_the_chat_page_and_unknown_routes(client):
     page = client.get("/")
     assert page.status_code == 200 and "/v1/chat/completions" in page.text
     assert "://" not in page.text  # self-contained: nothing is fetched from another host
+    client.app.state.ggrun.engine = object()  # loaded: an unknown route is a 404 past the key
     r = client.get("/v2/nothing", headers={"Authorization": "Bearer k"})
     assert r.status_code == 404 and r.json()["error"]["code"] == 404
