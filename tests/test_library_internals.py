@@ -26,6 +26,7 @@ NUMBA = {
                            "JITCodeLibrary._finalize_final_module", "JITCodeLibrary._get_module_for_linking",
                            "JITCodeLibrary.enable_object_caching", "JITCPUCodegen.magic_tuple"],
     "numba.core.environment": ["_rebuild_env", "lookup_environment", "Environment._memo"],
+    "numba.core.base": ["BaseContext.refresh"],
     "numba.core.runtime.nrt": ["rtsys._init", "rtsys.initialize", "rtsys.__class__.library"],
     "numba.core.runtime._nrt_python": ["c_helpers", "memsys_enable_stats"],
     "llvmlite.binding": ["parse_bitcode", "add_symbol"],

@@ -16,7 +16,9 @@ Two more costs of a process's first load go the same way. numba's runtime compil
 of its own at set-up (28 ms); its machine code is kept beside the kernels after the first time. And a
 kernel that allocates arrays carries environments naming numba's array module, which numba imports to
 rebuild them (30 ms; nothing of it runs in ggrun's kernels): it is imported lazily instead, so it runs
-only if something in the process uses it.
+only if something in the process uses it. Before numba's compiler installs its registries (a kernel not in
+the cache), those lazy modules are run: the compiler imports numba's modules by name for the lowerings they
+register as they run, and a lazy module imported by name alone never would (`x ** y` then had no lowering).
 
 A kernel that is not in the cache is compiled as always, and numba's compiler installs the registries
 itself then. Kernels of other packages load as numba loads them.
@@ -32,12 +34,13 @@ from pathlib import Path
 import llvmlite
 import numba
 from llvmlite import binding as ll
-from numba.core import caching, codegen, config, environment
+from numba.core import base, caching, codegen, config, environment
 from numba.core.runtime import _nrt_python, nrt
 
 _numba_load = caching.Cache.load_overload
 _numba_unserialize = codegen.JITCodeLibrary._unserialize.__func__
 _numba_rebuild_env = environment._rebuild_env
+_numba_refresh = base.BaseContext.refresh
 _loading_ours = False  # set while one of ggrun's kernels loads
 _lazy_namespaces: dict[str, dict] = {}  # modules imported lazily by _rebuild_env: their namespaces
 
@@ -50,6 +53,16 @@ def skip_compiler_set_up() -> None:
     caching.Cache.load_overload = _load_overload
     codegen.JITCodeLibrary._unserialize = classmethod(_unserialize)
     environment._rebuild_env = _rebuild_env
+    base.BaseContext.refresh = _refresh
+
+
+def _refresh(self):
+    """numba's BaseContext.refresh (the compiler's registries) after running the modules made lazy here."""
+    for name in list(_lazy_namespaces):
+        module = sys.modules.get(name)
+        if module is not None:
+            getattr(module, "__name__", None)  # any attribute runs a lazy module (importlib's _LazyModule)
+    return _numba_refresh(self)
 
 
 def _load_overload(self, sig, target_context):

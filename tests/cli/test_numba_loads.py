@@ -86,3 +86,35 @@ def test_cached_environments_name_numbas_function_not_this_module(monkeypatch):
     data = pickle.dumps(env)
     assert b"ggrun.cli" not in data and b"numba.core.environment" in data
     assert pickle.loads(data).globals["__name__"] == "math"
+
+
+LAZY_THEN_COMPILE = """
+import sys
+from ggrun.cli.library_patches import numba_loads
+numba_loads.skip_compiler_set_up()
+import numba
+if "numba.cpython.numbers" in sys.modules:
+    print("imported already")
+    raise SystemExit
+numba_loads._loading_ours = True  # as a cached kernel whose environment names the module loads
+numba_loads._rebuild_env("numba.cpython.numbers", [], "_ggrun_test_env")
+numba_loads._loading_ours = False
+
+@numba.njit(cache=False)
+def f(x, y):
+    return x ** y + x * y
+
+print(f(2.0, 3.0))
+"""
+
+
+def test_a_module_made_lazy_by_a_load_still_gives_the_compiler_its_lowerings():
+    """numba's compiler set-up imports numba.cpython.numbers by name for the lowerings it registers as it runs;
+    made lazy by a cached kernel's environment, it must run before that (else `x ** y` has no lowering)."""
+    out = subprocess.run([sys.executable, "-c", LAZY_THEN_COMPILE], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    if out.stdout.strip() == "imported already":
+        import pytest
+
+        pytest.skip("numba imported numba.cpython.numbers itself: nothing to make lazy")
+    assert out.stdout.split() == ["14.0"]
