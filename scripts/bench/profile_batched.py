@@ -7,12 +7,11 @@ copies them), `greedy` (the argmax in the graph, ids back) and `sampled` (ops.sa
 llama.cpp's default chain, ids back).
 
 On a GPU each mode's line also gives the GPU's time between events recorded on the backend's stream
-around the step (host time beyond it is the host's share), and --kernels B prints the GPU kernels of B's
-greedy steps summed by name (torch.profiler's CUDA activity, where torch is installed; ggrun does not use it
-otherwise).
+around the step (host time beyond it is the host's share), and --kernels B prints the GPU time of B's
+kernels by node kind (events around each kernel of the last step and of the last prompt micro-batch, run eagerly).
 
 Usage: python scripts/bench/profile_batched.py -m MODEL [-ngl 99] [-npp 128] [-ntg 32] [-npl 1,16,64,128]
-       [--profile 64] [--modes decode,greedy,sampled] [--kernels 64]
+       [--profile 64] [--modes decode,greedy,sampled] [--kernels 64,128]
 """
 from __future__ import annotations
 
@@ -75,21 +74,17 @@ def steps(session: Session, test: BatchedTest, mode: str, n_batch: int) -> tuple
 
 
 def kernel_table(session: Session, test: BatchedTest, n_batch: int) -> None:
-    """The GPU kernels of test's greedy steps (prompt excluded), summed by name, by torch.profiler."""
-    try:
-        import torch
-        from torch.profiler import ProfilerActivity, profile
-    except ImportError:
-        print("--kernels: torch is not installed here", flush=True)
-        return
-    torch.cuda.init()
+    """GPU time of each node of B's last greedy decode step and of its last prompt micro-batch, by kind
+    (core/backends/cuda/node_times.py: events around each kernel, run eagerly)."""
+    from ggrun.core.backends.cuda.node_times import node_times, print_node_times
+
+    gpu = session.model.placement.output
     session.clear()
     _decode_in_batches(session, prompt_batch(test), n_batch)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(test.tg):
-            session.decode_greedy(decode_batch(test, i))
-    print(f"== GPU kernels, B={test.pl}, {test.tg} greedy steps", flush=True)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
+    print_node_times(node_times(session.result.sg, gpu), f"B={test.pl} last prompt micro-batch, GPU")
+    for i in range(test.tg):
+        session.decode_greedy(decode_batch(test, i))
+    print_node_times(node_times(session.result.sg, gpu), f"B={test.pl} greedy decode step {test.tg}, GPU")
 
 
 def main() -> None:
@@ -102,7 +97,7 @@ def main() -> None:
     ap.add_argument("-ub", type=int, default=512)
     ap.add_argument("--profile", type=int, default=64, help="B whose steps run under cProfile (0: none)")
     ap.add_argument("--modes", default="decode,greedy,sampled")
-    ap.add_argument("--kernels", type=int, default=0, help="B whose greedy steps' GPU kernels are listed (0: none)")
+    ap.add_argument("--kernels", default="", help="Bs (a list) whose kernels' GPU times are listed (none by default)")
     a = ap.parse_args()
     npl = [int(x) for x in a.npl.split(",")]
     modes = a.modes.split(",")
@@ -118,8 +113,8 @@ def main() -> None:
             dev = f"  GPU {float(np.median(gpu)):7.3f} ms" if gpu else ""
             print(f"B={pl:4d} {mode:8s} step median {1e3 * med:7.3f} ms{dev}  S_TG {pl / med:9.1f} t/s  "
                   f"S_PP {pl * a.npp / t_pp:9.1f} t/s", flush=True)
-    if a.kernels:
-        kernel_table(s, BatchedTest(a.npp, a.ntg, a.kernels), 2048)
+    for pl in [int(x) for x in a.kernels.split(",") if x]:
+        kernel_table(s, BatchedTest(a.npp, a.ntg, pl), 2048)
     test = BatchedTest(a.npp, a.ntg, a.profile)
     for mode in modes if a.profile else ():
         steps(s, test, mode, 2048)

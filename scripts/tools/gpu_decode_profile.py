@@ -10,13 +10,13 @@ node kind. Run on the GPU machine:
 from __future__ import annotations
 
 import argparse
-import re
 import time
 
 import cupy
 
 from ggrun.core.backends.cpu import CPUBackend
 from ggrun.core.backends.cuda import CUDABackend
+from ggrun.core.backends.cuda.node_times import node_times, print_node_times
 from ggrun.core.llm.batch import Batch
 from ggrun.core.llm.model import Model
 from ggrun.core.llm.session import Session, SessionParams
@@ -111,26 +111,6 @@ def prompt_profile(path: str, n_prompt: int = 512) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(15)
 
 
-def kernel_times(s: Session, gpu: CUDABackend) -> dict[str, list[float]]:
-    """GPU milliseconds of each node of the last decode graph's CUDA splits, by node kind."""
-    by_kind: dict[str, list[float]] = {}
-    with gpu._dev, gpu.stream:
-        for split in s.result.sg.splits:
-            if split.backend is not gpu or split.calls is None:
-                continue
-            for c in split.copies:  # inputs again: their copies' memory may serve later nodes meanwhile
-                gpu.copy_tensor(c.srcs[0], c)
-            for node, step in zip(split.nodes, split.calls.steps):
-                start, end = cupy.cuda.Event(), cupy.cuda.Event()
-                start.record(gpu.stream)
-                step()
-                end.record(gpu.stream)
-                end.synchronize()
-                kind = re.sub(r"-\d+", "", node.name)
-                by_kind.setdefault(kind, []).append(cupy.cuda.get_elapsed_time(start, end))
-    return by_kind
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", required=True)
@@ -156,11 +136,7 @@ def main() -> None:
             print(f"  GPU time of the captured decode graph alone: {replay_ms(s, gpu):.3f} ms")
             if a.cprofile:
                 host_profile(s, a.p + a.n)
-    times = kernel_times(s, gpu)
-    total = sum(sum(v) for v in times.values())
-    print(f"GPU time of one step, kernel by kernel (eager, events between kernels): {total:.3f} ms")
-    for kind, ms in sorted(times.items(), key=lambda kv: -sum(kv[1])):
-        print(f"  {kind:28s} {len(ms):4d} x  {sum(ms):7.3f} ms  ({100 * sum(ms) / total:4.1f}%)")
+    print_node_times(node_times(s.result.sg, gpu), "GPU time of one step, kernel by kernel")
 
 
 if __name__ == "__main__":

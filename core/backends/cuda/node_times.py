@@ -1,0 +1,35 @@
+"""GPU time of each node of a planned graph's CUDA splits, measured eagerly with events around each bound
+step: where a step's device time goes, by node kind (the profiling scripts' table; no profiler needed)."""
+from __future__ import annotations
+
+import re
+
+import cupy
+
+
+def node_times(sg, gpu) -> dict[str, list[float]]:
+    """Milliseconds of each node of sg's splits that run on `gpu`, keyed by the node's name without its layer
+    number. The splits' input copies run first (their memory may serve later nodes meanwhile)."""
+    by_kind: dict[str, list[float]] = {}
+    with gpu._dev, gpu.stream:
+        for split in sg.splits:
+            if split.backend is not gpu or split.calls is None:
+                continue
+            for c in split.copies:
+                gpu.copy_tensor(c.srcs[0], c)
+            for node, step in zip(split.nodes, split.calls.steps):
+                start, end = cupy.cuda.Event(), cupy.cuda.Event()
+                start.record(gpu.stream)
+                step()
+                end.record(gpu.stream)
+                end.synchronize()
+                by_kind.setdefault(re.sub(r"-\d+", "", node.name), []).append(cupy.cuda.get_elapsed_time(start, end))
+    return by_kind
+
+
+def print_node_times(by_kind: dict[str, list[float]], title: str) -> None:
+    """The table of node_times: total, then each kind's count, milliseconds and share, largest first."""
+    total = sum(sum(v) for v in by_kind.values())
+    print(f"{title}: {total:.3f} ms (eager, events between kernels)", flush=True)
+    for kind, ms in sorted(by_kind.items(), key=lambda kv: -sum(kv[1])):
+        print(f"  {kind:28s} {len(ms):4d} x  {sum(ms):7.3f} ms  ({100 * sum(ms) / total:4.1f}%)", flush=True)
