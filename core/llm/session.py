@@ -124,15 +124,15 @@ class Session:
     def mask_seq_words(self) -> int:
         """The i32 words of sequence bits a cell takes when the KQ masks are made where attention runs from the
         cells (inputs.KQMaskFromCells), else 0 (host-filled masks). Made from the cells when
-        SessionParams.mask_from_cells says so, or (None) with GGRUN_MASK_FROM_CELLS=1 when several sequences
-        share a cache held off the CPU: a host-filled mask of 64 sequences' decode step over their 16k cells
-        took the host 2-3 ms to fill and copy, a prompt chunk's of 512 tokens more; the cells' positions and
-        bits take a fraction. Not by default: its one GPU run so far (4 H200s, layers split over them) gave NaN
-        logits for 128 sequences' prompts and failed tests/core/test_cuda_batched.py; the CPU's reference
-        kernel makes exactly the host's masks (tests/llm/test_inputs.py)."""
+        SessionParams.mask_from_cells says so, or (None) when several sequences share a cache held off the CPU,
+        unless GGRUN_MASK_FROM_CELLS=0: a host-filled mask of 128 sequences' decode step over their 32k cells
+        took the host 11 ms of an 18 ms step (H200, llama-1b), a prompt chunk's of 512 tokens more; the cells'
+        positions and bits take a fraction, and n_kv in powers of two keeps a prompt's chunks on few graphs.
+        The CPU's reference kernel makes exactly the host's masks (tests/llm/test_inputs.py), the CUDA kernel
+        too (tests/core/test_cuda_batched.py)."""
         on = self.params.mask_from_cells
         if on is None:
-            on = (os.environ.get("GGRUN_MASK_FROM_CELLS", "0") == "1" and self.params.n_seq_max > 1
+            on = (os.environ.get("GGRUN_MASK_FROM_CELLS", "1") != "0" and self.params.n_seq_max > 1
                   and any(name != self.sched.cpu.name for name in self.kv_bytes_by_backend()))
         return -(-self.params.n_seq_max // 32) if on else 0
 

@@ -23,7 +23,7 @@ class SessionParams:
     check_numerics: bool = False  # on non-finite logits, find the node that made them (also GGRUN_GRAPH_DEBUG)
     n_copies: int | None = None  # pipeline slots; None: llama.cpp's rule (pipeline_copies)
     # KQ masks made where attention runs from the cells (inputs.KQMaskFromCells) instead of filled on the host;
-    # None: with GGRUN_MASK_FROM_CELLS=1, when several sequences share a cache off the CPU (Session.mask_seq_words)
+    # None: when several sequences share a cache off the CPU, unless GGRUN_MASK_FROM_CELLS=0 (Session.mask_seq_words)
     mask_from_cells: bool | None = None
 
     def check(self) -> None:

@@ -554,12 +554,55 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_rows(
     if (gridDim.y > 1) merge_chunks<D>(part, out, q8, tickets, R, T, r);
 }
 
+#define DT_MAX_TILES 2048  // tiles of 32 cells attn_decode_tok and flash_attn_tc list (caches of up to 65536 cells)
+
+// The tiles of 32 cells that any of the mask's rows t0..t1 sees (a value other than -inf), listed in order
+// into tiles[] (shared memory), their count returned: a micro-batch of many sequences sees a few tiles of the
+// whole cache each (llm/kv_blocks.py keeps a sequence's cells in blocks of their own), so attention reads
+// those and skips the rest without a pass over every tile. NT threads (the whole block) call it; each reads
+// 16 bytes of a row at a time, four threads a tile; warp 0 lists the flagged tiles in order (ballots), so the
+// tiles' order, and the sums' rounding, do not depend on timing. Rows 16-byte aligned, n_kv a multiple of 8
+// and at most DT_MAX_TILES * 32 (the binders' checks).
+template <int NT>
+__device__ int list_tiles(const __half *mask, i64 ldm, int t0, int t1, int n_kv, int *tiles, unsigned char *flag,
+                          int *count) {
+    const int lane = threadIdx.x & 31, n_t = (n_kv + 31) / 32;
+    for (int base = 0; base < n_t * 32; base += NT * 8) {
+        const int c = base + threadIdx.x * 8;
+        bool seen = false;
+        for (int t = t0; t <= t1 && c < n_kv; t++) {
+            const uint4 w = *(const uint4 *)(mask + (i64)t * ldm + c);
+            const u32 ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int x = 0; x < 4; x++) seen |= (ws[x] & 0xffffu) != 0xfc00u || (ws[x] >> 16) != 0xfc00u;
+        }
+        seen |= __shfl_xor_sync(0xffffffff, seen, 1);
+        seen |= __shfl_xor_sync(0xffffffff, seen, 2);
+        if ((lane & 3) == 0 && c < n_t * 32) flag[c / 32] = seen;
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        int n = 0;
+        for (int base = 0; base < n_t; base += 32) {
+            const int i = base + lane;
+            const bool f = i < n_t && flag[i];
+            const u32 b = __ballot_sync(0xffffffff, f);
+            if (f) tiles[n + __popc(b & ((1u << lane) - 1))] = i;
+            n += __popc(b);
+        }
+        if (lane == 0) *count = n;
+    }
+    __syncthreads();
+    return *count;
+}
+
 // Prompt attention on tensor cores (mma16816, common.cuh: f16 inputs, f32 sums) for an f16 cache and head
 // dimension D, flash-attention-2 style: a block is 4 warps, a warp 16 query rows of one KV head's group
 // (row rr: token rr / r, query head g * r + rr % r) whose queries (scaled, f16), scores, running
 // maxima and sums and outputs stay in registers in the mma fragments' layouts. Tiles of 32 keys and
-// values go through shared memory; a tile that every row of the block masks out is skipped. One key
-// chunk (no split).
+// values go through shared memory; a tile that every row of the block masks out is skipped, and with
+// `listed` only the tiles list_tiles finds any of the block's rows to see are visited at all (a micro-batch
+// of many sequences' prompts: each block's rows see their own sequence's few tiles). One key chunk (no split).
 #define TC_KEYS 32
 __device__ __forceinline__ u32 pack_h2(float lo, float hi) {
     __half2 h = __floats2half2_rn(lo, hi);
@@ -570,11 +613,18 @@ __device__ __forceinline__ u32 pack_u16(u16 lo, u16 hi) { return (u32)lo | ((u32
 template <int D>
 __global__ void __launch_bounds__(128) flash_attn_tc(
     const float *q, const __half *k, const __half *v, const __half *mask, float *out,
-    int d, int T, int r, int n_kv, i64 sq0, i64 sq1, i64 sk0, i64 sk1, i64 sv0, i64 sv1, i64 ldm, float scale) {
+    int d, int T, int r, int n_kv, i64 sq0, i64 sq1, i64 sk0, i64 sk1, i64 sv0, i64 sv1, i64 ldm, float scale,
+    int listed) {
     pdl_begin();
     __shared__ __align__(16) __half ks[TC_KEYS * D], vs[TC_KEYS * D];
+    __shared__ int tiles[DT_MAX_TILES];
+    __shared__ unsigned char flag[DT_MAX_TILES];
+    __shared__ int n_listed;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane >> 2, tig = lane & 3;
     const int g = blockIdx.y, R = T * r, row0 = (blockIdx.x * 4 + warp) * 16;
+    const int first = blockIdx.x * 64, last = min(R, first + 64) - 1;  // the block's rows
+    const int n_tiles = listed ? list_tiles<128>(mask, ldm, first / r, last / r, n_kv, tiles, flag, &n_listed)
+                               : (n_kv + TC_KEYS - 1) / TC_KEYS;
     const int ra = row0 + grp, rb = ra + 8;  // this thread's two rows
     u32 qa[D / 16][4];
 #pragma unroll
@@ -595,7 +645,8 @@ __global__ void __launch_bounds__(128) flash_attn_tc(
 #pragma unroll
     for (int dn = 0; dn < D / 8; dn++) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
     float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;  // l: this thread's share of the row sums
-    for (int kv0 = 0; kv0 < n_kv; kv0 += TC_KEYS) {
+    for (int ti = 0; ti < n_tiles; ti++) {
+        const int kv0 = (listed ? tiles[ti] : ti) * TC_KEYS;
         float s[TC_KEYS / 8][4];
         bool any = false;
 #pragma unroll
@@ -689,13 +740,11 @@ __global__ void __launch_bounds__(128) flash_attn_tc(
     }
 }
 
-#define DT_MAX_TILES 2048  // tiles of 32 cells attn_decode_tok lists (caches of up to 65536 cells)
 
 // Decode attention for a step of many sequences, one token each (GraphParams.one_per_seq): a block per KV
 // head g and token t = blockIdx.y serves the token's r <= DS_ROWS query heads of the group over the cells
-// its own sequence holds, not over the whole cache. The token's mask row is read once, 16 bytes a thread,
-// to list the tiles of 32 cells it sees any of (a sequence's cells lie in blocks of their own,
-// llm/kv_blocks.py, so a few tiles); then the keys of those tiles only, as attn_decode_rows reads a span:
+// its own sequence holds, not over the whole cache. The token's mask row is read once (list_tiles) to list
+// the tiles of 32 cells it sees any of; then the keys of those tiles only, as attn_decode_rows reads a span:
 // D / 8 lanes per key, DS_UNROLL keys at once, online softmax per lane, lanes merged by shuffles and warps
 // through shared memory. The mask row must be 16-byte aligned and n_kv a multiple of 8 (the binder's check).
 template <int TK, int D>
@@ -706,29 +755,13 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_tok(
     __shared__ __align__(16) float wacc[DS_WARPS][DS_ROWS][D];
     __shared__ float wm[DS_WARPS][DS_ROWS], wl[DS_WARPS][DS_ROWS];
     __shared__ int tiles[DT_MAX_TILES];
+    __shared__ unsigned char flag[DT_MAX_TILES];
     __shared__ int n_tiles;
     const int g = blockIdx.x, t = blockIdx.y, hq = gridDim.x * r;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, o = lane % LPK, kl = lane / LPK;
-    if (threadIdx.x == 0) n_tiles = 0;
-    __syncthreads();
     pdl_begin();
     const __half *mrow = mask + (i64)t * ldm;
-    // the tiles the token sees: four threads a tile, eight mask values each
-    for (int c0 = 0; c0 < n_kv; c0 += DS_WARPS * 32 * 8) {
-        const int c = c0 + threadIdx.x * 8;
-        bool seen = false;
-        if (c < n_kv) {
-            const uint4 w = *(const uint4 *)(mrow + c);
-            const u32 ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-            for (int x = 0; x < 4; x++) seen |= (ws[x] & 0xffffu) != 0xfc00u || (ws[x] >> 16) != 0xfc00u;
-        }
-        seen |= __shfl_xor_sync(0xffffffff, seen, 1);
-        seen |= __shfl_xor_sync(0xffffffff, seen, 2);
-        if (seen && (lane & 3) == 0) tiles[atomicAdd(&n_tiles, 1)] = c / 32;
-    }
-    __syncthreads();
-    const int nk = n_tiles * 32;
+    const int nk = list_tiles<DS_WARPS * 32>(mask, ldm, t, t, n_kv, tiles, flag, &n_tiles) * 32;
     float qr[DS_ROWS][8], m[DS_ROWS], l[DS_ROWS], acc[DS_ROWS][8];
 #pragma unroll
     for (int i = 0; i < DS_ROWS; i++) {  // rows past r repeat the last (never written)

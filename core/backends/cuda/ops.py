@@ -472,7 +472,7 @@ def _kq_mask(node: Tensor, out, srcs, scratch, backend):
     return launch_step(node.op, Launch(kernel("attention.cu", "kq_mask"), (-(-n_kv // 256), t), (256,), args))
 
 
-TOK_MAX_CELLS = 65536  # cells attn_decode_tok lists the tiles of (attention.cu's DT_MAX_TILES * 32)
+TOK_MAX_CELLS = 65536  # cells attention kernels list the tiles of (attention.cu's DT_MAX_TILES * 32)
 
 
 @binds("flash_attn")
@@ -532,7 +532,8 @@ def _flash_attn_tc(node: Tensor, out, srcs, scratch, backend):
         return None
     fn = kernel("attention.cu", f"flash_attn_tc<{d}>")
     args = _attention_args(node, srcs, n_kv)
-    args = (ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), *args[:4], *args[5:])  # all but chunk: one key chunk
+    listed = i32(n_kv % 8 == 0 and n_kv <= TOK_MAX_CELLS and _aligned8(mask))  # list_tiles' conditions
+    args = (ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), *args[:4], *args[5:], listed)  # all but chunk: one key chunk
     return launch_step(node.op, Launch(fn, (-(-t * (hq // hk) // TC_BLOCK_ROWS), hk), (128,), args))
 
 
