@@ -190,13 +190,15 @@ class KVCache:
     def n_free(self) -> int:
         return self.n_ctx - self.n_used
 
-    def n_kv(self) -> int:
+    def n_kv(self, ahead: int = 0) -> int:
         """Cells the attention reads: up to the last used cell, padded so shapes stay stable; with
-        `pow2_cells`, to a power of two (a graph then serves while the cache doubles: prompt chunks of many
-        sequences and decode steps whose sequences take new blocks keep their graphs)."""
+        `pow2_cells`, to a power of two of the cells in use once `ahead` more tokens (the batch's later
+        micro-batches) are placed too, so a graph serves while the cache doubles: every micro-batch of a
+        batch of many sequences' prompts, and decode steps whose sequences take new blocks, keep one graph
+        (attention lists the tiles it sees, so cells past the last used cost little)."""
         n = max(self.pad, -(-self._top // self.pad) * self.pad)
         if self.pow2_cells:
-            n = 1 << (n - 1).bit_length()
+            n = 1 << (max(n, self._top + ahead) - 1).bit_length()
         return min(self.n_ctx, n)
 
     def fill_cell_seqs(self, out: np.ndarray) -> None:

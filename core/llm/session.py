@@ -246,13 +246,14 @@ class Session:
                 raise Interrupted()
             return [self._take(ready, batch)]
         outs = []
-        row = 0
+        row, ahead = 0, len(batch)
         for ub in split_batch(batch, self.n_ubatch):
             if self.interrupt is not None and self.interrupt():
                 raise Interrupted()
             rows = sampling.slice(row, row + ub.n_outputs) if sampling is not None and ub.n_outputs else None
             row += ub.n_outputs
-            out = self._decode_ubatch(ub, greedy, rows)
+            ahead -= ub.n_tokens
+            out = self._decode_ubatch(ub, greedy, rows, ahead)
             if out is not None:
                 outs.append(out)
         return outs
@@ -307,7 +308,9 @@ class Session:
             return UBatchState(ub, cells[0], self.kv)
         return UBatchState(ub, cells[0], self.kv, cells[1], self.kv_swa)
 
-    def _decode_ubatch(self, ub: UBatch, greedy: bool, sampling: SamplingRows | None = None) -> np.ndarray | None:
+    def _decode_ubatch(self, ub: UBatch, greedy: bool, sampling: SamplingRows | None = None,
+                       ahead: int = 0) -> np.ndarray | None:
+        """Place and run one micro-batch; `ahead`: the batch's tokens in later micro-batches (KVCache.n_kv)."""
         for cache in self.caches:  # keys move to their shifted positions before any cell is reused
             if cache.has_shift:
                 apply_k_shift(self.model, self.sched, cache)
@@ -316,7 +319,7 @@ class Session:
         if sampling is not None:
             st = replace(st, sampling=sampling)
         ub = st.ub
-        p = GraphParams(ub.n_tokens, ub.n_outputs, self.kv.n_kv(), self.kv_swa.n_kv() if self.kv_swa is not None else 0,
+        p = GraphParams(ub.n_tokens, ub.n_outputs, self.kv.n_kv(ahead), self.kv_swa.n_kv() if self.kv_swa is not None else 0,
                         greedy and ub.n_outputs > 0, sampling.shape_key if sampling is not None else (), one_per_seq,
                         self._n_probs if sampling is not None else -1)
         res = self._graph_for(p)

@@ -741,15 +741,16 @@ __global__ void __launch_bounds__(128) flash_attn_tc(
 }
 
 
-// Decode attention for a step of many sequences, one token each (GraphParams.one_per_seq): a block per KV
-// head g and token t = blockIdx.y serves the token's r <= DS_ROWS query heads of the group over the cells
-// its own sequence holds, not over the whole cache. The token's mask row is read once (list_tiles) to list
+// Decode attention for a step of many sequences, one token each (GraphParams.one_per_seq): a block per token
+// t = blockIdx.y and KV heads g = blockIdx.x, + gridDim.x, ... serves the token's r <= DS_ROWS query heads of
+// each group over the cells its own sequence holds, not over the whole cache (several heads a block when
+// there are tokens enough to fill the GPU: the list is made once for them). The token's mask row is read once (list_tiles) to list
 // the tiles of 32 cells it sees any of; then the keys of those tiles only, as attn_decode_rows reads a span:
 // D / 8 lanes per key, DS_UNROLL keys at once, online softmax per lane, lanes merged by shuffles and warps
 // through shared memory. The mask row must be 16-byte aligned and n_kv a multiple of 8 (the binder's check).
 template <int TK, int D>
 __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_tok(
-    const float *q, const void *k, const void *v, const __half *mask, float *out, int r, int n_kv, i64 sq0,
+    const float *q, const void *k, const void *v, const __half *mask, float *out, int r, int hk, int n_kv, i64 sq0,
     i64 sq1, i64 sk0, i64 sk1, i64 sv0, i64 sv1, i64 ldm, float scale) {
     constexpr int LPK = D / 8, KPW = 32 / LPK, KPB = KPW * DS_WARPS;
     __shared__ __align__(16) float wacc[DS_WARPS][DS_ROWS][D];
@@ -757,11 +758,12 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_tok(
     __shared__ int tiles[DT_MAX_TILES];
     __shared__ unsigned char flag[DT_MAX_TILES];
     __shared__ int n_tiles;
-    const int g = blockIdx.x, t = blockIdx.y, hq = gridDim.x * r;
+    const int t = blockIdx.y, hq = hk * r;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, o = lane % LPK, kl = lane / LPK;
     pdl_begin();
     const __half *mrow = mask + (i64)t * ldm;
     const int nk = list_tiles<DS_WARPS * 32>(mask, ldm, t, t, n_kv, tiles, flag, &n_tiles) * 32;
+    for (int g = blockIdx.x; g < hk; g += gridDim.x) {  // the KV heads this block serves, over one tile list
     float qr[DS_ROWS][8], m[DS_ROWS], l[DS_ROWS], acc[DS_ROWS][8];
 #pragma unroll
     for (int i = 0; i < DS_ROWS; i++) {  // rows past r repeat the last (never written)
@@ -794,6 +796,8 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_tok(
         float mx, num, den;
         ds_merge_warps<D>(wacc, wm, wl, i, e, mx, num, den);
         out[((i64)t * hq + g * r + i) * D + e] = den > 0.0f ? num / den : 0.0f;
+    }
+    __syncthreads();  // the next head's merge reuses wacc
     }
 }
 
