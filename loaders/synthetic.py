@@ -9,13 +9,14 @@ imports the rest of ggrun, so that the files it writes check ggrun's reader agai
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
-from gguf import GGUFValueType, GGUFWriter
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+from gguf.gguf_reader import ReaderField
 from gguf.quants import quantize
 
 # llama.cpp's token types (llama_token_type).
@@ -50,6 +51,7 @@ _NUMPY_VALUE_TYPES: dict[np.dtype, GGUFValueType] = {
     np.dtype(np.float32): GGUFValueType.FLOAT32, np.dtype(np.float64): GGUFValueType.FLOAT64,
     np.dtype(np.bool_): GGUFValueType.BOOL,
 }
+_VALUE_DTYPES: dict[GGUFValueType, np.dtype] = {v: k for k, v in _NUMPY_VALUE_TYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -436,9 +438,11 @@ def bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars)}
 
 
-def tiny_bpe_vocab(n_vocab: int | None = None) -> tuple[list[str], list[str], list[int]]:
+def tiny_bpe_vocab(n_vocab: int | None = None,
+                   text_padding: bool = False) -> tuple[list[str], list[str], list[int]]:
     """(tokens, merges, token types) of the tiny tokenizer: 256 byte symbols (id = byte value), one token
-    per merge, then "<|endoftext|>"; `n_vocab` above that pads with control tokens "<|reserved_N|>"."""
+    per merge, then "<|endoftext|>"; `n_vocab` above that pads with control tokens "<|reserved_N|>", or with
+    text_padding, with text tokens (text_tokens)."""
     byte_map = bytes_to_unicode()
     tokens = [byte_map[b] for b in range(256)] + [m.replace(" ", "") for m in TINY_MERGES] + [EOT]
     types = [TOKEN_NORMAL] * (len(tokens) - 1) + [TOKEN_CONTROL]
@@ -446,14 +450,28 @@ def tiny_bpe_vocab(n_vocab: int | None = None) -> tuple[list[str], list[str], li
     if n_vocab < len(tokens):
         raise ValueError(f"n_vocab must be at least {len(tokens)} for the tiny tokenizer, got {n_vocab}")
     n_pad = n_vocab - len(tokens)
-    tokens += [f"<|reserved_{i}|>" for i in range(n_pad)]
-    types += [TOKEN_CONTROL] * n_pad
+    if text_padding:
+        tokens += text_tokens(tokens, n_pad)
+        types += [TOKEN_NORMAL] * n_pad
+    else:
+        tokens += [f"<|reserved_{i}|>" for i in range(n_pad)]
+        types += [TOKEN_CONTROL] * n_pad
     return tokens, list(TINY_MERGES), types
 
 
-def tokenizer_metadata(n_vocab: int | None = None) -> dict[str, Any]:
+def text_tokens(vocab: list[str], n: int) -> list[str]:
+    """n normal tokens that read as words (" w0", " w1", ... in GPT-2's byte symbols, skipping texts `vocab`
+    has): padding that a random model's picks detokenize to text, in ggrun and llama.cpp alike, where control
+    tokens ("<|reserved_N|>") render as nothing and a server streams no text at all. No merge makes them, so
+    they never appear in a tokenized prompt."""
+    taken = set(vocab)
+    words = (f"\u0120w{i}" for i in range(len(vocab) + n + 1))
+    return [w for w in words if w not in taken][:n]
+
+
+def tokenizer_metadata(n_vocab: int | None = None, text_padding: bool = False) -> dict[str, Any]:
     """The tokenizer.ggml.* keys of a gpt2-style byte-level BPE tokenizer, as llama.cpp writes them."""
-    tokens, merges, types = tiny_bpe_vocab(n_vocab)
+    tokens, merges, types = tiny_bpe_vocab(n_vocab, text_padding)
     eot = tokens.index(EOT)
     return {
         "tokenizer.ggml.model": "gpt2",
@@ -465,6 +483,43 @@ def tokenizer_metadata(n_vocab: int | None = None) -> dict[str, Any]:
         "tokenizer.ggml.eos_token_id": eot,
         "tokenizer.ggml.add_bos_token": False,
     }
+
+
+def tokenizer_from_file(path: str | os.PathLike[str], n_vocab: int) -> dict[str, Any]:
+    """Another GGUF's tokenizer.* keys (vocabulary, merges, special ids, flags, chat template) with their
+    stored types, its vocabulary padded to `n_vocab` with text tokens (text_tokens) when it has fewer: a real
+    tokenizer for a model of random weights. Padding is for byte-level BPE vocabularies (gpt2) only."""
+    fields = GGUFReader(path).fields
+    md = {key: _stored_value(field) for key, field in fields.items() if key.startswith("tokenizer.")}
+    if "tokenizer.ggml.tokens" not in md:
+        raise ValueError(f"{path} has no tokenizer (no tokenizer.ggml.tokens)")
+    tokens = md["tokenizer.ggml.tokens"]
+    n_pad = n_vocab - len(tokens)
+    if n_pad <= 0:
+        return md
+    if md.get("tokenizer.ggml.model") != "gpt2":
+        raise ValueError(f"{path}'s {md.get('tokenizer.ggml.model')} tokenizer has {len(tokens)} tokens, not "
+                         f"{n_vocab}: padding is written for byte-level BPE (gpt2) vocabularies only")
+    md["tokenizer.ggml.tokens"] = tokens + text_tokens(tokens, n_pad)
+    pads = {"tokenizer.ggml.token_type": TOKEN_NORMAL, "tokenizer.ggml.scores": 0.0}
+    for key, pad in pads.items():
+        if key in md:
+            md[key] = np.concatenate([md[key], np.full(n_pad, pad, md[key].dtype)])
+    return md
+
+
+def _stored_value(field: ReaderField) -> Any:
+    """A GGUFReader field's value as write_gguf stores it again with the same type: numpy scalars and arrays
+    of the stored width, strings and lists of strings as they are."""
+    vtype = field.types[0]
+    if vtype == GGUFValueType.ARRAY:
+        item = field.types[-1]
+        if item == GGUFValueType.STRING:
+            return list(field.contents())
+        return np.array(field.contents(), dtype=_VALUE_DTYPES[item])
+    if vtype in (GGUFValueType.STRING, GGUFValueType.BOOL):
+        return field.contents()
+    return _VALUE_DTYPES[vtype].type(field.contents())
 
 
 def write_gguf(path: str | os.PathLike[str], arch: str, metadata: Mapping[str, Any],
@@ -627,21 +682,28 @@ RANDOM_BLOCK_SCALES: dict[QT, tuple[tuple[int, bytes], ...]] = {
 RANDOM_BLOCK_TYPES = (*RANDOM_BLOCK_SCALES, QT.F16)
 
 
-def write_synthetic(path: str | os.PathLike[str], preset: str, weight_type: QT = QT.Q4_0, seed: int = 0) -> Path:
+def write_synthetic(path: str | os.PathLike[str], preset: str, weight_type: QT = QT.Q4_0, seed: int = 0,
+                    tokenizer_from: str | os.PathLike[str] | None = None) -> Path:
     """A model of a real model's shape (SPEED_PRESETS) whose matrices are random blocks with small scales (as
     llama.cpp's make_synthetic.py fills them; for speed measurements only), the head as the preset says,
-    and the tiny tokenizer padded to the vocabulary. Tensors are drawn and written one at a time, so a
-    70B model (about 75 GB in Q8_0) never has to fit in memory; it takes minutes, mostly the disk's."""
+    and a tokenizer: the tiny one, or `tokenizer_from`'s (another GGUF's, chat template and all), padded to
+    the preset's vocabulary with text tokens, so that what the random weights pick streams as text (a
+    server's time to first token needs some); a larger tokenizer's vocabulary replaces the preset's.
+    Tensors are drawn and written one at a time, so a 70B model (about 75 GB in Q8_0) never has to fit in
+    memory; it takes minutes, mostly the disk's."""
     spec = SPEED_PRESETS[preset]
     qtype = QT(weight_type)
     if qtype not in RANDOM_BLOCK_TYPES:
         raise ValueError(f"{qtype.name}: random blocks are written for {[t.name for t in RANDOM_BLOCK_TYPES]}")
-    config = spec.config
+    n_vocab = spec.config.n_vocab
+    tok_meta = (tokenizer_metadata(n_vocab, text_padding=True) if tokenizer_from is None
+                else tokenizer_from_file(tokenizer_from, n_vocab))
+    config = replace(spec.config, n_vocab=len(tok_meta["tokenizer.ggml.tokens"]))
     shapes = {name: (shape, _speed_type(spec, name, shape, qtype)) for name, shape in config.tensor_shapes().items()}
     for name, (shape, t) in shapes.items():
         if shape[-1] % GGML_QUANT_SIZES[t][0]:
             raise ValueError(f"{preset} in {qtype.name}: {name}'s rows of {shape[-1]} are not whole {t.name} blocks")
-    writer = _writer_with_metadata(config.arch, config.metadata() | tokenizer_metadata(config.n_vocab)
+    writer = _writer_with_metadata(config.arch, config.metadata() | tok_meta
                                    | {"general.name": f"synthetic {preset} {qtype.name}"})
     for name, (shape, t) in shapes.items():
         writer.add_tensor_info(name, shape, np.dtype(np.float32), _nbytes(t, shape), raw_dtype=t)
@@ -775,7 +837,19 @@ def written_once(write, make_dir, prefix: str):
     return once
 
 
-if __name__ == "__main__":  # python -m ggrun.loaders.synthetic OUT.gguf PRESET TYPE: a model of a real shape
-    import sys
+def main(argv: list[str] | None = None) -> None:
+    """python -m ggrun.loaders.synthetic OUT.gguf PRESET TYPE [--tokenizer-from GGUF]: write_synthetic's model
+    of a real shape, printing its path."""
+    import argparse
 
-    print(write_synthetic(sys.argv[1], sys.argv[2], QT[sys.argv[3].upper()]))
+    ap = argparse.ArgumentParser(prog="python -m ggrun.loaders.synthetic", description=main.__doc__.split(":")[0])
+    ap.add_argument("out")
+    ap.add_argument("preset", choices=sorted(SPEED_PRESETS))
+    ap.add_argument("type", type=str.upper, choices=[t.name for t in RANDOM_BLOCK_TYPES])
+    ap.add_argument("--tokenizer-from", help="a GGUF whose tokenizer (and chat template) the model takes")
+    a = ap.parse_args(argv)
+    print(write_synthetic(a.out, a.preset, QT[a.type], tokenizer_from=a.tokenizer_from))
+
+
+if __name__ == "__main__":
+    main()

@@ -7,7 +7,9 @@ requests from that many concurrent streaming clients: chat completions of llama-
 per second (all replies' tokens over the level's wall time), time to first token p50 and p99, and the ratios
 ggrun / llama-server; and the HTTP layer's share of a request's time: 1 - (the server's own prompt_ms +
 predicted_ms, from the timings in its last chunk) / (the time the client saw from sending to the last byte).
-A warm-up pass at the largest level runs first on each (ggrun compiles its kernels for new shapes there).
+A warm-up pass at each level runs first on each (ggrun compiles its kernels and captures its graphs for new
+shapes there). A reply of other than --n tokens is counted and named: the ratios compare equal work only.
+Server logs go to --log-dir; SIGTERM (as `timeout` sends) stops both servers before the script exits.
 
 llama-server comes from `bash /work/shared/tools/cpu_anchor.sh` (--llama-bin or $LLAMA_BIN). It runs with
 `--poll 0` (--llama-poll): its idle threads sleep, as ggrun's do (core/backends/cpu/threads.py); at its
@@ -15,11 +17,13 @@ default (50) they spin, and on a shared 2-core machine each parallel step then w
 (measured here: 0.47 t/s per slot at -np 32, 2.5 t/s at c=1). Loopback only.
 
 On a GPU machine (issue 34's GPU bench: synthetic llama-1b Q4_0 at 1, 16, 64), pass -ngl 99 to both servers
-and llama.cpp's CUDA tools' directory (cuda_anchor.sh's build/bin); a model without a chat template of its own
-(the synthetic ones) takes --chat-template chatml on both.
+and llama.cpp's CUDA tools' directory (cuda_anchor.sh's build/bin); scripts/bench/serve_gpu.sh runs it so. A
+model without a chat template of its own (the synthetic ones, unless written with --tokenizer-from) takes
+--chat-template chatml on both. The synthetic models' vocabularies are padded with text tokens: control
+tokens, which render as nothing, left both servers streaming no text at all (TTFT then reads n/a).
 
 Usage: python scripts/bench/bench_serve.py [-m MODEL] [--levels 1,8,32] [-n 32] [-np 32] [-c 8192] [-t 2] [--rounds 2]
-       [-ngl 0] [--chat-template NAME]
+       [-ngl 0] [--chat-template NAME] [--log-dir /tmp]
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -129,7 +134,10 @@ def main() -> None:
     ap.add_argument("--chat-template", default="", help="both servers' chat template (for a model without one)")
     ap.add_argument("--llama-poll", type=int, default=0, help="llama-server's --poll (0: idle threads sleep)")
     ap.add_argument("--llama-bin", default=os.environ.get("LLAMA_BIN", str(DEFAULT_ANCHOR)))
+    ap.add_argument("--log-dir", default="/tmp", help="where bench_serve_ggrun.log and bench_serve_llama.log go")
     a = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("bench_serve: terminated"))  # runs the servers' clean-up
+    Path(a.log_dir).mkdir(parents=True, exist_ok=True)
     levels = [int(x) for x in a.levels.split(",")]
     model = str(resolve_model(a.model))
     server = Path(a.llama_bin) / "llama-server"
@@ -147,8 +155,9 @@ def main() -> None:
     procs = {}
     try:
         for name in ("ggrun", "llama"):
-            procs[name] = start(cmds[name], urls[name], name, Path(f"/tmp/bench_serve_{name}.log"))
-            asyncio.run(level(urls[name], max(levels), a.n))  # warm-up
+            procs[name] = start(cmds[name], urls[name], name, Path(a.log_dir) / f"bench_serve_{name}.log")
+            for conc in levels:  # warm-up
+                asyncio.run(level(urls[name], conc, a.n))
         print(f"model {Path(model).name}, -c {a.c} -np {a.np} -t {a.t} -ngl {a.ngl}, {a.n} tokens per reply, "
               f"{a.rounds} alternating rounds per level")
         for conc in levels:
@@ -156,17 +165,23 @@ def main() -> None:
             for _ in range(a.rounds):
                 for name in ("ggrun", "llama"):
                     runs[name].append(asyncio.run(level(urls[name], conc, a.n)))
-            report(conc, runs)
+            report(conc, runs, a.n)
     finally:
         for p in procs.values():
             p.terminate()
-            p.wait(20)
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
 
 
-def report(conc: int, runs: dict) -> None:
-    """Print each server's figures at one level and the ratios."""
+def report(conc: int, runs: dict, n: int) -> None:
+    """Print each server's figures at one level and the ratios, and any replies of other than n tokens."""
     figs = {}
     for name, rs in runs.items():
+        short = sorted({r.n_gen for _, res in rs for r in res} - {n})
+        if short:
+            print(f"  c={conc:3d} {name:5s}: some replies had {short} tokens, not {n}")
         tps = statistics.median(sum(r.n_gen for r in res) / wall for wall, res in rs)
         ttfts = [r.ttft for _, res in rs for r in res]
         http = [1 - r.server_ms / 1e3 / r.total for _, res in rs for r in res if r.total > 0]

@@ -7,7 +7,7 @@
 #   2. ggrun bench --batched against llama-batched-bench (-npp 128 -ntg 128 -npl 1,16,64,128), once with the
 #      host-filled masks (the default) and once with GGRUN_MASK_FROM_CELLS=1;
 #   3. ggrun parallel -np 64 -ns 256 -n 128: generated t/s, and how many sequences finished (all 256 should);
-#   4. bench_serve.py at concurrency 1, 16 and 64 against llama-server (issue 34's GPU bench).
+#   4. bench_serve.py at concurrency 1, 16 and 64 against llama-server (issue 34's GPU bench: serve_gpu.sh).
 # Logs go to OUT (default /tmp/gpu_batched).
 #
 # Usage: bash scripts/bench/gpu_batched.sh MODEL.gguf LLAMA_BIN_DIR [OUT]
@@ -32,7 +32,5 @@ t "parallel -np 64 -ns 256 -n 128"
 timeout 90 "${G[@]}" parallel -m "$M" -ngl 99 -np 64 -ns 256 -n 128 -c 32768 >"$OUT/parallel.out" 2>"$OUT/parallel.err"
 echo "sequences finished: $(grep -c '^Client' "$OUT/parallel.out") of 256, skipped: $(grep -c skipped "$OUT/parallel.out")"
 tail -5 "$OUT/parallel.out"; tail -2 "$OUT/parallel.err"
-t "bench_serve at 1, 16, 64"
-timeout 150 python3 scripts/bench/bench_serve.py -m "$M" -ngl 99 --levels 1,16,64 -n 32 -np 64 -c 16384 -t 4 --rounds 1 \
-  --chat-template chatml --llama-bin "$LLB" 2>&1 | tee "$OUT/bench_serve.log"
+bash scripts/bench/serve_gpu.sh "$M" "$LLB" "$OUT/serve"
 t end

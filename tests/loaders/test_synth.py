@@ -10,7 +10,9 @@ from gguf.quants import dequantize
 
 from ggrun.loaders.gguf_file import open_gguf
 from ggrun.loaders.synthetic import (EOT, RANDOM_BLOCK_SCALES, SPEED_PRESETS, TINY_MERGES, WEIGHT_TYPES, _random_blocks,
-                                     _speed_type, bytes_to_unicode, write_sparse_big, write_synthetic, write_tiny_llama)
+                                     _speed_type, bytes_to_unicode, tokenizer_from_file, tokenizer_metadata,
+                                     write_sparse_big, write_synthetic, write_tiny_llama)
+from ggrun.loaders.tokenizer import Tokenizer
 
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
                  "ffn_down")
@@ -146,3 +148,45 @@ def test_write_synthetic_qwen3(tmp_path):
         assert f.tensors["blk.27.attn_k_norm.weight"].shape == (128,)
         w = f.load_f32("blk.0.ffn_down.weight")
         assert np.isfinite(w).all() and np.abs(w).max() < 0.1
+
+
+def test_text_padding_detokenizes_to_text():
+    """The speed models' padding tokens are normal ones that read as words (a random model picks them mostly, and
+    control tokens render as nothing: no server would stream any text), all distinct, none made by a merge."""
+    md = tokenizer_metadata(2000, text_padding=True)
+    tok = Tokenizer.from_metadata(md)
+    assert list(md["tokenizer.ggml.token_type"][277:]) == [1] * (2000 - 277)
+    assert [tok.detokenize([i]) for i in (277, 1999)] == [" w0", " w1722"]
+    assert len(set(md["tokenizer.ggml.tokens"])) == 2000
+    assert tok.tokenize(" w1722", add_special=False) != [1999]
+    control = Tokenizer.from_metadata(tokenizer_metadata(2000))
+    assert control.detokenize([1999]) == ""
+
+
+def test_tokenizer_from_file_pads_a_real_vocabulary(tmp_path):
+    """Another GGUF's tokenizer keys come over with their types, chat template included; its vocabulary is padded
+    with text tokens to the size asked for (none when it has as many); padding other than BPE's is refused."""
+    src = write_tiny_llama(tmp_path / "src.gguf", n_vocab=300, extra_metadata={"tokenizer.chat_template": "{{ x }}"})
+    md = tokenizer_from_file(src, 1000)
+    with open_gguf(src) as f:
+        tokens = f.require("tokenizer.ggml.tokens")
+    assert md["tokenizer.ggml.tokens"][:300] == tokens and len(md["tokenizer.ggml.tokens"]) == 1000
+    assert md["tokenizer.chat_template"] == "{{ x }}" and md["tokenizer.ggml.model"] == "gpt2"
+    assert md["tokenizer.ggml.token_type"].dtype == np.int32 and md["tokenizer.ggml.bos_token_id"].dtype == np.uint32
+    assert list(md["tokenizer.ggml.token_type"][300:]) == [1] * 700
+    assert Tokenizer.from_metadata(md).detokenize([999]) != ""
+    assert tokenizer_from_file(src, 300)["tokenizer.ggml.tokens"] == tokens
+    spm = write_tiny_llama(tmp_path / "spm.gguf", extra_metadata={"tokenizer.ggml.model": "llama"})
+    with pytest.raises(ValueError, match="gpt2"):
+        tokenizer_from_file(spm, 1000)
+
+
+def test_write_synthetic_takes_a_larger_tokenizer(tmp_path):
+    """A tokenizer larger than the preset's vocabulary sizes the embedding (tied head) to itself."""
+    src = write_tiny_llama(tmp_path / "src.gguf", n_vocab=49160, n_layer=1, n_embd=32, n_head=2, n_head_kv=1,
+                           n_ff=32, tied_output=True, extra_metadata={"tokenizer.chat_template": "{{ y }}"})
+    path = write_synthetic(tmp_path / "m.gguf", "llama-135m", QT.Q4_0, tokenizer_from=src)
+    with open_gguf(path) as f:
+        assert f.tensors["token_embd.weight"].shape == (49160, 576)
+        assert len(f.require("tokenizer.ggml.tokens")) == 49160
+        assert f.require("tokenizer.chat_template") == "{{ y }}"
