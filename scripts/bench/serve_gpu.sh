@@ -23,6 +23,7 @@ mkdir -p "$OUT" "$(dirname "$M")"
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} PYTHONUNBUFFERED=1
 T0=$(date +%s); t() { echo "[t=$(( $(date +%s) - T0 ))s] $*"; }
 [ -x "$LLB/llama-server" ] || { echo "no llama-server in $LLB"; exit 2; }
+python3 -c "import httpx, fastapi, uvicorn" || { echo "bench_serve needs httpx, and ggrun serve fastapi and uvicorn"; exit 2; }
 if [ ! -f "$M" ]; then
   t "writing $M"
   timeout 60 python3 -m ggrun.loaders.synthetic "$M" llama-1b q4_0 || exit 1
