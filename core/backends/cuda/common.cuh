@@ -239,6 +239,14 @@ __device__ __forceinline__ void mma16816(float *c, const u32 *a, u32 b0, u32 b1)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// D = A B + D on tensor cores for int8: A 16 x 32 (row-major fragments a[4]), B 32 x 8 (b0, b1), i32 sums
+__device__ __forceinline__ void mma_s8(int *c, const int *a, int b0, int b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // 32 activations in the 8-bit blocks the __dp4a products read (ggml's block_q8_1)
 struct block_q8_1 {
     __half2 ds;  // scale d = amax / 127, and the sum of the block's original values

@@ -485,6 +485,153 @@ __global__ void mmvq_id_glu(const u8 *wg, const u8 *wu, const block_q8_1 *y, con
     }
 }
 
+// Products of a few dozen token rows on int8 tensor cores (ggml's mmq): the activations as q8_1 blocks, each
+// weight block's 32 quants as int8 (mq_frag: the elements an m16n8k32 A fragment holds, lo = tig * 4 .. + 3
+// and hi = 16 + tig * 4 .. + 3, with its scale d and the coefficient m of the activations' sum, so that a
+// block's product is d * dy * (sum of q * u) + m * sy, the same terms as vdot's): Q4_0 and Q5_0 keep their
+// offsets in m (-8 d, -16 d) with the block's sum of values as sy (ds.y); the k-quants' mins meet
+// dy * (the sum of the int8 activations), as vdot_k.
+template <int T> struct MqSumQ { static constexpr bool v = false; };
+template <> struct MqSumQ<T_Q4_K> { static constexpr bool v = true; };
+template <> struct MqSumQ<T_Q5_K> { static constexpr bool v = true; };
+
+template <int T> __device__ __forceinline__ void mq_frag(const u8 *row, int b, int tig, int &lo, int &hi, float &d,
+                                                         float &m);
+template <> __device__ __forceinline__ void mq_frag<T_Q4_0>(const u8 *row, int b, int tig, int &lo, int &hi,
+                                                            float &d, float &m) {
+    const u8 *k = row + (i64)b * 18;
+    const int v = ld_i32_a2(k + 2 + 4 * tig);
+    lo = v & 0x0F0F0F0F, hi = (v >> 4) & 0x0F0F0F0F, d = ld_f16(k), m = -8.0f * d;
+}
+template <> __device__ __forceinline__ void mq_frag<T_Q4_1>(const u8 *row, int b, int tig, int &lo, int &hi,
+                                                            float &d, float &m) {
+    const u8 *k = row + (i64)b * 20;
+    const int v = *(const int *)(k + 4 + 4 * tig);
+    lo = v & 0x0F0F0F0F, hi = (v >> 4) & 0x0F0F0F0F, d = ld_f16(k), m = ld_f16(k + 2);
+}
+template <> __device__ __forceinline__ void mq_frag<T_Q5_0>(const u8 *row, int b, int tig, int &lo, int &hi,
+                                                            float &d, float &m) {
+    const u8 *k = row + (i64)b * 22;
+    const u32 qh = (u32)ld_i32_a2(k + 2);
+    const int v = ld_i32_a2(k + 6 + 4 * tig);
+    lo = (v & 0x0F0F0F0F) | q5_high(qh, 4 * tig), hi = ((v >> 4) & 0x0F0F0F0F) | q5_high(qh, 16 + 4 * tig);
+    d = ld_f16(k), m = -16.0f * d;
+}
+template <> __device__ __forceinline__ void mq_frag<T_Q5_1>(const u8 *row, int b, int tig, int &lo, int &hi,
+                                                            float &d, float &m) {
+    const u8 *k = row + (i64)b * 24;
+    const u32 qh = *(const u32 *)(k + 4);
+    const int v = *(const int *)(k + 8 + 4 * tig);
+    lo = (v & 0x0F0F0F0F) | q5_high(qh, 4 * tig), hi = ((v >> 4) & 0x0F0F0F0F) | q5_high(qh, 16 + 4 * tig);
+    d = ld_f16(k), m = ld_f16(k + 2);
+}
+template <> __device__ __forceinline__ void mq_frag<T_Q8_0>(const u8 *row, int b, int tig, int &lo, int &hi,
+                                                            float &d, float &m) {
+    const u8 *k = row + (i64)b * 34;
+    lo = ld_i32_a2(k + 2 + 4 * tig), hi = ld_i32_a2(k + 18 + 4 * tig), d = ld_f16(k), m = 0.0f;
+}
+template <> __device__ __forceinline__ void mq_frag<T_IQ4_NL>(const u8 *row, int b, int tig, int &lo, int &hi,
+                                                              float &d, float &m) {
+    const u8 *k = row + (i64)b * 18;
+    const int v = ld_i32_a2(k + 2 + 4 * tig);
+    lo = lut4_bytes(v, 0, IQ4_VALUES), hi = lut4_bytes(v, 4, IQ4_VALUES), d = ld_f16(k), m = 0.0f;
+}
+template <> __device__ __forceinline__ void mq_frag<T_MXFP4>(const u8 *row, int b, int tig, int &lo, int &hi,
+                                                             float &d, float &m) {
+    const u8 *k = row + (i64)b * 17;
+    const int v = ld_i32_a1(k + 1 + 4 * tig);
+    lo = lut4_bytes(v, 0, MXFP4_VALUES), hi = lut4_bytes(v, 4, MXFP4_VALUES), d = e8m0_half(k[0]), m = 0.0f;
+}
+// k-quants: sub-block j = b % 8 of the super-block b / 8
+template <> __device__ __forceinline__ void mq_frag<T_Q4_K>(const u8 *row, int b, int tig, int &lo, int &hi,
+                                                            float &d, float &m) {
+    const u8 *k = row + (i64)(b >> 3) * 144;
+    const int j = b & 7, shift = 4 * (j & 1);
+    const int *q = (const int *)(k + 16 + 32 * (j >> 1));
+    lo = (q[tig] >> shift) & 0x0F0F0F0F, hi = (q[4 + tig] >> shift) & 0x0F0F0F0F;
+    float sc, mn;
+    k4_scale_min(k + 4, j, sc, mn);
+    d = ld_f16(k) * sc, m = -ld_f16(k + 2) * mn;
+}
+template <> __device__ __forceinline__ void mq_frag<T_Q5_K>(const u8 *row, int b, int tig, int &lo, int &hi,
+                                                            float &d, float &m) {
+    const u8 *k = row + (i64)(b >> 3) * 176;
+    const int j = b & 7, shift = 4 * (j & 1);
+    const int *q = (const int *)(k + 48 + 32 * (j >> 1)), *h = (const int *)(k + 16);
+    lo = ((q[tig] >> shift) & 0x0F0F0F0F) | (((h[tig] >> j) & 0x01010101) << 4);
+    hi = ((q[4 + tig] >> shift) & 0x0F0F0F0F) | (((h[4 + tig] >> j) & 0x01010101) << 4);
+    float sc, mn;
+    k4_scale_min(k + 4, j, sc, mn);
+    d = ld_f16(k) * sc, m = -ld_f16(k + 2) * mn;
+}
+
+// out[t, row] = W[row] . y[t] for N token rows (y: q8_1 blocks [N, ncols / 32]; out's rows ldo apart). Block
+// (x, y): weight rows 16 x .. + 15 against tokens 8 NT y .. + 8 NT - 1; its MQ_WARPS warps take every
+// MQ_WARPS-th block of 32 columns (m16n8k32 products, NT a block) and are summed in a fixed order at the end.
+#define MQ_WARPS 8
+template <int T, int NT>
+__global__ void __launch_bounds__(MQ_WARPS * 32) mmq(const u8 *w, const block_q8_1 *y, float *out, int ncols,
+                                                    i64 row_bytes, int M, int N, i64 ldo) {
+    pdl_begin();
+    __shared__ float red[MQ_WARPS - 1][NT * 4][32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane >> 2, tig = lane & 3;
+    const int m0 = blockIdx.x * 16, n0 = blockIdx.y * NT * 8, nb = ncols / 32;
+    const u8 *wa = w + (i64)min(m0 + grp, M - 1) * row_bytes, *wb = w + (i64)min(m0 + grp + 8, M - 1) * row_bytes;
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+#pragma unroll 2
+    for (int b = warp; b < nb; b += MQ_WARPS) {
+        int a[4];
+        float da, ma, db, mb;
+        mq_frag<T>(wa, b, tig, a[0], a[2], da, ma);
+        mq_frag<T>(wb, b, tig, a[1], a[3], db, mb);
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const int tb = n0 + nt * 8 + grp, t0 = n0 + nt * 8 + 2 * tig;  // B's column; C's two columns
+            int b0 = 0, b1 = 0;
+            if (tb < N) {
+                const int *u = (const int *)y[(i64)tb * nb + b].qs;
+                b0 = u[tig], b1 = u[4 + tig];
+            }
+            int c[4] = {0, 0, 0, 0};
+            mma_s8(c, a, b0, b1);
+            float2 y0 = make_float2(0.0f, 0.0f), y1 = y0;
+            if (t0 < N) y0 = __half22float2(y[(i64)t0 * nb + b].ds);
+            if (t0 + 1 < N) y1 = __half22float2(y[(i64)(t0 + 1) * nb + b].ds);
+            if constexpr (MqSumQ<T>::v) {  // each lane of group g sums token 8 nt + g's int8s; C's columns read theirs
+                int s = __dp4a(0x01010101, b0, __dp4a(0x01010101, b1, 0));
+                s += __shfl_xor_sync(0xffffffff, s, 1);
+                s += __shfl_xor_sync(0xffffffff, s, 2);
+                const int s0 = __shfl_sync(0xffffffff, s, 8 * tig), s1 = __shfl_sync(0xffffffff, s, 8 * tig + 4);
+                y0.y = y0.x * (float)s0, y1.y = y1.x * (float)s1;
+            }
+            acc[nt][0] += da * y0.x * (float)c[0] + ma * y0.y;
+            acc[nt][1] += da * y1.x * (float)c[1] + ma * y1.y;
+            acc[nt][2] += db * y0.x * (float)c[2] + mb * y0.y;
+            acc[nt][3] += db * y1.x * (float)c[3] + mb * y1.y;
+        }
+    }
+    if (warp > 0) {
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int x = 0; x < 4; x++) red[warp - 1][nt * 4 + x][lane] = acc[nt][x];
+    }
+    __syncthreads();
+    if (warp > 0) return;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            float v = acc[nt][x];
+            for (int o = 0; o < MQ_WARPS - 1; o++) v += red[o][nt * 4 + x][lane];
+            const int row = m0 + grp + (x >= 2 ? 8 : 0), tok = n0 + nt * 8 + 2 * tig + (x & 1);
+            if (row < M && tok < N) out[(i64)tok * ldo + row] = v;
+        }
+    }
+}
+
 // A prompt's slots grouped by expert (one block): offs[e] .. offs[e + 1] of `list` are the slots routed to
 // expert e (in no particular order: each slot's product is computed alone). `cursor` is n_expert ints of
 // scratch; the block's shared memory holds n_expert counts.

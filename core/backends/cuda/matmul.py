@@ -3,7 +3,9 @@
 A weight (a 2-d tensor in any stored type; `mul_mat_multi`: several weights, one after another in
 the result) times up to GEMV_MAX_ROWS token rows: the legacy block
 types quantize the activations to q8_1 blocks in the node's scratch and take integer dot products
-(mmvq, as ggml's CUDA backend); other types decode their blocks inside the product (gemv). More
+(mmvq, as ggml's CUDA backend); other types decode their blocks inside the product (gemv). Up to
+MMQ_MAX_ROWS token rows of a type with a scale per 32 weights: the q8_1 activations meet the weights'
+quants on int8 tensor cores (mmq, as ggml's), reading each weight once. More
 token rows: the weight is decoded to f16 one tile of rows at a time into scratch and multiplied
 by cuBLAS (f32 accumulation; through blas.py, which CUDA graphs capture), the activations converted
 to f16 once. Products of two float operands (attention without the fused op) run a plain strided
@@ -18,13 +20,17 @@ from ggrun.core.backends.cuda import blas
 from ggrun.core.backends.cuda.binding import (Launch, Step, binds, estrides, f32, fuses, grid1d, i32, i64,
                                               launch_step, ptr, rows_of)
 from ggrun.core.backends.cuda.handoff import Q8_1_BYTES
-from ggrun.core.backends.cuda.module import DP4A_TYPES, GEMV_COLS, GLU_ACTS, NO_WEIGHT, TYPE_IDS, kernel
+from ggrun.core.backends.cuda.module import (DP4A_TYPES, GEMV_COLS, GLU_ACTS, MMQ_TILES, MMQ_TYPES, NO_WEIGHT,
+                                             TYPE_IDS, kernel)
 from ggrun.core.backends.cuda.ops import rope_params, rope_qkv, weight_id
 from ggrun.core.ops import ROPE_NEOX
 from ggrun.core.dtypes import DType
 from ggrun.core.tensor import Tensor
 
 GEMV_MAX_ROWS = 8
+MMQ_MAX_ROWS = 16  # token rows up to which mmq serves (past GEMV_MAX_ROWS): on an H200 (llama-1b Q4_0) a decode
+# step of 16 sequences went 4,142 -> 4,826 t/s; at 32 and 64 rows decoding to f16 for cuBLAS was faster (-5%, -21%)
+MQ_WARPS = 8  # warps of an mmq block (matmul.cu)
 TILE_BYTES = 32 << 20  # f16 bytes of one decoded weight tile
 WARPS = 4
 CUDA_R_16F, CUDA_R_32F, CUBLAS_COMPUTE_32F = 2, 0, 68
@@ -67,7 +73,15 @@ def _scratch(node: Tensor) -> int:
     ms, k, n = case
     if n <= GEMV_MAX_ROWS:
         return n * (k // 32) * Q8_1_BYTES if _quantizes(node, k) else 0
+    if _mmq_serves(node, k, n):
+        return n * (k // 32) * Q8_1_BYTES
     return (max(_tile_rows(m, k) for m in ms) + n) * k * 2
+
+
+def _mmq_serves(node: Tensor, k: int, n: int) -> bool:
+    """Whether mmq runs the product: a few dozen token rows, every weight of a type it reads."""
+    return (GEMV_MAX_ROWS < n <= MMQ_MAX_ROWS and k % 32 == 0
+            and all(w.dtype.name in MMQ_TYPES for w in _weights(node)))
 
 
 def _chunks(n: int) -> list[int]:
@@ -105,6 +119,8 @@ def _bind_products(node: Tensor, out, srcs, scratch, backend):
         at += n * m * 4
     if n <= GEMV_MAX_ROWS:
         return _gemv(node, parts, srcs[-1], b[2], scratch, k, n, _fed_at(node, backend))
+    if _mmq_serves(node, k, n):
+        return _mmq(parts, srcs[-1], b[2], scratch, k, n)
     return _gemm(parts, srcs[-1], b[2], scratch, backend, k, n)
 
 
@@ -218,6 +234,19 @@ def _mmvq(group: list, y0: int, k: int, row0: int, c: int) -> Launch:
                   prologue=True)
 
 
+def _mmq(parts: list, b, ldb: int, scratch, k: int, n: int) -> Step:
+    """A few dozen token rows: the activations quantized to q8_1 in scratch once, then an mmq launch per weight
+    (16 weight rows by up to 64 token rows a block)."""
+    y = scratch.data.ptr
+    launches = [quantize_launch(b, ldb, y, k, n)]
+    nt = next(t for t in MMQ_TILES if n <= 8 * t)
+    for qt, a, m, out_at in parts:
+        fn = kernel("matmul.cu", f"mmq<{TYPE_IDS[qt.name]}, {nt}>")
+        args = (ptr(a), np.uint64(y), np.uint64(out_at), i32(k), i64(qt.row_bytes(k)), i32(m), i32(n), i64(m))
+        launches.append(Launch(fn, (-(-m // 16), -(-n // (8 * nt))), (32 * MQ_WARPS,), args))
+    return launch_step("mul_mat (mmq)", *launches)
+
+
 def _gemm(parts: list, b, ldb: int, scratch, backend, k: int, n: int) -> Step:
     """Prompt products: the activations converted to f16 once, each weight decoded to f16 tile by
     tile and multiplied by cuBLAS: out [n, m] = b [n, k] w^T."""
@@ -281,8 +310,12 @@ def _bind_glu(node: Tensor, out, srcs, scratch, backend):
     g_at, u_at = scratch.data.ptr, scratch.data.ptr + n * m * 4
     parts = [(w.dtype, arr, m, at) for w, arr, at in zip(_weights(node), srcs[:2], (g_at, u_at))]
     work = scratch[2 * n * m:]  # scratch is f32: past both products
-    step = (_gemv(node, parts, srcs[-1], b[2], work, k, n) if n <= GEMV_MAX_ROWS
-            else _gemm(parts, srcs[-1], b[2], work, backend, k, n))
+    if n <= GEMV_MAX_ROWS:
+        step = _gemv(node, parts, srcs[-1], b[2], work, k, n)
+    elif _mmq_serves(node, k, n):
+        step = _mmq(parts, srcs[-1], b[2], work, k, n)
+    else:
+        step = _gemm(parts, srcs[-1], b[2], work, backend, k, n)
     grid, block = grid1d(n * m)
     gated = Launch(kernel("elementwise.cu", f"gated<{act}>"), grid, block,
                    (np.uint64(g_at), np.uint64(u_at), ptr(out), i32(m), i64(n), i64(m), i64(m)))

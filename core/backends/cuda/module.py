@@ -24,6 +24,9 @@ FLOATS = ("F32", "F16", "BF16")
 DP4A_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
               "MXFP4")
 GEMV_COLS = (1, 2, 4, 8)  # token rows one product kernel serves; other counts are sums of these
+# products of a few dozen token rows on int8 tensor cores (mmq; a scale per 32 weights)
+MMQ_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "IQ4_NL", "MXFP4")
+MMQ_TILES = (2, 4, 8)  # groups of 8 token rows an mmq block serves
 FA_EPL = (1, 2, 4, 8)  # head-dimension elements per lane of flash_attn (head dims up to 256)
 NO_WEIGHT = -1
 DECODE_DIMS = (64, 128, 256)  # head dimensions attn_decode is built for
@@ -44,6 +47,7 @@ def _instances() -> dict[str, list[str]]:
         + [f"mmvq_rope_qkv<{_t(q)}, {_t(d)}>" for q in DP4A_TYPES for d in FLOATS]
         + [f"mmvq_glu<{_t(q)}, {c}, {f}>" for q in DP4A_TYPES for c in GEMV_COLS for f in GLU_ACTS.values()]
         + [f"gemv<{_t(q)}, {c}>" for q in weights for c in GEMV_COLS]
+        + [f"mmq<{_t(q)}, {nt}>" for q in MMQ_TYPES for nt in MMQ_TILES]
         + [f"mmvq_id<{_t(q)}>" for q in DP4A_TYPES] + [f"mmid_tc<{_t(q)}>" for q in weights]
         + [f"mmvq_id_glu<{_t(q)}, {f}>" for q in DP4A_TYPES for f in GLU_ACTS.values()]
         + [f"dequant_f16<{_t(q)}>" for q in weights] + [f"dequant_f16_x8<{_t(q)}>" for q in weights]
