@@ -560,25 +560,41 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_rows(
 // into tiles[] (shared memory), their count returned: a micro-batch of many sequences sees a few tiles of the
 // whole cache each (llm/kv_blocks.py keeps a sequence's cells in blocks of their own), so attention reads
 // those and skips the rest without a pass over every tile. NT threads (the whole block) call it; each reads
-// 16 bytes of a row at a time, four threads a tile; warp 0 lists the flagged tiles in order (ballots), so the
-// tiles' order, and the sums' rounding, do not depend on timing. Rows 16-byte aligned, n_kv a multiple of 8
+// 16 bytes of a row at a time, U loads in flight, four threads a tile; warp 0 lists the flagged tiles in
+// order (ballots), so the tiles' order, and the sums' rounding, do not depend on timing. Rows 16-byte aligned, n_kv a multiple of 8
 // and at most DT_MAX_TILES * 32 (the binders' checks).
 template <int NT>
 __device__ int list_tiles(const __half *mask, i64 ldm, int t0, int t1, int n_kv, int *tiles, unsigned char *flag,
                           int *count) {
+    constexpr int U = 4;  // loads in flight a thread: a pass over a long row is a few round trips, not dozens
     const int lane = threadIdx.x & 31, n_t = (n_kv + 31) / 32;
-    for (int base = 0; base < n_t * 32; base += NT * 8) {
-        const int c = base + threadIdx.x * 8;
-        bool seen = false;
-        for (int t = t0; t <= t1 && c < n_kv; t++) {
-            const uint4 w = *(const uint4 *)(mask + (i64)t * ldm + c);
-            const u32 ws[4] = {w.x, w.y, w.z, w.w};
+    for (int base = 0; base < n_t * 32; base += NT * 8 * U) {
+        bool seen[U];
 #pragma unroll
-            for (int x = 0; x < 4; x++) seen |= (ws[x] & 0xffffu) != 0xfc00u || (ws[x] >> 16) != 0xfc00u;
+        for (int u = 0; u < U; u++) seen[u] = false;
+        for (int t = t0; t <= t1; t++) {
+            uint4 w[U];
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int c = base + (u * NT + threadIdx.x) * 8;
+                w[u] = c < n_kv ? *(const uint4 *)(mask + (i64)t * ldm + c) : make_uint4(0xfc00fc00u, 0xfc00fc00u,
+                                                                                         0xfc00fc00u, 0xfc00fc00u);
+            }
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const u32 ws[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
+#pragma unroll
+                for (int x = 0; x < 4; x++) seen[u] |= (ws[x] & 0xffffu) != 0xfc00u || (ws[x] >> 16) != 0xfc00u;
+            }
         }
-        seen |= __shfl_xor_sync(0xffffffff, seen, 1);
-        seen |= __shfl_xor_sync(0xffffffff, seen, 2);
-        if ((lane & 3) == 0 && c < n_t * 32) flag[c / 32] = seen;
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            bool sn = seen[u];
+            sn |= __shfl_xor_sync(0xffffffff, sn, 1);
+            sn |= __shfl_xor_sync(0xffffffff, sn, 2);
+            const int c = base + (u * NT + threadIdx.x) * 8;
+            if ((lane & 3) == 0 && c < n_t * 32) flag[c / 32] = sn;
+        }
     }
     __syncthreads();
     if (threadIdx.x < 32) {
@@ -741,16 +757,15 @@ __global__ void __launch_bounds__(128) flash_attn_tc(
 }
 
 
-// Decode attention for a step of many sequences, one token each (GraphParams.one_per_seq): a block per token
-// t = blockIdx.y and KV heads g = blockIdx.x, + gridDim.x, ... serves the token's r <= DS_ROWS query heads of
-// each group over the cells its own sequence holds, not over the whole cache (several heads a block when
-// there are tokens enough to fill the GPU: the list is made once for them). The token's mask row is read once (list_tiles) to list
+// Decode attention for a step of many sequences, one token each (GraphParams.one_per_seq): a block per KV
+// head g and token t = blockIdx.y serves the token's r <= DS_ROWS query heads of the group over the cells
+// its own sequence holds, not over the whole cache. The token's mask row is read once (list_tiles) to list
 // the tiles of 32 cells it sees any of; then the keys of those tiles only, as attn_decode_rows reads a span:
 // D / 8 lanes per key, DS_UNROLL keys at once, online softmax per lane, lanes merged by shuffles and warps
 // through shared memory. The mask row must be 16-byte aligned and n_kv a multiple of 8 (the binder's check).
 template <int TK, int D>
 __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_tok(
-    const float *q, const void *k, const void *v, const __half *mask, float *out, int r, int hk, int n_kv, i64 sq0,
+    const float *q, const void *k, const void *v, const __half *mask, float *out, int r, int n_kv, i64 sq0,
     i64 sq1, i64 sk0, i64 sk1, i64 sv0, i64 sv1, i64 ldm, float scale) {
     constexpr int LPK = D / 8, KPW = 32 / LPK, KPB = KPW * DS_WARPS;
     __shared__ __align__(16) float wacc[DS_WARPS][DS_ROWS][D];
@@ -758,12 +773,11 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_tok(
     __shared__ int tiles[DT_MAX_TILES];
     __shared__ unsigned char flag[DT_MAX_TILES];
     __shared__ int n_tiles;
-    const int t = blockIdx.y, hq = hk * r;
+    const int g = blockIdx.x, t = blockIdx.y, hq = gridDim.x * r;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, o = lane % LPK, kl = lane / LPK;
     pdl_begin();
     const __half *mrow = mask + (i64)t * ldm;
     const int nk = list_tiles<DS_WARPS * 32>(mask, ldm, t, t, n_kv, tiles, flag, &n_tiles) * 32;
-    for (int g = blockIdx.x; g < hk; g += gridDim.x) {  // the KV heads this block serves, over one tile list
     float qr[DS_ROWS][8], m[DS_ROWS], l[DS_ROWS], acc[DS_ROWS][8];
 #pragma unroll
     for (int i = 0; i < DS_ROWS; i++) {  // rows past r repeat the last (never written)
@@ -796,8 +810,6 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_tok(
         float mx, num, den;
         ds_merge_warps<D>(wacc, wm, wl, i, e, mx, num, den);
         out[((i64)t * hq + g * r + i) * D + e] = den > 0.0f ? num / den : 0.0f;
-    }
-    __syncthreads();  // the next head's merge reuses wacc
     }
 }
 

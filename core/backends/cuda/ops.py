@@ -473,7 +473,6 @@ def _kq_mask(node: Tensor, out, srcs, scratch, backend):
 
 
 TOK_MAX_CELLS = 65536  # cells attention kernels list the tiles of (attention.cu's DT_MAX_TILES * 32)
-TOK_BLOCKS = 256  # attn_decode_tok's blocks (one SM holds one) past which a block serves several KV heads
 
 
 @binds("flash_attn")
@@ -488,11 +487,10 @@ def _attn_decode_tok(node: Tensor, out, srcs, scratch, backend):
             or n_kv % 8 or n_kv > TOK_MAX_CELLS or not _attention_operands(node, out, srcs) or not _aligned8(k, v, mask)):
         return None
     sq, sk, sv = estrides(q), estrides(k), estrides(v)
-    args = (ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), i32(hq // hk), i32(hk), i32(n_kv), i64(sq[0]), i64(sq[1]),
+    args = (ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), i32(hq // hk), i32(n_kv), i64(sq[0]), i64(sq[1]),
             i64(sk[0]), i64(sk[1]), i64(sv[0]), i64(sv[1]), i64(estrides(mask)[0]), f32(node.params["scale"]))
     fn = kernel("attention.cu", f"attn_decode_tok<{_tid(node.srcs[1].dtype)}, {d}>")
-    per_block = -(-hk // max(1, TOK_BLOCKS // t))  # heads a block serves: TOK_BLOCKS blocks fill the GPU
-    return launch_step(node.op, Launch(fn, (-(-hk // per_block), t), (256,), args))
+    return launch_step(node.op, Launch(fn, (hk, t), (256,), args))
 
 
 @binds("flash_attn", scratch=_fa_scratch)
