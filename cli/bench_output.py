@@ -135,3 +135,14 @@ def md_value(column: str, r: dict) -> str:
 
 def test_label(n_prompt: int, n_gen: int, n_depth: int) -> str:
     return BenchTest(n_prompt, n_gen, n_depth).label
+
+
+def speeds_of(stdout: str, tool: str) -> dict[str, float]:
+    """t/s of each test (test_label: pp512, tg128, ...) in the JSON list llama-bench -o json prints, which
+    `ggrun bench -o json` prints too: what the side-by-side scripts compare. Output that is not such a list
+    ends the script with one line naming `tool`."""
+    try:
+        rows = json.loads(stdout)
+    except json.JSONDecodeError:
+        raise SystemExit(f"{tool} printed no JSON: {stdout[-1000:]!r}") from None
+    return {test_label(r["n_prompt"], r["n_gen"], r.get("n_depth", 0)): float(r["avg_ts"]) for r in rows}

@@ -19,7 +19,6 @@ llama.cpp's tools come from `bash ../shared/tools/cpu_anchor.sh` (pass its direc
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -30,6 +29,7 @@ from pathlib import Path
 
 from gguf.constants import GGMLQuantizationType as QT
 
+from ggrun.cli.bench_output import speeds_of
 from ggrun.loaders.download import KNOWN_MODELS, model_path
 from ggrun.loaders.synthetic import SPEED_PRESETS, write_synthetic
 
@@ -59,11 +59,7 @@ def run_measured(cmd: list[str], env: dict[str, str] | None = None) -> tuple[flo
 def bench_speeds(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, float]:
     """t/s of pp and tg from a llama-bench-style JSON list (both tools write the same fields)."""
     _, _, out = run_measured(cmd, env)
-    speeds = {}
-    for r in json.loads(out):
-        test = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
-        speeds[test] = float(r["avg_ts"])
-    return speeds
+    return speeds_of(out, cmd[0])
 
 
 def bench_args(path: Path, threads: int, reps: int) -> list[str]:

@@ -12,12 +12,13 @@ prepare .anchor` here first; it builds llama-bench there once, ~4 min, and write
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from ggrun.cli.bench_output import speeds_of
 
 ROOT = Path(__file__).resolve().parents[2]
 SYNTH = Path("/tmp/synth")
@@ -34,19 +35,10 @@ def prepare(anchor: Path, models: list[str]) -> None:
                    stdout=subprocess.DEVNULL)
 
 
-def _tests(rows: list[dict]) -> dict[str, float]:
-    """{"pp512": t/s, "tg128": t/s} from llama-bench-style JSON rows."""
-    out = {}
-    for r in rows:
-        name = f"pp{r['n_prompt']}" if r.get("n_prompt") else f"tg{r['n_gen']}"
-        out[name] = float(r["avg_ts"])
-    return out
-
-
 def llama_cpp(model: Path) -> dict[str, float]:
     res = subprocess.run([str(LLAMA_BENCH), "-m", str(model), "-ngl", "99", "-p", "512", "-n", "128", "-r", "3",
                           "-o", "json"], check=True, capture_output=True, text=True)
-    return _tests(json.loads(res.stdout))
+    return speeds_of(res.stdout, "llama-bench")
 
 
 def ggrun(model: Path) -> dict[str, float]:
@@ -55,10 +47,7 @@ def ggrun(model: Path) -> dict[str, float]:
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if res.returncode:
         raise SystemExit(f"ggrun bench failed ({res.returncode}): {res.stderr.strip()[-2000:]}")
-    try:
-        return _tests(json.loads(res.stdout))
-    except json.JSONDecodeError:
-        raise SystemExit(f"ggrun bench printed no JSON: {res.stdout[-1000:]!r} {res.stderr[-2000:]!r}") from None
+    return speeds_of(res.stdout, f"ggrun bench ({res.stderr[-2000:]!r})")
 
 
 def main() -> None:

@@ -13,12 +13,13 @@ On the device machine (llama-bench in $LLB, as .anchor/dev_setup.sh unpacks it):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from ggrun.cli.bench_output import speeds_of
 
 ROOT = Path(__file__).resolve().parents[2]
 SYNTH = Path("/tmp/synth")
@@ -49,19 +50,11 @@ def write_models(specs: list[str]) -> None:
         tmp.rename(path)
 
 
-def _tests(rows: list[dict]) -> dict[str, float]:
-    """{"pp512": t/s, "tg128": t/s} from llama-bench-style JSON rows."""
-    return {(f"pp{r['n_prompt']}" if r.get("n_prompt") else f"tg{r['n_gen']}"): float(r["avg_ts"]) for r in rows}
-
-
 def _bench(cmd: list[str], tool: str, timeout: int) -> dict[str, float]:
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
     if res.returncode:
         raise SystemExit(f"{tool} failed ({res.returncode}): {res.stderr.strip()[-2000:]}")
-    try:
-        return _tests(json.loads(res.stdout))
-    except json.JSONDecodeError:
-        raise SystemExit(f"{tool} printed no JSON: {res.stdout[-1000:]!r} {res.stderr[-2000:]!r}") from None
+    return speeds_of(res.stdout, f"{tool} ({res.stderr[-2000:]!r})")
 
 
 def args_for(model: Path, reps: int) -> list[str]:

@@ -19,11 +19,12 @@ With fewer than two GPUs it says so and exits 0: there is nothing to split.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from ggrun.cli.bench_output import speeds_of
 
 from ggrun.loaders.synthetic import write_synthetic
 
@@ -76,15 +77,6 @@ def prepare(anchor: Path, model: str) -> Path:
     return path
 
 
-def _rates(stdout: str, tool: str) -> dict[str, float]:
-    """{"pp2048": t/s, "tg128": t/s} from llama-bench-style JSON rows."""
-    try:
-        rows = json.loads(stdout)
-    except json.JSONDecodeError:
-        raise SystemExit(f"{tool} printed no JSON: {stdout[-1000:]!r}") from None
-    return {(f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"): float(r["avg_ts"]) for r in rows}
-
-
 def bench(tool: str, model: Path, split: list[str]) -> dict[str, float]:
     """{test: t/s} of one tool's bench with the split's options; {} (and the reason on stderr) where it fails,
     so that the other measurements still come (llama-bench refused -sm row on an H200 x4 machine)."""
@@ -94,7 +86,7 @@ def bench(tool: str, model: Path, split: list[str]) -> dict[str, float]:
         print(f"{tool} bench {' '.join(split)} failed ({res.returncode}): {res.stderr.strip()[-600:]}",
               file=sys.stderr)
         return {}
-    return _rates(res.stdout, tool)
+    return speeds_of(res.stdout, tool)
 
 
 def greedy_text(model: Path, split: list[str]) -> str:
