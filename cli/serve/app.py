@@ -5,7 +5,9 @@ llama-server's middleware does (server-http.cpp: its public set is the health ro
 the page holds no data, and its API calls carry the key the user types into it. Every failure is an
 OpenAI-style error body (errors.py), never a traceback. Generation routes turn the request into an
 engine_loop.Request, submit it and read its events from an asyncio queue the engine thread feeds; a
-client that goes away cancels its request (its slot is free before the next step).
+client that goes away cancels its request (its slot is free before the next step). They read and check a body
+under an engine Arrival, so that an idle engine starts a burst of requests in one step rather than the first
+alone while the rest are still being read.
 """
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ from ggrun.cli.serve.errors import ApiError, error_body, error_response
 from ggrun.cli.serve.fields import MAX_TOP_LOGPROBS, Fields, bad
 from ggrun.cli.serve.metrics import prometheus_text
 from ggrun.core.errors import GGRunError
-from ggrun.core.llm.engine_loop import (FINISH_CANCELLED, FINISH_ERROR, DoneEvent, EngineLoop, QueueFull, Request,
-                                        TokenEvent)
+from ggrun.core.llm.engine_loop import (FINISH_CANCELLED, FINISH_ERROR, Arrival, DoneEvent, EngineLoop, QueueFull,
+                                        Request, TokenEvent)
 
 CHAT_PAGE = Path(__file__).with_name("chat.html")
 OPEN_ROUTES = ("/health", "/v1/health", "/")  # llama-server's public routes: health, and the page (no data)
@@ -203,27 +205,30 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     async def chat(request: HttpRequest):
         """OpenAI chat completions over the chat template."""
         engine = state.ready()
-        b = await _body(request, state)
-        prompt = engine.tok.tokenize(_render(state, b), add_special=True, parse_special=True)
-        req = _request(state, b, prompt, openai=True)
-        return await _openai(request, state, b, req, chat=True)
+        with engine.arrival() as arrival:
+            b = await _body(request, state)
+            prompt = engine.tok.tokenize(_render(state, b), add_special=True, parse_special=True)
+            req = _request(state, b, prompt, openai=True)
+            return await _openai(request, state, b, req, arrival, chat=True)
 
     @app.post("/v1/completions")
     @app.post("/completions")
     async def completions(request: HttpRequest):
         """OpenAI text completions."""
         engine = state.ready()
-        b = await _body(request, state)
-        req = _request(state, b, _prompt_tokens(engine, b.raw("prompt")), openai=True)
-        return await _openai(request, state, b, req, chat=False)
+        with engine.arrival() as arrival:
+            b = await _body(request, state)
+            req = _request(state, b, _prompt_tokens(engine, b.raw("prompt")), openai=True)
+            return await _openai(request, state, b, req, arrival, chat=False)
 
     @app.post("/completion")
     async def completion(request: HttpRequest):
         """llama-server's native completion."""
         engine = state.ready()
-        b = await _body(request, state)
-        req = _request(state, b, _prompt_tokens(engine, b.raw("prompt")), openai=False)
-        return await _native(request, state, b, req)
+        with engine.arrival() as arrival:
+            b = await _body(request, state)
+            req = _request(state, b, _prompt_tokens(engine, b.raw("prompt")), openai=False)
+            return await _native(request, state, b, req, arrival)
 
 
 # ---- turning a body into an engine request ---------------------------------------------------
@@ -363,11 +368,11 @@ class _Events:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
 
 
-def _submit(engine: EngineLoop, req: Request):
-    """Submit to the engine with an event queue; 503 when the wait queue is full."""
+def _submit(engine: EngineLoop, req: Request, arrival: Arrival):
+    """Submit to the engine with an event queue, closing the request's arrival; 503 when the wait queue is full."""
     events = _Events()
     try:
-        handle = engine.submit(req, events)
+        handle = engine.submit(req, events, arrival)
     except QueueFull as err:
         raise ApiError(503, f"the server is busy: {err}; try again later") from None
     return handle, events
@@ -400,14 +405,14 @@ def _check_done(done: DoneEvent) -> None:
         raise ApiError(500, f"generation failed: {done.error}", "server_error")
 
 
-async def _openai(request: HttpRequest, state: ServerState, b: Fields, req: Request, chat: bool):
+async def _openai(request: HttpRequest, state: ServerState, b: Fields, req: Request, arrival: Arrival, chat: bool):
     """Serve an OpenAI chat or text completion, whole or as server-sent events ending in [DONE]."""
     engine = state.engine
     stream = b.bool("stream", False)
     so = b.dict("stream_options") or {}
     include_usage = bool(so.get("include_usage", False))
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    handle, events = _submit(engine, req)
+    handle, events = _submit(engine, req, arrival)
     tok = engine.tok
     if not stream:
         toks, done = await _collect(engine, handle, events, request)
@@ -462,10 +467,10 @@ async def _collect(engine: EngineLoop, handle, events: _Events, request: HttpReq
     return toks, None
 
 
-async def _native(request: HttpRequest, state: ServerState, b: Fields, req: Request):
+async def _native(request: HttpRequest, state: ServerState, b: Fields, req: Request, arrival: Arrival):
     """Serve llama-server's native /completion, whole or streamed."""
     engine = state.engine
-    handle, events = _submit(engine, req)
+    handle, events = _submit(engine, req, arrival)
     tok = engine.tok
     settings = {"n_predict": req.n_predict, "temperature": req.sampling.temp, "top_k": req.sampling.top_k,
                 "top_p": req.sampling.top_p, "min_p": req.sampling.min_p, "seed": req.sampling.seed,

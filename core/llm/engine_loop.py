@@ -6,7 +6,13 @@ core/llm/parallel.py): n slots, one KV sequence each, every step one batch holdi
 generating slot and the prompt tokens of newly started ones (within n_batch), each row's next token drawn
 in the graph (Session.decode_sampled with a BatchedSampler slot per slot, or the argmax when every row is
 greedy). The context is shared out as llama-server does: each slot may hold n_ctx / n_slots cells, so the
-cache never runs out while every slot is busy. Without continuous batching (-nocb, llama-server's
+cache never runs out while every slot is busy. Requests that arrive together start together: the front end
+opens an Arrival for each request it is still reading and checking (the HTTP layer turns a body into tokens
+in its one thread, some 0.3-0.6 ms each on a 2-core CPU, so a burst of 16 reaches `submit` over ~10 ms), and
+an idle loop that has admitted the first waits for the open ones (at most `gather_s`) before its first step.
+Without that the burst's first prompt went alone into a step and the rest, already inside the server, waited
+for that step to end (llama-server, reading bodies in many C++ threads, has no such spread to bridge). With no
+other request arriving (one client) nothing waits. Without continuous batching (-nocb, llama-server's
 --no-cont-batching) a step that has generating slots takes no prompt tokens: a new request's prompt waits
 until every slot in flight has finished, then the waiting prompts go in together.
 
@@ -43,6 +49,7 @@ FINISH_STOP = "stop"  # an end-of-generation token, a stop string, or a grammar 
 FINISH_LENGTH = "length"  # n_predict tokens, or the slot's share of the context is full
 FINISH_CANCELLED = "cancelled"
 FINISH_ERROR = "error"
+GATHER_S = 0.05  # the longest an idle loop holds its first step for requests still arriving (Arrival)
 MASKED = np.float32(-1e30)  # a masked token's logit: finite, so the sampler's finite check passes, never drawn
 
 
@@ -119,6 +126,27 @@ class Handle:
     cancelled: bool = False
 
 
+class Arrival:
+    """A request the front end is still reading and checking, from the loop's view: while it is open, an idle
+    loop that has a request already holds its first step for it (EngineLoop.arrival). Closed by the submit it
+    leads to, or on leaving its `with` (a request refused before it was submitted); closing twice is nothing."""
+
+    def __init__(self, loop: "EngineLoop") -> None:
+        """Counted open in `loop` (made by EngineLoop.arrival)."""
+        self._loop = loop
+        self.open = True
+
+    def close(self) -> None:
+        """No longer arriving: submitted, or refused."""
+        self._loop._arrived(self)
+
+    def __enter__(self) -> "Arrival":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 @dataclass
 class EngineMetrics:
     """Counters as llama-server's /metrics reports them."""
@@ -159,9 +187,10 @@ class EngineLoop:
     """n_slots slots over `session` (made with n_seq_max >= n_slots), served by one thread."""
 
     def __init__(self, session: Session, n_slots: int, n_batch: int = 2048, max_queue: int = 64,
-                 cont_batching: bool = True) -> None:
+                 cont_batching: bool = True, gather_s: float = GATHER_S) -> None:
         """slot_ctx: each slot's share of the context, n_ctx / n_slots; cont_batching False: prompts join only
-        a step with no generating slot (llama-server's -nocb)."""
+        a step with no generating slot (llama-server's -nocb); gather_s: the longest an idle loop waits for
+        requests still arriving before its first step."""
         self.s = session
         self.n_batch = n_batch
         self.cont_batching = cont_batching
@@ -175,6 +204,8 @@ class EngineLoop:
         self._queue: deque[Handle] = deque()
         self._cv = threading.Condition()
         self._next_id = 0
+        self._arriving = 0  # open Arrivals
+        self.gather_s = gather_s
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -193,9 +224,27 @@ class EngineLoop:
         if self._thread is not None:
             self._thread.join()
 
-    def submit(self, request: Request, on_event: Callable[[Event], None]) -> Handle:
-        """Queue a request; its events go to on_event, called on the engine's thread. QueueFull past the bound."""
+    def arrival(self) -> Arrival:
+        """Open an Arrival for a request the caller is reading and will submit (or refuse): an idle loop holds
+        its first step for it, so that requests arriving together start in one batch."""
         with self._cv:
+            self._arriving += 1
+        return Arrival(self)
+
+    def _arrived(self, arrival: Arrival) -> None:
+        """Close an arrival (once), and wake the loop that may be waiting for it."""
+        with self._cv:
+            if arrival.open:
+                arrival.open = False
+                self._arriving -= 1
+                self._cv.notify()
+
+    def submit(self, request: Request, on_event: Callable[[Event], None], arrival: Arrival | None = None) -> Handle:
+        """Queue a request; its events go to on_event, called on the engine's thread. QueueFull past the bound.
+        `arrival`: the Arrival this request was read under, closed here (queued or refused)."""
+        with self._cv:
+            if arrival is not None:
+                self._arrived(arrival)
             if len(self._queue) >= self.max_queue + sum(not s.busy for s in self.slots):
                 raise QueueFull(f"{len(self._queue)} requests wait for a slot already (the bound)")
             self._next_id += 1
@@ -241,10 +290,25 @@ class EngineLoop:
                     self._cv.wait()
                 if self._stopping:
                     return
+                idle = not any(s.busy for s in self.slots)
                 self._drop_cancelled()
                 self._admit()
+                if idle:
+                    self._gather()
             if any(s.busy for s in self.slots):
                 self._step_safely()
+
+    def _gather(self) -> None:
+        """Before an idle loop's first step (the lock held): while requests are still arriving and a slot is free
+        for them, wait for them (at most gather_s) and admit each as it is queued."""
+        deadline = time.perf_counter() + self.gather_s
+        while self._arriving and not self._stopping and any(not s.busy for s in self.slots):
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            self._cv.wait(left)
+            self._drop_cancelled()
+            self._admit()
 
     def _drop_cancelled(self) -> None:
         """Cancelled requests leave the queue; cancelled slots end (their cells stay for a later prefix)."""

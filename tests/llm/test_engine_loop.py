@@ -1,6 +1,7 @@
 """EngineLoop (`ggrun serve`'s engine): requests decoded together in slots give the tokens each gives alone;
 a prompt whose prefix a slot holds decodes only the rest; without continuous batching a new request waits for
-the batch in flight to finish; a cancelled request frees its slot; the queue is
+the batch in flight to finish; an idle loop starts requests still arriving in the first request's step; a
+cancelled request frees its slot; the queue is
 bounded; stop strings cut the text, streamed and whole alike; a seed repeats a draw; a constraint's mask
 holds every token drawn; log-probabilities are the logits' log-softmax. Synthetic tiny llama."""
 from __future__ import annotations
@@ -11,8 +12,8 @@ import numpy as np
 import pytest
 
 from ggrun.core.backends.cpu import CPUBackend
-from ggrun.core.llm.engine_loop import (FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, DoneEvent, EngineLoop, QueueFull,
-                                        Request, TokenEvent)
+from ggrun.core.llm.engine_loop import (FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, GATHER_S, DoneEvent, EngineLoop,
+                                        QueueFull, Request, TokenEvent)
 from ggrun.core.llm.generate import generate
 from ggrun.core.llm.logprobs import row_logprobs
 from ggrun.core.llm.model import Model
@@ -58,9 +59,9 @@ class Collector:
 
 
 def engine(model: Model, n_slots: int = 3, n_ctx: int = 512, max_queue: int = 16,
-           cont_batching: bool = True) -> EngineLoop:
+           cont_batching: bool = True, gather_s: float = GATHER_S) -> EngineLoop:
     s = Session(model, SessionParams(n_ctx=n_ctx, n_seq_max=n_slots))
-    return EngineLoop(s, n_slots, 512, max_queue, cont_batching)
+    return EngineLoop(s, n_slots, 512, max_queue, cont_batching, gather_s)
 
 
 def alone(model: Model, prompt: list[int], n: int, params: SamplingParams = GREEDY) -> list[int]:
@@ -135,6 +136,42 @@ def test_without_cont_batching_a_new_request_waits_for_the_batch_in_flight(tiny,
     first_b, a_done = order.index("B"), order.index("A done")
     assert (first_b < a_done) == cont_batching, order
     assert b.ids == alone(tiny, PROMPTS[1], 4)
+
+
+def test_an_idle_loop_holds_its_first_step_for_requests_still_arriving(tiny):
+    """A is submitted while B is still being read (its Arrival open): A waits in its slot, and both prompts go into
+    one step once B is submitted (a burst is not split into the first prompt's step and the rest's). An arrival
+    refused before its submit, or none at all (one client), holds nothing: with a wait of 600 s, a request that
+    waited would outlast the Collector's 60 s."""
+    e = engine(tiny, n_slots=2, gather_s=600)
+    steps: list[int] = []
+    real = e.s.decode_greedy
+
+    def recording(batch):
+        steps.append(len(batch))
+        return real(batch)
+
+    e.s.decode_greedy = recording
+    with e.arrival():  # refused (a bad body): closed on leaving its `with`
+        pass
+    arriving = e.arrival()
+    a, b = Collector(), Collector()
+    e.submit(Request(PROMPTS[0], GREEDY, 2, ignore_eos=True), a)
+    e.start()
+    try:
+        while e.n_processing < 1:
+            threading.Event().wait(0.01)
+        assert not steps  # A is admitted, and held for B
+        e.submit(Request(PROMPTS[1], GREEDY, 2, ignore_eos=True), b, arriving)
+        a.wait()
+        b.wait()
+        lone = run(e, [Request(PROMPTS[2], GREEDY, 2, ignore_eos=True)])[0]
+    finally:
+        e.stop()
+    assert not arriving.open
+    assert steps[0] == len(PROMPTS[0]) + len(PROMPTS[1])
+    assert a.ids == alone(tiny, PROMPTS[0], 2) and b.ids == alone(tiny, PROMPTS[1], 2)
+    assert lone.done.finish_reason == FINISH_LENGTH
 
 
 def test_cancel_frees_the_slot_and_the_queue_is_bounded(tiny):

@@ -4,6 +4,8 @@ before the key is checked (llama-server's order); unknown routes 404; bodies are
 OpenAI-style errors. The served routes with a model are tested on a real server (test_serve.py)."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 
 pytest.importorskip("fastapi")
@@ -55,3 +57,31 @@ def test_the_chat_page_and_unknown_routes(client):
     client.app.state.ggrun.engine = object()  # loaded: an unknown route is a 404 past the key
     r = client.get("/v2/nothing", headers={"Authorization": "Bearer k"})
     assert r.status_code == 404 and r.json()["error"]["code"] == 404
+
+
+class ArrivalCounter:
+    """A stand-in engine that only counts the Arrivals the generation routes open and close."""
+
+    def __init__(self) -> None:
+        self.opened = 0
+        self.closed = 0
+
+    @contextmanager
+    def arrival(self):
+        """A context whose exit counts the arrival closed."""
+        self.opened += 1
+        try:
+            yield None
+        finally:
+            self.closed += 1
+
+
+def test_generation_routes_close_the_arrival_of_a_refused_body(client):
+    """Each generation route reads its body under an engine Arrival (an idle engine holds its first step for
+    it), and one refused before its submit (bad JSON) leaves none open behind it."""
+    counter = ArrivalCounter()
+    client.app.state.ggrun.engine = counter
+    for path in ("/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions", "/completion"):
+        r = client.post(path, content=b"{not json", headers={"Authorization": "Bearer k"})
+        assert r.status_code == 400, path
+    assert counter.opened == counter.closed == 5
