@@ -632,6 +632,93 @@ __global__ void __launch_bounds__(MQ_WARPS * 32) mmq(const u8 *w, const block_q8
     }
 }
 
+// More token rows (mmq's tiles, as ggml's mmq): a block of 4 warps takes 64 weight rows against 64 token rows
+// through shared memory. Each step decodes MT_KB blocks of 32 columns of its rows to int8 (mq_frag, four
+// threads a block) and copies the tokens' q8_1 blocks beside them (the k-quants' token sums made there), then
+// each warp multiplies its 16 rows by the 64 tokens (m16n8k32) and scales the sums as mmq does. With
+// gridDim.z > 1 (too few blocks to fill the GPU) block z takes every z-th step and writes its partial sums to
+// part[z] (N x ldo each), which mmq_sum adds in order.
+#define MT_ROWS 64
+#define MT_COLS 64
+#define MT_KB 4
+#define MT_LD (MT_KB * 32 + 16)  // bytes a shared row: 144, so the fragments' rows fall in different banks
+template <int T>
+__global__ void __launch_bounds__(128) mmq_tile(const u8 *w, const block_q8_1 *y, float *out, int ncols,
+                                               i64 row_bytes, int M, int N, i64 ldo, float *part) {
+    pdl_begin();
+    __shared__ __align__(16) i8 wq[MT_ROWS * MT_LD], yq[MT_COLS * MT_LD];
+    __shared__ float wd[MT_ROWS][MT_KB], wm[MT_ROWS][MT_KB], yd[MT_COLS][MT_KB], ys[MT_COLS][MT_KB];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane >> 2, tig = lane & 3;
+    const int m0 = blockIdx.x * MT_ROWS, n0 = blockIdx.y * MT_COLS, nb = ncols / 32;
+    const int steps = (nb + MT_KB - 1) / MT_KB, ra = warp * 16 + grp, rb = ra + 8;
+    float acc[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+    for (int st = blockIdx.z; st < steps; st += gridDim.z) {
+        const int kb0 = st * MT_KB;
+        for (int u = threadIdx.x; u < MT_ROWS * MT_KB * 4; u += 128) {  // weights: four threads a block
+            const int q = u & 3, blk = (u >> 2) % MT_KB, r = u / (4 * MT_KB), b = kb0 + blk;
+            int lo = 0, hi = 0;
+            float d = 0.0f, m = 0.0f;
+            if (b < nb) mq_frag<T>(w + (i64)min(m0 + r, M - 1) * row_bytes, b, q, lo, hi, d, m);
+            *(int *)(wq + r * MT_LD + blk * 32 + q * 4) = lo;
+            *(int *)(wq + r * MT_LD + blk * 32 + 16 + q * 4) = hi;
+            if (q == 0) wd[r][blk] = d, wm[r][blk] = m;
+        }
+        for (int u = threadIdx.x; u < MT_COLS * MT_KB * 8; u += 128) {  // activations: a word a thread
+            const int x = u & 7, blk = (u >> 3) % MT_KB, c = u / (8 * MT_KB), b = kb0 + blk, tok = n0 + c;
+            const bool in = b < nb && tok < N;
+            const block_q8_1 *yb = y + (i64)(in ? tok : 0) * nb + (in ? b : 0);
+            *(int *)(yq + c * MT_LD + blk * 32 + x * 4) = in ? ((const int *)yb->qs)[x] : 0;
+            if (x == 0) {
+                float2 ds = in ? __half22float2(yb->ds) : make_float2(0.0f, 0.0f);
+                if constexpr (MqSumQ<T>::v) ds.y = in ? ds.x * (float)q8_sum((const int *)yb->qs) : 0.0f;
+                yd[c][blk] = ds.x, ys[c][blk] = ds.y;
+            }
+        }
+        __syncthreads();
+#pragma unroll 1
+        for (int blk = 0; blk < MT_KB; blk++) {
+            const int o = blk * 32 + tig * 4;
+            const int a[4] = {*(const int *)(wq + ra * MT_LD + o), *(const int *)(wq + rb * MT_LD + o),
+                              *(const int *)(wq + ra * MT_LD + o + 16), *(const int *)(wq + rb * MT_LD + o + 16)};
+            const float da = wd[ra][blk], ma = wm[ra][blk], db = wd[rb][blk], mb = wm[rb][blk];
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++) {
+                const int cb = nt * 8 + grp, c0 = nt * 8 + 2 * tig;
+                int c[4] = {0, 0, 0, 0};
+                mma_s8(c, a, *(const int *)(yq + cb * MT_LD + o), *(const int *)(yq + cb * MT_LD + o + 16));
+                const float y0 = yd[c0][blk], s0 = ys[c0][blk], y1 = yd[c0 + 1][blk], s1 = ys[c0 + 1][blk];
+                acc[nt][0] += da * y0 * (float)c[0] + ma * s0;
+                acc[nt][1] += da * y1 * (float)c[1] + ma * s1;
+                acc[nt][2] += db * y0 * (float)c[2] + mb * s0;
+                acc[nt][3] += db * y1 * (float)c[3] + mb * s1;
+            }
+        }
+        __syncthreads();
+    }
+    float *dst = gridDim.z > 1 ? part + (i64)blockIdx.z * N * ldo : out;
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) {
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const int row = m0 + (x >= 2 ? rb : ra), tok = n0 + nt * 8 + 2 * tig + (x & 1);
+            if (row < M && tok < N) dst[(i64)tok * ldo + row] = acc[nt][x];
+        }
+    }
+}
+
+// out = the sum of mmq_tile's `splits` partial products (part[z]: N x ldo each), in order
+extern "C" __global__ void mmq_sum(const float *part, float *out, int M, int N, i64 ldo, int splits) {
+    pdl_begin();
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (i64)N * M) return;
+    const i64 at = i / M * ldo + i % M;
+    float v = 0.0f;
+    for (int z = 0; z < splits; z++) v += part[(i64)z * N * ldo + at];
+    out[at] = v;
+}
+
 // A prompt's slots grouped by expert (one block): offs[e] .. offs[e + 1] of `list` are the slots routed to
 // expert e (in no particular order: each slot's product is computed alone). `cursor` is n_expert ints of
 // scratch; the block's shared memory holds n_expert counts.
