@@ -5,7 +5,7 @@ the result) times up to GEMV_MAX_ROWS token rows: the legacy block
 types quantize the activations to q8_1 blocks in the node's scratch and take integer dot products
 (mmvq, as ggml's CUDA backend); other types decode their blocks inside the product (gemv). Up to
 MMQ_MAX_ROWS token rows of a type with a scale per 32 weights: the q8_1 activations meet the weights'
-quants on int8 tensor cores (mmq and mmq_tile, as ggml's mmq), reading each weight once per 64 token rows. More
+quants on int8 tensor cores (mmq, as ggml's), reading each weight once. More
 token rows: the weight is decoded to f16 one tile of rows at a time into scratch and multiplied
 by cuBLAS (f32 accumulation; through blas.py, which CUDA graphs capture), the activations converted
 to f16 once. Products of two float operands (attention without the fused op) run a plain strided
@@ -28,10 +28,8 @@ from ggrun.core.dtypes import DType
 from ggrun.core.tensor import Tensor
 
 GEMV_MAX_ROWS = 8
-MMQ_MAX_ROWS = 128  # token rows up to which the int8 tensor-core kernels serve (past GEMV_MAX_ROWS)
-MMQ_FEW_ROWS = 16  # up to here mmq (a block of 16 weight rows, warps over the columns), past it mmq_tile
-MT_ROWS, MT_COLS, MT_KB = 64, 64, 4  # mmq_tile's weight rows, token rows and 32-column blocks a step (matmul.cu)
-SPLIT_BLOCKS = 264  # mmq_tile's blocks below which its columns are split over more (two waves of 132 SMs)
+MMQ_MAX_ROWS = 16  # token rows up to which mmq serves (past GEMV_MAX_ROWS): on an H200 (llama-1b Q4_0) a decode
+# step of 16 sequences went 4,142 -> 4,826 t/s; at 32 and 64 rows decoding to f16 for cuBLAS was faster (-5%, -21%)
 MQ_WARPS = 8  # warps of an mmq block (matmul.cu)
 TILE_BYTES = 32 << 20  # f16 bytes of one decoded weight tile
 WARPS = 4
@@ -76,22 +74,8 @@ def _scratch(node: Tensor) -> int:
     if n <= GEMV_MAX_ROWS:
         return n * (k // 32) * Q8_1_BYTES if _quantizes(node, k) else 0
     if _mmq_serves(node, k, n):
-        return _q8_bytes(n, k) + max(_splits(m, n, k) * n * m * 4 if _splits(m, n, k) > 1 else 0 for m in ms)
+        return n * (k // 32) * Q8_1_BYTES
     return (max(_tile_rows(m, k) for m in ms) + n) * k * 2
-
-
-def _q8_bytes(n: int, k: int) -> int:
-    """Bytes of n rows of q8_1 activations, rounded up so what follows them in scratch stays aligned."""
-    return -(-n * (k // 32) * Q8_1_BYTES // 256) * 256
-
-
-def _splits(m: int, n: int, k: int) -> int:
-    """How many parts mmq_tile splits the columns of an m x k weight times n rows into: enough blocks to fill
-    the GPU, at most 8 and one step of MT_KB blocks each; 1 for mmq's few rows."""
-    if n <= MMQ_FEW_ROWS:
-        return 1
-    blocks = -(-m // MT_ROWS) * -(-n // MT_COLS)
-    return max(1, min(8, -(-(k // 32) // MT_KB), SPLIT_BLOCKS // blocks))
 
 
 def _mmq_serves(node: Tensor, k: int, n: int) -> bool:
@@ -251,28 +235,15 @@ def _mmvq(group: list, y0: int, k: int, row0: int, c: int) -> Launch:
 
 
 def _mmq(parts: list, b, ldb: int, scratch, k: int, n: int) -> Step:
-    """Token rows past GEMV_MAX_ROWS on int8 tensor cores: the activations quantized to q8_1 in scratch once,
-    then per weight an mmq launch (up to MMQ_FEW_ROWS rows: 16 weight rows a block) or an mmq_tile launch
-    (64 x 64 tiles; split over the columns, and the parts summed by mmq_sum, when the tiles are few)."""
+    """A few dozen token rows: the activations quantized to q8_1 in scratch once, then an mmq launch per weight
+    (16 weight rows by up to 64 token rows a block)."""
     y = scratch.data.ptr
-    part = y + _q8_bytes(n, k)
     launches = [quantize_launch(b, ldb, y, k, n)]
+    nt = next(t for t in MMQ_TILES if n <= 8 * t)
     for qt, a, m, out_at in parts:
-        if n <= MMQ_FEW_ROWS:
-            nt = next(t for t in MMQ_TILES if n <= 8 * t)
-            fn = kernel("matmul.cu", f"mmq<{TYPE_IDS[qt.name]}, {nt}>")
-            args = (ptr(a), np.uint64(y), np.uint64(out_at), i32(k), i64(qt.row_bytes(k)), i32(m), i32(n), i64(m))
-            launches.append(Launch(fn, (-(-m // 16), -(-n // (8 * nt))), (32 * MQ_WARPS,), args))
-            continue
-        split = _splits(m, n, k)
-        fn = kernel("matmul.cu", f"mmq_tile<{TYPE_IDS[qt.name]}>")
-        args = (ptr(a), np.uint64(y), np.uint64(out_at), i32(k), i64(qt.row_bytes(k)), i32(m), i32(n), i64(m),
-                np.uint64(part))
-        launches.append(Launch(fn, (-(-m // MT_ROWS), -(-n // MT_COLS), split), (128,), args))
-        if split > 1:
-            grid, block = grid1d(n * m)
-            launches.append(Launch(kernel("matmul.cu", "mmq_sum"), grid, block,
-                                   (np.uint64(part), np.uint64(out_at), i32(m), i32(n), i64(m), i32(split))))
+        fn = kernel("matmul.cu", f"mmq<{TYPE_IDS[qt.name]}, {nt}>")
+        args = (ptr(a), np.uint64(y), np.uint64(out_at), i32(k), i64(qt.row_bytes(k)), i32(m), i32(n), i64(m))
+        launches.append(Launch(fn, (-(-m // 16), -(-n // (8 * nt))), (32 * MQ_WARPS,), args))
     return launch_step("mul_mat (mmq)", *launches)
 
 
