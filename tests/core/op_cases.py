@@ -138,7 +138,7 @@ def _mul_mat_glu(types: tuple[DType, DType], n_tokens: int, glu: str):
 
 
 def product_cases() -> list[OpCase]:
-    cases = [OpCase(f"mul_mat-{t}-n{n}", _mul_mat(t, 67, n), MUL_MAT) for t in TYPES for n in (1, 2, 3, 7, 8, 9, 16, 17, 64)]
+    cases = [OpCase(f"mul_mat-{t}-n{n}", _mul_mat(t, 67, n), MUL_MAT) for t in TYPES for n in (1, 2, 3, 7, 8, 9, 16, 17, 64, 100)]
     cases += [OpCase(f"mul_mat-beyond-65535-rows-n{n}", _mul_mat(DType.Q4_0, 70_001, n), MUL_MAT) for n in (1, 512)]
     cases += [OpCase(f"get_rows-{t}", _get_rows_stored(t, 40, ids=[3, 0, 39, 3, 17]), ELEMENTWISE) for t in TYPES]
     cases += [OpCase(f"attention-products-{t}", _attention_products(t), MUL_MAT, CUDA) for t in (F16, F32)]
