@@ -47,6 +47,7 @@ class UBatch:
     out_rows: np.ndarray  # i32 [n_outputs]: rows of this micro-batch that need logits
     first: int  # index of its first token in the batch
     n_pad: int = 0  # rows at the end that only pad it to its bucket's size (buckets.py)
+    n_out_pad: int = 0  # entries at the end of out_rows that only pad the outputs to their bucket (buckets.py)
 
     @property
     def n_tokens(self) -> int:
@@ -60,6 +61,11 @@ class UBatch:
     @property
     def n_outputs(self) -> int:
         return len(self.out_rows)
+
+    @property
+    def n_real_outputs(self) -> int:
+        """Outputs that are the batch's (all but the padding)."""
+        return len(self.out_rows) - self.n_out_pad
 
 
 def split_batch(batch: Batch, n_ubatch: int) -> list[UBatch]:

@@ -7,6 +7,12 @@ smaller), and the rows past B are padding: token 0 at position 0, each writing i
 one free cell of each cache that no token sees (the mask hides free cells), attending to cell 0 only
 (finite, whatever it holds, so no NaN), its logits computed and never read. The graph of a bucket is
 then reused while B moves within it.
+
+A session of many sequences on a GPU pads its other micro-batches too (pad_mixed): a step where prompts
+join decoding sequences, or a burst of prompts, has as many tokens and outputs as its arrivals make, so
+each would build and plan a graph of its own (20-30 ms of Python) and run it uncaptured. Their tokens are
+padded the same way to a power of two (up to n_ubatch) and their outputs to one too, by repeating the last
+output row; a padded output's logits are computed and never read.
 """
 from __future__ import annotations
 
@@ -32,6 +38,49 @@ def wants_bucket(ub: UBatch) -> bool:
     return 1 < n <= MAX_BUCKET and ub.n_outputs == n and len(np.unique(ub.seq)) == n
 
 
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def pad_mixed(st: UBatchState, n_ubatch: int) -> UBatchState:
+    """st with a micro-batch of several tokens that is not a decode step padded to powers of two: its tokens
+    (at most n_ubatch) and its outputs (at most its padded tokens); unchanged where nothing would change or a
+    cache has no free cell for padding rows."""
+    ub = st.ub
+    if ub.n_tokens < 2 or wants_bucket(ub) or ub.n_pad:
+        return st
+    size = bucket_size(ub.n_tokens, n_ubatch)
+    n_out = ub.n_outputs
+    outs = min(size, _pow2(n_out)) if n_out else 0
+    if size == ub.n_tokens and outs == n_out:
+        return st
+    if size > ub.n_tokens:
+        padded = _padded_rows(st, size)
+        if padded is None:
+            return st
+        st = padded
+    out_rows = np.concatenate([ub.out_rows, np.full(outs - n_out, ub.out_rows[-1] if n_out else 0, np.int32)])
+    return replace(st, ub=replace(st.ub, out_rows=out_rows.astype(np.int32), n_out_pad=outs - n_out))
+
+
+def _padded_rows(st: UBatchState, size: int) -> UBatchState | None:
+    """st with rows up to `size` added: token 0 at position 0, each writing one spare cell of each cache (free,
+    so no token sees it); None when a cache has no spare cell."""
+    ub = st.ub
+    n_pad = size - ub.n_tokens
+    spare = [c.spare_cell() for c in (st.kv, st.kv_swa) if c is not None]
+    if any(cell < 0 for cell in spare):
+        return None
+    zeros = np.zeros(n_pad, dtype=np.int32)
+    padded = replace(ub, tokens=np.concatenate([ub.tokens, zeros]), pos=np.concatenate([ub.pos, zeros]),
+                     seq=np.concatenate([ub.seq, zeros]), n_pad=n_pad)
+    cells = np.concatenate([st.cells, np.full(n_pad, spare[0], dtype=np.int32)])
+    cells_swa = None
+    if st.kv_swa is not None:
+        cells_swa = np.concatenate([st.cells_swa, np.full(n_pad, spare[1], dtype=np.int32)])
+    return replace(st, ub=padded, cells=cells, cells_swa=cells_swa)
+
+
 def pad_state(st: UBatchState, n_ubatch: int) -> UBatchState:
     """st with its micro-batch padded to its bucket (unchanged when it is not a decode step, already a
     bucket's size, or a cache has no free cell left for the padding rows to write into)."""
@@ -39,18 +88,11 @@ def pad_state(st: UBatchState, n_ubatch: int) -> UBatchState:
     if not wants_bucket(ub):
         return st
     size = bucket_size(ub.n_tokens, n_ubatch)
+    if size == ub.n_tokens:
+        return st
+    padded = _padded_rows(st, size)
+    if padded is None:
+        return st
     n_pad = size - ub.n_tokens
-    if n_pad == 0:
-        return st
-    spare = [c.spare_cell() for c in (st.kv, st.kv_swa) if c is not None]
-    if any(cell < 0 for cell in spare):
-        return st
-    zeros = np.zeros(n_pad, dtype=np.int32)
-    padded = UBatch(np.concatenate([ub.tokens, zeros]), np.concatenate([ub.pos, zeros]),
-                    np.concatenate([ub.seq, zeros]), np.arange(size, dtype=np.int32), ub.first, n_pad)
-    cells = np.concatenate([st.cells, np.full(n_pad, spare[0], dtype=np.int32)])
-    cells_swa = None
-    if st.kv_swa is not None:
-        cells_swa = np.concatenate([st.cells_swa, np.full(n_pad, spare[1], dtype=np.int32)])
-    return replace(st, ub=padded, cells=cells, cells_swa=cells_swa)
+    return replace(padded, ub=replace(padded.ub, out_rows=np.arange(size, dtype=np.int32), n_out_pad=n_pad))
 

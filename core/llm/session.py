@@ -26,7 +26,7 @@ from ggrun.core.graph import build_graph
 from ggrun.core.llm import reservation
 from ggrun.core.llm.batch import Batch, UBatch, split_batch
 from ggrun.core.llm.batched_sampler import SamplingRows, sample_on_host
-from ggrun.core.llm.buckets import pad_state, wants_bucket
+from ggrun.core.llm.buckets import pad_mixed, pad_state, wants_bucket
 from ggrun.core.llm.blocks import Build
 from ggrun.core.llm.budget import Budget
 from ggrun.core.llm.graph_debug import decision_line, graph_debug_level, print_ubatch
@@ -316,6 +316,8 @@ class Session:
                 apply_k_shift(self.model, self.sched, cache)
         one_per_seq = wants_bucket(ub)
         st = pad_state(self.place_ubatch(ub), self.n_ubatch)
+        if self.seq_words:  # many sequences off the CPU: mixed steps and prompts padded too (buckets.pad_mixed)
+            st = pad_mixed(st, self.n_ubatch)
         if sampling is not None:
             st = replace(st, sampling=sampling)
         ub = st.ub
@@ -351,11 +353,12 @@ class Session:
         if not finite:
             self._ready = None  # the culprit's search fills the inputs again
             raise self._non_finite(ub, out, res, partial(res.set_inputs, st, self.sched.cpu))
+        real = ub.n_real_outputs
         if self._kept_logits is not None and ub.n_outputs:
-            self._kept_logits.append(np.array(self.sched.get_tensor(res.logits)[:ub.n_real]))
+            self._kept_logits.append(np.array(self.sched.get_tensor(res.logits)[:real]))
         if self._kept_logprobs is not None and ub.n_outputs:
-            self._kept_logprobs.append(self._logprobs(res, out[:ub.n_real]))
-        return out[:ub.n_real] if ub.n_pad else out
+            self._kept_logprobs.append(self._logprobs(res, out[:real]))
+        return out[:real] if ub.n_out_pad else out
 
     def _logprobs(self, res: GraphResult, ids: np.ndarray) -> np.ndarray:
         """The micro-batch's ops.sample_logprobs rows; a row whose token the host drew (ops.SAMPLE_ON_HOST: the

@@ -109,3 +109,39 @@ def test_find_cells_falls_back_to_any_free_cell():
     assert cells.tolist() == [2 * BLOCK + 1, 2 * BLOCK + 2, 2 * BLOCK + 3]
     pos[:] = 0
     assert find_cells(pos, seqs, tail, np.array([0], np.int32)) is None
+
+
+def _mixed_steps(model: Model, from_cells: bool) -> tuple[list[np.ndarray], list[tuple[int, int]]]:
+    """Three sequences' prompts in one batch, then two steps where each decodes one token and a new sequence's
+    prompt joins (5 tokens, then 4): the logits each batch gives and its graph's (n_tokens, n_outputs)."""
+    s = Session(model, SessionParams(n_ctx=512, n_seq_max=N_SEQ, mask_from_cells=from_cells))
+    b = Batch()
+    for q, n in enumerate((4, 2, 3)):
+        for i in range(n):
+            b.add(10 * q + i + 1, i, q, i == n - 1)
+    outs = [s.decode(b).copy()]
+    shapes = [(s.result.params.n_tokens, s.result.params.n_outputs)]
+    pos = [4, 2, 3]
+    for new, n in ((3, 5), (4, 4)):
+        b = Batch()
+        for q in range(3):
+            b.add(50 + q, pos[q], q, True)
+            pos[q] += 1
+        for i in range(n):
+            b.add(90 + i, i, new, i == n - 1)
+        outs.append(s.decode(b).copy())
+        shapes.append((s.result.params.n_tokens, s.result.params.n_outputs))
+    return outs, shapes
+
+
+def test_mixed_steps_of_a_many_sequence_session_pad_to_powers_of_two(tiny):
+    """Where masks are made from the cells (a GPU session of many sequences), a step mixing decode tokens and a
+    joining prompt is padded to 8 tokens and 4 outputs both times (3 + 5 and 3 + 4 tokens, 4 outputs), so the
+    second reuses the first's graph, and three prompts (9 tokens, 3 outputs) to 16 and 4; the real rows'
+    logits are those of the unpadded session."""
+    got, shapes = _mixed_steps(tiny, True)
+    want, plain = _mixed_steps(tiny, False)
+    assert shapes == [(16, 4), (8, 4), (8, 4)] and plain == [(9, 3), (8, 4), (7, 4)]
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=0, atol=2e-5)
