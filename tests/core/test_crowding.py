@@ -1,4 +1,4 @@
-"""The crowding watch (core.backends.cpu.crowding) and the CPU backend's use of it: small steps held on one
+"""The crowding watch (core.backends.cpu.crowding) and the CPU backend's use of it: decode steps held on one
 thread while the process's threads wait for cores, split again once a core is spare, and the same results
 either way. The clock, the run-queue count and the machine's runnable count are faked: no timing."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from ggrun.core import ops
 from ggrun.core.backends.cpu import CPUBackend, crowding, jit, matmul, threads
-from ggrun.core.backends.cpu.backend import StepCalls, small_step
+from ggrun.core.backends.cpu.backend import StepCalls, decode_step
 from ggrun.core.backends.op_harness import planned, weight_data
 from ggrun.core.dtypes import DType
 
@@ -27,7 +27,7 @@ class FakeMachine:
         monkeypatch.setattr(crowding, "usable_cpus", lambda: 2)
 
     def step(self, watch: crowding.Crowding, ms: float, waited: float) -> bool:
-        """One small step of `ms` wall time, `waited` of it runnable but not running; did it run on one thread?"""
+        """One decode step of `ms` wall time, `waited` of it runnable but not running; did it run on one thread?"""
         one = watch.one_thread(2)
         self.now += int(ms * MS)
         self.wait += int(waited * MS)
@@ -117,7 +117,7 @@ def test_a_held_step_runs_on_one_thread_and_computes_the_same(polling_two_thread
     for t, data in leafs.feeds.items():
         sched.set_tensor(t, data)
     calls = backend.prepare(sg.splits[0].nodes)
-    assert isinstance(calls, StepCalls) and calls.small
+    assert isinstance(calls, StepCalls) and calls.decode
     seen = []
     calls.append(lambda: seen.append(numba.get_num_threads()))
     backend.crowding.start = None
@@ -129,8 +129,15 @@ def test_a_held_step_runs_on_one_thread_and_computes_the_same(polling_two_thread
     assert np.array_equal(backend.array(out), split)
 
 
-def test_prompt_sized_steps_are_not_small():
+@pytest.mark.parametrize("rows,decode", [(1, True), (8, True), (64, False)])
+def test_decode_steps_are_those_of_few_rows(rows, decode):
     _, sg, _, _ = planned(CPUBackend(), lambda lf: ops.mul_mat(
         lf.weight("w", DType.F32, (4, 8), np.ones((4, 8), np.float32)),
-        lf.input("x", DType.F32, np.ones((64, 8), np.float32))))
-    assert not small_step(sg.splits[0].nodes)
+        lf.input("x", DType.F32, np.ones((rows, 8), np.float32))))
+    assert decode_step(sg.splits[0].nodes) is decode
+
+
+def test_a_split_without_products_is_not_watched():
+    _, sg, _, _ = planned(CPUBackend(), lambda lf: ops.get_rows(
+        lf.weight("w", DType.F32, (4, 8), np.ones((4, 8), np.float32)), lf.input("ids", DType.I32, np.zeros(1, np.int32))))
+    assert not decode_step(sg.splits[0].nodes)

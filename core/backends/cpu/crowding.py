@@ -6,13 +6,14 @@ its share of a core while it polls, so the scheduler soon puts it behind them, a
 then waits most of a time slice for it: a Qwen3-0.6B-shaped decode step at -t 2 took ~250 ms here
 beside busy processes, where one thread takes ~20. So:
 - while steps split, the kernel's count of the time this process's threads spent runnable but not
-  running (/proc/self/task/*/schedstat, its second field) is read after each small step (decode: a few
-  rows of activations); past CROWDED_SHARE of the wall time since the watch began, the process is crowded;
-- crowded, small steps run on one thread for at least HOLD of them, and then until Linux's count of
+  running (/proc/self/task/*/schedstat, its second field) is read after each decode step (products of a
+  few rows of activations); past CROWDED_SHARE of the wall time since the watch began, the process is crowded;
+- crowded, decode steps run on one thread for at least HOLD of them, and then until Linux's count of
   runnable threads (/proc/loadavg) has shown a core to spare for the others ROOM_STEPS steps running;
   then they split again and the watch restarts. Each return that meets the crowd again doubles the hold
   (up to MAX_HOLD), so a count that misleads (a container's view of a larger host) costs little.
-Prompt-sized steps always split: their kernels are long beside a wait.
+Prompt-sized steps (backend.decode_step tells them apart) always split: their kernels are long beside a
+wait.
 
 It never changes what a kernel computes: a one-thread step runs the same chunks, one after another.
 """
@@ -28,7 +29,7 @@ TASKS = "/proc/self/task"
 LOADAVG = "/proc/loadavg"
 CROWDED_SHARE = 0.15    # run-queue wait over wall time above which the process is crowded
 MIN_WALL_NS = 2_000_000  # wall time the watch needs before it judges
-HOLD = 32               # small steps on one thread after the first crowded watch, at least
+HOLD = 32               # decode steps on one thread after the first crowded watch, at least
 MAX_HOLD = 1024
 ROOM_STEPS = 16         # steps in a row with a core to spare before splitting again
 
@@ -68,16 +69,16 @@ def others_running() -> int | None:
 
 @dataclass
 class Crowding:
-    """The watch's state: splitting and measuring since `start`, or holding small steps on one thread."""
+    """The watch's state: splitting and measuring since `start`, or holding decode steps on one thread."""
     threads: int = 1
     held: bool = False
-    hold: int = 0                 # small steps still to run on one thread before looking for room
+    hold: int = 0                 # decode steps still to run on one thread before looking for room
     room: int = 0                 # steps in a row that found a core to spare for the other threads
     next_hold: int = HOLD
     start: tuple[int, int] | None = None  # (wall ns, wait ns) where the watch began
 
     def one_thread(self, threads: int) -> bool:
-        """Whether the next small step of a `threads`-thread process runs on one thread."""
+        """Whether the next decode step of a `threads`-thread process runs on one thread."""
         self.threads = threads
         if self.held:
             self._look_for_room()
@@ -89,7 +90,7 @@ class Crowding:
         return False
 
     def after_step(self) -> None:
-        """After a small step that split: judge the watch so far."""
+        """After a decode step that split: judge the watch so far."""
         if self.held or self.start is None:
             return
         wall0, wait0 = self.start
