@@ -7,7 +7,7 @@ may run on.
 
 An idle thread polls for new work a while before it sleeps, as llama.cpp's do: --poll 0..100 (default
 50) is llama.cpp's level, 1024 * 128 rounds of a pause each per level (llama.cpp's
-ggml_graph_compute_poll_for_work; about 25 ms a level here). ggrun's threads are numba's OpenMP team, so
+ggml_graph_compute_poll_for_work; about 3 ms a level here, a round ~25 ns). ggrun's threads are numba's OpenMP team, so
 the level becomes libgomp's GOMP_SPINCOUNT (rounds of the same kind), and level 0 OMP_WAIT_POLICY=PASSIVE
 (sleep at once). Polling threads wake in microseconds, so the layers' products of a decode step split
 across the threads (matmul.py); sleeping ones take ~60 us, which only the large products repay. A
