@@ -30,7 +30,7 @@ SYS_CPU = Path("/sys/devices/system/cpu")
 DEFAULT_POLL = 50  # llama.cpp's default level
 MAX_POLL = 100
 POLL_ROUNDS = 1024 * 128  # pause rounds per level (llama.cpp's n_rounds)
-_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # what OpenMP reads (this module sets them on import)
 _threads = 1
 _poll = DEFAULT_POLL
 
@@ -44,7 +44,7 @@ def wait_environment(level: int) -> dict[str, str | None]:
 
 def _apply_wait(level: int, explicit: bool) -> None:
     """Put level's settings into the environment OpenMP reads; a user's own, unless explicit, stay."""
-    if not explicit and any(name in os.environ for name in _WAIT_VARIABLES):
+    if not explicit and any(name in os.environ for name in WAIT_VARIABLES):
         return
     for name, value in wait_environment(level).items():
         if value is None:
