@@ -100,7 +100,8 @@ def measure(args, path: Path) -> None:
         pp_key, tg_key = f"pp{args.p}", f"tg{args.n}"
         for name, m in med.items():
             vs = (f"{m[pp_key] / theirs[pp_key]:.2f} | {m[tg_key] / theirs[tg_key]:.2f}" if theirs else "- | -")
-            print(f"| {name} | {m[pp_key]:.1f} | {m[tg_key]:.1f} | {m[tg_key] / med['ggrun -t 1'][tg_key]:.2f} | {vs} |")
+            vs_one = m[tg_key] / med["ggrun -t 1"][tg_key]
+            print(f"| {name} | {m[pp_key]:.1f} | {m[tg_key]:.1f} | {vs_one:.2f} | {vs} |")
 
 
 if __name__ == "__main__":

@@ -139,5 +139,6 @@ def test_decode_steps_are_those_of_few_rows(rows, decode):
 
 def test_a_split_without_products_is_not_watched():
     _, sg, _, _ = planned(CPUBackend(), lambda lf: ops.get_rows(
-        lf.weight("w", DType.F32, (4, 8), np.ones((4, 8), np.float32)), lf.input("ids", DType.I32, np.zeros(1, np.int32))))
+        lf.weight("w", DType.F32, (4, 8), np.ones((4, 8), np.float32)),
+        lf.input("ids", DType.I32, np.zeros(1, np.int32))))
     assert not decode_step(sg.splits[0].nodes)
