@@ -17,18 +17,18 @@ from typing import TextIO
 from ggrun.core.llm.bench import BenchTest
 
 LLAMA_FIELDS = ("build_commit", "cpu_info", "gpu_info", "backends", "model_filename", "model_type", "model_size",
-                "model_n_params", "n_batch", "n_ubatch", "n_threads", "type_k", "type_v", "n_gpu_layers",
+                "model_n_params", "n_batch", "n_ubatch", "n_threads", "poll", "type_k", "type_v", "n_gpu_layers",
                 "split_mode", "main_gpu", "flash_attn", "devices", "tensor_split", "n_prompt", "n_gen", "n_depth",
                 "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts")
 GGRUN_FIELDS = ("ggrun_version", "n_ctx", "graph_reuse", "numerics")
 FIELDS = LLAMA_FIELDS + GGRUN_FIELDS
-INT_FIELDS = {"model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads", "n_gpu_layers", "main_gpu", "flash_attn",
+INT_FIELDS = {"model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads", "poll", "n_gpu_layers", "main_gpu", "flash_attn",
               "n_prompt", "n_gen", "n_depth", "avg_ns", "stddev_ns", "n_ctx", "graph_reuse"}
 FLOAT_FIELDS = {"avg_ts", "stddev_ts"}
 FORMATS = ("md", "csv", "json", "jsonl", "sql")
 
 # markdown: llama-bench's widths (negative: left-aligned) and display names
-WIDTHS = {"model": -30, "size": 10, "params": 10, "backend": -10, "n_gpu_layers": 3, "n_threads": 7, "n_batch": 7,
+WIDTHS = {"model": -30, "size": 10, "params": 10, "backend": -10, "n_gpu_layers": 3, "n_threads": 7, "poll": 10, "n_batch": 7,
           "n_ubatch": 8, "type_k": 6, "type_v": 6, "split_mode": -10, "main_gpu": 10, "flash_attn": 3,
           "devices": -10, "tensor_split": -12, "graph_reuse": 5, "test": 15, "t/s": 20}
 NAMES = {"n_gpu_layers": "ngl", "n_threads": "threads", "split_mode": "sm", "flash_attn": "fa", "devices": "dev",

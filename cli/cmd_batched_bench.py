@@ -38,6 +38,7 @@ class BatchedBenchSettings:
     n_batch: int = 2048
     n_ubatch: int = 512
     n_threads: int | None = None
+    poll: int | None = None  # --poll: None, the default level
     n_gpu_layers: int = 0
     split: DeviceSplit = DeviceSplit()
     type_k: DType = DType.F16
@@ -70,7 +71,8 @@ class BatchedBenchSettings:
 def run_batched_bench(s: BatchedBenchSettings, gpu_layers: int) -> None:
     """Load the model once, warm up, then measure and print every row that fits the context."""
     s.check()
-    m = load_model(s.model, gpu_layers, quiet=True, threads=s.n_threads, numerics=s.numerics, split=s.split)
+    m = load_model(s.model, gpu_layers, quiet=True, threads=s.n_threads, numerics=s.numerics, split=s.split,
+                   poll=s.poll)
     set_threads(s.n_threads)
     params = SessionParams(n_ctx=s.context, n_batch=s.n_batch, n_ubatch=s.n_ubatch, n_seq_max=max(s.npl),
                            type_k=s.type_k, type_v=s.type_v, graph_reuse=s.graph_reuse, flash_attn=s.flash_attn != 0)

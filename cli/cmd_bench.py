@@ -26,7 +26,9 @@ from ggrun.cli.common import err_console, list_devices, load_model
 from ggrun.cli.interrupt import Interrupt
 from ggrun.cli.value_lists import int_values, str_values
 from ggrun.core.backends.cpu import set_threads
+from ggrun.core.backends.cpu.jit import poll as current_poll
 from ggrun.core.backends.cpu.jit import threads as current_threads
+from ggrun.core.backends.cpu.threads import DEFAULT_POLL
 from ggrun.core.backends.registry import probe, usable_backends
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import BadInput, Interrupted
@@ -74,6 +76,7 @@ class BenchSettings:
     type_v: tuple[DType, ...] = (DType.F16,)
     flash_attn: tuple[int, ...] = (-1,)
     n_threads: tuple[int | None, ...] = (None,)
+    poll: int | None = None  # --poll, one level (OpenMP fixes its threads' wait when they start); None: the default
     n_gpu_layers: tuple[int, ...] = (0,)
     split_mode: tuple[str, ...] = ("layer",)
     main_gpu: tuple[int, ...] = (0,)
@@ -120,6 +123,8 @@ class BenchSettings:
         d = BenchSettings()
         cols = ["n_gpu_layers"] if device else []
         cols.append("n_threads")
+        if self.poll not in (None, DEFAULT_POLL):
+            cols.append("poll")
         for name in ("n_batch", "n_ubatch", "type_k", "type_v", "split_mode", "main_gpu", "flash_attn", "devices",
                      "tensor_split", "graph_reuse"):
             if getattr(self, name) != getattr(d, name):
@@ -138,6 +143,7 @@ def settings(
     cache_type_k: Optional[list[str]] = typer.Option(None, "-ctk", "--cache-type-k", help="KV cache types for K (default f16)"),
     cache_type_v: Optional[list[str]] = typer.Option(None, "-ctv", "--cache-type-v", help="KV cache types for V (default f16)"),
     threads: Optional[list[str]] = typer.Option(None, "-t", "--threads", help="CPU thread counts (default: ggrun's)"),
+    poll: Optional[list[str]] = typer.Option(None, "--poll", help=f"Polling level of idle CPU threads, 0..100, one value (0: they sleep at once; default {DEFAULT_POLL})"),
     n_gpu_layers: Optional[list[str]] = typer.Option(None, "-ngl", "--n-gpu-layers", help="Layers offloaded (default 0; -1: all)"),
     split_mode: Optional[list[str]] = typer.Option(None, "-sm", "--split-mode", help="none|layer|row (default layer)"),
     main_gpu: Optional[list[str]] = typer.Option(None, "-mg", "--main-gpu", help="Main device indexes (default 0)"),
@@ -163,7 +169,7 @@ def settings(
     if list_devices_:
         return BenchSettings(list_devices=True)
     if batched:
-        return _batched_settings(model, npp, ntg, npl, pps, ctx_size, batch_size, ubatch_size, threads,
+        return _batched_settings(model, npp, ntg, npl, pps, ctx_size, batch_size, ubatch_size, threads, poll,
                                  n_gpu_layers, device, split_mode, tensor_split, main_gpu, cache_type_k,
                                  cache_type_v, flash_attn, graph_reuse, numerics, output)
     if npp or ntg or npl or pps:
@@ -178,6 +184,7 @@ def settings(
     if any(x not in (0, 1) for x in reuse):
         raise BadInput(f"--graph-reuse {','.join(graph_reuse)}: values must be 0 or 1")
     n_threads = int_values(threads, "-t", [], minimum=1) or (None,)
+    level = _poll(poll)
     s = BenchSettings(
         models=str_values(model, ["smollm2"]), n_prompt=int_values(n_prompt, "-p", [512]),
         n_gen=int_values(n_gen, "-n", [128]), pg=tuple(_pg(v) for v in pg or ()),
@@ -185,7 +192,7 @@ def settings(
         n_ubatch=int_values(ubatch_size, "-ub", [512], minimum=1),
         type_k=tuple(_cache_type(v, "-ctk") for v in str_values(cache_type_k, ["f16"])),
         type_v=tuple(_cache_type(v, "-ctv") for v in str_values(cache_type_v, ["f16"])),
-        flash_attn=tuple(_flash_attn(v) for v in str_values(flash_attn, ["auto"])), n_threads=n_threads,
+        flash_attn=tuple(_flash_attn(v) for v in str_values(flash_attn, ["auto"])), n_threads=n_threads, poll=level,
         n_gpu_layers=int_values(n_gpu_layers, "-ngl", [0], allow_negative=True, minimum=-1),
         split_mode=str_values(split_mode, ["layer"]), main_gpu=int_values(main_gpu, "-mg", [0]),
         devices=tuple(None if v == "auto" else o.parse_devices(v) for v in str_values(device, ["auto"])),
@@ -204,7 +211,18 @@ def _one(values: Optional[list[str]], flag: str) -> str | None:
     return items[0] if items else None
 
 
-def _batched_settings(model, npp, ntg, npl, pps, ctx_size, batch_size, ubatch_size, threads, n_gpu_layers, device,
+def _poll(values: Optional[list[str]]) -> int | None:
+    """--poll's one level (None: not given). llama-bench takes a list, but OpenMP reads its threads' wait
+    settings once, when they start, so one process cannot measure several."""
+    levels = int_values(values, "--poll", [], minimum=0)
+    if len(levels) > 1:
+        raise BadInput(f"--poll {','.join(values)}: ggrun bench takes one level (its threads' wait is set when they start)")
+    level = levels[0] if levels else None
+    o.check_poll(level)
+    return level
+
+
+def _batched_settings(model, npp, ntg, npl, pps, ctx_size, batch_size, ubatch_size, threads, poll, n_gpu_layers, device,
                       split_mode, tensor_split, main_gpu, cache_type_k, cache_type_v, flash_attn, graph_reuse,
                       numerics, output) -> BatchedBenchSettings:
     """The record of a `bench --batched` line: the lists llama-batched-bench takes, one value of the rest."""
@@ -228,7 +246,7 @@ def _batched_settings(model, npp, ntg, npl, pps, ctx_size, batch_size, ubatch_si
     s = BatchedBenchSettings(
         model=one["-m"] or "smollm2", npp=int_values(npp, "-npp", [128]), ntg=int_values(ntg, "-ntg", [128]),
         npl=int_values(npl, "-npl", [1], minimum=1), shared=pps, n_ctx=ctx_size, n_batch=num("-b", 2048),
-        n_ubatch=num("-ub", 512), n_threads=None if one["-t"] is None else num("-t", 1),
+        n_ubatch=num("-ub", 512), n_threads=None if one["-t"] is None else num("-t", 1), poll=_poll(poll),
         n_gpu_layers=num("-ngl", 0, -1), split=split,
         type_k=_cache_type(one["-ctk"] or "f16", "-ctk"), type_v=_cache_type(one["-ctv"] or "f16", "-ctv"),
         flash_attn=_flash_attn(one["-fa"] or "auto"), graph_reuse=num("--graph-reuse", 1, 0) != 0,
@@ -314,7 +332,7 @@ def _run_all(s: BenchSettings, configs: list[Config], paths: dict, printer: Prin
             if loaded is None or loaded[0] != key:
                 loaded = None  # the previous model's memory goes before the next one's is taken
                 m = load_model(cfg.model, _gpu_layers(cfg.n_gpu_layers), quiet=True, threads=cfg.n_threads,
-                               numerics=s.numerics, split=cfg.split, kv_types=(cfg.type_k, cfg.type_v))
+                               numerics=s.numerics, split=cfg.split, kv_types=(cfg.type_k, cfg.type_v), poll=s.poll)
                 loaded = (key, m)
             m = loaded[1]
             set_threads(cfg.n_threads)
@@ -352,6 +370,7 @@ def record(cfg: Config, m: Model, path: Path, res: BenchResult, numerics: str) -
         "n_batch": cfg.n_batch,
         "n_ubatch": cfg.n_ubatch,
         "n_threads": current_threads(),
+        "poll": current_poll(),
         "type_k": cfg.type_k.label,
         "type_v": cfg.type_v.label,
         "n_gpu_layers": cfg.n_gpu_layers,

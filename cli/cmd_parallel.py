@@ -47,6 +47,7 @@ class ParallelSettings:
     n_gpu_layers: int = 0
     split: DeviceSplit = DeviceSplit()  # -dev, -sm, -ts, -mg
     threads: int | None = None
+    poll: int | None = None  # --poll: None, the default level
     numerics: str = "llama"
     type_k: DType = DType.F16
     type_v: DType = DType.F16
@@ -74,7 +75,7 @@ def settings(
     ctx_size: o.Ctx = 0, batch_size: o.BatchSize = 2048, ubatch_size: o.UBatchSize = 512,
     n_gpu_layers: o.GpuLayers = 0, device: o.Devices = None, split_mode: o.SplitMode = "layer",
     tensor_split: o.TensorSplit = None, main_gpu: o.MainGpu = 0, threads: o.Threads = None,
-    numerics: o.Numerics = "llama", cache_type_k: o.CacheTypeK = DType.F16, cache_type_v: o.CacheTypeV = DType.F16,
+    poll: o.Poll = None, numerics: o.Numerics = "llama", cache_type_k: o.CacheTypeK = DType.F16, cache_type_v: o.CacheTypeV = DType.F16,
     flash_attn: o.FlashAttnMode = "auto", no_flash_attn: o.NoFlashAttn = False,
     file: Optional[str] = typer.Option(None, "-f", "--file", help="Questions, one per line (default: llama-parallel's)"),
     seed: o.Seed = -1, temp: o.Temp = 0.8, top_k: o.TopK = 40, top_p: o.TopP = 0.95, min_p: o.MinP = 0.05,
@@ -107,12 +108,14 @@ def settings(
         raise BadInput(f"--prefill-chunk {prefill_chunk} must not be negative (0: -ub tokens per step)")
     if junk < 0:
         raise BadInput(f"--junk {junk} must not be negative")
+    o.check_poll(poll)
     sampling = SamplingParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed)
     sampling.check()
     return ParallelSettings(
         model=model, n_parallel=n_parallel, n_sequences=n_sequences, n_predict=max(n_predict, 0), n_ctx=ctx_size,
         n_batch=batch_size, n_ubatch=ubatch_size, n_gpu_layers=n_gpu_layers,
-        split=o.device_split(device, split_mode, tensor_split, main_gpu), threads=threads, numerics=numerics,
+        split=o.device_split(device, split_mode, tensor_split, main_gpu), threads=threads, poll=poll,
+        numerics=numerics,
         type_k=cache_type_k, type_v=cache_type_v, flash_attn=flash_attn != "off" and not no_flash_attn, file=file,
         sampling=sampling, shared_system=shared_system, system=not no_system, n_junk=junk,
         cont_batching=cont_batching, prefill_chunk=prefill_chunk, ignore_eos=ignore_eos, json=as_json, graph_reuse=not no_graph_reuse)
@@ -138,7 +141,7 @@ def run(s: ParallelSettings) -> None:
         return
     questions = read_questions(s.file)
     m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics, split=s.split,
-                   kv_types=(s.type_k, s.type_v))
+                   kv_types=(s.type_k, s.type_v), poll=s.poll)
     n_ctx = s.n_ctx or m.hp.n_ctx_train
     tok = m.tokenizer
     shared = s.system and s.shared_system

@@ -48,6 +48,7 @@ class PerplexitySettings:
     n_gpu_layers: int = 0
     split: DeviceSplit = DeviceSplit()  # -dev, -sm, -ts, -mg
     threads: int | None = None
+    poll: int | None = None  # --poll: None, the default level
     numerics: str = "llama"
     flash_attn: bool = True
     type_k: DType = DType.F16
@@ -69,7 +70,7 @@ def settings(
     chunks: int = typer.Option(-1, "--chunks", help="Score at most this many chunks of -c tokens (-1: all)"),
     n_gpu_layers: o.GpuLayers = 0, device: o.Devices = None, split_mode: o.SplitMode = "layer",
     tensor_split: o.TensorSplit = None, main_gpu: o.MainGpu = 0, threads: o.Threads = None,
-    numerics: o.Numerics = "llama", flash_attn: o.FlashAttnMode = "auto", no_flash_attn: o.NoFlashAttn = False,
+    poll: o.Poll = None, numerics: o.Numerics = "llama", flash_attn: o.FlashAttnMode = "auto", no_flash_attn: o.NoFlashAttn = False,
     cache_type_k: o.CacheTypeK = DType.F16, cache_type_v: o.CacheTypeV = DType.F16,
     output: str = typer.Option("text", "-o", "--output", help="text (llama-perplexity's lines) or json"),
     kl_divergence_base: Optional[str] = typer.Option(
@@ -80,10 +81,11 @@ def settings(
     check_tensors: o.CheckTensors = False, list_devices_: o.ListDevices = False,
 ) -> PerplexitySettings:
     """Perplexity of a text, scored as llama-perplexity scores it (chunks of -c tokens, second halves)."""
+    o.check_poll(poll)
     s = PerplexitySettings(
         model=model, file=file, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, n_chunks=chunks,
         n_gpu_layers=n_gpu_layers, split=o.device_split(device, split_mode, tensor_split, main_gpu), threads=threads,
-        numerics=numerics,
+        poll=poll, numerics=numerics,
         flash_attn=flash_attn != "off" and not no_flash_attn, type_k=cache_type_k, type_v=cache_type_v,
         output=output, kl_divergence_base=kl_divergence_base, kl_divergence=kl_divergence,
         check_tensors=check_tensors,
@@ -147,7 +149,7 @@ def _eta(i: int, plan: ChunkPlan, t0: float) -> None:
 def _run_perplexity(s: PerplexitySettings) -> None:
     text = _read_text(s.file)
     m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics, split=s.split,
-                   check_tensors=s.check_tensors, kv_types=(s.type_k, s.type_v))
+                   check_tensors=s.check_tensors, kv_types=(s.type_k, s.type_v), poll=s.poll)
     tokens = m.tokenizer.tokenize(text, add_special=True, parse_special=False)
     plan = plan_chunks(len(tokens), s.n_ctx, s.n_chunks)
     session = _session(m, s, plan.n_ctx)
@@ -199,7 +201,7 @@ def _run_perplexity(s: PerplexitySettings) -> None:
 def _run_kl_divergence(s: PerplexitySettings) -> None:
     base = LogProbReader(s.kl_divergence_base)
     m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics, split=s.split,
-                   check_tensors=s.check_tensors, kv_types=(s.type_k, s.type_v))
+                   check_tensors=s.check_tensors, kv_types=(s.type_k, s.type_v), poll=s.poll)
     if base.n_vocab != m.hp.n_vocab:
         raise BadInput(f"{s.kl_divergence_base}: inconsistent vocabulary ({base.n_vocab} in the file, "
                        f"{m.hp.n_vocab} in the model)")

@@ -39,7 +39,7 @@ def run(s: RunSettings) -> None:
         return
     prompt, system, template_source = s.prompt_text(), s.system_prompt_text(), s.chat_template_source()
     m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics, split=s.split,
-                   check_tensors=s.check_tensors, kv_types=(s.type_k, s.type_v))
+                   check_tensors=s.check_tensors, kv_types=(s.type_k, s.type_v), poll=s.poll)
     session = Session(m, SessionParams(n_ctx=s.n_ctx or m.hp.n_ctx_train, n_batch=s.n_batch, n_ubatch=s.n_ubatch,
                                        type_k=s.type_k, type_v=s.type_v, graph_reuse=s.graph_reuse,
                                        flash_attn=s.flash_attn, check_numerics=s.check_numerics))

@@ -37,7 +37,7 @@ def settings(
     cont_batching: bool = typer.Option(True, "-cb/-nocb", "--cont-batching/--no-cont-batching",
                                        help="Continuous batching: a new request joins the batch as soon as a slot is "
                                             "free (-nocb: it waits until the batch in flight has finished)"),
-    n_gpu_layers: o.GpuLayers = 0, threads: o.Threads = None, numerics: o.Numerics = "llama",
+    n_gpu_layers: o.GpuLayers = 0, threads: o.Threads = None, poll: o.Poll = None, numerics: o.Numerics = "llama",
     flash_attn: o.FlashAttnMode = "auto", no_flash_attn: o.NoFlashAttn = False,
     cache_type_k: o.CacheTypeK = DType.F16, cache_type_v: o.CacheTypeV = DType.F16,
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Require this key (Bearer token or X-Api-Key) "
@@ -77,10 +77,11 @@ def settings(
         raise BadInput(f"--max-replicas {max_replicas} needs --replicas N with N <= {max_replicas}")
     if ray_address and not replicas:
         raise BadInput("--ray-address needs --replicas N")
+    o.check_poll(poll)
     return ServeSettings(
         model=model, host=host, port=port, n_ctx=ctx_size, n_parallel=n_parallel, n_batch=batch_size,
         n_ubatch=ubatch_size, cont_batching=cont_batching, n_gpu_layers=n_gpu_layers, threads=threads,
-        numerics=numerics, flash_attn=flash_attn != "off" and not no_flash_attn, type_k=cache_type_k,
+        poll=poll, numerics=numerics, flash_attn=flash_attn != "off" and not no_flash_attn, type_k=cache_type_k,
         type_v=cache_type_v, api_key=api_key or None, alias=alias, metrics=metrics, slots=slots,
         chat_template=chat_template, n_predict=n_predict, max_queue=max_queue, verbose=verbose, replicas=replicas,
         max_replicas=max_replicas or replicas, ray_address=ray_address)

@@ -9,6 +9,7 @@ import time
 import typer
 
 from ggrun.cli import library_patches
+from ggrun.cli import options as o
 from ggrun.core.backends.cpu import set_threads
 from ggrun.core.backends.registry import probe, usable_backends
 from ggrun.core.dtypes import DType
@@ -64,18 +65,21 @@ def check_positive(**values: int) -> None:
 
 def load_model(model: str | None, n_gpu_layers: int = 0, quiet: bool = False, threads: int | None = None,
                numerics: str = "llama", split: DeviceSplit | None = None,
-               kv_types: tuple[DType, ...] = (DType.F16,), check_tensors: bool = False) -> Model:
+               kv_types: tuple[DType, ...] = (DType.F16,), check_tensors: bool = False,
+               poll: int | None = None) -> Model:
     """Resolve and load a model on the usable backends, its devices picked and shared as `split` (-dev,
     -sm, -ts, -mg) says, every tensor checked for NaN and infinity with check_tensors; a progress bar
-    appears when loading is slow. The CPU kernels its graphs meet (with KV caches of `kv_types`) are
+    appears when loading is slow; the CPU's threads (-t) poll for work at level `poll` (--poll) when idle.
+    The CPU kernels its graphs meet (with KV caches of `kv_types`) are
     compiled first where this machine has not compiled them yet."""
     if n_gpu_layers < 0:
         raise BadInput(f"-ngl {n_gpu_layers} must not be negative")
     if threads is not None and threads < 1:
         raise BadInput(f"-t {threads} must be positive")
+    o.check_poll(poll)
     if numerics not in NUMERICS:
         raise BadInput(f"--numerics {numerics}: choose one of {', '.join(NUMERICS)}")
-    set_threads(threads)
+    set_threads(threads, poll)
     path = resolve_model(model)
     backends = usable_backends()
     if n_gpu_layers > 0 and len(backends) == 1:

@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ggrun.core.backends.cpu.threads import MAX_POLL
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import BadInput
 from ggrun.core.llm.placement import DeviceSplit
@@ -123,6 +124,7 @@ ListDevices = Annotated[bool, typer.Option("--list-devices", help="List the back
 NoGraphReuse = Annotated[bool, typer.Option("--no-graph-reuse", help="Rebuild and replan the graph for every micro-batch")]
 Verbose = Annotated[bool, typer.Option("-v", "--verbose", help="More logging on stderr")]
 Threads = Annotated[Optional[int], typer.Option("-t", "--threads", help="CPU threads for matrix products (default: all cores)")]
+Poll = Annotated[Optional[int], typer.Option("--poll", help="Polling level of idle CPU threads, 0..100 (0: they sleep at once; default: 50, as llama.cpp's)")]
 Numerics = Annotated[str, typer.Option("--numerics", help="llama: round operands as llama.cpp's CPU kernels do (agrees with its numbers); f32: plain f32 (results independent of batching)")]
 CheckTensors = Annotated[bool, typer.Option("--check-tensors", help="Check every tensor of the model for NaN and infinity before it runs (reads the whole file once; the small float tensors are always checked)")]
 CheckNumerics = Annotated[bool, typer.Option("--check-numerics", help="On NaN or infinite logits, recompute the graph node by node and name the first node that produced one (also GGRUN_GRAPH_DEBUG=1)")]
@@ -155,3 +157,9 @@ FrequencyPenalty = Annotated[float, typer.Option("--frequency-penalty", help="Su
 LogitBias = Annotated[Optional[list[str]], typer.Option("-l", "--logit-bias", help="TOKEN_ID(+/-)BIAS added to a token's logit, e.g. 15043+1 or 29905-inf (repeatable)")]
 Keep = Annotated[int, typer.Option("--keep", help="Prompt tokens a context shift keeps at the start (-1: the whole prompt; BOS is always kept)")]
 ContextShift = Annotated[bool, typer.Option("--context-shift/--no-context-shift", help="When the context is full, discard half of the tokens after the kept ones and go on (default: stop there, with a notice)")]
+
+
+def check_poll(poll: int | None) -> None:
+    """--poll as llama.cpp takes it: a level from 0 to MAX_POLL (None: not given)."""
+    if poll is not None and not 0 <= poll <= MAX_POLL:
+        raise BadInput(f"--poll {poll} must be a level from 0 to {MAX_POLL}")

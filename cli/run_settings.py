@@ -36,6 +36,7 @@ class RunSettings:
     split: DeviceSplit = field(default_factory=DeviceSplit)  # -dev, -sm, -ts, -mg
     threads: int | None = None
     threads_batch: int | None = None
+    poll: int | None = None  # --poll: None, the default level
     numerics: str = "llama"
     type_k: DType = DType.F16
     type_v: DType = DType.F16
@@ -93,7 +94,8 @@ def run_settings(
     system_prompt_file: o.SystemPromptFile = None, n_predict: o.NPredict = -1, ctx_size: o.Ctx = 0,
     batch_size: o.BatchSize = 2048, ubatch_size: o.UBatchSize = 512, n_gpu_layers: o.GpuLayers = 0,
     device: o.Devices = None, split_mode: o.SplitMode = "layer", tensor_split: o.TensorSplit = None,
-    main_gpu: o.MainGpu = 0, threads: o.Threads = None, threads_batch: o.ThreadsBatch = None, numerics: o.Numerics = "llama",
+    main_gpu: o.MainGpu = 0, threads: o.Threads = None, threads_batch: o.ThreadsBatch = None, poll: o.Poll = None,
+    numerics: o.Numerics = "llama",
     cache_type_k: o.CacheTypeK = DType.F16, cache_type_v: o.CacheTypeV = DType.F16,
     flash_attn: o.FlashAttnMode = "auto", no_flash_attn: o.NoFlashAttn = False,
     conversation: o.Conversation = None, interactive: o.Interactive = False,
@@ -122,6 +124,7 @@ def run_settings(
     for name, v in (("-t", threads), ("-tb", threads_batch)):
         if v is not None and v < 1:
             raise BadInput(f"{name} {v} must be positive")
+    o.check_poll(poll)
     check_n_predict(n_predict)
     if n_keep < -1:
         raise BadInput(f"--keep {n_keep}: give a number of tokens, or -1 for the whole prompt")
@@ -138,7 +141,7 @@ def run_settings(
         model=model, prompt=None if prompt is None else esc(prompt), prompt_file=file,
         system_prompt=system_prompt, system_prompt_file=system_prompt_file, n_predict=n_predict, n_ctx=ctx_size,
         n_batch=batch_size, n_ubatch=ubatch_size, n_gpu_layers=n_gpu_layers, split=split, threads=threads,
-        threads_batch=threads_batch, numerics=numerics, type_k=cache_type_k, type_v=cache_type_v,
+        threads_batch=threads_batch, poll=poll, numerics=numerics, type_k=cache_type_k, type_v=cache_type_v,
         flash_attn=flash_attn != "off" and not no_flash_attn, conversation=conversation, interactive=interactive,
         interactive_first=interactive_first, single_turn=single_turn,
         reverse_prompts=tuple(esc(r) for r in reverse_prompt or ()), in_prefix=esc(in_prefix),

@@ -27,7 +27,7 @@ def load_engine(s: ServeSettings, state: ServerState) -> EngineLoop:
     from then on). Raises the load's GGRunError. Call it on the thread that will run the engine: the numba
     kernels' thread count is set per thread."""
     m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics, kv_types=(s.type_k, s.type_v),
-                   quiet=True)
+                   quiet=True, poll=s.poll)
     n_ctx = s.n_ctx or m.hp.n_ctx_train
     session = Session(m, SessionParams(n_ctx=n_ctx, n_batch=s.n_batch, n_ubatch=s.n_ubatch, n_seq_max=s.n_parallel,
                                        type_k=s.type_k, type_v=s.type_v, flash_attn=s.flash_attn))

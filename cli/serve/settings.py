@@ -21,6 +21,7 @@ class ServeSettings:
     cont_batching: bool = True
     n_gpu_layers: int = 0
     threads: int | None = None
+    poll: int | None = None  # --poll: None, the default level
     numerics: str = "llama"
     flash_attn: bool = True
     type_k: DType = DType.F16

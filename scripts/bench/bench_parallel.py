@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ggrun.cli.parallel_prompts import QUESTIONS, SYSTEM_PROMPT, format_turn
 from ggrun.core.backends.cpu import set_threads
+from ggrun.core.backends.cpu.threads import WAIT_VARIABLES
 from ggrun.core.backends.registry import usable_backends
 from ggrun.core.llm.model import Model
 from ggrun.core.llm.parallel import ParallelRunner, ParallelSummary, SequenceResult
@@ -53,8 +54,10 @@ GEN_SPEED = re.compile(r"Total gen tokens:\s*(\d+), speed:\s*([\d.]+) t/s")
 
 
 def gen_speed(cmd: list[str]) -> tuple[int, float]:
-    """(generated tokens, their t/s) from a parallel tool's summary, on stdout or stderr."""
-    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TERM="dumb"))
+    """(generated tokens, their t/s) from a parallel tool's summary, on stdout or stderr. Each tool waits
+    as its own defaults say: not with the OpenMP settings ggrun's import put into this process's environment."""
+    env = {k: v for k, v in os.environ.items() if k not in WAIT_VARIABLES}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(env, TERM="dumb"))
     m = GEN_SPEED.search(out.stdout + out.stderr)
     if out.returncode != 0 or m is None:
         raise SystemExit(f"failed ({out.returncode}): {' '.join(cmd)}\n{(out.stdout + out.stderr)[-2000:]}")

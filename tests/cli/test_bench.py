@@ -23,6 +23,7 @@ from tests.cli.runner import ggrun_process
 from ggrun import cli
 from ggrun.cli.app import main
 from ggrun.cli.cmdline import parse_settings
+from ggrun.core.backends.cpu import jit, threads
 from ggrun.core.errors import BadInput
 from ggrun.core.llm import bench as core_bench
 from ggrun.core.llm.bench import BenchTest
@@ -30,7 +31,7 @@ from ggrun.core.llm.model import Model
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = ("build_commit", "cpu_info", "gpu_info", "backends", "model_filename", "model_type", "model_size",
-          "model_n_params", "n_batch", "n_ubatch", "n_threads", "type_k", "type_v", "n_gpu_layers", "split_mode",
+          "model_n_params", "n_batch", "n_ubatch", "n_threads", "poll", "type_k", "type_v", "n_gpu_layers", "split_mode",
           "main_gpu", "flash_attn", "devices", "tensor_split", "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "ggrun_version",
           "n_ctx", "graph_reuse", "numerics")
 SMALL = ["-p", "8", "-n", "4", "-r", "2"]
@@ -103,6 +104,7 @@ def test_machine_formats_hold_llama_bench_fields(app, tiny, fmt):
         assert r["model_type"] == "llama ?B (guessed) all F32"  # llama.cpp's words for a file without file_type
         assert (r["n_batch"], r["n_ubatch"], r["n_gpu_layers"], r["graph_reuse"]) == (2048, 512, 0, 1)
         assert (r["type_k"], r["type_v"], r["flash_attn"], r["n_depth"], r["backends"]) == ("f16", "f16", -1, 0, "CPU")
+        assert r["poll"] == jit.poll()
         assert r["n_threads"] >= 1 and r["cpu_info"] and re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", r["test_time"])
         assert r["ggrun_version"] == ggrun_version()
         if fmt != "csv":
@@ -176,6 +178,18 @@ def test_markdown_columns_follow_llama_bench_rule():
         ("n_threads", "n_batch", "flash_attn")
     assert BenchSettings(n_ubatch=(256,), graph_reuse=(False,)).md_columns(False) == \
         ("n_threads", "n_ubatch", "graph_reuse")
+    assert BenchSettings(poll=50).md_columns(False) == ("n_threads",)  # llama-bench's default level
+    assert BenchSettings(poll=0).md_columns(False) == ("n_threads", "poll")
+
+
+def test_poll_reaches_the_threads_and_the_table(app, tiny, monkeypatch):
+    """--poll 0: the level in force, and its column in the table as llama-bench adds one off its default."""
+    monkeypatch.setattr(threads, "_poll", threads.poll())  # the level this test sets is undone after it
+    lines = invoke(app, ["-m", tiny["path"], *SMALL, "--poll", "0"]).splitlines()
+    assert jit.poll() == 0
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert head[head.index("threads") + 1] == "poll"
+    assert all(row.split("|")[head.index("poll") + 1].strip() == "0" for row in lines[2:4])
 
 
 def test_output_rows_are_the_product_and_rates_follow_the_injected_clock(app, tiny, monkeypatch):
@@ -262,6 +276,10 @@ BAD = [
     (["-ctk", "q9_9"], "-ctk 'q9_9': allowed values are"),
     (["--graph-reuse", "2"], "--graph-reuse 2: values must be 0 or 1"),
     (["-pg", "8"], "-pg 8: expected PP,TG (two integers)"),
+    (["--poll", "101"], "--poll 101 must be a level from 0 to 100"),
+    (["--poll", "-1"], "--poll -1: expected integers or ranges"),
+    (["--poll", "0,50"], "--poll 0,50: ggrun bench takes one level"),
+    (["--batched", "--poll", "101"], "--poll 101 must be a level from 0 to 100"),
 ]
 
 

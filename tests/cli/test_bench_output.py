@@ -11,7 +11,7 @@ from ggrun.cli.bench_output import FIELDS, Printer
 ROW = {
     "build_commit": "abc1234", "cpu_info": "AMD EPYC", "gpu_info": "", "backends": "CPU",
     "model_filename": "/m/gemma.gguf", "model_type": "gemma3 270M Q4_K - Medium", "model_size": 246587904,
-    "model_n_params": 268098176, "n_batch": 2048, "n_ubatch": 512, "n_threads": 2, "type_k": "f16",
+    "model_n_params": 268098176, "n_batch": 2048, "n_ubatch": 512, "n_threads": 2, "poll": 50, "type_k": "f16",
     "type_v": "f16", "n_gpu_layers": 0, "split_mode": "layer", "main_gpu": 0, "flash_attn": -1, "devices": "auto",
     "tensor_split": "0.00", "n_prompt": 512, "n_gen": 0, "n_depth": 512,
     "test_time": "2026-01-02T03:04:05Z", "avg_ns": 1000000000, "stddev_ns": 0, "avg_ts": 512.0, "stddev_ts": 0.0,
@@ -27,6 +27,13 @@ def printed(fmt: str, columns=("n_threads",), rows: int = 1) -> str:
         p.row(ROW)
     p.footer("abc1234 (ggrun 0.1.0)")
     return out.getvalue()
+
+
+def test_the_poll_column_is_llama_benchs():
+    """Width 10, right-aligned (llama-bench's for a field it has no width for), after threads."""
+    head, rule, row = printed("md", columns=("n_threads", "poll")).splitlines()[:3]
+    assert head.split("|")[5:7] == [" threads ", "       poll "]
+    assert rule.split("|")[6] == " ---------: " and row.split("|")[6] == "         50 "
 
 
 def test_markdown_as_llama_bench():

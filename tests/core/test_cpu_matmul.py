@@ -93,7 +93,7 @@ def two_threads(monkeypatch):
     """Two numba threads, and threads even for tiny weights, so the parallel kernels run."""
     before = jit.threads()
     jit.set_threads(2)
-    monkeypatch.setattr(matmul, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(matmul, "split_min_bytes", lambda: 0)
     yield
     jit.set_threads(before)
 

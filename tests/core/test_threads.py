@@ -1,4 +1,5 @@
-"""Thread count and waiting (core.backends.cpu.threads): llama.cpp's default -t, and idle threads that sleep."""
+"""Thread count and waiting (core.backends.cpu.threads): llama.cpp's default -t, and idle threads that poll
+at llama.cpp's level (--poll) before they sleep, through the settings OpenMP reads when its threads start."""
 from __future__ import annotations
 
 import os
@@ -56,18 +57,46 @@ def test_set_threads_none_is_the_default_for_numba_and_blas():
             numba.set_num_threads(before[1])
 
 
+WAIT = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT")
+
+
 def run_python(code: str, **env: str) -> str:
-    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OPENBLAS_THREAD_TIMEOUT")}
+    clean = {k: v for k, v in os.environ.items() if k not in WAIT}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env={**clean, **env}).stdout.strip()
 
 
-def test_openmp_threads_sleep_unless_the_user_says_otherwise():
-    """The policy is in place before numba starts its OpenMP threads (which read it once)."""
-    code = ("import os, numba; from ggrun.core.backends.cpu import jit; "
-            "print(os.environ['OMP_WAIT_POLICY'], numba.np.ufunc.parallel._is_initialized)")
-    assert run_python(code) == "PASSIVE False"
-    assert run_python(code, OMP_WAIT_POLICY="ACTIVE") == "ACTIVE False"
+SHOW = ("import os, numba; from ggrun.core.backends.cpu import jit; {}"
+        "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), jit.poll(), "
+        "numba.np.ufunc.parallel._is_initialized)")
+
+
+def test_openmp_threads_poll_at_llama_cpps_default_level():
+    """The settings are in place before numba starts its OpenMP threads (which read them once)."""
+    assert run_python(SHOW.format("")) == f"None {threads.POLL_ROUNDS * 50} 50 False"
+
+
+def test_a_users_own_wait_settings_win_over_the_default():
+    assert run_python(SHOW.format(""), OMP_WAIT_POLICY="PASSIVE") == "PASSIVE None 0 False"
+    assert run_python(SHOW.format(""), GOMP_SPINCOUNT="1000") == "None 1000 50 False"
+
+
+def test_an_explicit_level_wins_and_is_set_before_the_threads_start():
+    """Level 0 sleeps at once (and replaces the user's spin count); set_threads then starts the threads."""
+    assert run_python(SHOW.format("jit.set_threads(2, 0); "), GOMP_SPINCOUNT="1000") == "PASSIVE None 0 True"
+    code = SHOW.format("jit.set_threads(2, 3); ")
+    assert run_python(code, OMP_WAIT_POLICY="PASSIVE") == f"None {3 * threads.POLL_ROUNDS} 3 True"
+
+
+def test_a_level_given_after_the_threads_started_changes_the_splitting_only():
+    code = SHOW.format("jit.set_threads(2); jit.set_threads(2, 0); ")
+    assert run_python(code) == f"None {50 * threads.POLL_ROUNDS} 0 True"
+
+
+@pytest.mark.parametrize("level", [-1, 101])
+def test_levels_out_of_range_are_refused(level):
+    with pytest.raises(ValueError):
+        threads.set_threads(threads.threads(), level)
 
 
 def test_the_command_makes_openblas_threads_sleep_before_numpy_loads():

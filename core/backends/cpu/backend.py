@@ -5,12 +5,15 @@ Weights stay in their GGUF blocks (memory-mapped); the kernels read them as they
 """
 from __future__ import annotations
 
+import math
 from functools import partial
 
+import numba
 import numpy as np
 
 from ggrun.core.backends.cpu import ops as _ops  # noqa: F401  (registers the compiled kernels)
-from ggrun.core.backends.cpu import dispatch, matmul
+from ggrun.core.backends.cpu import dispatch, jit, matmul
+from ggrun.core.backends.cpu.crowding import Crowding
 from ggrun.core.backends.cpu.repack_cache import RepackCache
 from ggrun.core.backends.host import HostArrayBackend
 from ggrun.core.backends.kernels import KERNELS
@@ -21,6 +24,26 @@ from ggrun.core.tensor import Tensor
 # work space as for the repacked rows, so that the measured plan is the one a run makes.
 PLANNED = "repack planned"
 
+# Activation rows (tokens) of a step's products up to which it is a decode step: one or a few sequences'
+# decode (crowding.py holds such steps on one thread while other work crowds the cores)
+SMALL_ROWS = matmul.Q8_MAX_N
+_PRODUCTS = {"mul_mat": 1, "mul_mat_id": 1, "mul_mat_multi": -1, "mul_mat_glu": -1}  # op: its activations' source
+
+
+class StepCalls(list):
+    """A graph split's ready calls, one per node, and whether it is a decode step (see decode_step)."""
+
+    def __init__(self, calls: list, decode: bool) -> None:
+        super().__init__(calls)
+        self.decode = decode
+
+
+def decode_step(nodes: list[Tensor]) -> bool:
+    """Whether nodes hold products, each of at most SMALL_ROWS activation rows (a split without products,
+    such as the embeddings' get_rows before a device's layers, is not watched: it would only pay the reads)."""
+    rows = [math.prod(n.srcs[_PRODUCTS[n.op]].shape[:-1]) for n in nodes if n.op in _PRODUCTS]
+    return bool(rows) and max(rows) <= SMALL_ROWS
+
 
 class CPUBackend(HostArrayBackend):
     """The host's cores: compiled kernels where they exist, numpy otherwise; runs every op."""
@@ -29,6 +52,7 @@ class CPUBackend(HostArrayBackend):
 
     def __init__(self) -> None:
         self.device = "host memory, numba kernels"
+        self.crowding = Crowding()
 
     def scratch_bytes(self, node: Tensor) -> int:
         return dispatch.scratch_bytes(node)
@@ -66,8 +90,22 @@ class CPUBackend(HostArrayBackend):
             scratch = arr(n.scratch).view(np.uint8) if n.scratch is not None else None
             call = dispatch.bind(n, out, srcs, scratch)
             calls.append(call if call is not None else partial(KERNELS[n.op], np, n, out, srcs))
-        return calls
+        return StepCalls(calls, decode_step(nodes))
 
     def run_prepared(self, calls: list) -> None:
+        """The calls in order; a decode step on one thread while other work crowds the cores (crowding.py)
+        where idle threads poll (with --poll 0 they sleep, and only large products split)."""
+        watched = isinstance(calls, StepCalls) and calls.decode and jit.threads() > 1 and jit.poll() > 0
+        if watched and self.crowding.one_thread(jit.threads()):
+            n = numba.get_num_threads()
+            numba.set_num_threads(1)
+            try:
+                for call in calls:
+                    call()
+            finally:
+                numba.set_num_threads(n)
+            return
         for call in calls:
             call()
+        if watched:
+            self.crowding.after_step()

@@ -40,7 +40,7 @@ import numba  # noqa: E402
 # otherwise cache the kernels beside their sources (and the warm-up's marker in its working directory)
 numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
 
-from ggrun.core.backends.cpu.threads import set_threads, threads  # noqa: E402,F401  (kernels call jit.threads())
+from ggrun.core.backends.cpu.threads import poll, set_threads, threads  # noqa: E402,F401  (kernels call jit.threads())
 
 
 def kernel(*args, parallel: bool = False, **kw):

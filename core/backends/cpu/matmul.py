@@ -23,7 +23,6 @@ such call: x is quantized once for all of them.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from functools import partial
 
@@ -67,12 +66,20 @@ F32_MAX_N = 4
 REPACKED = "cpu_repacked"  # params key of a weight's repacked rows (see `repack`)
 
 TILE_BYTES = 1 << 20  # f32 bytes of one decoded weight tile (stays in L2 between sgemm passes)
-# Stored weight bytes x rows of x below which one thread does a product: splitting it only pays
-# where it saves more than the other threads take to wake. Sleeping (OMP_WAIT_POLICY=PASSIVE,
-# threads.py's default) they take ~60 us for an empty region at -t 2 here, spinning ~2 us; one
-# thread reads ~1 MB of r8 weights in ~55 us (SmolLM2 decode at -t 2: 88-108 t/s with the spinning
-# threshold, 157-162 with this one, 140 at -t 1).
-PARALLEL_MIN_BYTES = (4 << 20) if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" else (1 << 19)
+# Stored weight bytes x rows of x from which a product splits across the threads: splitting only pays
+# where it saves more than the other threads take to start. Polling (threads.py, --poll above 0) they
+# start in microseconds, and products from POLL_SPLIT_BYTES split: a Qwen3-0.6B-shaped Q4_K decode
+# step's layer products (1.2-3.5 MB) then share the cores (48-55 -> 60-72 t/s at -t 2 here while the
+# machine was quiet). Sleeping (--poll 0) they take ~60 us for an empty region at -t 2 here, and
+# products split from PARALLEL_MIN_BYTES only; one thread reads ~1 MB of r8 weights in ~55 us (SmolLM2
+# decode at -t 2 with sleeping threads: 88-108 t/s splitting from 512 KB, 157-162 from 4 MB, 140 at -t 1).
+PARALLEL_MIN_BYTES = 4 << 20
+POLL_SPLIT_BYTES = 1 << 19
+
+
+def split_min_bytes() -> int:
+    """Bytes x rows from which products split, for the poll level in force."""
+    return POLL_SPLIT_BYTES if jit.poll() > 0 else PARALLEL_MIN_BYTES
 
 
 @dataclass(frozen=True)
@@ -257,7 +264,7 @@ def _chunks(plan: _Plan, weight_bytes: int | None = None) -> int:
     """Threads for a row kernel: all of them where the weights are large enough to pay for waking them."""
     threads = jit.threads()
     weight_bytes = plan.weight_bytes if weight_bytes is None else weight_bytes
-    return threads if threads > 1 and weight_bytes * plan.n >= PARALLEL_MIN_BYTES else 1
+    return threads if threads > 1 and weight_bytes * plan.n >= split_min_bytes() else 1
 
 
 @binds("mul_mat", scratch=_scratch)
