@@ -11,9 +11,12 @@ from __future__ import annotations
 import gc
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -162,3 +165,19 @@ def cpu_description() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_line() -> str:
+    """The CPU's model name, its SIMD flags (as /proc/cpuinfo lists them) and ggrun's level."""
+    model, flags = cpu_description(), []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "flags":
+                flags = [f for f in value.split() if f.startswith(("avx", "fma", "f16c", "amx"))]
+                break
+    except OSError:
+        pass
+    level = subprocess.run([sys.executable, "-c", "from ggrun.core.backends.cpu import isa; print(isa.LEVEL)"],
+                           capture_output=True, text=True).stdout.strip() or "?"
+    return f"CPU: {model}; flags: {' '.join(flags) or '-'}; ggrun's level: {level}"

@@ -30,6 +30,7 @@ from pathlib import Path
 from gguf.constants import GGMLQuantizationType as QT
 
 from ggrun.cli.bench_output import speeds_of
+from ggrun.core.llm.bench import cpu_line
 from ggrun.loaders.download import KNOWN_MODELS, model_path
 from ggrun.loaders.synthetic import SPEED_PRESETS, write_synthetic
 
@@ -169,24 +170,6 @@ def main() -> None:
         for name in args.models.split(","):
             if (path := resolve(name.strip(), Path(tmp))) is not None:
                 measure_model(path, args, Other(llama, args.vs_isa))
-
-
-def cpu_line() -> str:
-    """The CPU's model name, its SIMD flags (as /proc/cpuinfo lists them) and ggrun's level."""
-    model, flags = "unknown CPU", []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = [f for f in value.split() if f.startswith(("avx", "fma", "f16c", "amx"))]
-                break
-    except OSError:
-        pass
-    level = subprocess.run([sys.executable, "-c", "from ggrun.core.backends.cpu import isa; print(isa.LEVEL)"],
-                           capture_output=True, text=True).stdout.strip() or "?"
-    return f"CPU: {model}; flags: {' '.join(flags) or '-'}; ggrun's level: {level}"
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ medians are printed, and ggrun's over llama.cpp's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -22,9 +21,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_cpu import cpu_line  # this script's folder, first on sys.path when it runs
 from gguf.constants import GGMLQuantizationType as QT
 
+from ggrun.cli.bench_output import speeds_of
+from ggrun.core.llm.bench import cpu_line
 from ggrun.loaders.synthetic import SPEED_PRESETS, write_synthetic
 
 DEFAULT_LLAMA_BIN = Path.home() / ".cache/ggrun-anchor/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
@@ -41,8 +41,7 @@ def speeds(cmd: list[str], env: dict[str, str]) -> dict[str, float]:
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, stdin=subprocess.DEVNULL)
     if out.returncode != 0:
         raise SystemExit(f"failed ({out.returncode}): {' '.join(cmd)}\n{out.stderr[-2000:]}")
-    return {(f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"): float(r["avg_ts"])
-            for r in json.loads(out.stdout)}
+    return speeds_of(out.stdout, cmd[0])
 
 
 def model_file(name: str, cache: Path, folder: Path) -> Path:
