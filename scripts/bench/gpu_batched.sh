@@ -4,8 +4,8 @@
 #   1. the CUDA tests of many sequences and of the sampler, the KQ mask made from the cells included
 #      (tests/core/test_cuda_batched.py: its kernel against the reference, a session with it against one with
 #      host-filled masks), and the CPU-side tests of those masks;
-#   2. ggrun bench --batched against llama-batched-bench (-npp 128 -ntg 128 -npl 1,16,64,128), once with the
-#      host-filled masks (the default) and once with GGRUN_MASK_FROM_CELLS=1;
+#   2. ggrun bench --batched against llama-batched-bench (-npp 128 -ntg 128 -npl 1,16,64,128), once with
+#      host-filled masks (GGRUN_MASK_FROM_CELLS=0) and once with masks made from the cells (the default);
 #   3. ggrun parallel -np 64 -ns 256 -n 128: generated t/s, and how many sequences finished (all 256 should);
 #   4. bench_serve.py at concurrency 1, 16 and 64 against llama-server (issue 34's GPU bench: serve_gpu.sh).
 # Logs go to OUT (default /tmp/gpu_batched).
