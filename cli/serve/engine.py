@@ -4,6 +4,7 @@ thread (cli/cmd_serve.py) and each Ray Serve replica (cli/serve/cluster.py).
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -16,6 +17,17 @@ from ggrun.core.llm.engine_loop import EngineLoop
 from ggrun.core.llm.session import Session, SessionParams
 
 
+SWITCH_INTERVAL = 0.0005  # seconds a thread may hold the GIL while another waits (Python's default: 0.005)
+
+
+def share_the_gil() -> None:
+    """Let the engine thread and the HTTP thread hand the GIL to each other every half millisecond instead of
+    every 5 ms: each token passes from one to the other, and the default interval made a token wait for it.
+    One request streaming llama-135m Q4_0 on this 2-core AMD EPYC (-t 1): 145 -> 172 tokens/s (ggrun bench's
+    tg: 206); a process-wide setting, made where a process starts to host an engine beside its routes."""
+    sys.setswitchinterval(SWITCH_INTERVAL)
+
+
 def server_state(s: ServeSettings) -> ServerState:
     """The routes' shared state for these settings, before the model is loaded."""
     return ServerState(alias=s.alias or Path(s.model or "SmolLM2-135M-Instruct").stem, api_key=s.api_key,
@@ -26,6 +38,7 @@ def load_engine(s: ServeSettings, state: ServerState) -> EngineLoop:
     """Load the model, make the session, template and engine, and hand them to `state` (the routes answer
     from then on). Raises the load's GGRunError. Call it on the thread that will run the engine: the numba
     kernels' thread count is set per thread."""
+    share_the_gil()
     m = load_model(s.model, s.n_gpu_layers, threads=s.threads, numerics=s.numerics, kv_types=(s.type_k, s.type_v),
                    quiet=True, poll=s.poll)
     n_ctx = s.n_ctx or m.hp.n_ctx_train
