@@ -43,11 +43,11 @@ def _pow2(n: int) -> int:
 
 
 def pad_mixed(st: UBatchState, n_ubatch: int) -> UBatchState:
-    """st with a micro-batch of several tokens that is not a decode step padded to powers of two: its tokens
-    (at most n_ubatch) and its outputs (at most its padded tokens); unchanged where nothing would change or a
-    cache has no free cell for padding rows."""
+    """st with a micro-batch that is not a decode step (the caller's wants_bucket said so) padded to powers of
+    two: its tokens (at most n_ubatch) and its outputs (at most its padded tokens); unchanged for one token,
+    where nothing would change, or where a cache has no free cell for padding rows."""
     ub = st.ub
-    if ub.n_tokens < 2 or wants_bucket(ub) or ub.n_pad:
+    if ub.n_tokens < 2:
         return st
     size = bucket_size(ub.n_tokens, n_ubatch)
     n_out = ub.n_outputs
@@ -82,11 +82,9 @@ def _padded_rows(st: UBatchState, size: int) -> UBatchState | None:
 
 
 def pad_state(st: UBatchState, n_ubatch: int) -> UBatchState:
-    """st with its micro-batch padded to its bucket (unchanged when it is not a decode step, already a
-    bucket's size, or a cache has no free cell left for the padding rows to write into)."""
+    """st with its micro-batch, a decode step (the caller's wants_bucket said so), padded to its bucket
+    (unchanged when already a bucket's size, or a cache has no free cell left for the padding rows)."""
     ub = st.ub
-    if not wants_bucket(ub):
-        return st
     size = bucket_size(ub.n_tokens, n_ubatch)
     if size == ub.n_tokens:
         return st

@@ -315,8 +315,10 @@ class Session:
             if cache.has_shift:
                 apply_k_shift(self.model, self.sched, cache)
         one_per_seq = wants_bucket(ub)
-        st = pad_state(self.place_ubatch(ub), self.n_ubatch)
-        if self.seq_words:  # many sequences off the CPU: mixed steps and prompts padded too (buckets.pad_mixed)
+        st = self.place_ubatch(ub)
+        if one_per_seq:
+            st = pad_state(st, self.n_ubatch)
+        elif self.seq_words:  # many sequences off the CPU: mixed steps and prompts padded too (buckets.pad_mixed)
             st = pad_mixed(st, self.n_ubatch)
         if sampling is not None:
             st = replace(st, sampling=sampling)
