@@ -59,6 +59,7 @@ class ParallelSettings:
     n_junk: int = 1
     cont_batching: bool = True
     prefill_chunk: int = 0  # tokens per step while prompts are read (0: -ub)
+    prefix_share: bool = True  # a prompt's beginning read once while another sequence holds it
     ignore_eos: bool = False
     json: bool = False
     graph_reuse: bool = True
@@ -91,6 +92,9 @@ def settings(
                                       "(chunked prefill: the generating clients' tokens and up to this many in "
                                       "all, so a long prompt holds them up one chunk at a time; 0: -ub)"),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Generate past end-of-generation tokens"),
+    no_prefix_share: bool = typer.Option(False, "--no-prefix-share",
+                                         help="Read every prompt whole (llama-parallel), rather than taking the "
+                                              "cells of its beginning from a sequence that holds them"),
     as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout: one per sequence, then a summary"),
     list_devices_: o.ListDevices = False, no_graph_reuse: o.NoGraphReuse = False,
 ) -> ParallelSettings:
@@ -118,7 +122,8 @@ def settings(
         numerics=numerics,
         type_k=cache_type_k, type_v=cache_type_v, flash_attn=flash_attn != "off" and not no_flash_attn, file=file,
         sampling=sampling, shared_system=shared_system, system=not no_system, n_junk=junk,
-        cont_batching=cont_batching, prefill_chunk=prefill_chunk, ignore_eos=ignore_eos, json=as_json, graph_reuse=not no_graph_reuse)
+        cont_batching=cont_batching, prefill_chunk=prefill_chunk, prefix_share=not no_prefix_share,
+        ignore_eos=ignore_eos, json=as_json, graph_reuse=not no_graph_reuse)
 
 
 def read_questions(file: str | None) -> list[str]:
@@ -155,7 +160,8 @@ def run(s: ParallelSettings) -> None:
                                        n_seq_max=s.n_parallel + 1, type_k=s.type_k, type_v=s.type_v,
                                        graph_reuse=s.graph_reuse, flash_attn=s.flash_attn))
     runner = ParallelRunner(session, s.n_parallel, s.n_predict, s.sampling, s.n_batch, s.ignore_eos,
-                            stop_text=STOP_TEXT, cont_batching=s.cont_batching, chunk=s.prefill_chunk)
+                            stop_text=STOP_TEXT, cont_batching=s.cont_batching, chunk=s.prefill_chunk,
+                            prefix_share=s.prefix_share)
     n_system = len(tok.tokenize(SYSTEM_PROMPT, add_special=True, parse_special=False)) if s.system else 0
     err_console.print(f"parallel: n_parallel = {s.n_parallel}, n_sequences = {s.n_sequences}, cont_batching = "
                       f"{int(s.cont_batching)}, system tokens = {n_system}", markup=False)
@@ -199,7 +205,7 @@ def _print_summary(s: ParallelSummary, as_json: bool) -> None:
     if as_json:
         print(json.dumps({"prompt_tps": s.prompt_tps, "gen_tps": s.gen_tps, "total_tps": s.total_tps,
                           "cache_misses": s.cache_misses, "graphs_reused": s.graphs_reused,
-                          "n_prompt": s.n_prompt, "n_gen": s.n_gen, "n_system": s.n_system, "seconds": s.total_s,
+                          "n_prompt": s.n_prompt, "n_prompt_shared": s.n_prompt_shared, "n_gen": s.n_gen, "n_system": s.n_system, "seconds": s.total_s,
                           "sequences_done": s.n_done, "sequences": s.n_sequences,
                           "interrupted": s.interrupted}), flush=True)
         return
@@ -209,4 +215,5 @@ def _print_summary(s: ParallelSummary, as_json: bool) -> None:
           f"Total gen tokens:    {s.n_gen:6d}, speed: {s.gen_tps:5.2f} t/s\n"
           f"Total speed (AVG):   {'':6s}  speed: {s.total_tps:5.2f} t/s\n"
           f"Cache misses:        {s.cache_misses:6d}\n"
+          f"Prompt tokens shared:{s.n_prompt_shared:6d}\n"
           f"Graphs reused:       {s.graphs_reused:6d}", flush=True)

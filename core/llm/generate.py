@@ -278,12 +278,14 @@ def generate(session: Session, prompt: list[int], n_predict: int, sampler: Sampl
     return out, g.totals
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
+    """How many tokens a and b have in common from the start; compared as arrays (a prompt of thousands of
+    tokens against each of 64 sequences' costs microseconds, not a Python loop each)."""
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if len(differ) else n
 
 
 class ReversePrompts:

@@ -11,6 +11,16 @@ text is cut there); without n_predict, at the end of its share of the cache, whi
 fit is reported and skipped. An interrupted session (Ctrl-C) ends the run with the sequences already
 finished and the totals so far.
 
+Prompts that begin alike share cells (prefix sharing, as vLLM's automatic prefix caching): a sequence that
+starts while another holds the cells of a prefix of its prompt takes those cells (seq_cp, no data moves) and
+decodes only the rest of its prompt. Requests that each carry the same system prompt (llama-parallel's
+default) then read it once, not once per sequence, and hold its cells once. Where another sequence is still
+reading a longer prefix than any held, of PREFIX_WAIT tokens or more, the next sequence waits until it is
+read instead of reading the same tokens beside it. The K and V of a shared cell are those the sequence would have
+computed at that position (with `--numerics f32` the same bits). `--no-prefix-share` reads every prompt
+whole, as llama-parallel does; so do models with sliding-window layers, whose window cache frees the cells
+behind a sequence's window that a later sequence would still need.
+
 Long prompts are read in chunks (chunked prefill, as llama.cpp's server and vLLM do): a step holds every
 generating client's next token and prompt tokens up to a budget of `chunk` tokens in all (by default one
 micro-batch, n_ubatch), so a client reading a long prompt holds the others up by one chunk per step, not by
@@ -34,7 +44,7 @@ from ggrun.core.errors import Interrupted
 from ggrun.core.llm.batch import Batch
 from ggrun.core.llm.batched_sampler import BatchedSampler
 from ggrun.core.llm.detok import IncrementalText
-from ggrun.core.llm.generate import eval_prompt
+from ggrun.core.llm.generate import common_prefix, eval_prompt
 from ggrun.core.llm.sampling import SamplingParams
 from ggrun.core.llm.session import Session
 
@@ -43,6 +53,7 @@ STOP_EOG = "end of generation"
 STOP_LIMIT = "n_predict reached"
 STOP_TEXT = "stop text"
 STOP_CACHE = "its share of the KV cache is used up"
+PREFIX_WAIT = 64  # a prefix in flight this long or longer is worth waiting for
 
 
 @dataclass
@@ -75,6 +86,7 @@ class ParallelSummary:
     n_gen: int = 0  # response tokens of finished sequences
     total_s: float = 0.0
     cache_misses: int = 0  # times a ready sequence had to wait for free KV cells
+    n_prompt_shared: int = 0  # prompt tokens taken from another sequence's cells (prefix sharing), not decoded
     graphs_reused: int = 0
     n_system: int = 0
     n_done: int = 0  # sequences finished or skipped
@@ -101,6 +113,7 @@ class _Client:
     job: int = -1  # index of the sequence being served, -1 when idle
     pending: list[int] = field(default_factory=list)  # prompt tokens not yet decoded
     prompt: list[int] = field(default_factory=list)
+    prompt_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))  # prompt, for prefixes
     response: list[int] = field(default_factory=list)
     pos: int = 0
     next_token: int = -1  # sampled, to be decoded in the next step
@@ -120,7 +133,8 @@ class ParallelRunner:
 
     def __init__(self, session: Session, n_clients: int, n_predict: int, sampling: SamplingParams,
                  n_batch: int, ignore_eos: bool = False, stop_text: str | None = None,
-                 cont_batching: bool = True, keep_logits: bool = False, chunk: int | None = None) -> None:
+                 cont_batching: bool = True, keep_logits: bool = False, chunk: int | None = None,
+                 prefix_share: bool = True) -> None:
         self.s = session
         self.n_predict = n_predict
         self.n_batch = n_batch
@@ -128,6 +142,9 @@ class ParallelRunner:
         self.ignore_eos = ignore_eos
         self.stop_text = stop_text
         self.cont_batching = cont_batching
+        # a sliding-window cache frees a sequence's cells behind its window, which a later sequence sharing
+        # its prefix would still need: such models read every prompt whole
+        self.prefix_share = prefix_share and session.kv_swa is None
         self.clients = [_Client(i, i + 1) for i in range(n_clients)]
         self.sampler = BatchedSampler([_seeded(sampling, i) for i in range(n_clients)], session.n_ctx)
         self.greedy = sampling.temp <= 0 and not sampling.logit_bias and not sampling.penalties_on
@@ -196,14 +213,21 @@ class ParallelRunner:
         need = self._cells_needed(tokens)
         if need > self.s.n_ctx - self.n_system or not tokens:
             return "skip"
-        if need > self._free_cells():
+        ids = np.asarray(tokens, dtype=np.int32)
+        src, shared, in_flight = self._prefix_of(ids) if self.prefix_share else (None, 0, 0)
+        if in_flight > shared and in_flight >= PREFIX_WAIT:
+            return "wait"  # another sequence is reading this prompt's beginning: share it once read
+        if need - shared > self._free_cells():
             self.summary.cache_misses += 1
             return "wait"
         self.s.seq_rm(c.seq_id)
         if self.n_system:
             self.s.seq_cp(SYSTEM_SEQ, c.seq_id)
-        c.job, c.prompt, c.pending = job, list(tokens), list(tokens)
-        c.response, c.pos, c.next_token = [], self.n_system, -1
+        if shared:
+            self.s.seq_cp(src.seq_id, c.seq_id, self.n_system, self.n_system + shared)
+            self.summary.n_prompt_shared += shared
+        c.job, c.prompt, c.prompt_ids, c.pending = job, list(tokens), ids, list(tokens[shared:])
+        c.response, c.pos, c.next_token = [], self.n_system + shared, -1
         c.limit = self._limit(tokens)
         c.t0 = time.perf_counter()
         c.text = IncrementalText(self.s.model.tokenizer, (self.stop_text,) if self.stop_text else ())
@@ -211,6 +235,21 @@ class ParallelRunner:
         self.sampler.reset(c.id)
         self.sampler.accept(c.id, self.system + tokens)
         return "started"
+
+    def _prefix_of(self, ids: np.ndarray) -> tuple[_Client | None, int, int]:
+        """The running client whose cells hold the longest prefix of prompt `ids` (None if none), that
+        prefix's length, and the longest prefix any running client's prompt has in common with it, read or
+        not. Never the whole prompt: its last token is decoded for the logits of the first response token."""
+        src, best, in_flight = None, 0, 0
+        for c in self.clients:
+            if c.job < 0:
+                continue
+            n = min(common_prefix(c.prompt_ids, ids), len(ids) - 1)
+            read = min(n, len(c.prompt) - len(c.pending))
+            if read > best:
+                src, best = c, read
+            in_flight = max(in_flight, n)
+        return src, best, in_flight
 
     def _limit(self, tokens: list[int]) -> int:
         """Response tokens a sequence may generate: n_predict, or without one an equal share of the cells

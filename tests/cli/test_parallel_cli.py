@@ -86,12 +86,13 @@ def test_text_output_is_llama_parallel_report(monkeypatch, capsys, tiny_llama_pa
                        r"speed +[\d.]+ t/s, cache miss 0$", out, flags=re.MULTILINE)
     assert sorted(int(s) for _, s in heads) == [0, 1, 2]
     assert out.count("\nInput:    ") == 3 and out.count("\nResponse: ") == 3
-    summary = out.splitlines()[-5:]
+    summary = out.splitlines()[-6:]
     assert re.fullmatch(r"Total prompt tokens: +\d+, speed: +[\d.]+ t/s", summary[0])
     assert re.fullmatch(r"Total gen tokens: +\d+, speed: +[\d.]+ t/s", summary[1])
     assert re.fullmatch(r"Total speed \(AVG\): +speed: +[\d.]+ t/s", summary[2])
     assert re.fullmatch(r"Cache misses: +0", summary[3])
-    assert re.fullmatch(r"Graphs reused: +\d+", summary[4])
+    assert re.fullmatch(r"Prompt tokens shared: *\d+", summary[4])
+    assert re.fullmatch(r"Graphs reused: +\d+", summary[5])
     assert "n_parallel = 2, n_sequences = 3, cont_batching = 1, system tokens = 0" in err
     assert "Client" not in err  # results on stdout, logs on stderr
 

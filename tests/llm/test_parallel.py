@@ -11,7 +11,8 @@ from ggrun.core.backends.cpu import CPUBackend
 from ggrun.core.dtypes import DType
 from ggrun.core.llm.generate import eval_prompt, generate
 from ggrun.core.llm.model import Model
-from ggrun.core.llm.parallel import STOP_CACHE, STOP_TEXT, SYSTEM_SEQ, ParallelRunner, SequenceResult, step_budget
+from ggrun.core.llm.parallel import (PREFIX_WAIT, STOP_CACHE, STOP_TEXT, SYSTEM_SEQ, ParallelRunner, SequenceResult,
+                                     step_budget)
 from ggrun.core.llm.sampling import Sampler, SamplingParams
 from ggrun.core.llm.session import Session, SessionParams
 
@@ -45,14 +46,14 @@ def tiny(tiny_llama_path) -> Model:
 def run_parallel(model: Model, prompts, n_clients: int = 3, n_predict: int = 6, n_ctx: int = 512,
                  system=SYSTEM, n_batch: int = 512, n_ubatch: int = 512, sampling: SamplingParams = GREEDY,
                  record: bool = False, ignore_eos: bool = True, kv_type: DType = DType.F16,
-                 chunk: int | None = None, steps: list | None = None):
+                 chunk: int | None = None, steps: list | None = None, prefix_share: bool = True):
     """(runner, session, {job: result}, summary, {job: logits rows}) of one parallel run; `steps`, when
     given, receives for each step its batch's sequence ids and, as the step began, each busy client's
     sequence id with its job and its prompt tokens still to read."""
     s = Session(model, SessionParams(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_clients + 1,
                                      type_k=kv_type, type_v=kv_type))
     r = ParallelRunner(s, n_clients, n_predict, sampling, n_batch, ignore_eos=ignore_eos, keep_logits=record,
-                       chunk=chunk)
+                       chunk=chunk, prefix_share=prefix_share)
     if steps is not None:
         real_step, real_draw = r._step, r._draw
 
@@ -384,6 +385,40 @@ def test_chunked_prefill_gives_the_unchunked_tokens_f32_numerics(tiny_f32, chunk
         assert chunked[2][job].response_tokens == whole[2][job].response_tokens, f"sequence {job}"
         for a, b in zip(chunked[4][job], whole[4][job]):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=f"sequence {job}")
+
+
+COMMON = [int(t) for t in _rng.integers(0, 276, PREFIX_WAIT + 16)]
+ALIKE = [(f"alike {i}", COMMON + prompt) for i, (_, prompt) in enumerate(PROMPTS)]
+
+
+@pytest.mark.parametrize("chunk", [None, 16], ids=["whole", "chunked"])
+def test_prompts_that_begin_alike_share_cells_f32_numerics(tiny_f32, chunk):
+    """Seven prompts beginning with the same 80 tokens, three clients: the first reads them and the others
+    wait for it (a prefix in flight), then take its cells; each later sequence shares them from a running
+    one. Every sequence gets the tokens of prompts read whole, and its logits up to float summation order;
+    the cache ends with nothing but the system prompt."""
+    whole = run_parallel(tiny_f32, ALIKE, n_predict=8, record=True, kv_type=DType.F32, prefix_share=False)
+    steps: list = []
+    shared = run_parallel(tiny_f32, ALIKE, n_predict=8, record=True, kv_type=DType.F32, chunk=chunk, steps=steps)
+    for job in range(len(ALIKE)):
+        assert shared[2][job].response_tokens == whole[2][job].response_tokens, f"sequence {job}"
+        for a, b in zip(shared[4][job], whole[4][job], strict=True):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=f"sequence {job}")
+    assert whole[3].n_prompt_shared == 0
+    assert shared[3].n_prompt_shared >= len(COMMON) * (len(ALIKE) - 2)
+    assert shared[3].n_prompt_shared % len(COMMON) == 0
+    first = steps[0][1]
+    assert len(first) == 1, "the second client read the common prefix beside the first"
+    assert_cache_holds_only_system(shared[1], len(SYSTEM))
+
+
+def test_a_prompt_shares_no_more_than_all_but_its_last_token(tiny_f32):
+    """A prompt that is all another's prefix still decodes its last token (the logits of its first response
+    token), and gets the tokens it gets alone."""
+    prompts = [("long", COMMON + [5, 6, 7]), ("prefix", list(COMMON))]
+    r, s, results, summary, _ = run_parallel(tiny_f32, prompts, n_clients=2, n_predict=4, kv_type=DType.F32)
+    assert summary.n_prompt_shared == len(COMMON) - 1
+    assert results[1].response_tokens == run_alone(tiny_f32, SYSTEM + list(COMMON), 4, kv_type=DType.F32)[0]
 
 
 @pytest.mark.parametrize("chunk", [None, 5], ids=["whole", "chunked"])
