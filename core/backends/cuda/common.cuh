@@ -85,8 +85,8 @@ __device__ __forceinline__ int ld_i32_a1(const u8 *p) {
 
 // The 16 values a 4-bit index of IQ4_NL / IQ4_XS (ggml's kvalues_iq4nl) and of MXFP4 (kvalues_mxfp4: twice
 // the E2M1 values, so the block's E8M0 exponent is read as half its power of two) stands for.
-__constant__ i8 IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-__constant__ i8 MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+__constant__ __align__(16) i8 IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+__constant__ __align__(16) i8 MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 // MXFP4's exponent byte as ggml's GGML_E8M0_TO_FP32_HALF: 2^(e - 128), subnormal for e < 2
 __device__ __forceinline__ float e8m0_half(u8 e) {

@@ -82,23 +82,32 @@ template <> __device__ __forceinline__ float vdot<T_Q8_0>(const u8 *b, const blo
     return ld_f16(b) * __low2float(y.ds) * (float)s;
 }
 
-// four 4-bit indices (the low nibbles of the bytes of q4, or with shift 4 the high ones) as the four int8
-// values of table `t` they stand for, packed for __dp4a
-__device__ __forceinline__ int lut4_bytes(int q4, int shift, const i8 *t) {
+// the eight 4-bit indices of q4 as the int8 values of the 16-entry table `t` they stand for, packed for __dp4a:
+// .x the low nibbles' four values, .y the high nibbles' (ggml's get_int_from_table_16). The table is read as
+// four words, the same for every thread (a broadcast of constant memory); each index then picks its byte by
+// __byte_perm in registers, where indexing the table by the indices would make a warp's threads read 32
+// different constant addresses one after another
+__device__ __forceinline__ int2 lut4_pair(int q4, const i8 *t) {
+    const u32 *t32 = (const u32 *)t;
     const u32 q = (u32)q4;
-    u32 v = 0;
+    const u32 pick_high = 0x32103210u | ((q & 0x88888888u) >> 1);  // index bit 3: from bytes 8-15
+    u32 part[2];
 #pragma unroll
-    for (int k = 0; k < 4; k++) v |= (u32)(u8)t[(q >> (8 * k + shift)) & 0xF] << (8 * k);
-    return (int)v;
+    for (int i = 0; i < 2; i++) {
+        const u32 sel = q >> (16 * i);  // __byte_perm reads the low 3 bits of the selector's 4 low nibbles
+        const u32 lo = __byte_perm(t32[0], t32[1], sel), hi = __byte_perm(t32[2], t32[3], sel);
+        part[i] = __byte_perm(lo, hi, pick_high >> (16 * i));
+    }
+    return make_int2((int)__byte_perm(part[0], part[1], 0x6420), (int)__byte_perm(part[0], part[1], 0x7531));
 }
 // the integer sum of 32 table values (16 bytes of index pairs at qs) times a q8_1 block's quants
 __device__ __forceinline__ int lut4_sum(const u8 *qs, const int *u, const i8 *t, bool aligned4) {
     int s = 0;
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        const int v = aligned4 ? *(const int *)(qs + 4 * i) : ld_i32_a1(qs + 4 * i);
-        s = __dp4a(lut4_bytes(v, 0, t), u[i], s);
-        s = __dp4a(lut4_bytes(v, 4, t), u[i + 4], s);
+        const int2 v = lut4_pair(aligned4 ? *(const int *)(qs + 4 * i) : ld_i32_a1(qs + 4 * i), t);
+        s = __dp4a(v.x, u[i], s);
+        s = __dp4a(v.y, u[i + 4], s);
     }
     return s;
 }
@@ -107,9 +116,9 @@ template <> __device__ __forceinline__ float vdot<T_IQ4_NL>(const u8 *b, const b
     int s = 0;
 #pragma unroll
     for (int i = 0; i < 4; i++) {  // blocks of 18 bytes align only to 2
-        const int v = ld_i32_a2(b + 2 + 4 * i);
-        s = __dp4a(lut4_bytes(v, 0, IQ4_VALUES), u[i], s);
-        s = __dp4a(lut4_bytes(v, 4, IQ4_VALUES), u[i + 4], s);
+        const int2 v = lut4_pair(ld_i32_a2(b + 2 + 4 * i), IQ4_VALUES);
+        s = __dp4a(v.x, u[i], s);
+        s = __dp4a(v.y, u[i + 4], s);
     }
     return ld_f16(b) * __low2float(y.ds) * (float)s;
 }
@@ -534,13 +543,15 @@ template <> __device__ __forceinline__ void mq_frag<T_IQ4_NL>(const u8 *row, int
                                                               float &d, float &m) {
     const u8 *k = row + (i64)b * 18;
     const int v = ld_i32_a2(k + 2 + 4 * tig);
-    lo = lut4_bytes(v, 0, IQ4_VALUES), hi = lut4_bytes(v, 4, IQ4_VALUES), d = ld_f16(k), m = 0.0f;
+    const int2 lh = lut4_pair(v, IQ4_VALUES);
+    lo = lh.x, hi = lh.y, d = ld_f16(k), m = 0.0f;
 }
 template <> __device__ __forceinline__ void mq_frag<T_MXFP4>(const u8 *row, int b, int tig, int &lo, int &hi,
                                                              float &d, float &m) {
     const u8 *k = row + (i64)b * 17;
     const int v = ld_i32_a1(k + 1 + 4 * tig);
-    lo = lut4_bytes(v, 0, MXFP4_VALUES), hi = lut4_bytes(v, 4, MXFP4_VALUES), d = e8m0_half(k[0]), m = 0.0f;
+    const int2 lh = lut4_pair(v, MXFP4_VALUES);
+    lo = lh.x, hi = lh.y, d = e8m0_half(k[0]), m = 0.0f;
 }
 // k-quants: sub-block j = b % 8 of the super-block b / 8
 template <> __device__ __forceinline__ void mq_frag<T_Q4_K>(const u8 *row, int b, int tig, int &lo, int &hi,
