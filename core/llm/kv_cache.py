@@ -174,6 +174,7 @@ class KVCache:
         self.version = 0
         self.changes = 0  # counts every change of the cells: a step readied against them checks it
         self.pow2_cells = False  # n_kv rounded to a power of two (a session whose masks are made from the cells)
+        self._pow2_floor = 0  # the largest n_kv given since the cache was cleared, with pow2_cells
         self._recount()
 
     @property
@@ -195,10 +196,13 @@ class KVCache:
         `pow2_cells`, to a power of two of the cells in use once `ahead` more tokens (the batch's later
         micro-batches) are placed too, so a graph serves while the cache doubles: every micro-batch of a
         batch of many sequences' prompts, and decode steps whose sequences take new blocks, keep one graph
-        (attention lists the tiles it sees, so cells past the last used cost little)."""
+        (attention lists the tiles it sees, so cells past the last used cost little). Nor does it shrink when
+        sequences leave, until the cache is cleared: a session of many sequences whose cells come and go would
+        otherwise build its graphs again at every smaller power of two (a new graph costs ~100 ms of host
+        work on a GPU, a step of 64 sequences ~5 ms)."""
         n = max(self.pad, -(-self._top // self.pad) * self.pad)
-        if self.pow2_cells:
-            n = 1 << (max(n, self._top + ahead) - 1).bit_length()
+        if self.pow2_cells:  # and never below what it was since the cache was cleared (_pow2_floor)
+            n = self._pow2_floor = max(1 << (max(n, self._top + ahead) - 1).bit_length(), self._pow2_floor)
         return min(self.n_ctx, n)
 
     def fill_cell_seqs(self, out: np.ndarray) -> None:
@@ -441,6 +445,7 @@ class KVCache:
 
     def clear(self) -> None:
         self.changes += 1
+        self._pow2_floor = 0
         self.tail[:] = -1
         self.pos[:] = -1
         self.seqs[:] = False

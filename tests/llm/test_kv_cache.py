@@ -244,3 +244,18 @@ def test_a_full_cache_gives_no_slot():
     kv.seq_rm(0, 5, 6)
     np.testing.assert_array_equal(kv.find_slot(1), [5])
     assert kv.find_slot(2) is None
+
+
+def test_pow2_cells_never_shrink_until_the_cache_is_cleared():
+    """With masks made from the cells (pow2_cells), n_kv is a power of two of the cells in use once the batch's
+    later tokens are placed, and it stays when sequences leave (a graph per smaller power of two would be
+    built again), until the cache is cleared."""
+    kv = KVCache(256, 8, [], n_seq_max=3, pad=PAD)
+    kv.pow2_cells = True
+    assert kv.n_kv(ahead=40) == 64
+    kv.apply(np.arange(70, dtype=np.int32), np.arange(70, dtype=np.int32), np.full(70, 1, dtype=np.int32))
+    assert kv.n_kv() == 128
+    kv.seq_rm(1)
+    assert kv.n_used == 0 and kv.n_kv() == 128
+    kv.clear()
+    assert kv.n_kv() == PAD
