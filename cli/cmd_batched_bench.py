@@ -17,7 +17,7 @@ from ggrun.core.backends.cpu import set_threads
 from ggrun.core.backends.cpu.jit import threads as current_threads
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import BadInput, Interrupted
-from ggrun.core.llm.batched_bench import BatchedResult, BatchedTest, run_batched, tests_of, warm_up
+from ggrun.core.llm.batched_bench import BatchedResult, BatchedTest, run_batched, tests_of, warm_up, warm_up_test
 from ggrun.core.llm.placement import DeviceSplit
 from ggrun.core.llm.session import Session, SessionParams
 
@@ -47,6 +47,7 @@ class BatchedBenchSettings:
     graph_reuse: bool = True
     numerics: str = "llama"
     output: str = "md"
+    warmup: bool = True  # each row's untimed run first (batched_bench.warm_up_test); --no-warmup skips it
 
     def tests(self) -> list[BatchedTest]:
         return tests_of(self.npp, self.ntg, self.npl, self.shared)
@@ -69,7 +70,8 @@ class BatchedBenchSettings:
 
 
 def run_batched_bench(s: BatchedBenchSettings, gpu_layers: int) -> None:
-    """Load the model once, warm up, then measure and print every row that fits the context."""
+    """Load the model once, warm up, then measure and print every row that fits the context, each after an
+    untimed run of its own unless --no-warmup (batched_bench.warm_up_test)."""
     s.check()
     m = load_model(s.model, gpu_layers, quiet=True, threads=s.n_threads, numerics=s.numerics, split=s.split,
                    poll=s.poll)
@@ -85,6 +87,8 @@ def run_batched_bench(s: BatchedBenchSettings, gpu_layers: int) -> None:
             for test in s.tests():
                 if test.n_kv > s.context:
                     continue
+                if s.warmup:
+                    warm_up_test(session, test, s.n_batch)
                 printer.row(run_batched(session, test, s.n_batch))
         except Interrupted:
             pass

@@ -171,7 +171,7 @@ def settings(
     if batched:
         return _batched_settings(model, npp, ntg, npl, pps, ctx_size, batch_size, ubatch_size, threads, poll,
                                  n_gpu_layers, device, split_mode, tensor_split, main_gpu, cache_type_k,
-                                 cache_type_v, flash_attn, graph_reuse, numerics, output)
+                                 cache_type_v, flash_attn, graph_reuse, numerics, output, not no_warmup)
     if npp or ntg or npl or pps:
         raise BadInput("-npp, -ntg, -npl and -pps belong to bench --batched")
     if output not in FORMATS:
@@ -224,7 +224,7 @@ def _poll(values: Optional[list[str]]) -> int | None:
 
 def _batched_settings(model, npp, ntg, npl, pps, ctx_size, batch_size, ubatch_size, threads, poll, n_gpu_layers, device,
                       split_mode, tensor_split, main_gpu, cache_type_k, cache_type_v, flash_attn, graph_reuse,
-                      numerics, output) -> BatchedBenchSettings:
+                      numerics, output, warmup: bool = True) -> BatchedBenchSettings:
     """The record of a `bench --batched` line: the lists llama-batched-bench takes, one value of the rest."""
     if ctx_size is not None and ctx_size < 1:
         raise BadInput(f"-c {ctx_size} must be positive")
@@ -250,7 +250,7 @@ def _batched_settings(model, npp, ntg, npl, pps, ctx_size, batch_size, ubatch_si
         n_gpu_layers=num("-ngl", 0, -1), split=split,
         type_k=_cache_type(one["-ctk"] or "f16", "-ctk"), type_v=_cache_type(one["-ctv"] or "f16", "-ctv"),
         flash_attn=_flash_attn(one["-fa"] or "auto"), graph_reuse=num("--graph-reuse", 1, 0) != 0,
-        numerics=numerics, output=output)
+        numerics=numerics, output=output, warmup=warmup)
     s.check()
     return s
 

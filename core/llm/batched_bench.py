@@ -96,6 +96,24 @@ def warm_up(session: Session, n_batch: int) -> None:
         session.decode(Batch.of_sequence([0], n, 0))
 
 
+def warm_up_test(session: Session, test: BatchedTest, n_batch: int) -> None:
+    """Untimed, before a row is measured: its prompts and one decode step, then the cache cleared, as
+    llama-bench warms up each test (its prompt, and one token of generation). ggrun builds, plans and
+    (on a GPU) captures a graph for each new shape on its first run, ~100 ms of host work for a 1B model,
+    where llama.cpp's graph costs it about a millisecond: a row measured cold would time that once-per-shape
+    work beside B prompts or decode steps. The step decodes with the prompt's cells in place, so the timed
+    steps find their graph (until the cache outgrows the next power of two of cells)."""
+    session.clear()
+    if test.pp:
+        _decode_in_batches(session, prompt_batch(test), n_batch)
+    if test.shared:
+        for s in range(1, test.pl):
+            session.seq_cp(0, s)
+    if test.tg:
+        _decode_in_batches(session, decode_batch(test, 0), n_batch, session.logits_on_device)
+    session.clear()
+
+
 def prompt_batch(test: BatchedTest) -> Batch:
     """Every sequence's prompt (sequence 0's only when shared) in one batch, logits for its last token."""
     n_seq = 1 if test.shared else test.pl

@@ -30,8 +30,14 @@ def test_md_table_is_llama_batched_benchs(monkeypatch, capsys, tiny_llama_path):
     rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[4:]]
     assert [r[:4] for r in rows] == [["8", "4", "1", "12"], ["8", "4", "3", "36"], ["16", "4", "1", "20"],
                                      ["16", "4", "3", "60"]]
-    for r in rows:  # the figures are printed rounded: their arithmetic is checked on the jsonl records
-        assert all(float(x) > 0 for x in r[4:])
+    for r in rows:  # the figures are printed rounded (a warmed-up tiny row's times to 0.000): their arithmetic
+        assert all(float(x) >= 0 for x in r[4:]) and all(float(r[i]) > 0 for i in (5, 7, 9))  # is checked on jsonl
+
+
+def test_no_warmup_measures_rows_cold(monkeypatch, capsys, tiny_llama_path):
+    """--no-warmup is taken with --batched (as llama-bench's), and the rows are measured all the same."""
+    recs = records(monkeypatch, capsys, tiny_llama_path, "-npp", "8", "-ntg", "2", "-npl", "1,2", "--no-warmup")
+    assert [r["pl"] for r in recs] == [1, 2] and all(r["speed_tg"] > 0 for r in recs)
 
 
 def test_jsonl_records_shared_prompt_and_skipped_rows(monkeypatch, capsys, tiny_llama_path):

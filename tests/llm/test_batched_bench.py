@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from ggrun.core.llm.batched_bench import BatchedTest, run_batched, warm_up
+from ggrun.core.llm.batched_bench import BatchedTest, run_batched, warm_up, warm_up_test
 
 
 class _Recorder:
@@ -31,6 +31,14 @@ def test_warm_up_readies_a_decode_step_after_the_prompt():
     s = _Recorder(256)
     warm_up(s, 2048)
     assert [pos for pos, _ in s.calls] == [[], list(range(16)), [16]]
+
+
+def test_a_row_warms_up_with_its_prompts_and_one_step_then_a_clear_cache():
+    """warm_up_test: the row's prompts (B x PP tokens, in slices of n_batch), one decode step of B tokens at
+    position PP, and the cache cleared before and after."""
+    s = _Recorder(4096)
+    warm_up_test(s, BatchedTest(3, 5, 2), 4)
+    assert [pos for pos, _ in s.calls] == [[], [0, 1, 2, 0], [1, 2], [3, 3], []]
 
 
 def test_warm_up_in_a_context_the_prompt_fills_makes_no_step():
