@@ -1,6 +1,7 @@
 """Many sequences at once, ggrun against llama.cpp, side by side in one run: `ggrun bench --batched` and
 llama.cpp's `llama-batched-bench` with the same options (-npp, -ntg, -npl, -c, -b, -ub, -t, -ngl, -fa),
-alternating row by row and round by round, each tool as its own process per row; prints both tables'
+alternating row by row and round by round, each tool as its own process per row (ggrun's rows warmed up
+untimed first, as `bench --batched` does by default; --cold without); prints both tables'
 speeds and the ratios (ggrun / llama.cpp) of S_PP and S_TG per B, medians over the rounds, for each model of
 a comma list (default SmolLM2 and gemma-3-270m), then per model the lowest S_TG ratio against --target
 (issue 31's CPU bar: 1.2x at every B).
@@ -52,6 +53,8 @@ def common_args(a, pl: int) -> list[str]:
 
 def run_ggrun(a, model: str, pl: int) -> dict:
     cmd = [*ggrun_exe(), "bench", "--batched", "-m", model, *common_args(a, pl), "-o", "jsonl"]
+    if a.cold:
+        cmd.append("--no-warmup")
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TERM="dumb"))
     if out.returncode != 0:
         raise SystemExit(f"ggrun failed ({out.returncode}): {' '.join(cmd)}\n{out.stderr[-2000:]}")
@@ -142,6 +145,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per B (medians are printed)")
     ap.add_argument("--llama-bin", default=os.environ.get("LLAMA_BIN", str(DEFAULT_ANCHOR)))
     ap.add_argument("--target", type=float, default=1.2, help="the S_TG ratio every B should reach")
+    ap.add_argument("--cold", action="store_true", help="ggrun's rows without their untimed warm-up run "
+                    "(--no-warmup: each row's first run builds and captures its graphs while timed)")
     a = ap.parse_args()
     a.ctx_for = lambda pl: (a.npp + pl * a.ntg) if a.pps else pl * (a.npp + a.ntg)
     llama = Path(a.llama_bin)
