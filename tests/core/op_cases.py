@@ -476,6 +476,20 @@ def _mul_mat_id(dtype: DType, n: int, n_expert: int, k: int, per_slot: bool, m: 
     return make
 
 
+def _mul_mat_id_skewed(dtype: DType, n: int, n_expert: int, k: int):
+    """Every token routed to expert 0 beside k - 1 others: expert 0 holds several times the average slots, so
+    the prompt kernel's blocks of that expert loop over more tiles of slots than its grid gives them."""
+    def make(rng):
+        m, cols = 48, 512 if dtype.block_size == 256 else 128
+        data = weight_data(dtype, n_expert * m, cols, seed=int(rng.integers(1 << 30)))
+        others = np.stack([rng.choice(np.arange(1, n_expert), size=k - 1, replace=False) for _ in range(n)])
+        ids = np.concatenate([np.zeros((n, 1), dtype=np.int32), others.astype(np.int32)], axis=1)
+        x = values(rng, n, 1, cols)
+        return lambda lf: ops.mul_mat_id(lf.weight("w", dtype, (n_expert, m, cols), data), lf.input("x", F32, x),
+                                         lf.input("ids", I32, ids))
+    return make
+
+
 def _gated_experts(dtype: DType, n: int, glu: str):
     """A gated unit over the experts' gate and up products (qwen3moe's feed-forward's first half)."""
     def make(rng):
@@ -552,6 +566,8 @@ def moe_cases() -> list[OpCase]:
              for t in (DType.Q4_K, DType.MXFP4, DType.Q8_0, F16) for n in (1, 3, 9, 70) for per_slot in (False, True)]
     cases.append(OpCase("mul_mat_id-many-slots-one-expert", _mul_mat_id(DType.Q4_0, 150, 2, 2, False, m=130), MUL_MAT,
                         CUDA))
+    cases += [OpCase(f"mul_mat_id-skewed-{t}-n{n}", _mul_mat_id_skewed(t, n, 16, 4), MUL_MAT, CUDA)
+              for t in (DType.Q4_K, DType.IQ4_NL) for n in (70, 200)]
     cases += [OpCase(f"mul_mat_id-gated-{glu}-{t}-n{n}", _gated_experts(t, n, glu), GLU, CUDA)
               for glu in ("swiglu", "geglu") for t in (DType.Q4_K, DType.MXFP4) for n in (1, 2, 9)]
     cases += [OpCase(f"moe-weighted-sum-k{k}-n{n}", _weighted_sum(n, k, 96), ELEMENTWISE, CUDA)

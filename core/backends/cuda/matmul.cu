@@ -670,6 +670,85 @@ extern "C" __global__ void moe_group(const int *ids, int *offs, int *cursor, int
     }
 }
 
+// Prompt, weights of a type with a scale per 32 (MMQ_TYPES): mmq with ids (ggml's mmq for mul_mat_id). Block
+// (x, e, z): weight rows 16 x .. + 15 of expert e against its grouped slots in tiles of 8 NT, tiles z,
+// z + gridDim.z, ...; the slots' activations are q8_1 rows (y: [rows of b, ncols / 32] blocks; slot s reads row
+// s, or with bstep 0 its token's, s / k), met on int8 tensor cores by the weights' quants as mmq does, so no
+// weight is decoded to f16. Each tile's MQ_WARPS partial sums are added in a fixed order; out [slots, M].
+template <int T, int NT>
+__global__ void __launch_bounds__(MQ_WARPS * 32) mmq_id(const u8 *w, const block_q8_1 *y, const int *offs,
+                                                       const int *list, float *out, int ncols, i64 row_bytes,
+                                                       i64 expert_bytes, int M, int k, int bstep) {
+    pdl_begin();
+    __shared__ float red[MQ_WARPS - 1][NT * 4][32];
+    __shared__ int slot[NT * 8];
+    const int e = blockIdx.y, end = offs[e + 1];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane >> 2, tig = lane & 3;
+    const int m0 = blockIdx.x * 16, nb = ncols / 32;
+    const u8 *we = w + (i64)e * expert_bytes;
+    const u8 *wa = we + (i64)min(m0 + grp, M - 1) * row_bytes, *wb = we + (i64)min(m0 + grp + 8, M - 1) * row_bytes;
+    for (int first = offs[e] + blockIdx.z * NT * 8; first < end; first += gridDim.z * NT * 8) {
+        __syncthreads();  // the last tile's slots and partial sums are read
+        if (threadIdx.x < NT * 8) slot[threadIdx.x] = first + (int)threadIdx.x < end ? list[first + threadIdx.x] : -1;
+        __syncthreads();
+        float acc[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+#pragma unroll 2
+        for (int b = warp; b < nb; b += MQ_WARPS) {
+            int a[4];
+            float da, ma, db, mb;
+            mq_frag<T>(wa, b, tig, a[0], a[2], da, ma);
+            mq_frag<T>(wb, b, tig, a[1], a[3], db, mb);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                // B's column (slot of group grp) and C's two columns (slots 2 tig, 2 tig + 1 of the 8)
+                const int sb = slot[nt * 8 + grp], s0 = slot[nt * 8 + 2 * tig], s1 = slot[nt * 8 + 2 * tig + 1];
+                int b0 = 0, b1 = 0;
+                if (sb >= 0) {
+                    const int *u = (const int *)y[(i64)(bstep ? sb : sb / k) * nb + b].qs;
+                    b0 = u[tig], b1 = u[4 + tig];
+                }
+                int c[4] = {0, 0, 0, 0};
+                mma_s8(c, a, b0, b1);
+                float2 y0 = make_float2(0.0f, 0.0f), y1 = y0;
+                if (s0 >= 0) y0 = __half22float2(y[(i64)(bstep ? s0 : s0 / k) * nb + b].ds);
+                if (s1 >= 0) y1 = __half22float2(y[(i64)(bstep ? s1 : s1 / k) * nb + b].ds);
+                if constexpr (MqSumQ<T>::v) {
+                    int s = __dp4a(0x01010101, b0, __dp4a(0x01010101, b1, 0));
+                    s += __shfl_xor_sync(0xffffffff, s, 1);
+                    s += __shfl_xor_sync(0xffffffff, s, 2);
+                    const int q0 = __shfl_sync(0xffffffff, s, 8 * tig), q1 = __shfl_sync(0xffffffff, s, 8 * tig + 4);
+                    y0.y = y0.x * (float)q0, y1.y = y1.x * (float)q1;
+                }
+                acc[nt][0] += da * y0.x * (float)c[0] + ma * y0.y;
+                acc[nt][1] += da * y1.x * (float)c[1] + ma * y1.y;
+                acc[nt][2] += db * y0.x * (float)c[2] + mb * y0.y;
+                acc[nt][3] += db * y1.x * (float)c[3] + mb * y1.y;
+            }
+        }
+        if (warp > 0) {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int x = 0; x < 4; x++) red[warp - 1][nt * 4 + x][lane] = acc[nt][x];
+        }
+        __syncthreads();
+        if (warp == 0) {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+                for (int x = 0; x < 4; x++) {
+                    float v = acc[nt][x];
+                    for (int o = 0; o < MQ_WARPS - 1; o++) v += red[o][nt * 4 + x][lane];
+                    const int row = m0 + grp + (x >= 2 ? 8 : 0), s = slot[nt * 8 + 2 * tig + (x & 1)];
+                    if (row < M && s >= 0) out[(i64)s * M + row] = v;
+                }
+            }
+        }
+    }
+}
+
 // Prompt: a grouped GEMM on tensor cores. Block (x, e, z): weight rows 64 x .. + 63 of expert e against its
 // slots in tiles of 64, tiles z, z + gridDim.z, ... (a block past the expert's slots returns at once). Each
 // step of 32 columns decodes the weight tile to f16 and gathers the slots' f16 activations (x16 [rows of b,

@@ -49,6 +49,7 @@ def _instances() -> dict[str, list[str]]:
         + [f"gemv<{_t(q)}, {c}>" for q in weights for c in GEMV_COLS]
         + [f"mmq<{_t(q)}, {nt}>" for q in MMQ_TYPES for nt in MMQ_TILES]
         + [f"mmvq_id<{_t(q)}>" for q in DP4A_TYPES] + [f"mmid_tc<{_t(q)}>" for q in weights]
+        + [f"mmq_id<{_t(q)}, {nt}>" for q in MMQ_TYPES for nt in MMQ_TILES]
         + [f"mmvq_id_glu<{_t(q)}, {f}>" for q in DP4A_TYPES for f in GLU_ACTS.values()]
         + [f"dequant_f16<{_t(q)}>" for q in weights] + [f"dequant_f16_x8<{_t(q)}>" for q in weights]
         + [f"get_rows<{_t(q)}>" for q in weights]
