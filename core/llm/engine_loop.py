@@ -17,7 +17,9 @@ other request arriving (one client) nothing waits. Without continuous batching (
 until every slot in flight has finished, then the waiting prompts go in together.
 
 A slot keeps its tokens' cells after its request ends; the next request whose prompt starts with them
-(cache_prompt) decodes only the rest. A cancelled request (a client that went away) frees its slot before
+(cache_prompt) decodes only the rest. A request also takes the cells of a longer prefix that another slot
+holds, busy or not (seq_cp: shared cells, as vLLM's prefix caching), so clients that send the same system
+prompt read it once. A cancelled request (a client that went away) frees its slot before
 the next step. Text is made incrementally (detok.IncrementalText): bytes of a character split across
 tokens wait for the token that completes it, and characters that could begin a stop string wait until it
 is clear they do not. A fault in a step (non-finite logits, a kernel's error) ends the requests in that
@@ -333,9 +335,15 @@ class EngineLoop:
             self._start(best, h)
 
     def _start(self, s: _Slot, h: Handle) -> None:
-        """Start a request in slot s: keep the cells of the prompt's prefix the slot holds, queue the rest."""
+        """Start a request in slot s: keep the cells of the prompt's prefix the slot holds, or take those of a
+        longer prefix another slot holds (seq_cp: the cells are shared, no data moves), and queue the rest."""
         req = h.request
         keep = common_prefix(s.cached, req.prompt) if req.cache_prompt else 0
+        donor, shared = self._prefix_donor(s, req) if req.cache_prompt else (None, 0)
+        if donor is not None and shared > keep:
+            keep = min(shared, len(req.prompt) - 1)
+            self.s.seq_rm(s.id)
+            self.s.seq_cp(donor.id, s.id, 0, keep)
         keep = min(keep, len(req.prompt) - 1)  # the last prompt token is decoded again for its logits
         self.s.seq_rm(s.id, keep, -1)
         s.handle, s.cached, s.pending = h, list(req.prompt[:keep]), list(req.prompt[keep:])
@@ -351,6 +359,20 @@ class EngineLoop:
                 s.host.accept(t)
         if req.n_predict == 0:
             self._finish(s, FINISH_LENGTH)
+
+    def _prefix_donor(self, s: _Slot, req: Request) -> tuple[_Slot | None, int]:
+        """The other slot whose cells hold the longest prefix of req's prompt, busy or not (between steps every
+        cached token's cells are written), and that prefix's length; none in a session with a sliding-window
+        cache, which frees cells behind a sequence's window that a sequence sharing its prefix would need."""
+        if self.s.kv_swa is not None:
+            return None, 0
+        best, n = None, 0
+        for o in self.slots:
+            if o is not s and o.cached:
+                m = common_prefix(o.cached, req.prompt)
+                if m > n:
+                    best, n = o, m
+        return best, n
 
     def _step_safely(self) -> None:
         """One step; a fault ends the requests that were in it with an error, and the loop goes on."""

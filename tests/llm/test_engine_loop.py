@@ -7,6 +7,7 @@ holds every token drawn; log-probabilities are the logits' log-softmax. Syntheti
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -106,6 +107,27 @@ def test_a_slot_holding_the_prefix_decodes_only_the_rest(tiny):
     assert again.done.n_cached == len(PROMPTS[3])
     assert fresh.done.n_cached == 0
     assert again.ids == fresh.ids == alone(tiny, PROMPTS[3] + [7, 8], 4)
+
+
+def test_a_request_takes_a_longer_prefix_from_another_busy_slot(tiny):
+    """A request whose prompt begins with what a busy slot holds shares that slot's cells (no slot of its own
+    holds any of it) and decodes only the rest; both get the tokens each gets alone."""
+    e = engine(tiny, n_slots=2)
+    e.start()
+    try:
+        first = Collector()
+        e.submit(Request(PROMPTS[3] + [7, 8], GREEDY, 12, ignore_eos=True), first)
+        deadline = time.monotonic() + 60
+        while not first.tokens and time.monotonic() < deadline:
+            time.sleep(0.001)
+        second = run(e, [Request(PROMPTS[3] + [9], GREEDY, 4, ignore_eos=True)])[0]
+        first.wait()
+    finally:
+        e.stop()
+    assert first.done.n_cached == 0
+    assert second.done.n_cached == len(PROMPTS[3])
+    assert first.ids == alone(tiny, PROMPTS[3] + [7, 8], 12)
+    assert second.ids == alone(tiny, PROMPTS[3] + [9], 4)
 
 
 @pytest.mark.parametrize("cont_batching", [True, False])
