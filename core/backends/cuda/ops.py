@@ -406,10 +406,10 @@ def _fa_scratch(node: Tensor) -> int:
 
 def _attention_operands(node: Tensor, out, srcs) -> bool:
     """Whether the fused attention kernels take these operands: f32 queries, a float cache with the
-    same type for keys and values, an f16 mask, unit strides along the head dimension."""
-    q, k, v, mask = srcs
+    same type for keys and values, an f16 mask, unit strides along the head dimension; no sinks (yet)."""
+    q, k, v, mask = srcs[:4]
     kt = node.srcs[1].dtype
-    return (-(-q.shape[2] // 32) in FA_EPL and node.srcs[0].dtype is DType.F32 and node.srcs[2].dtype is kt
+    return (not node.params.get("sinks") and -(-q.shape[2] // 32) in FA_EPL and node.srcs[0].dtype is DType.F32 and node.srcs[2].dtype is kt
             and _is_float(kt) and node.srcs[3].dtype is DType.F16 and out.flags.c_contiguous
             and all(x.strides[-1] == x.itemsize for x in (q, k, v, mask)))
 
