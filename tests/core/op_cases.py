@@ -382,8 +382,8 @@ def attention_sink_cases() -> list[OpCase]:
               "tokens-7": (7, 16, 2, 300, F16, None, False), "prompt": (512, 16, 2, 512, F16, None, False),
               "prompt-window": (512, 16, 2, 512, F16, window, False), "f32-cache": (64, 16, 2, 130, F32, None, False),
               "own-cells": (3, 8, 2, 192, F16, lambda: own_cells_mask(3, 192), True)}
-    return [OpCase(f"flash_attn-sinks-{name}", attention_graph(n, h, h_kv, 64, n_kv, n_kv + 11, dtype, dtype is F16, mask,
-                                                              sinks=True, per_token=per_token), ATTENTION)
+    return [OpCase(f"flash_attn-sinks-{name}", attention_graph(n, h, h_kv, 64, n_kv, n_kv + 11, dtype, dtype is F16,
+                                                              mask, sinks=True, per_token=per_token), ATTENTION)
             for name, (n, h, h_kv, n_kv, dtype, mask, per_token) in shapes.items()]
 
 

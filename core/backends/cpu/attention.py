@@ -248,7 +248,8 @@ def flash_attn_serial(q, k, v, mask, sinks, scale, q_f16, Kf, Vf, S, Qr, ML, spa
     Kf..Qr: one worker's tiles; spans: room for tile_spans."""
     tile_spans(mask, q.shape[0], spans)
     for g in range(k.shape[1]):
-        attend(q, k, v, mask, sinks, spans, scale, q_f16, g, 0, q.shape[0], Kf[0], Vf[0], S[0], Qr[0], ML[0], ML[1], out)
+        attend(q, k, v, mask, sinks, spans, scale, q_f16, g, 0, q.shape[0], Kf[0], Vf[0], S[0], Qr[0], ML[0], ML[1],
+               out)
 
 
 @kernel(parallel=True)
@@ -266,7 +267,8 @@ def flash_attn_parallel(q, k, v, mask, sinks, scale, q_f16, Kf, Vf, S, Qr, ML, s
             t0 = (item % blocks) * per_block
             t1 = min(n_tok, t0 + per_block)
             if t0 < t1:
-                attend(q, k, v, mask, sinks, spans, scale, q_f16, g, t0, t1, Kf[w], Vf[w], S[w], Qr[w], ML[0], ML[1], out)
+                attend(q, k, v, mask, sinks, spans, scale, q_f16, g, t0, t1, Kf[w], Vf[w], S[w], Qr[w], ML[0], ML[1],
+                       out)
 
 
 def _workers(node) -> int:
@@ -466,8 +468,8 @@ def flash_attn_cells_parallel(q, k, v, k_code, v_code, n_head_kv, mask, sinks, s
             t0 = (item % blocks) * per_block
             t1 = min(n_tok, t0 + per_block)
             if t0 < t1:
-                attend_cells(q, k, v, k_code, v_code, n_head_kv, mask, sinks, spans, scale, q_round, v_f16, k_rot, v_rot, g,
-                             t0, t1, Kq[w], Kd[w], Vf[w], S[w], lanes[w], Qq, Qd, ML[0], ML[1], out)
+                attend_cells(q, k, v, k_code, v_code, n_head_kv, mask, sinks, spans, scale, q_round, v_f16, k_rot,
+                             v_rot, g, t0, t1, Kq[w], Kd[w], Vf[w], S[w], lanes[w], Qq, Qd, ML[0], ML[1], out)
 
 
 def _cells_case(node) -> bool:
