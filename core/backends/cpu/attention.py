@@ -13,7 +13,7 @@ then works on each token's own tiles and skips every other tile at the cost of o
 otherwise products and the softmax are f32, tile by tile. From 64 query tokens on, llama.cpp's CPU
 kernel takes its tiled path instead (f32 queries and sums), and so do llama numerics here
 (attention_tiled.py). Attention sinks (gpt-oss's) join each row's softmax after its last tile
-(attention_tiled.fold_sink); without them the kernels take an empty array and compute what they did.
+(sinks.fold_sink); without them the kernels take an empty array and compute what they did.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from ggrun.core.backends.cpu.dispatch import binds
 from ggrun.core.backends.cpu.jit import kernel
 from ggrun.core.backends.cpu.kv_quant import BLOCK, CACHE_TYPES, code_of, hadamard, load_key, load_row, \
     quantize_q8_0, score_cells
+from ggrun.core.backends.cpu.sinks import fold_sink
 from ggrun.core.backends.cpu.vecmath import as_f32, expf, f16_to_f32, f32_to_f16, fma
 from ggrun.core.backends.cpu.warmup import kv, warms
 from ggrun.core.dtypes import DType
@@ -235,7 +236,7 @@ def attend(q, k, v, mask, sinks, spans, scale, q_f16, g, t0, t1, Kf, Vf, S, Qr, 
     for t in range(t0, t1):
         for h in range(g * group, (g + 1) * group):
             if sinks.shape[0]:
-                L[t, h] = tiled.fold_sink(sinks[h], M[t, h], L[t, h], out[t, h])
+                L[t, h] = fold_sink(sinks[h], M[t, h], L[t, h], out[t, h])
             inv = np.float32(1.0) / L[t, h] if L[t, h] > 0 else np.float32(0.0)
             for j in range(d):
                 out[t, h, j] *= inv
@@ -435,7 +436,7 @@ def attend_cells(q, k, v, k_code, v_code, n_head_kv, mask, sinks, spans, scale, 
     for t in range(t0, t1):
         for h in range(g * group, (g + 1) * group):
             if sinks.shape[0]:
-                L[t, h] = tiled.fold_sink(sinks[h], M[t, h], L[t, h], out[t, h])
+                L[t, h] = fold_sink(sinks[h], M[t, h], L[t, h], out[t, h])
             inv = np.float32(1.0) / L[t, h] if L[t, h] != 0 else np.float32(0.0)
             for j in range(d):
                 out[t, h, j] *= inv

@@ -8,7 +8,7 @@ Work items are (head, tile of tokens); the cache tiles are converted to f32 once
 computed four at a time (a tile's last rows padded with copies of its last token), so that each key
 and value row loaded serves four queries, over the span of cells the four see; each row's result is
 the same whichever tile holds it. Attention sinks (gpt-oss's) join each row's softmax after its last tile
-(fold_sink), as ggml's kernels fold them.
+(sinks.fold_sink).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import numpy as np
 from numba import prange
 
 from ggrun.core.backends.cpu.jit import kernel
+from ggrun.core.backends.cpu.sinks import fold_sink
 from ggrun.core.backends.cpu.vecmath import as_f32, expf
 
 TILE_Q = 64  # query tokens per tile (GGML_FA_TILE_Q); smaller batches take the cell-by-cell path
@@ -124,19 +125,6 @@ def _softmax_row(KQ, i, mask, t, c0, lo, hi, scale, M, S, VKQ):
         KQ[i, c] = p
         total += p
     S[i] += total
-
-
-@kernel(inline="always")
-def fold_sink(sink, m, total, row):
-    """A row's online softmax (maximum m, sum total, unnormalised values `row`) after its last cell, given one
-    more logit, sink, that carries no value (an attention sink): under the larger maximum, the values and the
-    sum are rescaled and the sum gains the sink's share. Returns the new sum."""
-    if sink > m:
-        ms = expf(m - sink)
-        for j in range(row.shape[0]):
-            row[j] *= ms
-        return total * ms + np.float32(1.0)
-    return total + expf(sink - m)
 
 
 @kernel(inline="always")
