@@ -602,12 +602,14 @@ def mul_mat_id(w: Tensor, b: Tensor, ids: Tensor, name: str | None = None) -> Te
     return _node("mul_mat_id", DType.F32, (ids.shape[0], ids.shape[1], w.shape[1]), (w, b, ids), name)
 
 
-def flash_attn(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, name: str | None = None) -> Tensor:
+def flash_attn(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, name: str | None = None,
+               sinks: Tensor | None = None) -> Tensor:
     """Fused attention: softmax(q k^T * scale + mask) v without materialising the scores.
 
     q [heads, tokens, dim], k and v [heads_kv, n_kv, dim] (heads_kv divides heads; either may be a
     block-quantized cache's heads), mask [rows >= tokens, n_kv]; the result is [tokens, heads, dim],
-    ready to merge heads.
+    ready to merge heads. With sinks f32 [heads] (gpt-oss's attention sinks, ggml_flash_attn_ext_add_sinks),
+    as soft_max's: head h's rows are normalised as if each held one more logit, sinks[h], with no value.
     """
     _need_float("flash_attn", q, mask)
     _need_float("flash_attn", *(t for t in (k, v) if not t.dtype.is_quantized))
@@ -617,7 +619,11 @@ def flash_attn(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, name
         raise _fail("flash_attn", "expects q [heads, tokens, dim] and k, v [heads_kv, n_kv, dim]", q, k, v)
     if len(mask.shape) != 2 or mask.shape[1] != n_kv or mask.shape[0] < t:
         raise _fail("flash_attn", "mask must be [rows >= tokens, n_kv]", q, mask)
-    return _node("flash_attn", DType.F32, (t, hq, d), (q, k, v, mask), name, scale=float(scale))
+    if sinks is None:
+        return _node("flash_attn", DType.F32, (t, hq, d), (q, k, v, mask), name, scale=float(scale))
+    if sinks.dtype is not DType.F32 or sinks.shape != (hq,):
+        raise _fail("flash_attn", "sinks must be f32 [heads] of q [heads, tokens, dim]", q, sinks)
+    return _node("flash_attn", DType.F32, (t, hq, d), (q, k, v, mask, sinks), name, scale=float(scale), sinks=True)
 
 
 def copy_to(src: Tensor, name: str | None = None) -> Tensor:

@@ -619,11 +619,12 @@ def _flash_attn(xp, node, out, srcs):
 
     As llama.cpp's CPU path does, q meets an f16 cache as f16-rounded values, and a quantized K
     cache as Q8_0 blocks (its vec_dot type; `act_quant` on the cache), after the rotation the
-    cache's rows were given (`hadamard`); the result is turned back by V's rotation.
+    cache's rows were given (`hadamard`); the result is turned back by V's rotation. With sinks, each
+    head's rows count one more logit, its sink, in the softmax's maximum and sum (soft_max's sinks).
     """
     from ggrun.core.quants import quantize
 
-    q, k, v, mask = srcs
+    q, k, v, mask = srcs[:4]
     hq, t, d = q.shape
     hk, n_kv, _ = node.srcs[1].shape
     r = hq // hk
@@ -633,6 +634,7 @@ def _flash_attn(xp, node, out, srcs):
     q_round = k_root.get("act_quant")
     scale = xp.float32(node.params["scale"])
     rows = max(1, FLASH_CHUNK_BYTES // (4 * hq * max(n_kv, 1)))
+    sinks = srcs[4].reshape(hk, r, 1, 1) if node.params.get("sinks") else None  # [hk, r]: head g * r + i's
     for i in range(0, t, rows):
         qc = widen(xp, q[:, i:i + rows], node.srcs[0].dtype).astype(xp.float32)
         if k_root.get("hadamard"):
@@ -645,8 +647,14 @@ def _flash_attn(xp, node, out, srcs):
         s = xp.matmul(qc.reshape(hk, r, n, d), xp.swapaxes(kf, -1, -2))  # [hk, r, n, n_kv]
         s *= scale
         s += mask[i:i + n]
-        s -= s.max(axis=-1, keepdims=True)
+        m = s.max(axis=-1, keepdims=True)
+        if sinks is not None:
+            m = xp.maximum(m, sinks)
+        s -= m
         xp.exp(s, out=s)
-        s /= s.sum(axis=-1, keepdims=True)
+        total = s.sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            total += xp.exp(sinks - m)
+        s /= total
         o = xp.swapaxes(xp.matmul(s, vf).reshape(hq, n, d), 0, 1)  # [n, hq, d]
         out[i:i + n] = walsh_hadamard(xp, o, v_root["hadamard"]) if v_root.get("hadamard") else o

@@ -144,8 +144,8 @@ def attention(b: Build, il: int, q: Tensor, k: Tensor, v: Tensor, wo: Tensor, ro
     is written into layer il's cache (one node), write v, attend with q [tokens, heads, head_dim]
     (already rotated) over the first n_kv cells, and project with wo (plus wo_bias). With softcap, the
     scores are soft-capped before the softmax (gemma2); with sinks [n_head], each head's softmax counts
-    one more logit (gpt-oss's attention sinks). The fused attention has neither, so those take the scores
-    path."""
+    one more logit (gpt-oss's attention sinks), fused or not. The fused attention has no soft-cap, so that
+    takes the scores path."""
     hp = b.hp
     n_tokens = q.shape[0]
     cache, idx, n_kv = b.cache_of(il)
@@ -163,9 +163,10 @@ def attention(b: Build, il: int, q: Tensor, k: Tensor, v: Tensor, wo: Tensor, ro
     qh = ops.permute(q, (1, 0, 2))  # [heads, tokens, head_dim]
     scale = kq_scale if kq_scale is not None else 1.0 / math.sqrt(hp.head_dim)
     kq_mask = b.inp.mask_on(b.inp.kq_mask.tensor if mask is None else mask, _home((rows.k,)))
-    if b.flash_attn and softcap is None and sinks is None:
+    if b.flash_attn and softcap is None:
         vals = ops.permute(heads_view(v_all, n_kv, hp.n_head_kv, hp.head_dim), (1, 0, 2))  # [heads_kv, n_kv, head_dim]
-        merged = ops.flash_attn(qh, keys, vals, kq_mask, scale, name=f"fattn-{il}")  # [tokens, heads, head_dim]
+        merged = ops.flash_attn(qh, keys, vals, kq_mask, scale, name=f"fattn-{il}",
+                                sinks=sinks)  # [tokens, heads, head_dim]
         if b.p.one_per_seq:  # each token of its own sequence: a backend may attend token by token
             merged.params["per_token"] = True
     else:

@@ -277,13 +277,24 @@ def rope_cases() -> list[OpCase]:
 
 # ---- attention -------------------------------------------------------------------------------
 
+def sink_values(rng: np.random.Generator, heads: int) -> np.ndarray:
+    """Attention sinks of `heads` heads (f32 [heads]) about as large as the scores, but the first far above
+    them (its share outweighs every cell's) and the last far below (it takes no share)."""
+    s = values(rng, heads, scale=2.0)
+    s[0], s[-1] = 8.0, -40.0
+    return s
+
+
 def attention_graph(n: int, h: int, h_kv: int, d: int, n_kv: int, n_ctx: int, dtype: DType = F16, q_f16: bool = True,
-                mask: Callable[[], np.ndarray] | None = None):
-    """Fused attention over the first n_kv cells of an n_ctx cache viewed per KV head (grouped queries)."""
+                    mask: Callable[[], np.ndarray] | None = None, sinks: bool = False, per_token: bool = False):
+    """Fused attention over the first n_kv cells of an n_ctx cache viewed per KV head (grouped queries), with
+    attention sinks (sink_values) when asked; per_token marks it as the graph builder marks a decode step
+    of many sequences, one token each."""
     def make(rng):
         qd = values(rng, n, h, d)
         kd, vd = (values(rng, n_ctx, h_kv * d).astype(dtype.np_dtype) for _ in range(2))
         md = causal_mask(n, n_kv, n_kv) if mask is None else mask()
+        sd = sink_values(rng, h) if sinks else None
 
         def build(lf):
             k, v = lf.weight("k", dtype, kd.shape, kd), lf.weight("v", dtype, vd.shape, vd)
@@ -293,9 +304,22 @@ def attention_graph(n: int, h: int, h_kv: int, d: int, n_kv: int, n_ctx: int, dt
             view = ((n_kv, h_kv, d), (h_kv * d * e, d * e, e))
             keys, vals = (ops.permute(ops.view(c, *view), (1, 0, 2)) for c in (k, v))
             q = ops.permute(lf.input("q", F32, qd), (1, 0, 2))
-            return ops.flash_attn(q, keys, vals, lf.input("mask", F16, md), d ** -0.5)
+            s = None if sd is None else lf.weight("sinks", F32, sd.shape, sd)
+            out = ops.flash_attn(q, keys, vals, lf.input("mask", F16, md), d ** -0.5, sinks=s)
+            if per_token:
+                out.params["per_token"] = True
+            return out
         return build
     return make
+
+
+def own_cells_mask(n: int, n_kv: int) -> np.ndarray:
+    """f16 [n, n_kv]: token t of n sequences sees the first cells of block t of 64 cells (more for later
+    tokens), as a decode step of many sequences in blocks of their own (core/llm/kv_blocks.py) does."""
+    m = np.full((n, n_kv), -np.inf, dtype=np.float32)
+    for t in range(n):
+        m[t, 64 * t:64 * t + 20 + 13 * t] = 0
+    return m.astype(np.float16)
 
 
 def _seen_mask(t: int, n_kv: int, seen: int | None) -> Callable[[], np.ndarray]:
@@ -345,7 +369,22 @@ def attention_cases() -> list[OpCase]:
     cases += [OpCase(f"flash_attn-{kv}-t{t}-cells{n_kv}-h{hq}-kv{hk}-d{d}-seen{s}",
                      attention_case(kv, t, n_kv, hq, hk, d, s), ATTENTION, CUDA)
               for kv in (F16, F32) for t, n_kv, hq, hk, d, s in seen]
-    return cases
+    return cases + attention_sink_cases()
+
+
+def attention_sink_cases() -> list[OpCase]:
+    """Fused attention with sinks at gpt-oss's head size (64) and grouping (8 query heads a KV head; 4 for the
+    few-rows decode kernels): decode over one and several key chunks, a few tokens, prompts (causal and within
+    a sliding window), an f32 cache, a step of many sequences."""
+    window = lambda: causal_mask(512, 512, 512, window=128)  # noqa: E731
+    shapes = {"decode-r8-chunks": (1, 16, 2, 300, F16, None, False), "decode-r8": (1, 16, 2, 100, F16, None, False),
+              "decode-r4-chunks": (1, 8, 2, 300, F16, None, False), "decode-r4": (1, 8, 2, 200, F16, None, False),
+              "tokens-7": (7, 16, 2, 300, F16, None, False), "prompt": (512, 16, 2, 512, F16, None, False),
+              "prompt-window": (512, 16, 2, 512, F16, window, False), "f32-cache": (64, 16, 2, 130, F32, None, False),
+              "own-cells": (3, 8, 2, 192, F16, lambda: own_cells_mask(3, 192), True)}
+    return [OpCase(f"flash_attn-sinks-{name}", attention_graph(n, h, h_kv, 64, n_kv, n_kv + 11, dtype, dtype is F16,
+                                                              mask, sinks=True, per_token=per_token), ATTENTION)
+            for name, (n, h, h_kv, n_kv, dtype, mask, per_token) in shapes.items()]
 
 
 # ---- element-wise, softmax and data movement --------------------------------------------------

@@ -180,7 +180,7 @@ def cache_heads(t, n_kv: int, h_kv: int, d: int):
     return ops.permute(ops.view(t, (n_kv, h_kv, d), (t.strides[0], t.dtype.row_bytes(d), elem)), (1, 0, 2))
 
 
-def attention_graph(n, h, h_kv, d, n_kv, type_k, type_v, rot_k=0, rot_v=0, llama=True, mask=None):
+def attention_graph(n, h, h_kv, d, n_kv, type_k, type_v, rot_k=0, rot_v=0, llama=True, mask=None, sinks=None):
     qd = values(n, h, d)
     mask = causal_mask(n, n_kv, n_kv) if mask is None else mask
 
@@ -194,8 +194,9 @@ def attention_graph(n, h, h_kv, d, n_kv, type_k, type_v, rot_k=0, rot_v=0, llama
             if type_k.is_quantized:
                 k.params["act_quant"] = "q8_0"
         q = ops.permute(lf.input("q", F32, qd), (1, 0, 2))
+        s = None if sinks is None else lf.weight("sinks", F32, sinks.shape, sinks)
         return ops.flash_attn(q, cache_heads(k, n_kv, h_kv, d), cache_heads(v, n_kv, h_kv, d),
-                              lf.input("mask", F16, mask), d ** -0.5)
+                              lf.input("mask", F16, mask), d ** -0.5, sinks=s)
     return build
 
 
@@ -249,6 +250,14 @@ def test_flash_attn_in_f32_numerics():
 def test_flash_attn_decode_over_a_padded_sliding_window():
     mask = causal_mask(5, 256, 150, rows=8, window=32)
     check_attention(attention_graph(5, 4, 2, 64, 256, Q8_0, Q8_0, 64, 64, mask=mask), NMSE_EXACT)
+
+
+@pytest.mark.parametrize("type_k,type_v", [(Q8_0, Q4_0), (Q8_0, F16)])
+def test_flash_attn_with_sinks(type_k, type_v):
+    """gpt-oss's attention sinks over quantized caches (the cell-by-cell kernel; f16 sums for an f16 V)."""
+    sinks = np.array([8.0, 0.5, -1.0, 2.0, -40.0, 1.5, 0.0, -3.0], dtype=np.float32)
+    check_attention(attention_graph(7, 8, 2, 64, 100, type_k, type_v, 64, 0, sinks=sinks),
+                    NMSE_EXACT if type_v is Q4_0 else NMSE_VKQ16)
 
 
 def test_flash_attn_on_several_threads():

@@ -478,6 +478,25 @@ def test_swiglu_oai(rt: Runner):
     close(got, x / (1 + np.exp(-1.702 * x)) * (np.clip(ud.astype(np.float64), -7, 7) + 1))
 
 
+@pytest.mark.parametrize("n", [1, 5, 64])
+def test_flash_attn_with_sinks(rt: Runner, n: int):
+    """The fused attention with gpt-oss's sinks: head h's rows normalised with one more logit, sinks[h], whose
+    share is dropped, as soft_max's sinks; grouped heads, a causal mask, one token, a few, a tiled prompt."""
+    hq, hk, n_kv, d, scale = 4, 2, 70, 16, 0.25
+    mask = np.triu(np.full((n, n_kv), -np.inf, dtype=np.float32), k=1 + n_kv - n)
+    qd, kd, vd = rt.random(hq, n, d, scale=2.0), rt.random(n_kv, hk, d), rt.random(n_kv, hk, d)
+    sinks = np.array([0.5, -2.0, 4.0, 30.0], dtype=np.float32)  # the last outweighs every cell
+    keys, vals = (ops.permute(rt.input(name, x), (1, 0, 2)) for name, x in (("k", kd), ("v", vd)))
+    got = rt.run1(ops.flash_attn(rt.input("q", qd), keys, vals, rt.input("mask", mask.astype(np.float16)), scale,
+                                 sinks=rt.weight("sinks", sinks)))
+    kh, vh = (np.repeat(x.transpose(1, 0, 2).astype(np.float64), hq // hk, axis=0) for x in (kd, vd))
+    scores = np.einsum("htd,hcd->htc", qd.astype(np.float64), kh) * scale + mask
+    logits = np.concatenate([scores, np.broadcast_to(sinks[:, None, None], (hq, n, 1))], -1)
+    want = np.einsum("htc,hcd->thd", ref_softmax(logits)[..., :n_kv], vh)
+    close(got, want, tol=1e-4)
+    assert np.abs(got[:, 3]).max() < 1e-6  # the sink takes all but exp(-20)-ish of the last head's weight
+
+
 def test_soft_max_of_f16_input(rt: Runner):
     xd = rt.random(2, 10, dtype=F16)
     got = rt.run1(ops.soft_max(rt.input("x", xd)))
@@ -548,6 +567,14 @@ def test_rope_with_odd_n_dims_is_refused():
 def test_soft_max_mask_with_too_few_rows_is_refused():
     with _raises_naming("scores", "kq_mask"):
         ops.soft_max(_leaf("scores", (2, 5, 6)), _leaf("kq_mask", (4, 6)))
+
+
+def test_flash_attn_sinks_of_the_wrong_shape_are_refused():
+    q, kv = _leaf("q_heads", (4, 3, 16)), _leaf("kv", (2, 8, 16))
+    with _raises_naming("q_heads", "sinks_2", "[2]"):
+        ops.flash_attn(q, kv, kv, _leaf("mask", (3, 8), F16), 0.25, sinks=_leaf("sinks_2", (2,)))
+    with _raises_naming("sinks_f16"):
+        ops.flash_attn(q, kv, kv, _leaf("mask", (3, 8), F16), 0.25, sinks=_leaf("sinks_f16", (4,), F16))
 
 
 def test_swiglu_shape_mismatch_is_refused():

@@ -140,12 +140,12 @@ def test_gpt_oss_features_change_the_logits(family_factory, change):
 
 
 def test_gpt_oss_offloaded_to_a_device_without_its_pieces(family_factory):
-    """A device that lacks YaRN's RoPE and sinks (as CUDA did: the stand-in refuses every rope and softmax)
-    holds the layers and their caches; those nodes run on the CPU, the keys are rotated there and written
-    into the device's cache: the logits are the CPU's."""
+    """A device that lacks YaRN's RoPE and sinks (as CUDA did: the stand-in refuses every rope, softmax and
+    fused attention) holds the layers and their caches; those nodes run on the CPU, the keys are rotated there
+    and written into the device's cache: the logits are the CPU's."""
     path = family_factory(arch="gpt-oss")
     cpu = logits_of(Model.load(path, [CPUBackend()], numerics="f32"), PROMPT)
-    device = SimBackend(refuse=frozenset({"rope", "rope_set_rows", "soft_max"}))
+    device = SimBackend(refuse=frozenset({"rope", "rope_set_rows", "soft_max", "flash_attn"}))
     offloaded = logits_of(Model.load(path, [device, CPUBackend()], n_gpu_layers=99, numerics="f32"), PROMPT)
     np.testing.assert_allclose(offloaded, cpu, atol=1e-4, rtol=0)
 

@@ -12,7 +12,8 @@ then works on each token's own tiles and skips every other tile at the cost of o
 (`act_quant` f16 on the cache), and then the values are summed as ggml does, cell by cell in f16;
 otherwise products and the softmax are f32, tile by tile. From 64 query tokens on, llama.cpp's CPU
 kernel takes its tiled path instead (f32 queries and sums), and so do llama numerics here
-(attention_tiled.py).
+(attention_tiled.py). Attention sinks (gpt-oss's) join each row's softmax after its last tile
+(sinks.fold_sink); without them the kernels take an empty array and compute what they did.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from ggrun.core.backends.cpu.dispatch import binds
 from ggrun.core.backends.cpu.jit import kernel
 from ggrun.core.backends.cpu.kv_quant import BLOCK, CACHE_TYPES, code_of, hadamard, load_key, load_row, \
     quantize_q8_0, score_cells
+from ggrun.core.backends.cpu.sinks import fold_sink
 from ggrun.core.backends.cpu.vecmath import as_f32, expf, f16_to_f32, f32_to_f16, fma
 from ggrun.core.backends.cpu.warmup import kv, warms
 from ggrun.core.dtypes import DType
@@ -178,10 +180,10 @@ def _accumulate_cells(S, Vf, mask, scale, t, h, c0, lo, hi, M, L, out, f16):
 
 
 @kernel(fastmath=_FLAGS)
-def attend(q, k, v, mask, spans, scale, q_f16, g, t0, t1, Kf, Vf, S, Qr, M, L, out):
+def attend(q, k, v, mask, sinks, spans, scale, q_f16, g, t0, t1, Kf, Vf, S, Qr, M, L, out):
     """out[t, h] for tokens t0..t1 and the query heads h sharing KV head g (an online softmax over
-    tiles of cells, each token's visible span of a tile in `spans`; out holds the running sums, M and L
-    each row's running maximum and total)."""
+    tiles of cells, each token's visible span of a tile in `spans`, then head h's sink when sinks is not
+    empty; out holds the running sums, M and L each row's running maximum and total)."""
     n_kv, d = k.shape[0], k.shape[2]
     group = q.shape[1] // k.shape[1]
     for t in range(t0, t1):
@@ -233,23 +235,26 @@ def attend(q, k, v, mask, spans, scale, q_f16, g, t0, t1, Kf, Vf, S, Qr, M, L, o
                 _accumulate(S, Vf, lo, hi, t, h, out)
     for t in range(t0, t1):
         for h in range(g * group, (g + 1) * group):
+            if sinks.shape[0]:
+                L[t, h] = fold_sink(sinks[h], M[t, h], L[t, h], out[t, h])
             inv = np.float32(1.0) / L[t, h] if L[t, h] > 0 else np.float32(0.0)
             for j in range(d):
                 out[t, h, j] *= inv
 
 
 @kernel
-def flash_attn_serial(q, k, v, mask, scale, q_f16, Kf, Vf, S, Qr, ML, spans, out):
+def flash_attn_serial(q, k, v, mask, sinks, scale, q_f16, Kf, Vf, S, Qr, ML, spans, out):
     """out [tokens, heads, d] = softmax(q k^T * scale + mask) v for q [tokens, heads, d], k and v
-    [n_kv, heads_kv, d] (f16 bits or f32), mask [>= tokens, n_kv]; Kf..Qr: one worker's tiles; spans:
-    room for tile_spans."""
+    [n_kv, heads_kv, d] (f16 bits or f32), mask [>= tokens, n_kv], sinks f32 [heads] or empty (none);
+    Kf..Qr: one worker's tiles; spans: room for tile_spans."""
     tile_spans(mask, q.shape[0], spans)
     for g in range(k.shape[1]):
-        attend(q, k, v, mask, spans, scale, q_f16, g, 0, q.shape[0], Kf[0], Vf[0], S[0], Qr[0], ML[0], ML[1], out)
+        attend(q, k, v, mask, sinks, spans, scale, q_f16, g, 0, q.shape[0], Kf[0], Vf[0], S[0], Qr[0], ML[0], ML[1],
+               out)
 
 
 @kernel(parallel=True)
-def flash_attn_parallel(q, k, v, mask, scale, q_f16, Kf, Vf, S, Qr, ML, spans, out):
+def flash_attn_parallel(q, k, v, mask, sinks, scale, q_f16, Kf, Vf, S, Qr, ML, spans, out):
     """flash_attn_serial with (KV head, block of tokens) items dealt round-robin to Kf.shape[0] workers."""
     tile_spans_parallel(mask, q.shape[0], spans)
     workers = Kf.shape[0]
@@ -263,7 +268,8 @@ def flash_attn_parallel(q, k, v, mask, scale, q_f16, Kf, Vf, S, Qr, ML, spans, o
             t0 = (item % blocks) * per_block
             t1 = min(n_tok, t0 + per_block)
             if t0 < t1:
-                attend(q, k, v, mask, spans, scale, q_f16, g, t0, t1, Kf[w], Vf[w], S[w], Qr[w], ML[0], ML[1], out)
+                attend(q, k, v, mask, sinks, spans, scale, q_f16, g, t0, t1, Kf[w], Vf[w], S[w], Qr[w], ML[0], ML[1],
+                       out)
 
 
 def _workers(node) -> int:
@@ -309,9 +315,18 @@ def _spans_room(f32: np.ndarray, at: int, n_tok: int, n_kv: int) -> np.ndarray:
     return f32[at:at + int(np.prod(shape))].view(np.int32).reshape(shape)
 
 
+def _sinks(node, srcs) -> np.ndarray:
+    """The heads' sinks as the kernels take them, f32 [heads], or an empty array for none. Read-only sinks
+    (a memory-mapped weight's) are copied: numba compiles read-only arrays as a type of their own."""
+    if not node.params.get("sinks"):
+        return np.zeros(0, np.float32)
+    s = srcs[4]
+    return s if s.flags.writeable and s.flags.c_contiguous else np.array(s, np.float32)
+
+
 @binds("flash_attn", scratch=flash_attn_scratch)
 def bind_flash_attn(node, out, srcs, scratch):
-    q, k, v, mask = srcs
+    q, k, v, mask = srcs[:4]
     if node.srcs[0].dtype is not DType.F32 or node.srcs[1].dtype is not node.srcs[2].dtype:
         return None
     q3 = q.transpose(1, 0, 2)
@@ -328,7 +343,7 @@ def bind_flash_attn(node, out, srcs, scratch):
         return None
     f32 = scratch.view(np.float32)
     if _tiled(node):
-        return tiled.bind(q3, k3, v3, mask, np.float32(node.params["scale"]), workers, f32, out)
+        return tiled.bind(q3, k3, v3, mask, _sinks(node, srcs), np.float32(node.params["scale"]), workers, f32, out)
     tiles, at = [], 0
     for shape in ((workers, CELLS, d), (workers, CELLS, d), (workers, CELLS), (workers, d),
                   (2, q3.shape[0], q3.shape[1])):
@@ -338,8 +353,9 @@ def bind_flash_attn(node, out, srcs, scratch):
     tiles.append(_spans_room(f32, at, q3.shape[0], k3.shape[0]))
     scale = np.float32(node.params["scale"])
     q_f16 = node.srcs[1].root.params.get("act_quant") == "f16"
+    sinks = _sinks(node, srcs)
     fn = flash_attn_parallel if workers > 1 else flash_attn_serial
-    return lambda: fn(q3, k3, v3, mask, scale, q_f16, *tiles, out)
+    return lambda: fn(q3, k3, v3, mask, sinks, scale, q_f16, *tiles, out)
 
 
 # ---- over a block-quantized cache (or K and V of two types): ggml's cell-by-cell order ----------
@@ -381,12 +397,12 @@ def _prepare_query(q, t, h, q_round, k_rot, qq, qd):
 
 
 @kernel(_nrt=False)
-def attend_cells(q, k, v, k_code, v_code, n_head_kv, mask, spans, scale, q_round, v_f16, k_rot, v_rot, g, t0, t1,
+def attend_cells(q, k, v, k_code, v_code, n_head_kv, mask, sinks, spans, scale, q_round, v_f16, k_rot, v_rot, g, t0, t1,
                  Kq, Kd, Vf, S, lanes, Qq, Qd, M, L, out):
     """out[t, h] for tokens t0..t1 and the query heads h sharing KV head g, over caches k and v
     given as their stored rows (bytes [n_kv, row bytes] of types k_code and v_code, n_head_kv heads
-    side by side). A tile's keys are decoded across cells (Kq [d, cells], Kd [d / 32, cells]), its
-    values along them (Vf [cells, d])."""
+    side by side), then head h's sink when sinks is not empty. A tile's keys are decoded across cells
+    (Kq [d, cells], Kd [d / 32, cells]), its values along them (Vf [cells, d])."""
     n_kv, d = k.shape[0], q.shape[2]
     group = q.shape[1] // n_head_kv
     k_at, v_at = g * (k.shape[1] // n_head_kv), g * (v.shape[1] // n_head_kv)
@@ -419,6 +435,8 @@ def attend_cells(q, k, v, k_code, v_code, n_head_kv, mask, spans, scale, q_round
                 _accumulate_cells(S, Vf, mask, scale, t, h, c0, lo, hi, M, L, out, v_f16)
     for t in range(t0, t1):
         for h in range(g * group, (g + 1) * group):
+            if sinks.shape[0]:
+                L[t, h] = fold_sink(sinks[h], M[t, h], L[t, h], out[t, h])
             inv = np.float32(1.0) / L[t, h] if L[t, h] != 0 else np.float32(0.0)
             for j in range(d):
                 out[t, h, j] *= inv
@@ -427,16 +445,16 @@ def attend_cells(q, k, v, k_code, v_code, n_head_kv, mask, spans, scale, q_round
 
 
 @kernel
-def flash_attn_cells_serial(q, k, v, k_code, v_code, n_head_kv, mask, scale, q_round, v_f16, k_rot, v_rot,
+def flash_attn_cells_serial(q, k, v, k_code, v_code, n_head_kv, mask, sinks, scale, q_round, v_f16, k_rot, v_rot,
                             Kq, Kd, Vf, S, lanes, Qq, Qd, ML, spans, out):
     tile_spans(mask, q.shape[0], spans)
     for g in range(n_head_kv):
-        attend_cells(q, k, v, k_code, v_code, n_head_kv, mask, spans, scale, q_round, v_f16, k_rot, v_rot, g, 0, q.shape[0],
-                     Kq[0], Kd[0], Vf[0], S[0], lanes[0], Qq, Qd, ML[0], ML[1], out)
+        attend_cells(q, k, v, k_code, v_code, n_head_kv, mask, sinks, spans, scale, q_round, v_f16, k_rot, v_rot, g, 0,
+                     q.shape[0], Kq[0], Kd[0], Vf[0], S[0], lanes[0], Qq, Qd, ML[0], ML[1], out)
 
 
 @kernel(parallel=True)
-def flash_attn_cells_parallel(q, k, v, k_code, v_code, n_head_kv, mask, scale, q_round, v_f16, k_rot, v_rot,
+def flash_attn_cells_parallel(q, k, v, k_code, v_code, n_head_kv, mask, sinks, scale, q_round, v_f16, k_rot, v_rot,
                               Kq, Kd, Vf, S, lanes, Qq, Qd, ML, spans, out):
     """flash_attn_cells_serial with (KV head, block of tokens) items dealt round-robin to workers."""
     tile_spans_parallel(mask, q.shape[0], spans)
@@ -451,8 +469,8 @@ def flash_attn_cells_parallel(q, k, v, k_code, v_code, n_head_kv, mask, scale, q
             t0 = (item % blocks) * per_block
             t1 = min(n_tok, t0 + per_block)
             if t0 < t1:
-                attend_cells(q, k, v, k_code, v_code, n_head_kv, mask, spans, scale, q_round, v_f16, k_rot, v_rot, g,
-                             t0, t1, Kq[w], Kd[w], Vf[w], S[w], lanes[w], Qq, Qd, ML[0], ML[1], out)
+                attend_cells(q, k, v, k_code, v_code, n_head_kv, mask, sinks, spans, scale, q_round, v_f16, k_rot,
+                             v_rot, g, t0, t1, Kq[w], Kd[w], Vf[w], S[w], lanes[w], Qq, Qd, ML[0], ML[1], out)
 
 
 def _cells_case(node) -> bool:
@@ -492,7 +510,7 @@ def _query_rounding(node) -> int:
 
 @binds("flash_attn", scratch=flash_attn_cells_scratch)
 def bind_flash_attn_cells(node, out, srcs, scratch):
-    q, k, v, mask = srcs
+    q, k, v, mask = srcs[:4]
     if node.srcs[0].dtype is not DType.F32 or not _cells_case(node):
         return None
     q3 = q.transpose(1, 0, 2)
@@ -517,7 +535,7 @@ def bind_flash_attn_cells(node, out, srcs, scratch):
     tiles.append(_spans_room(f32, at, n_tok, k2.shape[0]))
     k_type, v_type = node.srcs[1], node.srcs[2]
     v_f16 = v_type.dtype is DType.F16 and v_type.root.params.get("act_quant") == "f16"
-    args = (q3, k2, v2, code_of(k_type.dtype), code_of(v_type.dtype), k_type.shape[0], mask,
+    args = (q3, k2, v2, code_of(k_type.dtype), code_of(v_type.dtype), k_type.shape[0], mask, _sinks(node, srcs),
             np.float32(node.params["scale"]), _query_rounding(node), v_f16,
             int(k_type.root.params.get("hadamard", 0)), int(v_type.root.params.get("hadamard", 0)))
     fn = flash_attn_cells_parallel if workers > 1 else flash_attn_cells_serial

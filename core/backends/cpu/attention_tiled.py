@@ -7,7 +7,8 @@ tile of cells with f32 sums, and the values are summed into an f32 accumulator.
 Work items are (head, tile of tokens); the cache tiles are converted to f32 once per item. Rows are
 computed four at a time (a tile's last rows padded with copies of its last token), so that each key
 and value row loaded serves four queries, over the span of cells the four see; each row's result is
-the same whichever tile holds it.
+the same whichever tile holds it. Attention sinks (gpt-oss's) join each row's softmax after its last tile
+(sinks.fold_sink).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import numpy as np
 from numba import prange
 
 from ggrun.core.backends.cpu.jit import kernel
+from ggrun.core.backends.cpu.sinks import fold_sink
 from ggrun.core.backends.cpu.vecmath import as_f32, expf
 
 TILE_Q = 64  # query tokens per tile (GGML_FA_TILE_Q); smaller batches take the cell-by-cell path
@@ -146,8 +148,9 @@ def _span(mask, t0, n, c0, nc):
 
 
 @kernel(fastmath=_FLAGS)
-def attend_tile(q, k, v, mask, scale, h, t0, n, Kf, Vf, KQ, VKQ, M, S, rows, out):
-    """out[t, h] for the n tokens t0.. of head h (n <= TILE_Q): tiles of cells in order, online softmax."""
+def attend_tile(q, k, v, mask, sinks, scale, h, t0, n, Kf, Vf, KQ, VKQ, M, S, rows, out):
+    """out[t, h] for the n tokens t0.. of head h (n <= TILE_Q): tiles of cells in order, online softmax, then
+    head h's sink when sinks is not empty."""
     n_kv, d = k.shape[0], k.shape[2]
     g = h // (q.shape[1] // k.shape[1])
     n_pad = (n + ROWS - 1) // ROWS * ROWS
@@ -173,31 +176,34 @@ def attend_tile(q, k, v, mask, scale, h, t0, n, Kf, Vf, KQ, VKQ, M, S, rows, out
                 _softmax_row(KQ, i, mask, rows[i], c0, lo, min(hi, nc), scale, M, S, VKQ)
             _accumulate(KQ, Vf, lo, hi, r, VKQ)
     for i in range(n):
+        if sinks.shape[0]:
+            S[i] = fold_sink(sinks[h], M[i], S[i], VKQ[i])
         inv = np.float32(1.0) / S[i] if S[i] != 0 else np.float32(0.0)
         for j in range(d):
             out[t0 + i, h, j] = VKQ[i, j] * inv
 
 
 @kernel
-def _item(q, k, v, mask, scale, item, Kf, Vf, KQ, VKQ, M, S, rows, out):
+def _item(q, k, v, mask, sinks, scale, item, Kf, Vf, KQ, VKQ, M, S, rows, out):
     """Work item `item`: tiles of tokens outer, heads inner (so items grow with the causal span)."""
     n_head = q.shape[1]
     tile, h = item // n_head, item % n_head
     t0 = tile * TILE_Q
-    attend_tile(q, k, v, mask, scale, h, t0, min(TILE_Q, q.shape[0] - t0), Kf, Vf, KQ, VKQ, M, S, rows, out)
+    attend_tile(q, k, v, mask, sinks, scale, h, t0, min(TILE_Q, q.shape[0] - t0), Kf, Vf, KQ, VKQ, M, S, rows, out)
 
 
 @kernel
-def flash_attn_tiled_serial(q, k, v, mask, scale, Kf, Vf, KQ, VKQ, ML, rows, out):
+def flash_attn_tiled_serial(q, k, v, mask, sinks, scale, Kf, Vf, KQ, VKQ, ML, rows, out):
     """out [tokens, heads, d] = softmax(q k^T * scale + mask) v for q [tokens, heads, d], k and v
-    [n_kv, heads_kv, d] (f16 bits or f32), mask [>= tokens, n_kv]; Kf..rows: one worker's tiles."""
+    [n_kv, heads_kv, d] (f16 bits or f32), mask [>= tokens, n_kv], sinks f32 [heads] or empty (none);
+    Kf..rows: one worker's tiles."""
     items = (q.shape[0] + TILE_Q - 1) // TILE_Q * q.shape[1]
     for item in range(items):
-        _item(q, k, v, mask, scale, item, Kf[0], Vf[0], KQ[0], VKQ[0], ML[0, 0], ML[0, 1], rows[0], out)
+        _item(q, k, v, mask, sinks, scale, item, Kf[0], Vf[0], KQ[0], VKQ[0], ML[0, 0], ML[0, 1], rows[0], out)
 
 
 @kernel(parallel=True)
-def flash_attn_tiled_parallel(q, k, v, mask, scale, Kf, Vf, KQ, VKQ, ML, rows, out):
+def flash_attn_tiled_parallel(q, k, v, mask, sinks, scale, Kf, Vf, KQ, VKQ, ML, rows, out):
     """flash_attn_tiled_serial with the items dealt to Kf.shape[0] workers back and forth (0 1 1 0 0 1 ..),
     so that the growing causal spans of later tiles even out."""
     workers = Kf.shape[0]
@@ -206,7 +212,7 @@ def flash_attn_tiled_parallel(q, k, v, mask, scale, Kf, Vf, KQ, VKQ, ML, rows, o
         for item in range(items):
             turn, at = item // workers, item % workers
             if (at if turn % 2 == 0 else workers - 1 - at) == w:
-                _item(q, k, v, mask, scale, item, Kf[w], Vf[w], KQ[w], VKQ[w], ML[w, 0], ML[w, 1], rows[w], out)
+                _item(q, k, v, mask, sinks, scale, item, Kf[w], Vf[w], KQ[w], VKQ[w], ML[w, 0], ML[w, 1], rows[w], out)
 
 
 def scratch_floats(workers: int, d: int) -> int:
@@ -214,10 +220,10 @@ def scratch_floats(workers: int, d: int) -> int:
     return workers * (2 * CELLS * d + TILE_Q * CELLS + TILE_Q * d + 3 * TILE_Q)
 
 
-def bind(q3: np.ndarray, k3: np.ndarray, v3: np.ndarray, mask: np.ndarray, scale: np.float32, workers: int,
-         scratch: np.ndarray, out: np.ndarray):
+def bind(q3: np.ndarray, k3: np.ndarray, v3: np.ndarray, mask: np.ndarray, sinks: np.ndarray, scale: np.float32,
+         workers: int, scratch: np.ndarray, out: np.ndarray):
     """The call computing out from q3 [tokens, heads, d] and the cache operands k3, v3 [n_kv, heads_kv, d]
-    in scratch (f32, at least scratch_floats long)."""
+    (and the heads' sinks, f32, empty for none) in scratch (f32, at least scratch_floats long)."""
     d = q3.shape[2]
     tiles, at = [], 0
     for shape in ((workers, CELLS, d), (workers, CELLS, d), (workers, TILE_Q, CELLS), (workers, TILE_Q, d),
@@ -227,4 +233,4 @@ def bind(q3: np.ndarray, k3: np.ndarray, v3: np.ndarray, mask: np.ndarray, scale
         at += size
     rows = scratch[at:at + workers * TILE_Q].view(np.int32).reshape(workers, TILE_Q)
     fn = flash_attn_tiled_parallel if workers > 1 else flash_attn_tiled_serial
-    return lambda: fn(q3, k3, v3, mask, scale, *tiles, rows, out)
+    return lambda: fn(q3, k3, v3, mask, sinks, scale, *tiles, rows, out)

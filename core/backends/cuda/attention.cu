@@ -6,15 +6,32 @@
 // then every lane accumulates its share of the head dimension (online softmax, f32). For few rows
 // (decode) the keys are split over blocks (flash-decoding): each writes its partial maximum, sum
 // and output, and `attn_combine` merges them.
+//
+// Every kernel takes `sinks` (f32 [heads], or null): gpt-oss's attention sinks, one more logit per head that
+// joins each row's softmax with no value (ggml_flash_attn_ext_add_sinks). A row counts its sink once, in the
+// first key chunk (so merging chunks stays as it is): as the running maximum and sum it starts from (a first
+// key of no value: flash_attn), in the maximum its weights are taken under (attn_decode), or folded in after
+// its last key (fold_sink). Without sinks the null pointer is tested once a row, and nothing else changes.
 
 #define FA_WARPS 4
 #define FA_KEYS 32
 #define DECODE_ROWS 32  // query rows per KV head that attn_decode serves (ops.py: DECODE_ROWS)
 
+// One more logit, sink, joins a row whose maximum m and sum l cover its keys: m becomes the larger of the two,
+// l is rescaled to it and gains the sink's share; returns the factor that rescales the row's unnormalized
+// output (the sink adds nothing to it).
+__device__ __forceinline__ float fold_sink(float sink, float &m, float &l) {
+    const float mn = fmaxf(m, sink);
+    const float c = m == -INFINITY ? 0.0f : __expf(m - mn);
+    l = l * c + __expf(sink - mn);
+    m = mn;
+    return c;
+}
+
 // EPL: head-dimension elements per lane (d <= 32 * EPL); TK: the cache's type
 template <int TK, int EPL>
 __global__ void __launch_bounds__(FA_WARPS * 32) flash_attn(
-    const float *q, const void *k, const void *v, const __half *mask, float *out, float *part,
+    const float *q, const void *k, const void *v, const __half *mask, const float *sinks, float *out, float *part,
     int d, int T, int r, int n_kv, int chunk,
     i64 sq0, i64 sq1, i64 sk0, i64 sk1, i64 sv0, i64 sv1, i64 ldm, float scale) {
     pdl_begin();
@@ -30,6 +47,7 @@ __global__ void __launch_bounds__(FA_WARPS * 32) flash_attn(
     for (int e = lane; e < d; e += 32) qr[e] = has_row ? q[(i64)h * sq0 + (i64)t * sq1 + e] : 0.0f;
     const __half *mrow = mask + (i64)t * ldm;
     float m = -INFINITY, l = 0.0f, o[EPL];
+    if (sinks != nullptr && blockIdx.z == 0) m = sinks[h], l = 1.0f;  // the sink: a first key, of no value
 #pragma unroll
     for (int x = 0; x < EPL; x++) o[x] = 0.0f;
 
@@ -195,7 +213,8 @@ __device__ __forceinline__ void sum_key_lanes(float (&x)[U][N]) {
 // the activations of the projection that reads them (a warp's 32 consecutive elements are one block).
 template <int TK, int D>
 __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
-    const float *q, const void *k, const void *v, const __half *mask, float *out, float *part, int *tickets,
+    const float *q, const void *k, const void *v, const __half *mask, const float *sinks, float *out, float *part,
+    int *tickets,
     int d, int T, int r, int n_kv, int chunk, i64 sq0, i64 sq1, i64 sk0, i64 sk1, i64 sv0, i64 sv1, i64 ldm,
     float scale, block_q8_1 *q8, int mask_in, int pf) {
     constexpr int LPK = D / 8, KPB = DEC_THREADS / LPK;  // lanes per key, keys per block step
@@ -271,10 +290,12 @@ __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
         }
     }
     __syncthreads();
+    const bool sink = sinks != nullptr && s == 0;  // the first chunk's rows count their head's sink
     for (int i = warp; i < R; i += DEC_THREADS / 32) {
         float m = -INFINITY;
         for (int j = j0 + lane; j < j1; j += 32) m = fmaxf(m, ss[i * chunk + j]);
         m = warp_max(m);
+        if (sink) m = fmaxf(m, sinks[g * r + i % r]);  // weights under a maximum that includes the sink
         float l = 0.0f;
         for (int j = j0 + lane; j < j1; j += 32) {
             const float p = m == -INFINITY ? 0.0f : __expf(ss[i * chunk + j] - m);
@@ -282,6 +303,7 @@ __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
             l += p;
         }
         l = warp_sum(l);
+        if (sink) l += __expf(sinks[g * r + i % r] - m);
         if (lane == 0) row_m[i] = m, row_l[i] = l;
     }
     __syncthreads();
@@ -457,7 +479,8 @@ __device__ __forceinline__ void ds_merge_warps(const float (*wacc)[DS_ROWS][D], 
 // arguments, chunks and merging of chunks as attn_decode.
 template <int TK, int D>
 __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_rows(
-    const float *q, const void *k, const void *v, const __half *mask, float *out, float *part, int *tickets,
+    const float *q, const void *k, const void *v, const __half *mask, const float *sinks, float *out, float *part,
+    int *tickets,
     int d, int T, int r, int n_kv, int chunk, i64 sq0, i64 sq1, i64 sk0, i64 sk1, i64 sv0, i64 sv1, i64 ldm,
     float scale, block_q8_1 *q8, const int *fresh, int mask_in, int pf) {
     constexpr int LPK = D / 8, KPW = 32 / LPK, KPB = KPW * DS_WARPS;  // lanes a key, keys a warp step, a block step
@@ -540,6 +563,7 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_rows(
         const int i = x / D, e = x % D;
         float mx, num, den;
         ds_merge_warps<D>(wacc, wm, wl, i, e, mx, num, den);
+        if (sinks != nullptr && s == 0) num *= fold_sink(sinks[g * r + i % r], mx, den);
         const i64 orow = (i64)(i / r) * hq + g * r + i % r;
         if (gridDim.y == 1) {
             const float res = den > 0.0f ? num / den : 0.0f;
@@ -628,7 +652,7 @@ __device__ __forceinline__ u32 pack_u16(u16 lo, u16 hi) { return (u32)lo | ((u32
 
 template <int D>
 __global__ void __launch_bounds__(128) flash_attn_tc(
-    const float *q, const __half *k, const __half *v, const __half *mask, float *out,
+    const float *q, const __half *k, const __half *v, const __half *mask, const float *sinks, float *out,
     int d, int T, int r, int n_kv, i64 sq0, i64 sq1, i64 sk0, i64 sk1, i64 sv0, i64 sv1, i64 ldm, float scale,
     int listed) {
     pdl_begin();
@@ -745,7 +769,14 @@ __global__ void __launch_bounds__(128) flash_attn_tc(
 #pragma unroll
     for (int half = 0; half < 2; half++) {
         const int rr = half ? rb : ra;
-        const float l = half ? l_b : l_a, inv = l > 0.0f ? 1.0f / l : 0.0f;
+        float l = half ? l_b : l_a;
+        if (sinks != nullptr) {
+            float m = half ? m_b : m_a;
+            const float c = fold_sink(sinks[g * r + rr % r], m, l);
+#pragma unroll
+            for (int dn = 0; dn < D / 8; dn++) o[dn][2 * half] *= c, o[dn][2 * half + 1] *= c;
+        }
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
         if (rr >= R) continue;
         float *orow = out + ((i64)(rr / r) * hq + g * r + rr % r) * d + 2 * tig;
 #pragma unroll
@@ -765,8 +796,8 @@ __global__ void __launch_bounds__(128) flash_attn_tc(
 // through shared memory. The mask row must be 16-byte aligned and n_kv a multiple of 8 (the binder's check).
 template <int TK, int D>
 __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_tok(
-    const float *q, const void *k, const void *v, const __half *mask, float *out, int r, int n_kv, i64 sq0,
-    i64 sq1, i64 sk0, i64 sk1, i64 sv0, i64 sv1, i64 ldm, float scale) {
+    const float *q, const void *k, const void *v, const __half *mask, const float *sinks, float *out, int r, int n_kv,
+    i64 sq0, i64 sq1, i64 sk0, i64 sk1, i64 sv0, i64 sv1, i64 ldm, float scale) {
     constexpr int LPK = D / 8, KPW = 32 / LPK, KPB = KPW * DS_WARPS;
     __shared__ __align__(16) float wacc[DS_WARPS][DS_ROWS][D];
     __shared__ float wm[DS_WARPS][DS_ROWS], wl[DS_WARPS][DS_ROWS];
@@ -809,6 +840,7 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_tok(
         const int i = x / D, e = x % D;
         float mx, num, den;
         ds_merge_warps<D>(wacc, wm, wl, i, e, mx, num, den);
+        if (sinks != nullptr) num *= fold_sink(sinks[g * r + i], mx, den);
         out[((i64)t * hq + g * r + i) * D + e] = den > 0.0f ? num / den : 0.0f;
     }
 }

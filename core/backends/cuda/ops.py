@@ -406,17 +406,23 @@ def _fa_scratch(node: Tensor) -> int:
 
 def _attention_operands(node: Tensor, out, srcs) -> bool:
     """Whether the fused attention kernels take these operands: f32 queries, a float cache with the
-    same type for keys and values, an f16 mask, unit strides along the head dimension."""
-    q, k, v, mask = srcs
+    same type for keys and values, an f16 mask, unit strides along the head dimension (and along the
+    sinks, f32 [heads], where the node has them)."""
+    q = srcs[0]
     kt = node.srcs[1].dtype
     return (-(-q.shape[2] // 32) in FA_EPL and node.srcs[0].dtype is DType.F32 and node.srcs[2].dtype is kt
             and _is_float(kt) and node.srcs[3].dtype is DType.F16 and out.flags.c_contiguous
-            and all(x.strides[-1] == x.itemsize for x in (q, k, v, mask)))
+            and all(x.strides[-1] == x.itemsize for x in srcs))
+
+
+def _sinks(node: Tensor, srcs) -> np.uint64:
+    """Address of the heads' attention sinks (f32 [heads]) the kernels fold into each row's softmax, or NULL."""
+    return ptr(srcs[4]) if node.params.get("sinks") else NULL
 
 
 def _attention_args(node: Tensor, srcs, chunk: int) -> tuple:
     """The arguments both attention kernels take after their pointers: d, T, r, n_kv, chunk, strides, scale."""
-    q, k, v, mask = srcs
+    q, k, v, mask = srcs[:4]
     hq, t, d = q.shape
     hk, n_kv, _ = k.shape
     sq, sk, sv = estrides(q), estrides(k), estrides(v)
@@ -480,15 +486,15 @@ def _attn_decode_tok(node: Tensor, out, srcs, scratch, backend):
     """A decode step of many sequences (the graph builder marks it `per_token`): attn_decode_tok, a block per
     KV head and token over the tiles of cells that token sees, so each sequence's attention reads its own
     cells rather than the whole cache under a mask."""
-    q, k, v, mask = srcs
+    q, k, v, mask = srcs[:4]
     hq, t, d = q.shape
     hk, n_kv, _ = k.shape
     if (not node.params.get("per_token") or d not in DECODE_DIMS or hq // hk > DECODE_FEW_ROWS
             or n_kv % 8 or n_kv > TOK_MAX_CELLS or not _attention_operands(node, out, srcs) or not _aligned8(k, v, mask)):
         return None
     sq, sk, sv = estrides(q), estrides(k), estrides(v)
-    args = (ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), i32(hq // hk), i32(n_kv), i64(sq[0]), i64(sq[1]),
-            i64(sk[0]), i64(sk[1]), i64(sv[0]), i64(sv[1]), i64(estrides(mask)[0]), f32(node.params["scale"]))
+    args = (ptr(q), ptr(k), ptr(v), ptr(mask), _sinks(node, srcs), ptr(out), i32(hq // hk), i32(n_kv), i64(sq[0]),
+            i64(sq[1]), i64(sk[0]), i64(sk[1]), i64(sv[0]), i64(sv[1]), i64(estrides(mask)[0]), f32(node.params["scale"]))
     fn = kernel("attention.cu", f"attn_decode_tok<{_tid(node.srcs[1].dtype)}, {d}>")
     return launch_step(node.op, Launch(fn, (hk, t), (256,), args))
 
@@ -497,13 +503,13 @@ def _attn_decode_tok(node: Tensor, out, srcs, scratch, backend):
 def _attn_decode(node: Tensor, out, srcs, scratch, backend):
     """Few query rows: one launch of attn_decode (its last block per head merges the key chunks)."""
     chunk = _decode_chunk(node)
-    q, k, v, mask = srcs
+    q, k, v, mask = srcs[:4]
     if chunk is None or not _attention_operands(node, out, srcs) or not _aligned8(k, v):
         return None
     hq, t, d = q.shape
     hk, n_kv, _ = k.shape
     split = -(-n_kv // chunk)
-    args = (ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), ptr(scratch) if split > 1 else NULL,
+    args = (ptr(q), ptr(k), ptr(v), ptr(mask), _sinks(node, srcs), ptr(out), ptr(scratch) if split > 1 else NULL,
             ptr(backend.tickets(hk)), *_attention_args(node, srcs, chunk), _q8_dest(node, backend))
     mask_in = i32(_mask_is_step_input(node))
     if t * (hq // hk) <= DECODE_FEW_ROWS:  # one token's heads: the kernel built for latency
@@ -524,7 +530,7 @@ TC_BLOCK_ROWS = 64  # query rows of a flash_attn_tc block: 4 warps of 16
 def _flash_attn_tc(node: Tensor, out, srcs, scratch, backend):
     """Prompts over an f16 cache: flash_attn_tc, scores and weighted values on tensor cores, where a
     KV head's query rows fill whole blocks and need no key split."""
-    q, k, v, mask = srcs
+    q, k, v, mask = srcs[:4]
     hq, t, d = q.shape
     hk, n_kv, _ = k.shape
     if (d not in TC_DIMS or node.srcs[1].dtype is not DType.F16 or t * (hq // hk) < TC_BLOCK_ROWS
@@ -533,7 +539,8 @@ def _flash_attn_tc(node: Tensor, out, srcs, scratch, backend):
     fn = kernel("attention.cu", f"flash_attn_tc<{d}>")
     args = _attention_args(node, srcs, n_kv)
     listed = i32(n_kv % 8 == 0 and n_kv <= TOK_MAX_CELLS and _aligned8(mask))  # list_tiles' conditions
-    args = (ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), *args[:4], *args[5:], listed)  # all but chunk: one key chunk
+    # all of _attention_args but chunk: one key chunk
+    args = (ptr(q), ptr(k), ptr(v), ptr(mask), _sinks(node, srcs), ptr(out), *args[:4], *args[5:], listed)
     return launch_step(node.op, Launch(fn, (-(-t * (hq // hk) // TC_BLOCK_ROWS), hk), (128,), args))
 
 
@@ -541,7 +548,7 @@ def _flash_attn_tc(node: Tensor, out, srcs, scratch, backend):
 def _flash_attn(node: Tensor, out, srcs, scratch, backend):
     if not _attention_operands(node, out, srcs):
         return None
-    q, k, v, mask = srcs
+    q, k, v, mask = srcs[:4]
     hq, t, d = q.shape
     hk, n_kv, _ = k.shape
     epl = -(-d // 32)
@@ -554,7 +561,7 @@ def _flash_attn(node: Tensor, out, srcs, scratch, backend):
     smem = (2 * FA_KEYS + FA_ROWS) * (d + 1) * 4
     fa.max_dynamic_shared_size_bytes = max(fa.max_dynamic_shared_size_bytes, smem)
     part = ptr(scratch) if split > 1 else NULL
-    args = (ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), part, *_attention_args(node, srcs, chunk))
+    args = (ptr(q), ptr(k), ptr(v), ptr(mask), _sinks(node, srcs), ptr(out), part, *_attention_args(node, srcs, chunk))
     grid = (-(-t * r // FA_ROWS), hk, split)
     launches = [Launch(fa, grid, (FA_THREADS,), args, smem)]
     if split > 1:
