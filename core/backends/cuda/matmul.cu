@@ -234,19 +234,25 @@ template <int T> __device__ __forceinline__ float vdot_at(const u8 *row, int b, 
 // out[c, row] = W[row] . y[c] for NC token rows; a warp per weight row, its lanes over the blocks.
 // Up to three weights of one type and width in one launch (q, k and v; gate and up): global row
 // `row` falls in weight 0 (rows [0, m0)), 1 ([m0, m0 + m1)) or 2 (the rest, up to `rows`); each
-// weight's product [NC, m_i] is contiguous at o_i.
-template <int T, int NC>
-__global__ void mmvq(const u8 *w0, const u8 *w1, const u8 *w2, float *o0, float *o1, float *o2, int m0, int m1,
-                     const block_q8_1 *y, int ncols, i64 row_bytes, int rows, int pf) {
+// weight's product [NC, m_i] is contiguous at o_i. With B (mmvq_bias: a bias add after the product),
+// weight i given a bias vector b_i (nullptr: none) also stores q_i[c, row] = out + b_i[row], after out.
+template <int T, int NC, bool B>
+__device__ __forceinline__ void mmvq_rows(const u8 *w0, const u8 *w1, const u8 *w2, float *o0, float *o1, float *o2,
+                                          const float *b0, const float *b1, const float *b2, float *q0, float *q1,
+                                          float *q2, int m0, int m1, const block_q8_1 *y, int ncols, i64 row_bytes,
+                                          int rows, int pf) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const bool live = row < rows;
     const u8 *w = w0;
-    float *out = o0;
+    float *out = o0, *biased = q0;
+    const float *bias = b0;
     int ldo = m0;
     if (row >= m0 + m1) {
         w = w2, out = o2, ldo = rows - m0 - m1, row -= m0 + m1;
+        if constexpr (B) bias = b2, biased = q2;
     } else if (row >= m0) {
         w = w1, out = o1, ldo = m1, row -= m0;
+        if constexpr (B) bias = b1, biased = q1;
     }
     int lane = threadIdx.x & 31, nb = ncols / 32;
     const u8 *wr = w + row * row_bytes;
@@ -263,8 +269,27 @@ __global__ void mmvq(const u8 *w0, const u8 *w1, const u8 *w2, float *o0, float 
 #pragma unroll
     for (int c = 0; c < NC; c++) {
         float v = warp_sum(acc[c]);
-        if (lane == 0) out[(i64)c * ldo + row] = v;
+        if (lane == 0) {
+            out[(i64)c * ldo + row] = v;
+            if constexpr (B) {
+                if (bias != nullptr) biased[(i64)c * ldo + row] = v + bias[row];
+            }
+        }
     }
+}
+
+template <int T, int NC>
+__global__ void mmvq(const u8 *w0, const u8 *w1, const u8 *w2, float *o0, float *o1, float *o2, int m0, int m1,
+                     const block_q8_1 *y, int ncols, i64 row_bytes, int rows, int pf) {
+    mmvq_rows<T, NC, false>(w0, w1, w2, o0, o1, o2, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, m0, m1, y,
+                            ncols, row_bytes, rows, pf);
+}
+
+template <int T, int NC>
+__global__ void mmvq_bias(const u8 *w0, const u8 *w1, const u8 *w2, float *o0, float *o1, float *o2, const float *b0,
+                          const float *b1, const float *b2, float *q0, float *q1, float *q2, int m0, int m1,
+                          const block_q8_1 *y, int ncols, i64 row_bytes, int rows, int pf) {
+    mmvq_rows<T, NC, true>(w0, w1, w2, o0, o1, o2, b0, b1, b2, q0, q1, q2, m0, m1, y, ncols, row_bytes, rows, pf);
 }
 
 // One token's q, k and v products (mmvq's three weights; `pos` and `idx` of token 0) and what the layer does
@@ -356,9 +381,10 @@ __global__ void mmvq_glu(const u8 *wg, const u8 *wu, const block_q8_1 *y, float 
 }
 
 // the same product for any weight type against f32 activations x [NC, ncols] (row stride ldx):
-// the lanes decode consecutive elements
-template <int T, int NC>
-__global__ void gemv(const u8 *w, const float *x, float *out, int ncols, i64 row_bytes, i64 ldx, int rows, i64 ldo) {
+// the lanes decode consecutive elements. With B (gemv_bias) also biased[c, row] = out + bias[row].
+template <int T, int NC, bool B>
+__device__ __forceinline__ void gemv_rows(const u8 *w, const float *x, const float *bias, float *out, float *biased,
+                                          int ncols, i64 row_bytes, i64 ldx, int rows, i64 ldo) {
     pdl_begin();
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= rows) return;
@@ -375,8 +401,22 @@ __global__ void gemv(const u8 *w, const float *x, float *out, int ncols, i64 row
 #pragma unroll
     for (int c = 0; c < NC; c++) {
         float v = warp_sum(acc[c]);
-        if (lane == 0) out[c * ldo + row] = v;
+        if (lane == 0) {
+            out[c * ldo + row] = v;
+            if constexpr (B) biased[c * ldo + row] = v + bias[row];
+        }
     }
+}
+
+template <int T, int NC>
+__global__ void gemv(const u8 *w, const float *x, float *out, int ncols, i64 row_bytes, i64 ldx, int rows, i64 ldo) {
+    gemv_rows<T, NC, false>(w, x, nullptr, out, nullptr, ncols, row_bytes, ldx, rows, ldo);
+}
+
+template <int T, int NC>
+__global__ void gemv_bias(const u8 *w, const float *x, const float *bias, float *out, float *biased, int ncols,
+                          i64 row_bytes, i64 ldx, int rows, i64 ldo) {
+    gemv_rows<T, NC, true>(w, x, bias, out, biased, ncols, row_bytes, ldx, rows, ldo);
 }
 
 // rows [r0, r0 + n) of a weight decoded to f16, contiguous (a GEMM tile); thread per element

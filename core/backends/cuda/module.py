@@ -44,9 +44,11 @@ def _instances() -> dict[str, list[str]]:
     norm_w = [NO_WEIGHT] + [_t(f) for f in FLOATS]
     return {
         "matmul.cu": [f"mmvq<{_t(q)}, {c}>" for q in DP4A_TYPES for c in GEMV_COLS]
+        + [f"mmvq_bias<{_t(q)}, {c}>" for q in DP4A_TYPES for c in GEMV_COLS]
         + [f"mmvq_rope_qkv<{_t(q)}, {_t(d)}>" for q in DP4A_TYPES for d in FLOATS]
         + [f"mmvq_glu<{_t(q)}, {c}, {f}>" for q in DP4A_TYPES for c in GEMV_COLS for f in GLU_ACTS.values()]
         + [f"gemv<{_t(q)}, {c}>" for q in weights for c in GEMV_COLS]
+        + [f"gemv_bias<{_t(f)}, {c}>" for f in FLOATS for c in GEMV_COLS]
         + [f"mmq<{_t(q)}, {nt}>" for q in MMQ_TYPES for nt in MMQ_TILES]
         + [f"mmvq_id<{_t(q)}>" for q in DP4A_TYPES] + [f"mmid_tc<{_t(q)}>" for q in weights]
         + [f"mmvq_id_glu<{_t(q)}, {f}>" for q in DP4A_TYPES for f in GLU_ACTS.values()]
