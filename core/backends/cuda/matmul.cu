@@ -491,34 +491,66 @@ __global__ void mul_mat_float(const void *a, const void *bm, float *out, int M, 
 
 // Decode: mmvq over q8_1 activations y [rows of b, ncols / 32], a warp per weight row, blockIdx.y the slot:
 // each slot reads only its own expert's rows. The ids come from the kernel before, so nothing is read
-// before pdl_begin.
-template <int T>
-__global__ void mmvq_id(const u8 *w, const block_q8_1 *y, const int *ids, float *out, int ncols, i64 row_bytes,
-                        i64 expert_bytes, int M, int k, i64 ldi, int bstep) {
+// before pdl_begin. With B (mmvq_id_bias: the experts' bias add after the product) the slot's row of the
+// bias matrix [n_expert, M] (its expert's) is stored too, into rows_out (the get_rows node's result), and the
+// biased product into biased, after out.
+template <int T, bool B>
+__device__ __forceinline__ void mmvq_id_rows(const u8 *w, const block_q8_1 *y, const int *ids, const float *bias,
+                                             float *out, float *rows_out, float *biased, int ncols, i64 row_bytes,
+                                             i64 expert_bytes, int M, int k, i64 ldi, int bstep) {
     pdl_begin();
     const int s = blockIdx.y, t = s / k, j = s % k;
     const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= M) return;
     const int lane = threadIdx.x & 31, nb = ncols / 32;
-    const u8 *wr = w + (i64)ids[(i64)t * ldi + j] * expert_bytes + (i64)row * row_bytes;
+    const int e = ids[(i64)t * ldi + j];
+    const u8 *wr = w + (i64)e * expert_bytes + (i64)row * row_bytes;
     const block_q8_1 *yr = y + (i64)(bstep ? s : t) * nb;
     float acc = 0.0f;
     for (int b = lane; b < nb; b += 32) acc += vdot_at<T>(wr, b, yr[b]);
     acc = warp_sum(acc);
-    if (lane == 0) out[(i64)s * M + row] = acc;
+    if (lane == 0) {
+        const i64 o = (i64)s * M + row;
+        out[o] = acc;
+        if constexpr (B) {
+            const float r = bias[(i64)e * M + row];
+            rows_out[o] = r;
+            biased[o] = acc + r;
+        }
+    }
+}
+
+template <int T>
+__global__ void mmvq_id(const u8 *w, const block_q8_1 *y, const int *ids, float *out, int ncols, i64 row_bytes,
+                        i64 expert_bytes, int M, int k, i64 ldi, int bstep) {
+    mmvq_id_rows<T, false>(w, y, ids, nullptr, out, nullptr, nullptr, ncols, row_bytes, expert_bytes, M, k, ldi, bstep);
+}
+
+template <int T>
+__global__ void mmvq_id_bias(const u8 *w, const block_q8_1 *y, const int *ids, const float *bias, float *out,
+                             float *rows_out, float *biased, int ncols, i64 row_bytes, i64 expert_bytes, int M, int k,
+                             i64 ldi, int bstep) {
+    mmvq_id_rows<T, true>(w, y, ids, bias, out, rows_out, biased, ncols, row_bytes, expert_bytes, M, k, ldi, bstep);
 }
 
 // mmvq_id of a gated unit's gate and up matrices at once (one token's experts: blockIdx.y the slot) and the
-// unit after them: go = G . y, uo = U . y (both products, as the nodes' results) and out = act(go) uo (F: 1 silu)
-template <int T, int F>
-__global__ void mmvq_id_glu(const u8 *wg, const u8 *wu, const block_q8_1 *y, const int *ids, float *go, float *uo,
-                            float *out, int ncols, i64 row_bytes, i64 expert_bytes, int M, int k, i64 ldi, int bstep) {
+// unit after them: go = G . y, uo = U . y (both products, as the nodes' results) and out = glu(go, uo) (F: 1
+// swiglu, 2 geglu, 3 swiglu_oai with alpha and limit). With B (mmvq_id_glu_bias: gpt-oss's experts) each
+// product's bias add comes first, as in mmvq_id_bias: the slot's rows of bg and bu into g_rows and u_rows, the
+// sums into g_sum and u_sum, the unit of the sums into out; every result stored in the nodes' order.
+template <int T, int F, bool B>
+__device__ __forceinline__ void mmvq_id_glu_rows(const u8 *wg, const u8 *wu, const block_q8_1 *y, const int *ids,
+                                                 const float *bg, const float *bu, float *go, float *g_rows,
+                                                 float *g_sum, float *uo, float *u_rows, float *u_sum, float *out,
+                                                 int ncols, i64 row_bytes, i64 expert_bytes, int M, int k, i64 ldi,
+                                                 int bstep, float alpha, float limit) {
     pdl_begin();
     const int s = blockIdx.y, t = s / k, j = s % k;
     const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= M) return;
     const int lane = threadIdx.x & 31, nb = ncols / 32;
-    const i64 at = (i64)ids[(i64)t * ldi + j] * expert_bytes + (i64)row * row_bytes;
+    const int e = ids[(i64)t * ldi + j];
+    const i64 at = (i64)e * expert_bytes + (i64)row * row_bytes;
     const u8 *gr = wg + at, *ur = wu + at;
     const block_q8_1 *yr = y + (i64)(bstep ? s : t) * nb;
     float ag = 0.0f, au = 0.0f;
@@ -530,8 +562,31 @@ __global__ void mmvq_id_glu(const u8 *wg, const u8 *wu, const block_q8_1 *y, con
     au = warp_sum(au);
     if (lane == 0) {
         const i64 o = (i64)s * M + row;
-        go[o] = ag, uo[o] = au, out[o] = glu_act<F>(ag) * au;
+        if constexpr (B) {
+            const float rg = bg[(i64)e * M + row], ru = bu[(i64)e * M + row], g = ag + rg, u = au + ru;
+            go[o] = ag, g_rows[o] = rg, g_sum[o] = g;
+            uo[o] = au, u_rows[o] = ru, u_sum[o] = u;
+            out[o] = glu_pair<F>(g, u, alpha, limit);
+        } else {
+            go[o] = ag, uo[o] = au, out[o] = glu_pair<F>(ag, au, alpha, limit);
+        }
     }
+}
+
+template <int T, int F>
+__global__ void mmvq_id_glu(const u8 *wg, const u8 *wu, const block_q8_1 *y, const int *ids, float *go, float *uo,
+                            float *out, int ncols, i64 row_bytes, i64 expert_bytes, int M, int k, i64 ldi, int bstep) {
+    mmvq_id_glu_rows<T, F, false>(wg, wu, y, ids, nullptr, nullptr, go, nullptr, nullptr, uo, nullptr, nullptr, out,
+                                  ncols, row_bytes, expert_bytes, M, k, ldi, bstep, 0.0f, 0.0f);
+}
+
+template <int T, int F>
+__global__ void mmvq_id_glu_bias(const u8 *wg, const u8 *wu, const block_q8_1 *y, const int *ids, const float *bg,
+                                 const float *bu, float *go, float *g_rows, float *g_sum, float *uo, float *u_rows,
+                                 float *u_sum, float *out, int ncols, i64 row_bytes, i64 expert_bytes, int M, int k,
+                                 i64 ldi, int bstep, float alpha, float limit) {
+    mmvq_id_glu_rows<T, F, true>(wg, wu, y, ids, bg, bu, go, g_rows, g_sum, uo, u_rows, u_sum, out, ncols, row_bytes,
+                                 expert_bytes, M, k, ldi, bstep, alpha, limit);
 }
 
 // Products of a few dozen token rows on int8 tensor cores (ggml's mmq): the activations as q8_1 blocks, each

@@ -32,6 +32,8 @@ NO_WEIGHT = -1
 DECODE_DIMS = (64, 128, 256)  # head dimensions attn_decode is built for
 TC_DIMS = (64, 128)  # head dimensions flash_attn_tc (prompt attention on tensor cores) is built for
 GLU_ACTS = {"swiglu": 1, "geglu": 2}  # glu_act's template argument (common.cuh)
+# glu_pair's (common.cuh): the gated units the experts' kernels end with, gpt-oss's too
+EXPERT_GLU_ACTS = GLU_ACTS | {"swiglu_oai": 3}
 
 
 def _t(name: str) -> int:
@@ -52,6 +54,8 @@ def _instances() -> dict[str, list[str]]:
         + [f"mmq<{_t(q)}, {nt}>" for q in MMQ_TYPES for nt in MMQ_TILES]
         + [f"mmvq_id<{_t(q)}>" for q in DP4A_TYPES] + [f"mmid_tc<{_t(q)}>" for q in weights]
         + [f"mmvq_id_glu<{_t(q)}, {f}>" for q in DP4A_TYPES for f in GLU_ACTS.values()]
+        + [f"mmvq_id_bias<{_t(q)}>" for q in DP4A_TYPES]
+        + [f"mmvq_id_glu_bias<{_t(q)}, {f}>" for q in DP4A_TYPES for f in EXPERT_GLU_ACTS.values()]
         + [f"dequant_f16<{_t(q)}>" for q in weights] + [f"dequant_f16_x8<{_t(q)}>" for q in weights]
         + [f"get_rows<{_t(q)}>" for q in weights]
         + [f"mul_mat_float<{_t(a)}, {_t(b)}>" for a in FLOATS for b in FLOATS],
