@@ -67,6 +67,20 @@ __global__ void set_rows(const float *src, const int *idx, void *dst, int n, i64
     st<D>(dst, (i64)idx[r] * ldd + c, src[r * lds + c]);
 }
 
+// a bias add and the cache write of its rows: v = src[r, :] + bias (broadcast over the rows) goes to sum[r, :]
+// (the add's result, contiguous) and to dst[idx[r], :]
+template <int D>
+__global__ void set_rows_bias(const float *src, const float *bias, float *sum, const int *idx, void *dst, int n,
+                              i64 rows, i64 lds, i64 ldd) {
+    pdl_begin();
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * n) return;
+    i64 r = i / n, c = i % n;
+    const float v = src[r * lds + c] + bias[c];
+    sum[i] = v;
+    st<D>(dst, (i64)idx[r] * ldd + c, v);
+}
+
 // softmax(a * scale + mask) over rows of n; row r of the matrix uses mask row r % R (M: mask type, -1 none).
 // With sinks (gpt-oss's attention sinks; a is [heads, R, n]), row r counts one more logit, sinks[r / R],
 // whose share is dropped.

@@ -61,13 +61,15 @@ def _instances() -> dict[str, list[str]]:
         + [f"mul_mat_float<{_t(a)}, {_t(b)}>" for a in FLOATS for b in FLOATS],
         "norm.cu": [f"rms_norm<{w}>" for w in norm_w]
         + [f"add_rms_norm<{_t(w)}, {p}>" for w in FLOATS for p in ("false", "true")],
-        "rope.cu": [f"rope<{w}>" for w in norm_w]
+        "rope.cu": [f"rope<{w}>" for w in norm_w] + [f"rope_bias<{w}>" for w in norm_w]
         + [f"rope_set_rows<{w}, {_t(d)}>" for w in norm_w for d in FLOATS]
+        + [f"rope_set_rows_bias<{w}, {_t(d)}>" for w in norm_w for d in FLOATS]
         + [f"rope_qkv<{w}, {_t(d)}>" for w in norm_w for d in FLOATS],
         "elementwise.cu": [f"copy4<{_t(s)}, {_t(d)}>" for s in FLOATS for d in FLOATS]
         + [f"binary4<{op}, {_t(a)}, {_t(b)}>" for op in (0, 1) for a in FLOATS for b in FLOATS]
         + [f"unary4<{f}>" for f in (0, 1, 2)] + [f"gated<{f}>" for f in (1, 2)]
-        + [f"set_rows<{_t(d)}>" for d in FLOATS] + [f"soft_max<{m}>" for m in (NO_WEIGHT, 0, 1)],
+        + [f"set_rows<{_t(d)}>" for d in FLOATS] + [f"set_rows_bias<{_t(d)}>" for d in FLOATS]
+        + [f"soft_max<{m}>" for m in (NO_WEIGHT, 0, 1)],
         "attention.cu": [f"flash_attn<{_t(k)}, {e}>" for k in FLOATS for e in FA_EPL]
         + [f"attn_decode{rows}<{_t(k)}, {d}>" for rows in ("", "_rows", "_tok") for k in FLOATS for d in DECODE_DIMS]
         + [f"flash_attn_tc<{d}>" for d in TC_DIMS],
