@@ -6,7 +6,9 @@ quantized to q8_1 once and mmvq_id takes a warp per weight row and a block row p
 with ids. A prompt's slots are grouped by expert on the device (moe_group: counts, offsets, the slots of
 each expert), then one grouped GEMM (mmid_tc) multiplies each expert's decoded weight tiles by its slots'
 f16 activations on tensor cores, as ggml's mmq with ids: every launch has a fixed grid, so the step is
-captured in a CUDA graph like any other, and blocks past an expert's slots return at once.
+captured in a CUDA graph like any other, and blocks past an expert's slots return at once. A decode step's
+experts' bias rows (gpt-oss: get_rows of the bias by the ids, then add; bias_adds.py) are added by mmvq_id's
+kernel as it stores, and gate and up with theirs by one kernel with the gated unit after them.
 """
 from __future__ import annotations
 

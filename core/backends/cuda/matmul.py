@@ -9,7 +9,7 @@ quants on int8 tensor cores (mmq, as ggml's), reading each weight once. More
 token rows: the weight is decoded to f16 one tile of rows at a time into scratch and multiplied
 by cuBLAS (f32 accumulation; through blas.py, which CUDA graphs capture), the activations converted
 to f16 once. Products of two float operands (attention without the fused op) run a plain strided
-kernel.
+kernel. A decode product's kernel also does the bias add after it (bias_adds.py; mmvq_bias, gemv_bias).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Which CUDA kernel runs each node that is not a weight product: copies and casts, element-wise
 ops and gated units, norms (fused with their weight and residual add), RoPE (YaRN's too; fused with
-per-head norms, output scale, the cache write), cache row writes, softmax (with attention sinks),
+per-head norms, output scale, the cache write, a bias add before it), cache row writes (with a bias add
+before them), softmax (with attention sinks),
 fused attention. Each binder returns None
 for a case its kernel does not cover, and the node then runs the shared array kernel."""
 from __future__ import annotations
