@@ -251,10 +251,10 @@ def ffn_moe(x: Tensor, L: LayerWeights, il: int, n_used: int, norm_weights: bool
     if softmax_weights:
         weights = ops.soft_max(weights, name=f"ffn_moe_weights_softmax-{il}")
     xs = ops.reshape(x, (n, 1, x.shape[1]))
-    gate = _expert_product(L, "ffn_gate_exps", xs, ids, f"ffn_moe_gate-{il}")  # [tokens, n_used, n_ff_exp]
-    up = _expert_product(L, "ffn_up_exps", xs, ids, f"ffn_moe_up-{il}")
+    gate = _experts(L, "ffn_gate_exps", xs, ids, f"ffn_moe_gate-{il}")  # [tokens, n_used, n_ff_exp]
+    up = _experts(L, "ffn_up_exps", xs, ids, f"ffn_moe_up-{il}")
     h = glu(gate, up, f"ffn_moe_glu-{il}") if glu is not None else ops.swiglu(gate, up, name=f"ffn_moe_swiglu-{il}")
-    experts = _expert_product(L, "ffn_down_exps", h, ids, f"ffn_moe_down-{il}")  # [tokens, n_used, n_embd]
+    experts = _experts(L, "ffn_down_exps", h, ids, f"ffn_moe_down-{il}")  # [tokens, n_used, n_embd]
     return weighted_sum(experts, weights, il)
 
 
@@ -270,11 +270,15 @@ def weighted_sum(experts: Tensor, weights: Tensor, il: int) -> Tensor:
     return out if n_used > 1 else ops.cont(out, name=f"ffn_moe_out-{il}")
 
 
-def _expert_product(L: LayerWeights, name: str, x: Tensor, ids: Tensor, node: str) -> Tensor:
-    """The chosen experts' products with matrix `name` [n_expert, M, K], plus their rows of its bias
-    [n_expert, M] where the file has one: [tokens, n_used, M]."""
-    y = ops.mul_mat_id(getattr(L, name), x, ids, name=node)
-    bias = L.get(f"{name}.bias")
+def _experts(L: LayerWeights, name: str, x: Tensor, ids: Tensor, node: str) -> Tensor:
+    """The chosen experts' products with layer matrix `name`, plus its bias where the file has one."""
+    return expert_product(getattr(L, name), L.get(f"{name}.bias"), x, ids, node)
+
+
+def expert_product(w: Tensor, bias: Tensor | None, x: Tensor, ids: Tensor, node: str) -> Tensor:
+    """The chosen experts' products with w [n_expert, M, K], plus their rows of bias [n_expert, M] when given (as
+    ggml_add_id adds them: the rows gathered by the ids, then added): [tokens, n_used, M]."""
+    y = ops.mul_mat_id(w, x, ids, name=node)
     if bias is None:
         return y
     rows = ops.get_rows(bias, ops.reshape(ids, (ids.shape[0] * ids.shape[1],)), name=f"{node}_bias_rows")

@@ -5,6 +5,8 @@ runs on every usable backend (CPU, SIM, each CUDA device) and compares with the 
 A case draws its data from a generator seeded by its id, so every backend computes the same numbers.
 `native` names the backends whose own kernels must take the case (a compiled CPU kernel for the output
 node, no cupy fallback on CUDA): those the case was written for; elsewhere only the result is checked.
+`fused` names the step of a fused kernel the CUDA backend must run for the graph (its unfused nodes built
+as a model builds them): a fusion the case was written for.
 Tolerances are per kind of op and backend (CUDA's exp and fast division differ from numpy's in the
 last bits).
 """
@@ -19,7 +21,7 @@ import numpy as np
 from ggrun.core import ops
 from ggrun.core.backends.op_harness import TYPES, Leafs, weight_data
 from ggrun.core.dtypes import DType
-from ggrun.core.llm.blocks import weighted_sum
+from ggrun.core.llm.blocks import expert_product, weighted_sum
 from ggrun.core.ops import ROPE_NEOX, ROPE_NORMAL
 
 F32, F16, I32 = DType.F32, DType.F16, DType.I32
@@ -46,6 +48,7 @@ class OpCase:
     make: Callable[[np.random.Generator], Build]
     tolerance: dict[str, float]
     native: frozenset[str] = BOTH
+    fused: str = ""
 
     def build(self) -> Build:
         return self.make(np.random.default_rng(zlib.crc32(self.id.encode())))
@@ -137,6 +140,32 @@ def _mul_mat_glu(types: tuple[DType, DType], n_tokens: int, glu: str):
     return make
 
 
+def _mul_mat_bias(dtype: DType, m: int, n_tokens: int, bias_shape: tuple[int, ...] | None = None):
+    """A product and the add of a bias vector after it (attention's output projection, a router)."""
+    def make(rng):
+        k = 512 if dtype.block_size == 256 else 96
+        data, x = weight_data(dtype, m, k, seed=int(rng.integers(1 << 30))), values(rng, n_tokens, k)
+        bd = values(rng, *(bias_shape or (m,)), scale=2.0)
+        return lambda lf: ops.add(ops.mul_mat(lf.weight("w", dtype, (m, k), data), lf.input("x", F32, x)),
+                                  lf.weight("b", F32, bd.shape, bd))
+    return make
+
+
+def _mul_mat_multi_bias(kinds: tuple[tuple[DType, int], ...], n_tokens: int, part: int):
+    """q, k and v from one activation, then the bias add of one of them (as blocks.project_qkv has it)."""
+    def make(rng):
+        k = 256
+        data = [weight_data(dt, m, k, seed=i) for i, (dt, m) in enumerate(kinds)]
+        x, bd = values(rng, n_tokens, k), values(rng, kinds[part][1], scale=2.0)
+
+        def build(lf):
+            ws = tuple(lf.weight(f"w{i}", dt, (m, k), d) for i, ((dt, m), d) in enumerate(zip(kinds, data)))
+            views = ops.mul_mat_multi(ws, lf.input("x", F32, x), tuple(f"p{i}" for i in range(len(ws))))
+            return ops.add(views[part], lf.weight("b", F32, bd.shape, bd))
+        return build
+    return make
+
+
 def product_cases() -> list[OpCase]:
     cases = [OpCase(f"mul_mat-{t}-n{n}", _mul_mat(t, 67, n), MUL_MAT) for t in TYPES for n in (1, 2, 3, 7, 8, 9, 16, 17, 64, 100)]
     cases += [OpCase(f"mul_mat-beyond-65535-rows-n{n}", _mul_mat(DType.Q4_0, 70_001, n), MUL_MAT) for n in (1, 512)]
@@ -144,13 +173,24 @@ def product_cases() -> list[OpCase]:
     cases += [OpCase(f"attention-products-{t}", _attention_products(t), MUL_MAT, CUDA) for t in (F16, F32)]
     multi = {"mixed": ((DType.Q4_0, 96), (DType.Q6_K, 32), (DType.F16, 40)),
              "one-type": ((DType.Q4_0, 96), (DType.Q4_0, 32), (DType.Q4_0, 40)),
-             "two-pairs": ((DType.Q8_0, 64), (DType.Q8_0, 32), (DType.Q4_1, 32), (DType.Q4_1, 8))}
+             "two-pairs": ((DType.Q8_0, 64), (DType.Q8_0, 32), (DType.Q4_1, 32), (DType.Q4_1, 8)),
+             "three-types": ((DType.Q8_0, 96), (DType.Q4_K, 32), (DType.MXFP4, 40))}
     cases += [OpCase(f"mul_mat_multi-{name}-n{n}", _mul_mat_multi(kinds, n), MUL_MAT)
               for name, kinds in multi.items() for n in (1, 7, 64)]
     glu_types = [(DType.Q4_0, DType.Q4_0), (DType.Q8_0, DType.Q8_0), (DType.Q6_K, DType.Q6_K), (DType.Q4_0, DType.Q8_0),
                  (DType.MXFP4, DType.MXFP4), (DType.IQ4_XS, DType.IQ4_XS)]
     cases += [OpCase(f"mul_mat_glu-{glu}-{g}-{u}-n{n}", _mul_mat_glu((g, u), n, glu), GLU)
               for glu in ("swiglu", "geglu") for g, u in glu_types for n in (1, 3, 8, 9, 64)]
+    cases += [OpCase(f"mul_mat-bias-{t}-n{n}", _mul_mat_bias(t, 67, n), MUL_MAT, fused="mul_mat+bias")
+              for t in (F16, DType.Q8_0, DType.MXFP4, F32) for n in (1, 2, 3, 5, 8)]
+    cases.append(OpCase(f"mul_mat-bias-row-{DType.Q4_K}-n1", _mul_mat_bias(DType.Q4_K, 40, 1, (1, 40)), MUL_MAT,
+                        fused="mul_mat+bias"))
+    cases += [OpCase(f"mul_mat-bias-{t}-n{n}-beyond-decode", _mul_mat_bias(t, 67, n), MUL_MAT)
+              for t in (DType.Q8_0, DType.MXFP4) for n in (9, 40)]
+    cases += [OpCase(f"mul_mat_multi-bias-{name}-part{j}-n{n}", _mul_mat_multi_bias(multi[name], n, j), MUL_MAT,
+                     fused="mul_mat_multi+bias" if n <= 8 else "")
+              for name, j in (("one-type", 2), ("one-type", 0), ("three-types", 0), ("three-types", 1), ("mixed", 2))
+              for n in (1, 3, 8, 9)]
     return cases
 
 
@@ -599,6 +639,65 @@ def _rope_yarn(n: int, ext_factor: float, fscale: float):
     return make
 
 
+def _expert_bias(dtype: DType, n: int, per_slot: bool, n_expert: int = 8, k: int = 3, m: int = 80):
+    """The experts' products plus their rows of a bias matrix (blocks.expert_product: get_rows, then add)."""
+    def make(rng):
+        cols = 512 if dtype.block_size == 256 else 96
+        data = weight_data(dtype, n_expert * m, cols, seed=int(rng.integers(1 << 30)))
+        x, ids = values(rng, n, k if per_slot else 1, cols), _expert_ids(rng, n, n_expert, k)
+        bd = values(rng, n_expert, m, scale=2.0)
+        return lambda lf: expert_product(lf.weight("w", dtype, (n_expert, m, cols), data),
+                                         lf.weight("b", F32, bd.shape, bd), lf.input("x", F32, x),
+                                         lf.input("ids", I32, ids), "experts")
+    return make
+
+
+def _gated_experts_bias(dtype: DType, n: int, glu: str):
+    """gpt-oss's experts' first half: gate and up products each plus their bias rows, then the gated unit (swiglu_oai,
+    gate and up beyond its clamp of 7 both ways; or swiglu)."""
+    def make(rng):
+        m, cols, n_expert, k = 64, 256, 8, 4
+        gd, ud = (weight_data(dtype, n_expert * m, cols, seed=int(rng.integers(1 << 30))) for _ in range(2))
+        x, ids = values(rng, n, 1, cols), _expert_ids(rng, n, n_expert, k)
+        gb, ub = values(rng, n_expert, m, scale=4.0), values(rng, n_expert, m, scale=4.0)
+
+        def build(lf):
+            xs, ix = lf.input("x", F32, x), lf.input("ids", I32, ids)
+            gate = expert_product(lf.weight("gate", dtype, (n_expert, m, cols), gd), lf.weight("gb", F32, gb.shape, gb),
+                                  xs, ix, "gate")
+            up = expert_product(lf.weight("up", dtype, (n_expert, m, cols), ud), lf.weight("ub", F32, ub.shape, ub),
+                                xs, ix, "up")
+            if glu == "swiglu_oai":
+                return ops.swiglu_oai(gate, up, 1.702, 7.0)
+            return ops.swiglu(gate, up)
+        return build
+    return make
+
+
+def _rope_bias(n: int, heads: int, d: int, n_dims: int, mode: int, yarn: bool, into: str):
+    """Attention's q or k with a bias (gpt-oss, qwen2): rows [n, heads * d] plus a bias vector, then the heads' RoPE
+    (YaRN's with `yarn`) into a result (`into` "rope"), into cache rows ("rope_set_rows"), or the rows written to the
+    cache unrotated ("set_rows": v)."""
+    def make(rng):
+        xd, bd, p = values(rng, n, heads * d), values(rng, heads * d, scale=2.0), positions(rng, n)
+        cd = values(rng, 40, heads * d).astype(np.float16)
+        idx = rng.choice(40, size=n, replace=False).astype(np.int32)
+        ya = ops.Yarn(1.0, 1.2, 32.0, 1.0, 4096) if yarn else None
+
+        def build(lf):
+            biased = ops.add(lf.input("x", F32, xd), lf.weight("b", F32, bd.shape, bd))
+            if into == "set_rows":
+                return ops.set_rows(lf.weight("cache", F16, cd.shape, cd), biased, lf.input("idx", I32, idx))
+            heads_of = ops.reshape(biased, (n, heads, d))
+            pos = lf.input("pos", I32, p)
+            if into == "rope_set_rows":
+                return ops.rope_set_rows(lf.weight("cache", F16, cd.shape, cd), heads_of, lf.input("idx", I32, idx),
+                                         pos, n_dims, mode, 10000.0, 1.0)
+            return ops.rope(heads_of, pos, n_dims, mode, 150000.0, 1 / 32 if yarn else 1.0, yarn=ya)
+        return build
+    return make
+
+
 def moe_cases() -> list[OpCase]:
     cases = [OpCase(f"mul_mat_id-{t}-n{n}-{'slots' if per_slot else 'tokens'}",
                     _mul_mat_id(t, n, 16, 4, per_slot), MUL_MAT, CUDA)
@@ -619,6 +718,19 @@ def moe_cases() -> list[OpCase]:
     cases += [OpCase(f"soft_max-sinks-n{n}", _soft_max_sinks(8, n, 77), ELEMENTWISE, CUDA) for n in (1, 7)]
     cases += [OpCase(f"rope-yarn-ext{e}-n{n}", _rope_yarn(n, e, 1 / 32), ROPE, CUDA)
               for e in (1.0, 0.0) for n in (1, 9)]
+    cases += [OpCase(f"mul_mat_id-bias-{t}-n{n}-{'slots' if per_slot else 'tokens'}", _expert_bias(t, n, per_slot),
+                     MUL_MAT, CUDA, fused="mmvq_id+bias")
+              for t in (DType.MXFP4, DType.Q4_K) for n in (1, 2, 3, 5, 8) for per_slot in (True, False)]
+    cases += [OpCase(f"mul_mat_id-bias-{t}-n{n}-beyond-decode", _expert_bias(t, n, True), MUL_MAT, CUDA)
+              for t in (DType.MXFP4, DType.Q4_K) for n in (9, 40)]
+    cases += [OpCase(f"mul_mat_id-gated-bias-{glu}-{t}-n{n}", _gated_experts_bias(t, n, glu), GLU, CUDA,
+                     fused="mmvq_id_glu+bias" if n <= 8 else "")
+              for glu in ("swiglu_oai", "swiglu") for t in (DType.MXFP4, DType.Q4_K) for n in (1, 2, 3, 5, 8, 9)]
+    cases += [OpCase(f"bias-{into}-{'yarn' if yarn else mode}-n{n}", _rope_bias(n, 4, 64, 64, mode, yarn, into), ROPE,
+                     CUDA, fused=f"{into}+bias")
+              for into, mode, yarn in (("rope", ROPE_NEOX, True), ("rope", ROPE_NORMAL, False),
+                                       ("rope_set_rows", ROPE_NEOX, False), ("set_rows", ROPE_NEOX, False))
+              for n in (1, 3)]
     return cases
 
 

@@ -3,7 +3,7 @@ llama.cpp's test-backend-ops runs its one case list on each backend: the CPU's c
 stand-in device: the numpy kernels in memory of their own, reached through copies) and each CUDA device
 (CUDA0, CUDA1, ...; skipped where cupy or a GPU is missing). Where the case was written for the backend
 (`native`), the backend's own kernels must also have taken it: a compiled CPU kernel for the output node,
-no cupy fallback on CUDA."""
+no cupy fallback on CUDA; where it names a fused kernel's step (`fused`), CUDA must have run that step."""
 from __future__ import annotations
 
 from functools import partial
@@ -59,6 +59,12 @@ def kind(backend: Backend) -> str:
     return "CUDA" if backend.name.startswith("CUDA") else "SIM" if backend.name.startswith("SIM") else backend.name
 
 
+def cuda_steps(backend: Backend, build) -> list[str]:
+    """The names of the steps a CUDA backend binds for the graph's nodes (a fused kernel's among them)."""
+    _, sg, _, _ = planned(backend, build)
+    return [s.name for s in backend.prepare(sg.splits[0].nodes).steps]
+
+
 def fallbacks(backend: Backend, build) -> list[str]:
     """The nodes of the graph the backend's own kernels did not take: on the CPU, the output node if a
     reference kernel took it; on CUDA, every step but a cuBLAS call that cannot be captured (cupy's)."""
@@ -79,3 +85,5 @@ def test_op(backend: Backend, case: OpCase):
     assert err < case.max_nmse(kind(backend)), err
     if kind(backend) in case.native:
         assert not fallbacks(backend, build), f"fell back to the reference kernels: {fallbacks(backend, build)}"
+    if kind(backend) == "CUDA" and case.fused:
+        assert case.fused in cuda_steps(backend, build), f"{case.fused} did not run: {cuda_steps(backend, build)}"

@@ -1,7 +1,8 @@
 """Every family's tiny model offloaded whole to each GPU (-ngl 99) against the CPU alone: the same greedy token at
 >= 98% of the positions of llama.cpp's saved chunks (tests/data/families_llama_cpp.json), for F32 weights and
 the block types the families ship in (Q4_K; IQ4_NL, IQ4_XS and MXFP4 through the CUDA products of
-core/backends/cuda/matmul.cu). Skipped where cupy or a GPU is missing."""
+core/backends/cuda/matmul.cu); gpt-oss's decode steps with its bias adds fused as without. Skipped where cupy
+or a GPU is missing."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,8 @@ from tests.core.gpu import device_indices, require_gpu
 require_gpu()
 
 from ggrun.core.backends.cpu import CPUBackend  # noqa: E402
-from ggrun.core.backends.cuda import CUDABackend  # noqa: E402
+from ggrun.core.backends.cuda import CUDABackend, backend as cuda_backend, experts, matmul, ops  # noqa: E402
+from ggrun.core.llm.batch import Batch  # noqa: E402
 from ggrun.core.llm.model import Model  # noqa: E402
 from ggrun.core.llm.perplexity import ChunkPlan, evaluate_chunks  # noqa: E402
 from ggrun.core.llm.session import Session, SessionParams  # noqa: E402
@@ -41,3 +43,34 @@ def test_gpu_agrees_with_cpu(family_factory, case, device):
     same = np.mean(cpu == gpu)
     print(f"\n{case}: same greedy token on CUDA{device} at {same:.1%}")
     assert same >= 0.98
+
+
+BIAS_FUSIONS = (matmul._product_bias, experts._gated_experts_bias, experts._experts_bias, ops._bias_rope,
+                ops._bias_rope_set_rows, ops._bias_set_rows)
+
+
+def decode_steps(path, device: int) -> tuple[list[np.ndarray], set[str]]:
+    """A prompt, then four decode steps of one token on the GPU: every step's logits, and the names of the
+    steps the last decode graph bound."""
+    gpu = CUDABackend(device)
+    s = Session(Model.load(path, [gpu, CPUBackend()], 99), SessionParams(n_ctx=64))
+    prompt = list(range(3, 20))
+    out = [s.decode(Batch.of_sequence(prompt, 0)).copy()]
+    for i in range(4):
+        out.append(s.decode(Batch.of_sequence([20 + i], len(prompt) + i)).copy())
+    names = {step.name for sp in s.result.sg.splits if sp.backend is gpu for step in sp.calls.steps}
+    return out, names
+
+
+@pytest.mark.parametrize("device", device_indices())
+def test_gpt_oss_decode_with_its_bias_adds_fused_as_without(family_factory, device, monkeypatch):
+    """gpt-oss's decode steps (MXFP4): with its bias adds done inside the kernels beside them (the q/k/v, output
+    and router products', the experts', RoPE's) the logits are the unfused kernels', up to float rounding."""
+    path = family_factory(arch="gpt-oss", weight_type=QT.MXFP4)
+    fused, names = decode_steps(path, device)
+    assert {"mul_mat_multi+bias", "mul_mat+bias", "rope+bias", "mmvq_id_glu+bias", "mmvq_id+bias"} <= names, names
+    monkeypatch.setattr(cuda_backend, "FUSIONS", [f for f in cuda_backend.FUSIONS if f[1] not in BIAS_FUSIONS])
+    plain, names = decode_steps(path, device)
+    assert not any("+bias" in n for n in names), names
+    for f, p in zip(fused, plain):
+        np.testing.assert_allclose(f, p, rtol=1e-5, atol=1e-5)

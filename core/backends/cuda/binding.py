@@ -136,6 +136,24 @@ def disjoint(a, b) -> bool:
     return a1 <= b0 or b1 <= a0
 
 
+def writes_apart(writes: list, reads: list, in_place: tuple = ()) -> bool:
+    """Whether one kernel may write the results of several nodes (`writes`, contiguous arrays in the nodes'
+    order, each element's values stored by one thread in that order) while it reads `reads`: the planner
+    lets a node's result take memory of results dead before it, which a fused kernel writes at the same
+    time. Two results may share memory only exactly (a node in place on the one before: the later store
+    wins, as it would unfused), and none may touch what the kernel reads, but an array of `in_place` exactly
+    (contiguous, its elements read by the threads that store the same elements, before they do)."""
+    def same(a, b) -> bool:
+        return a.data.ptr == b.data.ptr and a.nbytes == b.nbytes and a.flags.c_contiguous and b.flags.c_contiguous
+
+    for i, w in enumerate(writes):
+        if any(not disjoint(w, r) for r in reads) or any(not (same(w, r) or disjoint(w, r)) for r in in_place):
+            return False
+        if any(not (same(v, w) or disjoint(v, w)) for v in writes[:i]):
+            return False
+    return True
+
+
 def rows_of(arr) -> tuple[int, int, int] | None:
     """(rows, n, row stride in elements) when arr is rows of n contiguous elements at a fixed
     stride (its leading axes collapse into one), else None."""

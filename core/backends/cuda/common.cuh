@@ -199,6 +199,17 @@ __device__ __forceinline__ float gelu(float x) {
 }
 // the gate's activation of a gated unit: 1 silu (swiglu), 2 gelu (geglu)
 template <int F> __device__ __forceinline__ float glu_act(float x) { return F == 1 ? silu(x) : gelu(x); }
+// gpt-oss's gated unit (ggml's swiglu_oai): x = min(g, limit), x sigmoid(alpha x) (clamp(u, -limit, limit) + 1)
+__device__ __forceinline__ float swiglu_oai_of(float g, float u, float alpha, float limit) {
+    const float x = fminf(g, limit), y = fminf(fmaxf(u, -limit), limit);
+    return x / (1.0f + expf(-alpha * x)) * (y + 1.0f);
+}
+// a gated unit of gate g and up u: F 1 swiglu, 2 geglu (act(g) u), 3 swiglu_oai (alpha and limit its constants)
+#define GLU_OAI 3
+template <int F> __device__ __forceinline__ float glu_pair(float g, float u, float alpha, float limit) {
+    if constexpr (F == GLU_OAI) return swiglu_oai_of(g, u, alpha, limit);
+    else return glu_act<F>(g) * u;
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

@@ -47,15 +47,14 @@ __global__ void gated(const float *g, const float *u, float *out, int n, i64 row
     out[i] = glu_act<F>(x) * u[r * ldu + c];
 }
 
-// gpt-oss's gated unit (ggml's swiglu_oai): x = min(g, limit), x sigmoid(alpha x) (clamp(u, -limit, limit) + 1)
+// gpt-oss's gated unit (ggml's swiglu_oai, common.cuh's swiglu_oai_of) of rows of g and u
 extern "C" __global__ void swiglu_oai(const float *g, const float *u, float *out, int n, i64 rows, i64 ldg, i64 ldu,
                                       float alpha, float limit) {
     pdl_begin();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= rows * n) return;
     i64 r = i / n, c = i % n;
-    const float x = fminf(g[r * ldg + c], limit), y = fminf(fmaxf(u[r * ldu + c], -limit), limit);
-    out[i] = x / (1.0f + expf(-alpha * x)) * (y + 1.0f);
+    out[i] = swiglu_oai_of(g[r * ldg + c], u[r * ldu + c], alpha, limit);
 }
 
 // dst[idx[r], :] = src[r, :] (the KV cache write), converting f32 to D
@@ -66,6 +65,20 @@ __global__ void set_rows(const float *src, const int *idx, void *dst, int n, i64
     if (i >= rows * n) return;
     i64 r = i / n, c = i % n;
     st<D>(dst, (i64)idx[r] * ldd + c, src[r * lds + c]);
+}
+
+// a bias add and the cache write of its rows: v = src[r, :] + bias (broadcast over the rows) goes to sum[r, :]
+// (the add's result, contiguous) and to dst[idx[r], :]
+template <int D>
+__global__ void set_rows_bias(const float *src, const float *bias, float *sum, const int *idx, void *dst, int n,
+                              i64 rows, i64 lds, i64 ldd) {
+    pdl_begin();
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * n) return;
+    i64 r = i / n, c = i % n;
+    const float v = src[r * lds + c] + bias[c];
+    sum[i] = v;
+    st<D>(dst, (i64)idx[r] * ldd + c, v);
 }
 
 // softmax(a * scale + mask) over rows of n; row r of the matrix uses mask row r % R (M: mask type, -1 none).

@@ -9,17 +9,21 @@ with a scale per 32 weights (MMQ_TYPES) mmq_id meets the weights' quants with th
 tensor cores, as ggml's mmq with ids; other types' weight tiles are decoded to f16 against f16 activations
 (mmid_tc). Every launch has a fixed grid, so the step is captured in a CUDA graph like any other, and blocks
 past an expert's slots return at once. (mmid_tc decoded each weight element alone and took 0.85 ms for one
-qwen3-30b-a3b layer's gate product of 512 tokens on an H200, ~7 TFLOP/s.)
+qwen3-30b-a3b layer's gate product of 512 tokens on an H200, ~7 TFLOP/s.) A decode step's experts' bias rows
+(gpt-oss: get_rows of the bias by the ids, then add; bias_adds.py) are added by mmvq_id's kernel as it stores,
+and gate and up with theirs by one kernel with the gated unit after them.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ggrun.core.backends.cuda.binding import (Launch, binds, disjoint, estrides, fuses, grid1d, i32, i64,
-                                              launch_step, ptr, rows_of)
-from ggrun.core.backends.cuda.handoff import Q8_1_BYTES
+from ggrun.core.backends.bias_adds import ExpertBias, expert_bias
+from ggrun.core.backends.cuda.binding import (Launch, binds, disjoint, estrides, f32, fuses, grid1d, i32, i64,
+                                              launch_step, ptr, rows_of, writes_apart)
+from ggrun.core.backends.cuda.handoff import Q8_1_BYTES, SLOT_BYTES
 from ggrun.core.backends.cuda.matmul import GEMV_MAX_ROWS, MQ_WARPS, WARPS, quantize_launch
-from ggrun.core.backends.cuda.module import DP4A_TYPES, GLU_ACTS, MMQ_TILES, MMQ_TYPES, TYPE_IDS, kernel
+from ggrun.core.backends.cuda.module import (DP4A_TYPES, EXPERT_GLU_ACTS, GLU_ACTS, MMQ_TILES, MMQ_TYPES, TYPE_IDS,
+                                             kernel)
 from ggrun.core.dtypes import DType
 from ggrun.core.tensor import Tensor
 
@@ -143,6 +147,90 @@ def _gated_experts(nodes: list[Tensor], outs: list, srcs: list, backend):
     args = (ptr(w), ptr(srcs[1][0]), np.uint64(y), ptr(ids), ptr(outs[0]), ptr(outs[1]), ptr(outs[2]), i32(k_cols),
             i64(row_bytes), i64(m * row_bytes), i32(m), i32(k), i64(estrides(ids)[0]), i32(b1 != 1))
     return launch_step("mmvq_id_glu", quantize_launch(b, rows[2], y, k_cols, t * b1),
+                       Launch(fn, (-(-m // WARPS), t * k), (32 * WARPS,), args))
+
+
+def _decode_case(node: Tensor, srcs: list) -> tuple | None:
+    """(n_expert, M, K, tokens, k, rows of b per token) of a decode mul_mat_id (mmvq_id) whose activations are rows
+    and ids contiguous (the bias rows are gathered by the flattened ids), else None."""
+    case = _case(node)
+    if case is None or not _decodes(node, case) or rows_of(srcs[1]) is None or not srcs[2].flags.c_contiguous:
+        return None
+    return case
+
+
+def _q8_room(node: Tensor, case: tuple, backend) -> int | None:
+    """Where a fused experts' kernel's q8_1 activations go: an idle hand-off slot (handoff.py), which no result the
+    kernel writes can overlap (its node's scratch is free once the node is done, and the planner may give it to a
+    later node of the run); None when no slot is idle or the activations do not fit in one."""
+    _, _, k_cols, t, _, b1 = case
+    slot = backend.handoffs.idle(node)
+    if slot is None or t * b1 * (k_cols // 32) * Q8_1_BYTES > SLOT_BYTES:
+        return None
+    return backend.q8_slot(slot)
+
+
+def _bias_of(nodes: list[Tensor], srcs: list) -> ExpertBias | None:
+    """The bias add of the experts' product nodes[0] done by nodes[1] (get_rows) and nodes[2] (add), with f32
+    contiguous arrays; else None."""
+    found = expert_bias(*nodes)
+    if found is None or not all(a.flags.c_contiguous for a in (srcs[1][0], srcs[2][1])):
+        return None
+    return found
+
+
+@fuses("mul_mat_id", "get_rows", "add", "mul_mat_id", "get_rows", "add", "swiglu_oai")
+@fuses("mul_mat_id", "get_rows", "add", "mul_mat_id", "get_rows", "add", "swiglu")
+@fuses("mul_mat_id", "get_rows", "add", "mul_mat_id", "get_rows", "add", "geglu")
+def _gated_experts_bias(nodes: list[Tensor], outs: list, srcs: list, backend):
+    """gpt-oss's decode experts' first half in one mmvq_id_glu_bias launch, after the activations' quantization:
+    the gate and up products, each plus its experts' bias rows (get_rows of the bias by the ids, then add), and the
+    gated unit of the two sums. Every node's result is stored, in the nodes' order."""
+    gate, up, glu = nodes[0], nodes[3], nodes[6]
+    case = _decode_case(gate, srcs[0])
+    gb, ub = _bias_of(nodes[:3], srcs[:3]), _bias_of(nodes[3:6], srcs[3:6])
+    if (case is None or gb is None or ub is None or _case(up) != case or glu.srcs != (gb.add, ub.add)
+            or up.srcs[1] is not gate.srcs[1] or up.srcs[2] is not gate.srcs[2]
+            or up.srcs[0].dtype is not gate.srcs[0].dtype or glu.params.get("f16_table")
+            or not all(o.flags.c_contiguous for o in outs)):
+        return None
+    w, b, ids = srcs[0]
+    bias_g, bias_u = srcs[1][0], srcs[4][0]
+    y = _q8_room(gate, case, backend)
+    if y is None or not writes_apart(outs, [ids, bias_g, bias_u]):
+        return None
+    _, m, k_cols, t, k, b1 = case
+    qt = gate.srcs[0].dtype
+    row_bytes = qt.row_bytes(k_cols)
+    fn = kernel("matmul.cu", f"mmvq_id_glu_bias<{TYPE_IDS[qt.name]}, {EXPERT_GLU_ACTS[glu.op]}>")
+    args = (ptr(w), ptr(srcs[3][0]), np.uint64(y), ptr(ids), ptr(bias_g), ptr(bias_u), *(ptr(o) for o in outs),
+            i32(k_cols), i64(row_bytes), i64(m * row_bytes), i32(m), i32(k), i64(estrides(ids)[0]), i32(b1 != 1),
+            f32(glu.params.get("alpha", 0.0)), f32(glu.params.get("limit", 0.0)))
+    return launch_step("mmvq_id_glu+bias", quantize_launch(b, rows_of(b)[2], y, k_cols, t * b1),
+                       Launch(fn, (-(-m // WARPS), t * k), (32 * WARPS,), args))
+
+
+@fuses("mul_mat_id", "get_rows", "add")
+def _experts_bias(nodes: list[Tensor], outs: list, srcs: list, backend):
+    """A decode experts' product and its experts' bias rows added (gpt-oss's: get_rows of the bias by the ids, then
+    add) in one mmvq_id_bias launch after the activations' quantization; the three nodes' results are stored."""
+    prod = nodes[0]
+    case = _decode_case(prod, srcs[0])
+    found = _bias_of(nodes, srcs)
+    if case is None or found is None or not all(o.flags.c_contiguous for o in outs):
+        return None
+    w, b, ids = srcs[0]
+    bias = srcs[1][0]
+    y = _q8_room(prod, case, backend)
+    if y is None or not writes_apart(outs, [ids, bias]):
+        return None
+    _, m, k_cols, t, k, b1 = case
+    qt = prod.srcs[0].dtype
+    row_bytes = qt.row_bytes(k_cols)
+    fn = kernel("matmul.cu", f"mmvq_id_bias<{TYPE_IDS[qt.name]}>")
+    args = (ptr(w), np.uint64(y), ptr(ids), ptr(bias), *(ptr(o) for o in outs), i32(k_cols), i64(row_bytes),
+            i64(m * row_bytes), i32(m), i32(k), i64(estrides(ids)[0]), i32(b1 != 1))
+    return launch_step("mmvq_id+bias", quantize_launch(b, rows_of(b)[2], y, k_cols, t * b1),
                        Launch(fn, (-(-m // WARPS), t * k), (32 * WARPS,), args))
 
 

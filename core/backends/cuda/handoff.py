@@ -50,7 +50,8 @@ class Handoffs:
         self._slot_of: dict[Tensor, int] = {}  # producer -> slot
         self._product: dict[Tensor, Tensor] = {}  # producer -> product
         self._fed: dict[Tensor, int] = {}  # product -> slot its producer wrote
-        at = {n: i for i, n in enumerate(nodes)}
+        self._at = at = {n: i for i, n in enumerate(nodes)}
+        self._spans: list[list[tuple[int, int]]] = [[] for _ in range(SLOTS)]  # (producer, product) indices
         busy_until = [-1] * SLOTS  # node index of the product last reading each slot
         for i, product in enumerate(nodes):
             if product.op not in PRODUCTS or not reads_q8(product):
@@ -64,6 +65,7 @@ class Handoffs:
             free = [s for s in range(SLOTS) if busy_until[s] < at[producer]]
             if free:
                 busy_until[free[0]] = i
+                self._spans[free[0]].append((at[producer], i))
                 self._slot_of[producer] = free[0]
                 self._product[producer] = product
 
@@ -77,6 +79,15 @@ class Handoffs:
     def fed(self, product: Tensor) -> int | None:
         """The slot holding the product's activations as q8_1 blocks, if its producer wrote them."""
         return self._fed.get(product)
+
+    def idle(self, node: Tensor) -> int | None:
+        """A slot no hand-off holds while `node` runs (none starts, ends or passes there): room for a fused
+        kernel's own q8_1 activations that no planned result can overlap, where the planner may give the
+        node's scratch, free once the node is done, to a later node the kernel writes too."""
+        i = self._at.get(node)
+        if i is None:
+            return None
+        return next((s for s in range(SLOTS) if all(not p <= i <= q for p, q in self._spans[s])), None)
 
 
 NONE = Handoffs([], lambda _: False)

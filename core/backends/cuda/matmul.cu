@@ -234,19 +234,25 @@ template <int T> __device__ __forceinline__ float vdot_at(const u8 *row, int b, 
 // out[c, row] = W[row] . y[c] for NC token rows; a warp per weight row, its lanes over the blocks.
 // Up to three weights of one type and width in one launch (q, k and v; gate and up): global row
 // `row` falls in weight 0 (rows [0, m0)), 1 ([m0, m0 + m1)) or 2 (the rest, up to `rows`); each
-// weight's product [NC, m_i] is contiguous at o_i.
-template <int T, int NC>
-__global__ void mmvq(const u8 *w0, const u8 *w1, const u8 *w2, float *o0, float *o1, float *o2, int m0, int m1,
-                     const block_q8_1 *y, int ncols, i64 row_bytes, int rows, int pf) {
+// weight's product [NC, m_i] is contiguous at o_i. With B (mmvq_bias: a bias add after the product),
+// weight i given a bias vector b_i (nullptr: none) also stores q_i[c, row] = out + b_i[row], after out.
+template <int T, int NC, bool B>
+__device__ __forceinline__ void mmvq_rows(const u8 *w0, const u8 *w1, const u8 *w2, float *o0, float *o1, float *o2,
+                                          const float *b0, const float *b1, const float *b2, float *q0, float *q1,
+                                          float *q2, int m0, int m1, const block_q8_1 *y, int ncols, i64 row_bytes,
+                                          int rows, int pf) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const bool live = row < rows;
     const u8 *w = w0;
-    float *out = o0;
+    float *out = o0, *biased = q0;
+    const float *bias = b0;
     int ldo = m0;
     if (row >= m0 + m1) {
         w = w2, out = o2, ldo = rows - m0 - m1, row -= m0 + m1;
+        if constexpr (B) bias = b2, biased = q2;
     } else if (row >= m0) {
         w = w1, out = o1, ldo = m1, row -= m0;
+        if constexpr (B) bias = b1, biased = q1;
     }
     int lane = threadIdx.x & 31, nb = ncols / 32;
     const u8 *wr = w + row * row_bytes;
@@ -263,8 +269,27 @@ __global__ void mmvq(const u8 *w0, const u8 *w1, const u8 *w2, float *o0, float 
 #pragma unroll
     for (int c = 0; c < NC; c++) {
         float v = warp_sum(acc[c]);
-        if (lane == 0) out[(i64)c * ldo + row] = v;
+        if (lane == 0) {
+            out[(i64)c * ldo + row] = v;
+            if constexpr (B) {
+                if (bias != nullptr) biased[(i64)c * ldo + row] = v + bias[row];
+            }
+        }
     }
+}
+
+template <int T, int NC>
+__global__ void mmvq(const u8 *w0, const u8 *w1, const u8 *w2, float *o0, float *o1, float *o2, int m0, int m1,
+                     const block_q8_1 *y, int ncols, i64 row_bytes, int rows, int pf) {
+    mmvq_rows<T, NC, false>(w0, w1, w2, o0, o1, o2, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, m0, m1, y,
+                            ncols, row_bytes, rows, pf);
+}
+
+template <int T, int NC>
+__global__ void mmvq_bias(const u8 *w0, const u8 *w1, const u8 *w2, float *o0, float *o1, float *o2, const float *b0,
+                          const float *b1, const float *b2, float *q0, float *q1, float *q2, int m0, int m1,
+                          const block_q8_1 *y, int ncols, i64 row_bytes, int rows, int pf) {
+    mmvq_rows<T, NC, true>(w0, w1, w2, o0, o1, o2, b0, b1, b2, q0, q1, q2, m0, m1, y, ncols, row_bytes, rows, pf);
 }
 
 // One token's q, k and v products (mmvq's three weights; `pos` and `idx` of token 0) and what the layer does
@@ -356,9 +381,10 @@ __global__ void mmvq_glu(const u8 *wg, const u8 *wu, const block_q8_1 *y, float 
 }
 
 // the same product for any weight type against f32 activations x [NC, ncols] (row stride ldx):
-// the lanes decode consecutive elements
-template <int T, int NC>
-__global__ void gemv(const u8 *w, const float *x, float *out, int ncols, i64 row_bytes, i64 ldx, int rows, i64 ldo) {
+// the lanes decode consecutive elements. With B (gemv_bias) also biased[c, row] = out + bias[row].
+template <int T, int NC, bool B>
+__device__ __forceinline__ void gemv_rows(const u8 *w, const float *x, const float *bias, float *out, float *biased,
+                                          int ncols, i64 row_bytes, i64 ldx, int rows, i64 ldo) {
     pdl_begin();
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= rows) return;
@@ -375,8 +401,22 @@ __global__ void gemv(const u8 *w, const float *x, float *out, int ncols, i64 row
 #pragma unroll
     for (int c = 0; c < NC; c++) {
         float v = warp_sum(acc[c]);
-        if (lane == 0) out[c * ldo + row] = v;
+        if (lane == 0) {
+            out[c * ldo + row] = v;
+            if constexpr (B) biased[c * ldo + row] = v + bias[row];
+        }
     }
+}
+
+template <int T, int NC>
+__global__ void gemv(const u8 *w, const float *x, float *out, int ncols, i64 row_bytes, i64 ldx, int rows, i64 ldo) {
+    gemv_rows<T, NC, false>(w, x, nullptr, out, nullptr, ncols, row_bytes, ldx, rows, ldo);
+}
+
+template <int T, int NC>
+__global__ void gemv_bias(const u8 *w, const float *x, const float *bias, float *out, float *biased, int ncols,
+                          i64 row_bytes, i64 ldx, int rows, i64 ldo) {
+    gemv_rows<T, NC, true>(w, x, bias, out, biased, ncols, row_bytes, ldx, rows, ldo);
 }
 
 // rows [r0, r0 + n) of a weight decoded to f16, contiguous (a GEMM tile); thread per element
@@ -451,34 +491,66 @@ __global__ void mul_mat_float(const void *a, const void *bm, float *out, int M, 
 
 // Decode: mmvq over q8_1 activations y [rows of b, ncols / 32], a warp per weight row, blockIdx.y the slot:
 // each slot reads only its own expert's rows. The ids come from the kernel before, so nothing is read
-// before pdl_begin.
-template <int T>
-__global__ void mmvq_id(const u8 *w, const block_q8_1 *y, const int *ids, float *out, int ncols, i64 row_bytes,
-                        i64 expert_bytes, int M, int k, i64 ldi, int bstep) {
+// before pdl_begin. With B (mmvq_id_bias: the experts' bias add after the product) the slot's row of the
+// bias matrix [n_expert, M] (its expert's) is stored too, into rows_out (the get_rows node's result), and the
+// biased product into biased, after out.
+template <int T, bool B>
+__device__ __forceinline__ void mmvq_id_rows(const u8 *w, const block_q8_1 *y, const int *ids, const float *bias,
+                                             float *out, float *rows_out, float *biased, int ncols, i64 row_bytes,
+                                             i64 expert_bytes, int M, int k, i64 ldi, int bstep) {
     pdl_begin();
     const int s = blockIdx.y, t = s / k, j = s % k;
     const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= M) return;
     const int lane = threadIdx.x & 31, nb = ncols / 32;
-    const u8 *wr = w + (i64)ids[(i64)t * ldi + j] * expert_bytes + (i64)row * row_bytes;
+    const int e = ids[(i64)t * ldi + j];
+    const u8 *wr = w + (i64)e * expert_bytes + (i64)row * row_bytes;
     const block_q8_1 *yr = y + (i64)(bstep ? s : t) * nb;
     float acc = 0.0f;
     for (int b = lane; b < nb; b += 32) acc += vdot_at<T>(wr, b, yr[b]);
     acc = warp_sum(acc);
-    if (lane == 0) out[(i64)s * M + row] = acc;
+    if (lane == 0) {
+        const i64 o = (i64)s * M + row;
+        out[o] = acc;
+        if constexpr (B) {
+            const float r = bias[(i64)e * M + row];
+            rows_out[o] = r;
+            biased[o] = acc + r;
+        }
+    }
+}
+
+template <int T>
+__global__ void mmvq_id(const u8 *w, const block_q8_1 *y, const int *ids, float *out, int ncols, i64 row_bytes,
+                        i64 expert_bytes, int M, int k, i64 ldi, int bstep) {
+    mmvq_id_rows<T, false>(w, y, ids, nullptr, out, nullptr, nullptr, ncols, row_bytes, expert_bytes, M, k, ldi, bstep);
+}
+
+template <int T>
+__global__ void mmvq_id_bias(const u8 *w, const block_q8_1 *y, const int *ids, const float *bias, float *out,
+                             float *rows_out, float *biased, int ncols, i64 row_bytes, i64 expert_bytes, int M, int k,
+                             i64 ldi, int bstep) {
+    mmvq_id_rows<T, true>(w, y, ids, bias, out, rows_out, biased, ncols, row_bytes, expert_bytes, M, k, ldi, bstep);
 }
 
 // mmvq_id of a gated unit's gate and up matrices at once (one token's experts: blockIdx.y the slot) and the
-// unit after them: go = G . y, uo = U . y (both products, as the nodes' results) and out = act(go) uo (F: 1 silu)
-template <int T, int F>
-__global__ void mmvq_id_glu(const u8 *wg, const u8 *wu, const block_q8_1 *y, const int *ids, float *go, float *uo,
-                            float *out, int ncols, i64 row_bytes, i64 expert_bytes, int M, int k, i64 ldi, int bstep) {
+// unit after them: go = G . y, uo = U . y (both products, as the nodes' results) and out = glu(go, uo) (F: 1
+// swiglu, 2 geglu, 3 swiglu_oai with alpha and limit). With B (mmvq_id_glu_bias: gpt-oss's experts) each
+// product's bias add comes first, as in mmvq_id_bias: the slot's rows of bg and bu into g_rows and u_rows, the
+// sums into g_sum and u_sum, the unit of the sums into out; every result stored in the nodes' order.
+template <int T, int F, bool B>
+__device__ __forceinline__ void mmvq_id_glu_rows(const u8 *wg, const u8 *wu, const block_q8_1 *y, const int *ids,
+                                                 const float *bg, const float *bu, float *go, float *g_rows,
+                                                 float *g_sum, float *uo, float *u_rows, float *u_sum, float *out,
+                                                 int ncols, i64 row_bytes, i64 expert_bytes, int M, int k, i64 ldi,
+                                                 int bstep, float alpha, float limit) {
     pdl_begin();
     const int s = blockIdx.y, t = s / k, j = s % k;
     const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= M) return;
     const int lane = threadIdx.x & 31, nb = ncols / 32;
-    const i64 at = (i64)ids[(i64)t * ldi + j] * expert_bytes + (i64)row * row_bytes;
+    const int e = ids[(i64)t * ldi + j];
+    const i64 at = (i64)e * expert_bytes + (i64)row * row_bytes;
     const u8 *gr = wg + at, *ur = wu + at;
     const block_q8_1 *yr = y + (i64)(bstep ? s : t) * nb;
     float ag = 0.0f, au = 0.0f;
@@ -490,8 +562,31 @@ __global__ void mmvq_id_glu(const u8 *wg, const u8 *wu, const block_q8_1 *y, con
     au = warp_sum(au);
     if (lane == 0) {
         const i64 o = (i64)s * M + row;
-        go[o] = ag, uo[o] = au, out[o] = glu_act<F>(ag) * au;
+        if constexpr (B) {
+            const float rg = bg[(i64)e * M + row], ru = bu[(i64)e * M + row], g = ag + rg, u = au + ru;
+            go[o] = ag, g_rows[o] = rg, g_sum[o] = g;
+            uo[o] = au, u_rows[o] = ru, u_sum[o] = u;
+            out[o] = glu_pair<F>(g, u, alpha, limit);
+        } else {
+            go[o] = ag, uo[o] = au, out[o] = glu_pair<F>(ag, au, alpha, limit);
+        }
     }
+}
+
+template <int T, int F>
+__global__ void mmvq_id_glu(const u8 *wg, const u8 *wu, const block_q8_1 *y, const int *ids, float *go, float *uo,
+                            float *out, int ncols, i64 row_bytes, i64 expert_bytes, int M, int k, i64 ldi, int bstep) {
+    mmvq_id_glu_rows<T, F, false>(wg, wu, y, ids, nullptr, nullptr, go, nullptr, nullptr, uo, nullptr, nullptr, out,
+                                  ncols, row_bytes, expert_bytes, M, k, ldi, bstep, 0.0f, 0.0f);
+}
+
+template <int T, int F>
+__global__ void mmvq_id_glu_bias(const u8 *wg, const u8 *wu, const block_q8_1 *y, const int *ids, const float *bg,
+                                 const float *bu, float *go, float *g_rows, float *g_sum, float *uo, float *u_rows,
+                                 float *u_sum, float *out, int ncols, i64 row_bytes, i64 expert_bytes, int M, int k,
+                                 i64 ldi, int bstep, float alpha, float limit) {
+    mmvq_id_glu_rows<T, F, true>(wg, wu, y, ids, bg, bu, go, g_rows, g_sum, uo, u_rows, u_sum, out, ncols, row_bytes,
+                                 expert_bytes, M, k, ldi, bstep, alpha, limit);
 }
 
 // Products of a few dozen token rows on int8 tensor cores (ggml's mmq): the activations as q8_1 blocks, each

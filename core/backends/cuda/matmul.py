@@ -9,19 +9,22 @@ quants on int8 tensor cores (mmq, as ggml's), reading each weight once. More
 token rows: the weight is decoded to f16 one tile of rows at a time into scratch and multiplied
 by cuBLAS (f32 accumulation; through blas.py, which CUDA graphs capture), the activations converted
 to f16 once. Products of two float operands (attention without the fused op) run a plain strided
-kernel.
+kernel. A decode product's kernel also does the bias add after it (bias_adds.py; mmvq_bias, gemv_bias).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
 
 import numpy as np
 from cupy.cuda import cublas
 
+from ggrun.core.backends.bias_adds import part_bias
 from ggrun.core.backends.cuda import blas
-from ggrun.core.backends.cuda.binding import (Launch, Step, binds, estrides, f32, fuses, grid1d, i32, i64,
-                                              launch_step, ptr, rows_of)
-from ggrun.core.backends.cuda.handoff import Q8_1_BYTES
-from ggrun.core.backends.cuda.module import (DP4A_TYPES, GEMV_COLS, GLU_ACTS, MMQ_TILES, MMQ_TYPES, NO_WEIGHT,
-                                             TYPE_IDS, kernel)
+from ggrun.core.backends.cuda.binding import (NULL, Launch, Step, binds, estrides, f32, fuses, grid1d, i32, i64,
+                                              launch_step, ptr, rows_of, writes_apart)
+from ggrun.core.backends.cuda.handoff import Q8_1_BYTES, SLOT_BYTES
+from ggrun.core.backends.cuda.module import (DP4A_TYPES, FLOATS, GEMV_COLS, GLU_ACTS, MMQ_TILES, MMQ_TYPES,
+                                             NO_WEIGHT, TYPE_IDS, kernel)
 from ggrun.core.backends.cuda.ops import rope_params, rope_qkv, weight_id
 from ggrun.core.ops import ROPE_NEOX
 from ggrun.core.dtypes import DType
@@ -35,6 +38,20 @@ TILE_BYTES = 32 << 20  # f16 bytes of one decoded weight tile
 WARPS = 4
 CUDA_R_16F, CUDA_R_32F, CUBLAS_COMPUTE_32F = 2, 0, 68
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One weight of a product node: its type and blocks, its height m, the address its product [N, m] goes
+    to, and where a bias add after the product is fused in (_product_bias), the bias vector's address and
+    where the biased product [N, m] goes (0: none)."""
+
+    qt: DType
+    arr: object
+    m: int
+    out_at: int
+    bias: int = 0
+    biased_at: int = 0
 
 
 def _weights(node: Tensor) -> list[Tensor]:
@@ -113,15 +130,21 @@ def _bind_products(node: Tensor, out, srcs, scratch, backend):
     if case is None or b is None or not out.flags.c_contiguous:
         return None
     ms, k, n = case
-    parts, at = [], out.data.ptr
-    for w, arr, m in zip(_weights(node), srcs[:-1], ms):
-        parts.append((w.dtype, arr, m, at))
-        at += n * m * 4
+    parts = _parts(node, srcs, out.data.ptr, ms, n)
     if n <= GEMV_MAX_ROWS:
         return _gemv(node, parts, srcs[-1], b[2], scratch, k, n, _fed_at(node, backend))
     if _mmq_serves(node, k, n):
         return _mmq(parts, srcs[-1], b[2], scratch, k, n)
     return _gemm(parts, srcs[-1], b[2], scratch, backend, k, n)
+
+
+def _parts(node: Tensor, srcs, at: int, ms: list[int], n: int) -> list[Part]:
+    """The node's weights, their products [n, m] one after another from address `at`."""
+    parts = []
+    for w, arr, m in zip(_weights(node), srcs[:-1], ms):
+        parts.append(Part(w.dtype, arr, m, at))
+        at += n * m * 4
+    return parts
 
 
 binds("mul_mat", scratch=_scratch)(_bind_products)
@@ -144,31 +167,81 @@ def quantize_launch(b, ldb: int, y: int, k: int, n: int) -> Launch:
                   (ptr(b), np.uint64(y), i32(k), i64(ldb), i32(n)))
 
 
-def _gemv(node: Tensor, parts: list, b, ldb: int, scratch, k: int, n: int, fed_at: int | None = None) -> Step:
-    """Decode products: the activations quantized once to q8_1 in scratch (when a weight takes __dp4a;
-    unless the node before wrote them at `fed_at`), then per chunk of token rows one mmvq launch for
-    up to three __dp4a weights of one type, and a gemv launch for each other weight."""
+def _gemv(node: Tensor, parts: list, b, ldb: int, scratch, k: int, n: int, fed_at: int | None = None,
+          q8_at: int | None = None) -> Step:
+    """Decode products: the activations quantized once to q8_1 in scratch, or at q8_at (when a weight takes
+    __dp4a; unless the node before wrote them at `fed_at`), then per chunk of token rows one mmvq launch for
+    up to three __dp4a weights of one type, and a gemv launch for each other weight. A part with a bias
+    also stores its biased product (mmvq_bias, gemv_bias)."""
     launches = []
     quantized = _quantizes(node, k)
     y = fed_at
     if quantized and fed_at is None:
-        y = scratch.data.ptr
+        y = q8_at if q8_at is not None else scratch.data.ptr
         launches.append(quantize_launch(b, ldb, y, k, n))
-    dp4a = [p for p in parts if quantized and p[0].name in DP4A_TYPES]
-    others = [p for p in parts if not (quantized and p[0].name in DP4A_TYPES)]
+    dp4a = [p for p in parts if quantized and p.qt.name in DP4A_TYPES]
+    others = [p for p in parts if not (quantized and p.qt.name in DP4A_TYPES)]
     groups = _same_type_groups(dp4a)
     row0 = 0
     for c in _chunks(n):
         for group in groups:
             launches.append(_mmvq(group, y, k, row0, c))
-        for qt, a, m, out_at in others:
-            o = np.uint64(out_at + row0 * m * 4)
-            x = np.uint64(b.data.ptr + row0 * ldb * 4)
-            args = (ptr(a), x, o, i32(k), i64(qt.row_bytes(k)), i64(ldb), i32(m), i64(m))
-            fn = kernel("matmul.cu", f"gemv<{TYPE_IDS[qt.name]}, {c}>")
-            launches.append(Launch(fn, (-(-m // WARPS),), (32 * WARPS,), args))
+        for p in others:
+            launches.append(_gemv_launch(p, b, ldb, k, row0, c))
         row0 += c
     return launch_step(node.op, *launches)
+
+
+def _gemv_launch(p: Part, b, ldb: int, k: int, row0: int, c: int) -> Launch:
+    """One gemv launch: token rows [row0, row0 + c) of b (f32, row stride ldb) through one weight."""
+    m, qt = p.m, p.qt
+    o = np.uint64(p.out_at + row0 * m * 4)
+    x = np.uint64(b.data.ptr + row0 * ldb * 4)
+    if p.bias:
+        args = (ptr(p.arr), x, np.uint64(p.bias), o, np.uint64(p.biased_at + row0 * m * 4), i32(k),
+                i64(qt.row_bytes(k)), i64(ldb), i32(m), i64(m))
+        fn = kernel("matmul.cu", f"gemv_bias<{TYPE_IDS[qt.name]}, {c}>")
+    else:
+        args = (ptr(p.arr), x, o, i32(k), i64(qt.row_bytes(k)), i64(ldb), i32(m), i64(m))
+        fn = kernel("matmul.cu", f"gemv<{TYPE_IDS[qt.name]}, {c}>")
+    return Launch(fn, (-(-m // WARPS),), (32 * WARPS,), args)
+
+
+@fuses("mul_mat", "add")
+@fuses("mul_mat_multi", "add")
+def _product_bias(nodes: list[Tensor], outs: list, srcs: list, backend):
+    """A decode product and the add of a bias vector to (one of) its weights' products after it (attention's q, k,
+    v and output biases, a router's) in one launch: the mmvq (or, for a float weight, gemv) kernel stores the
+    biased product after the product. The q8_1 activations go to an idle hand-off slot (handoff.py) unless the
+    node before wrote them: the product's scratch is free once it is done, and the planner may give it to the add."""
+    prod, add = nodes
+    case = _weight_case(prod)
+    x = srcs[0][-1]
+    b = rows_of(x)
+    if case is None or b is None or not all(o.flags.c_contiguous for o in outs) or not 0 < case[2] <= GEMV_MAX_ROWS:
+        return None
+    ms, k, n = case
+    found = part_bias(add, prod, ms)
+    if found is None:
+        return None
+    j = found[0]
+    parts = _parts(prod, srcs[0], outs[0].data.ptr, ms, n)
+    quantized = _quantizes(prod, k)
+    p = parts[j]
+    if not (quantized and p.qt.name in DP4A_TYPES) and p.qt.name not in FLOATS:  # gemv_bias: float weights
+        return None
+    parts[j] = replace(p, bias=int(srcs[1][1].data.ptr), biased_at=int(outs[1].data.ptr))
+    reads_x = any(not (quantized and q.qt.name in DP4A_TYPES) for q in parts)  # gemv reads the f32 rows
+    if not writes_apart(outs, [srcs[1][1]] + ([x] if reads_x else [])):
+        return None
+    fed_at, q8_at = _fed_at(prod, backend), None
+    if quantized and fed_at is None:
+        slot = backend.handoffs.idle(prod)
+        if slot is None or n * (k // 32) * Q8_1_BYTES > SLOT_BYTES:
+            return None
+        q8_at = backend.q8_slot(slot)
+    step = _gemv(prod, parts, x, b[2], None, k, n, fed_at, q8_at)
+    return replace(step, name=f"{prod.op}+bias")
 
 
 @fuses("mul_mat_multi", "rope", "rope_set_rows", "set_rows")
@@ -211,7 +284,7 @@ def _same_type_groups(parts: list) -> list[list]:
     """parts in runs of up to MMVQ_WEIGHTS sharing one weight type, in order."""
     groups: list[list] = []
     for p in parts:
-        if groups and groups[-1][0][0] is p[0] and len(groups[-1]) < MMVQ_WEIGHTS:
+        if groups and groups[-1][0].qt is p.qt and len(groups[-1]) < MMVQ_WEIGHTS:
             groups[-1].append(p)
         else:
             groups.append([p])
@@ -219,18 +292,25 @@ def _same_type_groups(parts: list) -> list[list]:
 
 
 def _mmvq(group: list, y0: int, k: int, row0: int, c: int) -> Launch:
-    """One mmvq launch: token rows [row0, row0 + c) through every weight of the group."""
-    qt = group[0][0]
-    ws = [ptr(a) for _, a, _, _ in group]
-    outs = [np.uint64(out_at + row0 * m * 4) for _, _, m, out_at in group]
-    ms = [m for _, _, m, _ in group]
+    """One mmvq launch: token rows [row0, row0 + c) through every weight of the group (mmvq_bias where a
+    weight has a bias: its biased product too)."""
+    qt = group[0].qt
+    ws = [ptr(p.arr) for p in group]
+    outs = [np.uint64(p.out_at + row0 * p.m * 4) for p in group]
+    ms = [p.m for p in group]
     pad = MMVQ_WEIGHTS - len(group)
     ws, outs = ws + [ws[-1]] * pad, outs + [outs[-1]] * pad
     rows = sum(ms)
     m0, m1 = (ms + [0, 0])[:2]
     y = np.uint64(y0 + row0 * (k // 32) * Q8_1_BYTES)
+    name = "mmvq"
+    if any(p.bias for p in group):
+        name = "mmvq_bias"
+        biases = [np.uint64(p.bias) for p in group] + [NULL] * pad
+        biased = [np.uint64(p.biased_at + row0 * p.m * 4 if p.bias else 0) for p in group] + [NULL] * pad
+        outs += biases + biased
     args = (*ws, *outs, i32(m0), i32(m1), y, i32(k), i64(qt.row_bytes(k)), i32(rows), i32(0))
-    return Launch(kernel("matmul.cu", f"mmvq<{TYPE_IDS[qt.name]}, {c}>"), (-(-rows // WARPS),), (32 * WARPS,), args,
+    return Launch(kernel("matmul.cu", f"{name}<{TYPE_IDS[qt.name]}, {c}>"), (-(-rows // WARPS),), (32 * WARPS,), args,
                   prologue=True)
 
 
@@ -240,9 +320,10 @@ def _mmq(parts: list, b, ldb: int, scratch, k: int, n: int) -> Step:
     y = scratch.data.ptr
     launches = [quantize_launch(b, ldb, y, k, n)]
     nt = next(t for t in MMQ_TILES if n <= 8 * t)
-    for qt, a, m, out_at in parts:
+    for p in parts:
+        qt, m = p.qt, p.m
         fn = kernel("matmul.cu", f"mmq<{TYPE_IDS[qt.name]}, {nt}>")
-        args = (ptr(a), np.uint64(y), np.uint64(out_at), i32(k), i64(qt.row_bytes(k)), i32(m), i32(n), i64(m))
+        args = (ptr(p.arr), np.uint64(y), np.uint64(p.out_at), i32(k), i64(qt.row_bytes(k)), i32(m), i32(n), i64(m))
         launches.append(Launch(fn, (-(-m // 16), -(-n // (8 * nt))), (32 * MQ_WARPS,), args))
     return launch_step("mul_mat (mmq)", *launches)
 
@@ -251,7 +332,7 @@ def _gemm(parts: list, b, ldb: int, scratch, backend, k: int, n: int) -> Step:
     """Prompt products: the activations converted to f16 once, each weight decoded to f16 tile by
     tile and multiplied by cuBLAS: out [n, m] = b [n, k] w^T."""
     to_f16 = kernel("matmul.cu", "f32_to_f16")
-    tile = max(_tile_rows(m, k) for _, _, m, _ in parts)
+    tile = max(_tile_rows(p.m, k) for p in parts)
     w16 = scratch.data.ptr
     b16 = scratch.data.ptr + tile * k * 2
     per = 8 if k % 8 == 0 else 1  # elements a dequantizing thread writes
@@ -259,7 +340,8 @@ def _gemm(parts: list, b, ldb: int, scratch, backend, k: int, n: int) -> Step:
     grid, block = grid1d(n * k)
     convert = Launch(to_f16, grid, block, (ptr(b), np.uint64(b16), i32(k), i64(ldb), i64(n)))
     tiles = []  # (the tile's decoding launch, its rows, where its product goes, the weight's height)
-    for qt, a, m, out_at in parts:
+    for p in parts:
+        qt, a, m, out_at = p.qt, p.arr, p.m, p.out_at
         dequant = kernel("matmul.cu", f"{name}<{TYPE_IDS[qt.name]}>")
         for r0 in range(0, m, tile):
             rows = min(tile, m - r0)
@@ -308,7 +390,7 @@ def _bind_glu(node: Tensor, out, srcs, scratch, backend):
     if _glu_fused(node, k, n):
         return _mmvq_glu(node, srcs, b[2], scratch, out, act, k, n, m, backend)
     g_at, u_at = scratch.data.ptr, scratch.data.ptr + n * m * 4
-    parts = [(w.dtype, arr, m, at) for w, arr, at in zip(_weights(node), srcs[:2], (g_at, u_at))]
+    parts = [Part(w.dtype, arr, m, at) for w, arr, at in zip(_weights(node), srcs[:2], (g_at, u_at))]
     work = scratch[2 * n * m:]  # scratch is f32: past both products
     if n <= GEMV_MAX_ROWS:
         step = _gemv(node, parts, srcs[-1], b[2], work, k, n)

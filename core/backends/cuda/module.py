@@ -32,6 +32,8 @@ NO_WEIGHT = -1
 DECODE_DIMS = (64, 128, 256)  # head dimensions attn_decode is built for
 TC_DIMS = (64, 128)  # head dimensions flash_attn_tc (prompt attention on tensor cores) is built for
 GLU_ACTS = {"swiglu": 1, "geglu": 2}  # glu_act's template argument (common.cuh)
+# glu_pair's (common.cuh): the gated units the experts' kernels end with, gpt-oss's too
+EXPERT_GLU_ACTS = GLU_ACTS | {"swiglu_oai": 3}
 
 
 def _t(name: str) -> int:
@@ -44,25 +46,31 @@ def _instances() -> dict[str, list[str]]:
     norm_w = [NO_WEIGHT] + [_t(f) for f in FLOATS]
     return {
         "matmul.cu": [f"mmvq<{_t(q)}, {c}>" for q in DP4A_TYPES for c in GEMV_COLS]
+        + [f"mmvq_bias<{_t(q)}, {c}>" for q in DP4A_TYPES for c in GEMV_COLS]
         + [f"mmvq_rope_qkv<{_t(q)}, {_t(d)}>" for q in DP4A_TYPES for d in FLOATS]
         + [f"mmvq_glu<{_t(q)}, {c}, {f}>" for q in DP4A_TYPES for c in GEMV_COLS for f in GLU_ACTS.values()]
         + [f"gemv<{_t(q)}, {c}>" for q in weights for c in GEMV_COLS]
+        + [f"gemv_bias<{_t(f)}, {c}>" for f in FLOATS for c in GEMV_COLS]
         + [f"mmq<{_t(q)}, {nt}>" for q in MMQ_TYPES for nt in MMQ_TILES]
         + [f"mmvq_id<{_t(q)}>" for q in DP4A_TYPES] + [f"mmid_tc<{_t(q)}>" for q in weights]
         + [f"mmq_id<{_t(q)}, {nt}>" for q in MMQ_TYPES for nt in MMQ_TILES]
         + [f"mmvq_id_glu<{_t(q)}, {f}>" for q in DP4A_TYPES for f in GLU_ACTS.values()]
+        + [f"mmvq_id_bias<{_t(q)}>" for q in DP4A_TYPES]
+        + [f"mmvq_id_glu_bias<{_t(q)}, {f}>" for q in DP4A_TYPES for f in EXPERT_GLU_ACTS.values()]
         + [f"dequant_f16<{_t(q)}>" for q in weights] + [f"dequant_f16_x8<{_t(q)}>" for q in weights]
         + [f"get_rows<{_t(q)}>" for q in weights]
         + [f"mul_mat_float<{_t(a)}, {_t(b)}>" for a in FLOATS for b in FLOATS],
         "norm.cu": [f"rms_norm<{w}>" for w in norm_w]
         + [f"add_rms_norm<{_t(w)}, {p}>" for w in FLOATS for p in ("false", "true")],
-        "rope.cu": [f"rope<{w}>" for w in norm_w]
+        "rope.cu": [f"rope<{w}>" for w in norm_w] + [f"rope_bias<{w}>" for w in norm_w]
         + [f"rope_set_rows<{w}, {_t(d)}>" for w in norm_w for d in FLOATS]
+        + [f"rope_set_rows_bias<{w}, {_t(d)}>" for w in norm_w for d in FLOATS]
         + [f"rope_qkv<{w}, {_t(d)}>" for w in norm_w for d in FLOATS],
         "elementwise.cu": [f"copy4<{_t(s)}, {_t(d)}>" for s in FLOATS for d in FLOATS]
         + [f"binary4<{op}, {_t(a)}, {_t(b)}>" for op in (0, 1) for a in FLOATS for b in FLOATS]
         + [f"unary4<{f}>" for f in (0, 1, 2)] + [f"gated<{f}>" for f in (1, 2)]
-        + [f"set_rows<{_t(d)}>" for d in FLOATS] + [f"soft_max<{m}>" for m in (NO_WEIGHT, 0, 1)],
+        + [f"set_rows<{_t(d)}>" for d in FLOATS] + [f"set_rows_bias<{_t(d)}>" for d in FLOATS]
+        + [f"soft_max<{m}>" for m in (NO_WEIGHT, 0, 1)],
         "attention.cu": [f"flash_attn<{_t(k)}, {e}>" for k in FLOATS for e in FA_EPL]
         + [f"attn_decode{rows}<{_t(k)}, {d}>" for rows in ("", "_rows", "_tok") for k in FLOATS for d in DECODE_DIMS]
         + [f"flash_attn_tc<{d}>" for d in TC_DIMS],

@@ -1,6 +1,7 @@
 """Which CUDA kernel runs each node that is not a weight product: copies and casts, element-wise
 ops and gated units, norms (fused with their weight and residual add), RoPE (YaRN's too; fused with
-per-head norms, output scale, the cache write), cache row writes, softmax (with attention sinks),
+per-head norms, output scale, the cache write, a bias add before it), cache row writes (with a bias add
+before them), softmax (with attention sinks),
 fused attention. Each binder returns None
 for a case its kernel does not cover, and the node then runs the shared array kernel."""
 from __future__ import annotations
@@ -9,8 +10,9 @@ import math
 
 import numpy as np
 
+from ggrun.core.backends.bias_adds import row_bias
 from ggrun.core.backends.cuda.binding import (NULL, Launch, binds, disjoint, estrides, f32, fuses, grid1d, i32, i64,
-                                              launch_step, pad4, ptr, rows_of, threads_for)
+                                              launch_step, pad4, ptr, rows_of, threads_for, writes_apart)
 from ggrun.core.backends.cuda.module import DECODE_DIMS, FA_EPL, GLU_ACTS, NO_WEIGHT, TC_DIMS, TYPE_IDS, kernel
 from ggrun.core.backends.kernels import yarn_corr_dims
 from ggrun.core.dtypes import DType
@@ -186,6 +188,41 @@ def _set_rows(node: Tensor, out, srcs, scratch, backend):
     return launch_step(node.op, Launch(k, grid, block, args))
 
 
+def _biased_rows(add: Tensor, consumer: Tensor, srcs: list, outs: list):
+    """(rows of the add's first source (rows_of), its bias array) when `add` adds a bias vector to f32 rows
+    (bias_adds.row_bias) and `consumer` reads the sum whole through a view (its f32 rows: rope's first source,
+    rope_set_rows' and set_rows' second), so that the consumer's kernel can read rows + bias itself and store
+    the sum on the way; else None."""
+    at = 0 if consumer.op == "rope" else 1
+    view = consumer.srcs[at]
+    a = rows_of(srcs[0][0])
+    if (row_bias(add) is None or a is None or view.root is not add or view.view_offset != 0
+            or not view.is_contiguous or not outs[0].flags.c_contiguous or a[0] * a[1] != add.n_elements):
+        return None
+    return a, srcs[0][1]
+
+
+@fuses("add", "set_rows")
+def _bias_set_rows(nodes: list[Tensor], outs: list, srcs: list, backend):
+    """A bias add and the cache write of its rows (attention's v with a bias) in one set_rows_bias launch: the
+    rows plus the bias go to the cache and to the add's result."""
+    add, sr = nodes
+    found = _biased_rows(add, sr, srcs, outs)
+    out = outs[1]
+    if (found is None or not _is_float(sr.dtype) or out.ndim != 2 or out.strides[1] != out.itemsize
+            or out.shape[1] != found[0][1]):
+        return None
+    (n_rows, n, lda), bias = found
+    idx = srcs[1][2]
+    if not writes_apart(outs, [bias, idx], in_place=(srcs[0][0],)):
+        return None
+    k = kernel("elementwise.cu", f"set_rows_bias<{_tid(sr.dtype)}>")
+    grid, block = grid1d(n_rows * n)
+    args = (ptr(srcs[0][0]), ptr(bias), ptr(outs[0]), ptr(idx), ptr(out), i32(n), i64(n_rows), i64(lda),
+            i64(estrides(out)[0]))
+    return launch_step("set_rows+bias", Launch(k, grid, block, args))
+
+
 @binds("soft_max")
 def _soft_max(node: Tensor, out, srcs, scratch, backend):
     a = rows_of(srcs[0])
@@ -313,6 +350,51 @@ def _rope_set_rows(node: Tensor, out, srcs, scratch, backend):
     args = (ptr(a_arr), ptr(pos), ptr(idx), ptr(srcs[4]) if wid != NO_WEIGHT else NULL, ptr(out), i64(lda),
             i64(estrides(out)[0]), *rope_params(node, d, heads, 1.0))
     return launch_step(node.op, Launch(k, (t * heads,), (threads_for(node.params["n_dims"] // 2, 512),), args))
+
+
+@fuses("add", "rope")
+def _bias_rope(nodes: list[Tensor], outs: list, srcs: list, backend):
+    """A bias add and the RoPE of its result (attention's q or k with a bias: gpt-oss, qwen2) in one rope_bias
+    launch: each head's rows plus the bias are stored as the add's result and rotated as rope does."""
+    add, rope = nodes
+    found = _biased_rows(add, rope, srcs, outs)
+    view = rope.srcs[0]
+    wid = weight_id(rope, 2)
+    if found is None or wid is None or len(view.shape) != 3 or not outs[1].flags.c_contiguous:
+        return None
+    (n_rows, m, lda), bias = found
+    t, heads, d = view.shape
+    reads = [bias, srcs[1][1]] + ([srcs[1][2]] if wid != NO_WEIGHT else [])
+    if n_rows != t or heads * d != m or not writes_apart(outs, reads, in_place=(srcs[0][0],)):
+        return None
+    k = kernel("rope.cu", f"rope_bias<{wid}>")
+    args = (ptr(srcs[0][0]), ptr(bias), ptr(outs[0]), ptr(srcs[1][1]), ptr(srcs[1][2]) if wid != NO_WEIGHT else NULL,
+            ptr(outs[1]), i64(lda), *rope_params(rope, d, heads, rope.params.get("out_scale", 1.0)))
+    return launch_step("rope+bias", Launch(k, (t * heads,), (threads_for(rope.params["n_dims"] // 2, 512),), args))
+
+
+@fuses("add", "rope_set_rows")
+def _bias_rope_set_rows(nodes: list[Tensor], outs: list, srcs: list, backend):
+    """A bias add and the keys' RoPE into the cache after it (qwen2's k) in one rope_set_rows_bias launch: each
+    head's rows plus the bias are stored as the add's result and rotated into their cache rows."""
+    add, rs = nodes
+    found = _biased_rows(add, rs, srcs, outs)
+    view, out = rs.srcs[1], outs[1]
+    wid = weight_id(rs, 4)
+    if (found is None or wid is None or len(view.shape) != 3 or not _is_float(rs.dtype) or out.ndim != 2
+            or out.strides[1] != out.itemsize):
+        return None
+    (n_rows, m, lda), bias = found
+    t, heads, d = view.shape
+    _, _, idx, pos = srcs[1][:4]
+    reads = [bias, idx, pos] + ([srcs[1][4]] if wid != NO_WEIGHT else [])
+    if n_rows != t or heads * d != m or not writes_apart(outs, reads, in_place=(srcs[0][0],)):
+        return None
+    k = kernel("rope.cu", f"rope_set_rows_bias<{wid}, {_tid(rs.dtype)}>")
+    args = (ptr(srcs[0][0]), ptr(bias), ptr(outs[0]), ptr(pos), ptr(idx), ptr(srcs[1][4]) if wid != NO_WEIGHT else NULL,
+            ptr(out), i64(lda), i64(estrides(out)[0]), *rope_params(rs, d, heads, 1.0))
+    return launch_step("rope_set_rows+bias", Launch(k, (t * heads,), (threads_for(rs.params["n_dims"] // 2, 512),),
+                                                    args))
 
 
 # what the queries' and keys' RoPE must share

@@ -32,20 +32,30 @@ __device__ __forceinline__ void rope_angle(const RopeArgs &p, int pos, int i, fl
 // rotate head (t, h) = (blk / heads, blk % heads) of a (row stride lda per token, d per head) at
 // position pos[t]; the result's element e goes to put(e, value). With W >= 0 the head is rms_norm'ed
 // and multiplied by w first. Launched with max(32, n_dims / 2) threads: thread i rotates pair i.
-template <int W, typename Put>
+// With B (a bias add before the RoPE) the head is a plus bias [heads * d] (broadcast over the tokens), and
+// that sum is stored too, into sum [T, heads * d] (the add's result), before any rotated value.
+template <int W, bool B = false, typename Put>
 __device__ __forceinline__ void rope_head(int blk, const float *a, const int *pos, const void *w, const RopeArgs &p,
-                                          i64 lda, Put put) {
+                                          i64 lda, Put put, const float *bias = nullptr, float *sum = nullptr) {
     __shared__ float sh[32];
     int t = blk / p.heads, h = blk % p.heads;
     const float *x = a + t * lda + (i64)h * p.d;
+    auto raw = [&](int e) {
+        float v = x[e];
+        if constexpr (B) v += bias[(i64)h * p.d + e];
+        return v;
+    };
+    auto keep = [&](int e) {
+        if constexpr (B) sum[((i64)t * p.heads + h) * p.d + e] = raw(e);
+    };
     float inv = 1.0f;
     if constexpr (W >= 0) {
         float s = 0.0f;
-        for (int i = threadIdx.x; i < p.d; i += blockDim.x) s += x[i] * x[i];
+        for (int i = threadIdx.x; i < p.d; i += blockDim.x) s += raw(i) * raw(i);
         inv = rsqrtf(block_sum(s, sh) / p.d + p.eps);
     }
     auto in = [&](int e) {
-        float v = x[e];
+        float v = raw(e);
         if constexpr (W >= 0) v = v * inv * ld<W>(w, e);
         return v;
     };
@@ -57,10 +67,15 @@ __device__ __forceinline__ void rope_head(int blk, const float *a, const int *po
         rope_angle(p, pos[t], i, c, s);
         x0 = in(e0);
         x1 = in(e1);
+        keep(e0);
+        keep(e1);
     }
     float pass[8];
     int np = 0;
-    for (int e = p.n_dims + threadIdx.x; e < p.d && np < 8; e += blockDim.x) pass[np++] = in(e);
+    for (int e = p.n_dims + threadIdx.x; e < p.d && np < 8; e += blockDim.x) {
+        pass[np++] = in(e);
+        keep(e);
+    }
     __syncthreads();  // every read of the head (the norm's too) before a write that may alias it
     if (active) {
         put(e0, (x0 * c - x1 * s) * p.out_scale);
@@ -79,6 +94,18 @@ __global__ void rope(const float *a, const int *pos, const void *w, float *out, 
     rope_head<W>(blockIdx.x, a, pos, w, p, lda, [&](int e, float v) { o[e] = v; });
 }
 
+// a bias add and the RoPE of its result (attention's q or k with a bias): head (t, h) of a + bias is stored in
+// sum and rotated into out, as rope's
+template <int W>
+__global__ void rope_bias(const float *a, const float *bias, float *sum, const int *pos, const void *w, float *out,
+                          i64 lda, ROPE_PARAMS) {
+    pdl_begin();
+    RopeArgs p = ROPE_ARGS;
+    int t = blockIdx.x / p.heads, h = blockIdx.x % p.heads;
+    float *o = out + ((i64)t * p.heads + h) * p.d;
+    rope_head<W, true>(blockIdx.x, a, pos, w, p, lda, [&](int e, float v) { o[e] = v; }, bias, sum);
+}
+
 // the keys' RoPE fused with the cache write: head h of token t goes to row idx[t] of dst (type D)
 template <int W, int D>
 __global__ void rope_set_rows(const float *a, const int *pos, const int *idx, const void *w, void *dst,
@@ -88,6 +115,18 @@ __global__ void rope_set_rows(const float *a, const int *pos, const int *idx, co
     int t = blockIdx.x / p.heads, h = blockIdx.x % p.heads;
     i64 base = (i64)idx[t] * ldd + (i64)h * p.d;
     rope_head<W>(blockIdx.x, a, pos, w, p, lda, [&](int e, float v) { st<D>(dst, base + e, v); });
+}
+
+// a bias add and the keys' RoPE into the cache after it: head (t, h) of a + bias is stored in sum and rotated
+// into row idx[t] of dst, as rope_set_rows'
+template <int W, int D>
+__global__ void rope_set_rows_bias(const float *a, const float *bias, float *sum, const int *pos, const int *idx,
+                                   const void *w, void *dst, i64 lda, i64 ldd, ROPE_PARAMS) {
+    pdl_begin();
+    RopeArgs p = ROPE_ARGS;
+    int t = blockIdx.x / p.heads, h = blockIdx.x % p.heads;
+    i64 base = (i64)idx[t] * ldd + (i64)h * p.d;
+    rope_head<W, true>(blockIdx.x, a, pos, w, p, lda, [&](int e, float v) { st<D>(dst, base + e, v); }, bias, sum);
 }
 
 // a decode layer's three writes before attention in one launch: the queries' RoPE (q_heads blocks a
