@@ -103,15 +103,21 @@ def warm_up_test(session: Session, test: BatchedTest, n_batch: int) -> None:
     where llama.cpp's graph costs it about a millisecond: a row measured cold would time that once-per-shape
     work beside B prompts or decode steps. The step decodes with the prompt's cells in place, so the timed
     steps find their graph (until the cache outgrows the next power of two of cells)."""
+    _prompts(session, test, n_batch)
+    if test.tg:
+        _decode_in_batches(session, decode_batch(test, 0), n_batch, session.logits_on_device)
+    session.clear()
+
+
+def _prompts(session: Session, test: BatchedTest, n_batch: int) -> None:
+    """A row's prompt phase: clear the cache, decode every prompt (sequence 0's only when shared, its cells
+    then shared with sequences 1..B-1)."""
     session.clear()
     if test.pp:
         _decode_in_batches(session, prompt_batch(test), n_batch)
     if test.shared:
         for s in range(1, test.pl):
             session.seq_cp(0, s)
-    if test.tg:
-        _decode_in_batches(session, decode_batch(test, 0), n_batch, session.logits_on_device)
-    session.clear()
 
 
 def prompt_batch(test: BatchedTest) -> Batch:
@@ -138,12 +144,7 @@ def run_batched(session: Session, test: BatchedTest, n_batch: int, clock: Clock 
     ids_only = session.logits_on_device
     with no_collections():
         t0 = clock()
-        session.clear()
-        if test.pp:
-            _decode_in_batches(session, prompt_batch(test), n_batch)
-        if test.shared:
-            for s in range(1, test.pl):
-                session.seq_cp(0, s)
+        _prompts(session, test, n_batch)
         t1 = clock()
         for i in range(test.tg):
             _decode_in_batches(session, decode_batch(test, i), n_batch, ids_only)

@@ -671,10 +671,50 @@ template <> __device__ __forceinline__ void mq_frag<T_Q5_K>(const u8 *row, int b
     d = ld_f16(k) * sc, m = -ld_f16(k + 2) * mn;
 }
 
+#define MQ_WARPS 8  // warps of an mmq or mmq_id block
+
+// An m16n8k32 product c of mmq and mmq_id added to acc[4]: the weight fragment's rows grp and grp + 8 (scales
+// da/db, sum coefficients ma/mb) against 8 token rows' int8 quants (b0, b1: this lane's B column) whose q8_1
+// scales and sums are y0, y1 (C's two columns). For the k-quants each lane of group g sums token g's int8s and
+// C's columns read theirs (the mins meet dy * that sum).
+template <int T>
+__device__ __forceinline__ void mq_add(float *acc, const int *c, float da, float ma, float db, float mb, int b0,
+                                       int b1, float2 y0, float2 y1, int tig) {
+    if constexpr (MqSumQ<T>::v) {
+        int s = __dp4a(0x01010101, b0, __dp4a(0x01010101, b1, 0));
+        s += __shfl_xor_sync(0xffffffff, s, 1);
+        s += __shfl_xor_sync(0xffffffff, s, 2);
+        const int s0 = __shfl_sync(0xffffffff, s, 8 * tig), s1 = __shfl_sync(0xffffffff, s, 8 * tig + 4);
+        y0.y = y0.x * (float)s0, y1.y = y1.x * (float)s1;
+    }
+    acc[0] += da * y0.x * (float)c[0] + ma * y0.y;
+    acc[1] += da * y1.x * (float)c[1] + ma * y1.y;
+    acc[2] += db * y0.x * (float)c[2] + mb * y0.y;
+    acc[3] += db * y1.x * (float)c[3] + mb * y1.y;
+}
+// The MQ_WARPS warps' partial sums: warps 1.. leave theirs in red for warp 0 (mq_total), which all wait for.
+template <int NT>
+__device__ __forceinline__ void mq_share(const float (*acc)[4], float (*red)[NT * 4][32], int warp, int lane) {
+    if (warp > 0) {
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int x = 0; x < 4; x++) red[warp - 1][nt * 4 + x][lane] = acc[nt][x];
+    }
+    __syncthreads();
+}
+// Warp 0's sum of element (nt, x), its own partial sum then the others' in warp order (a fixed rounding).
+template <int NT>
+__device__ __forceinline__ float mq_total(const float (*acc)[4], const float (*red)[NT * 4][32], int nt, int x,
+                                          int lane) {
+    float v = acc[nt][x];
+    for (int o = 0; o < MQ_WARPS - 1; o++) v += red[o][nt * 4 + x][lane];
+    return v;
+}
+
 // out[t, row] = W[row] . y[t] for N token rows (y: q8_1 blocks [N, ncols / 32]; out's rows ldo apart). Block
 // (x, y): weight rows 16 x .. + 15 against tokens 8 NT y .. + 8 NT - 1; its MQ_WARPS warps take every
 // MQ_WARPS-th block of 32 columns (m16n8k32 products, NT a block) and are summed in a fixed order at the end.
-#define MQ_WARPS 8
 template <int T, int NT>
 __global__ void __launch_bounds__(MQ_WARPS * 32) mmq(const u8 *w, const block_q8_1 *y, float *out, int ncols,
                                                     i64 row_bytes, int M, int N, i64 ldo) {
@@ -705,33 +745,16 @@ __global__ void __launch_bounds__(MQ_WARPS * 32) mmq(const u8 *w, const block_q8
             float2 y0 = make_float2(0.0f, 0.0f), y1 = y0;
             if (t0 < N) y0 = __half22float2(y[(i64)t0 * nb + b].ds);
             if (t0 + 1 < N) y1 = __half22float2(y[(i64)(t0 + 1) * nb + b].ds);
-            if constexpr (MqSumQ<T>::v) {  // each lane of group g sums token 8 nt + g's int8s; C's columns read theirs
-                int s = __dp4a(0x01010101, b0, __dp4a(0x01010101, b1, 0));
-                s += __shfl_xor_sync(0xffffffff, s, 1);
-                s += __shfl_xor_sync(0xffffffff, s, 2);
-                const int s0 = __shfl_sync(0xffffffff, s, 8 * tig), s1 = __shfl_sync(0xffffffff, s, 8 * tig + 4);
-                y0.y = y0.x * (float)s0, y1.y = y1.x * (float)s1;
-            }
-            acc[nt][0] += da * y0.x * (float)c[0] + ma * y0.y;
-            acc[nt][1] += da * y1.x * (float)c[1] + ma * y1.y;
-            acc[nt][2] += db * y0.x * (float)c[2] + mb * y0.y;
-            acc[nt][3] += db * y1.x * (float)c[3] + mb * y1.y;
+            mq_add<T>(acc[nt], c, da, ma, db, mb, b0, b1, y0, y1, tig);
         }
     }
-    if (warp > 0) {
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int x = 0; x < 4; x++) red[warp - 1][nt * 4 + x][lane] = acc[nt][x];
-    }
-    __syncthreads();
+    mq_share<NT>(acc, red, warp, lane);
     if (warp > 0) return;
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
         for (int x = 0; x < 4; x++) {
-            float v = acc[nt][x];
-            for (int o = 0; o < MQ_WARPS - 1; o++) v += red[o][nt * 4 + x][lane];
+            const float v = mq_total<NT>(acc, red, nt, x, lane);
             const int row = m0 + grp + (x >= 2 ? 8 : 0), tok = n0 + nt * 8 + 2 * tig + (x & 1);
             if (row < M && tok < N) out[(i64)tok * ldo + row] = v;
         }
@@ -809,33 +832,16 @@ __global__ void __launch_bounds__(MQ_WARPS * 32) mmq_id(const u8 *w, const block
                 float2 y0 = make_float2(0.0f, 0.0f), y1 = y0;
                 if (s0 >= 0) y0 = __half22float2(y[(i64)(bstep ? s0 : s0 / k) * nb + b].ds);
                 if (s1 >= 0) y1 = __half22float2(y[(i64)(bstep ? s1 : s1 / k) * nb + b].ds);
-                if constexpr (MqSumQ<T>::v) {
-                    int s = __dp4a(0x01010101, b0, __dp4a(0x01010101, b1, 0));
-                    s += __shfl_xor_sync(0xffffffff, s, 1);
-                    s += __shfl_xor_sync(0xffffffff, s, 2);
-                    const int q0 = __shfl_sync(0xffffffff, s, 8 * tig), q1 = __shfl_sync(0xffffffff, s, 8 * tig + 4);
-                    y0.y = y0.x * (float)q0, y1.y = y1.x * (float)q1;
-                }
-                acc[nt][0] += da * y0.x * (float)c[0] + ma * y0.y;
-                acc[nt][1] += da * y1.x * (float)c[1] + ma * y1.y;
-                acc[nt][2] += db * y0.x * (float)c[2] + mb * y0.y;
-                acc[nt][3] += db * y1.x * (float)c[3] + mb * y1.y;
+                mq_add<T>(acc[nt], c, da, ma, db, mb, b0, b1, y0, y1, tig);
             }
         }
-        if (warp > 0) {
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int x = 0; x < 4; x++) red[warp - 1][nt * 4 + x][lane] = acc[nt][x];
-        }
-        __syncthreads();
+        mq_share<NT>(acc, red, warp, lane);
         if (warp == 0) {
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
                 for (int x = 0; x < 4; x++) {
-                    float v = acc[nt][x];
-                    for (int o = 0; o < MQ_WARPS - 1; o++) v += red[o][nt * 4 + x][lane];
+                    const float v = mq_total<NT>(acc, red, nt, x, lane);
                     const int row = m0 + grp + (x >= 2 ? 8 : 0), s = slot[nt * 8 + 2 * tig + (x & 1)];
                     if (row < M && s >= 0) out[(i64)s * M + row] = v;
                 }
