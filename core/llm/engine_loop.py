@@ -329,19 +329,27 @@ class EngineLoop:
             if not free:
                 return
             h = self._queue.popleft()
-            req = h.request
-            best = max(free, key=lambda s: (common_prefix(s.cached, req.prompt) if req.cache_prompt else 0,
-                                            -s.last_used))
-            self._start(best, h)
+            held = self._prefixes(h.request)
+            self._start(max(free, key=lambda s: (held[s.id], -s.last_used)), h, held)
 
-    def _start(self, s: _Slot, h: Handle) -> None:
+    def _prefixes(self, req: Request) -> list[int]:
+        """How many of req's prompt tokens, from the start, each slot's cells hold (busy or not: between steps
+        every cached token's cells are written); all 0 without cache_prompt."""
+        if not req.cache_prompt:
+            return [0] * len(self.slots)
+        prompt = np.asarray(req.prompt)
+        return [common_prefix(s.cached, prompt) if s.cached else 0 for s in self.slots]
+
+    def _start(self, s: _Slot, h: Handle, held: list[int]) -> None:
         """Start a request in slot s: keep the cells of the prompt's prefix the slot holds, or take those of a
-        longer prefix another slot holds (seq_cp: the cells are shared, no data moves), and queue the rest."""
+        longer prefix another slot holds (seq_cp: the cells are shared, no data moves; not in a session with a
+        sliding-window cache, which frees cells behind a sequence's window that the sharer would need), and
+        queue the rest. held: _prefixes of the request."""
         req = h.request
-        keep = common_prefix(s.cached, req.prompt) if req.cache_prompt else 0
-        donor, shared = self._prefix_donor(s, req) if req.cache_prompt else (None, 0)
-        if donor is not None and shared > keep:
-            keep = min(shared, len(req.prompt) - 1)
+        keep = held[s.id]
+        donor = max(self.slots, key=lambda o: held[o.id])
+        if held[donor.id] > keep and self.s.kv_swa is None:
+            keep = held[donor.id]
             self.s.seq_rm(s.id)
             self.s.seq_cp(donor.id, s.id, 0, keep)
         keep = min(keep, len(req.prompt) - 1)  # the last prompt token is decoded again for its logits
@@ -359,20 +367,6 @@ class EngineLoop:
                 s.host.accept(t)
         if req.n_predict == 0:
             self._finish(s, FINISH_LENGTH)
-
-    def _prefix_donor(self, s: _Slot, req: Request) -> tuple[_Slot | None, int]:
-        """The other slot whose cells hold the longest prefix of req's prompt, busy or not (between steps every
-        cached token's cells are written), and that prefix's length; none in a session with a sliding-window
-        cache, which frees cells behind a sequence's window that a sequence sharing its prefix would need."""
-        if self.s.kv_swa is not None:
-            return None, 0
-        best, n = None, 0
-        for o in self.slots:
-            if o is not s and o.cached:
-                m = common_prefix(o.cached, req.prompt)
-                if m > n:
-                    best, n = o, m
-        return best, n
 
     def _step_safely(self) -> None:
         """One step; a fault ends the requests that were in it with an error, and the loop goes on."""
