@@ -673,6 +673,19 @@ template <> __device__ __forceinline__ void mq_frag<T_Q5_K>(const u8 *row, int b
 
 #define MQ_WARPS 8  // warps of an mmq or mmq_id block
 
+// mmq's and mmq_id's sums of a tile set to zero
+template <int NT> __device__ __forceinline__ void mq_zero(float (*acc)[4]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+}
+// The A fragment of an m16n8k32 product from q8_1 block b of weight rows wa (rows grp) and wb (grp + 8), with their
+// scales and sum coefficients (mq_frag)
+template <int T>
+__device__ __forceinline__ void mq_frags(const u8 *wa, const u8 *wb, int b, int tig, int *a, float &da, float &ma,
+                                         float &db, float &mb) {
+    mq_frag<T>(wa, b, tig, a[0], a[2], da, ma);
+    mq_frag<T>(wb, b, tig, a[1], a[3], db, mb);
+}
 // An m16n8k32 product c of mmq and mmq_id added to acc[4]: the weight fragment's rows grp and grp + 8 (scales
 // da/db, sum coefficients ma/mb) against 8 token rows' int8 quants (b0, b1: this lane's B column) whose q8_1
 // scales and sums are y0, y1 (C's two columns). For the k-quants each lane of group g sums token g's int8s and
@@ -724,14 +737,12 @@ __global__ void __launch_bounds__(MQ_WARPS * 32) mmq(const u8 *w, const block_q8
     const int m0 = blockIdx.x * 16, n0 = blockIdx.y * NT * 8, nb = ncols / 32;
     const u8 *wa = w + (i64)min(m0 + grp, M - 1) * row_bytes, *wb = w + (i64)min(m0 + grp + 8, M - 1) * row_bytes;
     float acc[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+    mq_zero<NT>(acc);
 #pragma unroll 2
     for (int b = warp; b < nb; b += MQ_WARPS) {
         int a[4];
         float da, ma, db, mb;
-        mq_frag<T>(wa, b, tig, a[0], a[2], da, ma);
-        mq_frag<T>(wb, b, tig, a[1], a[3], db, mb);
+        mq_frags<T>(wa, wb, b, tig, a, da, ma, db, mb);
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
             const int tb = n0 + nt * 8 + grp, t0 = n0 + nt * 8 + 2 * tig;  // B's column; C's two columns
@@ -810,14 +821,12 @@ __global__ void __launch_bounds__(MQ_WARPS * 32) mmq_id(const u8 *w, const block
         if (threadIdx.x < NT * 8) slot[threadIdx.x] = first + (int)threadIdx.x < end ? list[first + threadIdx.x] : -1;
         __syncthreads();
         float acc[NT][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+        mq_zero<NT>(acc);
 #pragma unroll 2
         for (int b = warp; b < nb; b += MQ_WARPS) {
             int a[4];
             float da, ma, db, mb;
-            mq_frag<T>(wa, b, tig, a[0], a[2], da, ma);
-            mq_frag<T>(wb, b, tig, a[1], a[3], db, mb);
+            mq_frags<T>(wa, wb, b, tig, a, da, ma, db, mb);
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
                 // B's column (slot of group grp) and C's two columns (slots 2 tig, 2 tig + 1 of the 8)
