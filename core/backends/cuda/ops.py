@@ -444,7 +444,7 @@ DECODE_ROWS = 32  # query rows per KV head up to which attention runs attn_decod
 DECODE_SMEM = 96 << 10  # its shared memory: query rows, one chunk's weights, 4096 floats of value sums
 DECODE_SUMS = 4096
 DECODE_MIN_KEYS = 256  # keys per block before a cache is split over blocks
-DECODE_FEW_ROWS = 8  # query rows per KV head up to which attn_decode_rows serves (a block each 4 of them)
+DECODE_FEW_ROWS = 16  # query rows per KV head up to which attn_decode_rows serves (a block each 4 of them)
 DECODE_BLOCK_ROWS = 4  # query rows an attn_decode_rows or attn_decode_tok block serves (attention.cu's DS_ROWS)
 
 
