@@ -408,7 +408,11 @@ def attention_cases() -> list[OpCase]:
     seen = [(1, 33, 4, 2, 64, None), (1, 1000, 9, 3, 64, None), (7, 256, 4, 1, 256, None), (64, 300, 8, 2, 128, None),
             (3, 40, 2, 2, 16, None), (1, 4096, 32, 8, 64, 37), (2, 8192, 8, 8, 128, 3000), (8, 512, 16, 4, 64, 200),
             (130, 160, 16, 4, 64, None), (129, 200, 8, 2, 128, None), (1, 300, 4, 1, 256, None),
-            (2, 700, 4, 2, 128, 650)]
+            (2, 700, 4, 2, 128, 650),
+            # groups of 8 and 16 query heads a KV head (qwen3-30b-a3b: 32 over 4, d 128), one token or a few:
+            # attn_decode_rows' blocks of 4 rows, over one key chunk and several
+            (1, 140, 32, 4, 128, None), (1, 3000, 32, 4, 128, 2900), (1, 300, 16, 1, 64, None),
+            (1, 500, 16, 1, 128, 450), (2, 200, 8, 2, 64, None), (4, 600, 8, 2, 128, None)]
     cases += [OpCase(f"flash_attn-{kv}-t{t}-cells{n_kv}-h{hq}-kv{hk}-d{d}-seen{s}",
                      attention_case(kv, t, n_kv, hq, hk, d, s), ATTENTION, CUDA)
               for kv in (F16, F32) for t, n_kv, hq, hk, d, s in seen]
@@ -424,10 +428,22 @@ def attention_sink_cases() -> list[OpCase]:
               "decode-r4-chunks": (1, 8, 2, 300, F16, None, False), "decode-r4": (1, 8, 2, 200, F16, None, False),
               "tokens-7": (7, 16, 2, 300, F16, None, False), "prompt": (512, 16, 2, 512, F16, None, False),
               "prompt-window": (512, 16, 2, 512, F16, window, False), "f32-cache": (64, 16, 2, 130, F32, None, False),
-              "own-cells": (3, 8, 2, 192, F16, lambda: own_cells_mask(3, 192), True)}
+              "own-cells": (3, 8, 2, 192, F16, lambda: own_cells_mask(3, 192), True),
+              "own-cells-r8": (3, 16, 2, 192, F16, lambda: own_cells_mask(3, 192), True),
+              "decode-r16": (1, 16, 1, 150, F16, None, False), "decode-r16-chunks": (1, 16, 1, 700, F16, None, False)}
     return [OpCase(f"flash_attn-sinks-{name}", attention_graph(n, h, h_kv, 64, n_kv, n_kv + 11, dtype, dtype is F16,
                                                               mask, sinks=True, per_token=per_token), ATTENTION)
-            for name, (n, h, h_kv, n_kv, dtype, mask, per_token) in shapes.items()]
+            for name, (n, h, h_kv, n_kv, dtype, mask, per_token) in shapes.items()] + own_cells_cases()
+
+
+def own_cells_cases() -> list[OpCase]:
+    """Decode steps of many sequences (per_token: attn_tiles, then attn_decode_tok) without sinks: groups of 4, 8
+    and 16 query heads a KV head at head sizes 64 and 128, tokens each over their own block of cells."""
+    shapes = [(5, 8, 2, 64, 320), (4, 32, 4, 128, 256), (3, 16, 1, 64, 200), (6, 16, 1, 128, 384)]
+    return [OpCase(f"flash_attn-own-cells-n{n}-h{h}-kv{h_kv}-d{d}",
+                   attention_graph(n, h, h_kv, d, n_kv, n_kv + 11, mask=lambda n=n, n_kv=n_kv: own_cells_mask(n, n_kv),
+                                   per_token=True), ATTENTION)
+            for n, h, h_kv, d, n_kv in shapes]
 
 
 # ---- element-wise, softmax and data movement --------------------------------------------------

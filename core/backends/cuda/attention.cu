@@ -158,15 +158,17 @@ template <> __device__ __forceinline__ void ld8<T_BF16>(const void *p, i64 i, fl
 
 // Decode attention over several key chunks (blockIdx.y of gridDim.y): each block has written its rows'
 // partial maximum, sum and unnormalized output to `part` ([chunk][T * hq rows][D + 2]); the last block
-// of KV head blockIdx.x to get here (a ticket in `tickets`, which it resets to 0) merges them into `out`
-// (and its q8_1 blocks), so one launch does all. Every thread of the block calls it.
+// of KV head blockIdx.x and row block blockIdx.z to get here (a ticket in `tickets`, one per head and row
+// block, which it resets to 0) merges its rows row0 .. row0 + n - 1 of the group's R into `out` (and their
+// q8_1 blocks), so one launch does all. Every thread of the block calls it.
 template <int D>
-__device__ __forceinline__ void merge_chunks(const float *part, float *out, block_q8_1 *q8, int *tickets, int R,
-                                             int T, int r) {
+__device__ __forceinline__ void merge_chunks(const float *part, float *out, block_q8_1 *q8, int *tickets, int row0,
+                                             int n, int T, int r) {
     const int g = blockIdx.x, split = gridDim.y, hq = gridDim.x * r, lane = threadIdx.x & 31;
-    if (!last_block(tickets + g, split)) return;
-    for (int x = threadIdx.x; x < R * D; x += blockDim.x) {  // whole warps: a warp's 32 elements are one q8 block
-        const int i = x / D, e = x % D;
+    int *ticket = tickets + g * gridDim.z + blockIdx.z;
+    if (!last_block(ticket, split)) return;
+    for (int x = threadIdx.x; x < n * D; x += blockDim.x) {  // whole warps: a warp's 32 elements are one q8 block
+        const int i = row0 + x / D, e = x % D;
         const i64 orow = (i64)(i / r) * hq + g * r + i % r;
         float mx = -INFINITY;
         for (int c = 0; c < split; c++) mx = fmaxf(mx, __ldcg(part + ((i64)c * T * hq + orow) * (D + 2)));
@@ -181,7 +183,7 @@ __device__ __forceinline__ void merge_chunks(const float *part, float *out, bloc
         out[orow * D + e] = res;
         if (q8 != nullptr) quantize_warp(res, q8 + (orow * D + e - lane) / 32);
     }
-    if (threadIdx.x == 0) tickets[g] = 0;
+    if (threadIdx.x == 0) *ticket = 0;
 }
 
 // Each of a lane's U x N partial dot products summed over the LPK lanes that share a key (xor shuffles),
@@ -355,11 +357,11 @@ __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
         }
         __syncthreads();
     }
-    if (split > 1) merge_chunks<D>(part, out, q8, tickets, R, T, r);
+    if (split > 1) merge_chunks<D>(part, out, q8, tickets, 0, R, T, r);
 }
 
 #define DS_WARPS 8  // warps of attn_decode_rows
-#define DS_ROWS 4   // query rows of a KV head's group that attn_decode_rows serves (one token, up to 4 heads)
+#define DS_ROWS 4   // query rows of a KV head's group an attn_decode_rows or attn_decode_tok block serves
 #define DS_UNROLL 4  // keys each lane group loads at once
 
 // a key's and its value's eight elements for this lane (zeros past the span)
@@ -468,15 +470,18 @@ __device__ __forceinline__ void ds_merge_warps(const float (*wacc)[DS_ROWS][D], 
     }
 }
 
-// Decode attention for up to DS_ROWS query rows of a KV head (one token of a group of up to four heads,
-// the common decode step), built for latency: every warp takes its own keys, D / 8 lanes per key (eight
-// elements each, one 16-byte load of f16), and loads DS_UNROLL keys and their values together, so a pass
-// over a few hundred keys is one or two round trips to memory. The first round's keys and values are
-// loaded before pdl_begin (while the kernel before runs), all but the rows this step writes (`fresh`,
-// the step's T cache rows; null: every row waits), which come after it with the queries, straight into
-// registers. Each lane keeps a running maximum, sum and weighted value sum per row (online softmax), so
-// values need no second pass; lanes of a warp merge by shuffles, warps through shared memory. Same
-// arguments, chunks and merging of chunks as attn_decode.
+// Decode attention for a few query rows of a KV head (one token of a group of heads, the common decode
+// step, or a few tokens), DS_ROWS of them a block: blockIdx.z takes the group's rows z * DS_ROWS on, so a
+// group of 8 or 16 rows is 2 or 4 blocks reading the same keys (from L2 but for the first), each as fast
+// as one of 4 rows (H200, qwen3-30b-a3b's 32 query heads over 4 KV heads, d 128, 140 cells: 8.1 us against
+// attn_decode's 35; two tokens of it, 16 rows, 8.2 against 66). Built for latency: every warp takes its own keys, D / 8 lanes per key (eight elements
+// each, one 16-byte load of f16), and loads DS_UNROLL keys and their values together, so a pass over a
+// few hundred keys is one or two round trips to memory. The first round's keys and values are loaded
+// before pdl_begin (while the kernel before runs), all but the rows this step writes (`fresh`, the step's
+// T cache rows; null: every row waits), which come after it with the queries, straight into registers.
+// Each lane keeps a running maximum, sum and weighted value sum per row (online softmax), so values need
+// no second pass; lanes of a warp merge by shuffles, warps through shared memory. Same arguments, chunks
+// and merging of chunks as attn_decode (tickets: one per KV head and row block).
 template <int TK, int D>
 __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_rows(
     const float *q, const void *k, const void *v, const __half *mask, const float *sinks, float *out, float *part,
@@ -488,6 +493,8 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_rows(
     __shared__ float wm[DS_WARPS][DS_ROWS], wl[DS_WARPS][DS_ROWS];
     __shared__ int lo, hi;
     const int R = T * r, g = blockIdx.x, s = blockIdx.y, hq = gridDim.x * r;
+    const int row0 = blockIdx.z * DS_ROWS, nr = min(DS_ROWS, R - row0);  // this block's rows of the group
+    const int t0 = row0 / r, t1 = (row0 + nr - 1) / r;  // and their tokens
     const int kv0 = s * chunk, C = min(n_kv, kv0 + chunk) - kv0;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, o = lane % LPK, kl = lane / LPK;
     if (threadIdx.x == 0) lo = C, hi = 0;
@@ -497,7 +504,7 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_rows(
     for (int jj = 0; jj < C; jj += DS_WARPS * 32) {
         const int j = jj + threadIdx.x;
         bool seen = false;
-        for (int t = 0; t < T && j < C; t++) seen |= __half2float(mask[(i64)t * ldm + kv0 + j]) != -INFINITY;
+        for (int t = t0; t <= t1 && j < C; t++) seen |= __half2float(mask[(i64)t * ldm + kv0 + j]) != -INFINITY;
         const int wlo = warp_min_i(seen ? j : C), whi = warp_max_i(seen ? j + 1 : 0);
         if (lane == 0 && whi > 0) atomicMin(&lo, wlo), atomicMax(&hi, whi);
     }
@@ -523,8 +530,8 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_rows(
     pdl_begin();
     float qr[DS_ROWS][8], m[DS_ROWS], l[DS_ROWS], acc[DS_ROWS][8];
 #pragma unroll
-    for (int i = 0; i < DS_ROWS; i++) {  // rows past R repeat the last (never written)
-        const int ii = min(i, R - 1);
+    for (int i = 0; i < DS_ROWS; i++) {  // rows past the block's repeat its last (never written)
+        const int ii = row0 + min(i, nr - 1);
         const float *qrow = q + (i64)(g * r + ii % r) * sq0 + (i64)(ii / r) * sq1 + o * 8;
         m[i] = -INFINITY, l[i] = 0.0f;
 #pragma unroll
@@ -537,9 +544,9 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_rows(
             ds_load<TK, D>(k, v, (i64)g * sk0 + (i64)(kv0 + j) * sk1 + o * 8,
                            (i64)g * sv0 + (i64)(kv0 + j) * sv1 + o * 8, j < j1, kx[u], vx[u]);
     }
-    i64 mrow[DS_ROWS];  // where each row's mask values for the chunk start: row i's token is min(i, R - 1) / r
+    i64 mrow[DS_ROWS];  // where each row's mask values for the chunk start: row i's token is (row0 + i) / r
 #pragma unroll
-    for (int i = 0; i < DS_ROWS; i++) mrow[i] = (i64)(min(i, R - 1) / r) * ldm + kv0;
+    for (int i = 0; i < DS_ROWS; i++) mrow[i] = (i64)((row0 + min(i, nr - 1)) / r) * ldm + kv0;
     for (; jw < j1; jw += KPB * DS_UNROLL) {  // the same rounds for a warp's lanes (shuffles)
         const int jb = jw + kl;
         if (jw > j0 + warp * KPW) {
@@ -559,10 +566,10 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_rows(
     }
     ds_merge_lanes<LPK, D>(m, l, acc, warp, o, kl, wacc, wm, wl);
     __syncthreads();
-    for (int x = threadIdx.x; x < R * D; x += DS_WARPS * 32) {  // whole warps: a warp's 32 elements are one q8 block
-        const int i = x / D, e = x % D;
+    for (int x = threadIdx.x; x < nr * D; x += DS_WARPS * 32) {  // whole warps: a warp's 32 elements are one q8 block
+        const int i = row0 + x / D, e = x % D;
         float mx, num, den;
-        ds_merge_warps<D>(wacc, wm, wl, i, e, mx, num, den);
+        ds_merge_warps<D>(wacc, wm, wl, x / D, e, mx, num, den);
         if (sinks != nullptr && s == 0) num *= fold_sink(sinks[g * r + i % r], mx, den);
         const i64 orow = (i64)(i / r) * hq + g * r + i % r;
         if (gridDim.y == 1) {
@@ -575,21 +582,19 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_rows(
             pr[2 + e] = num;
         }
     }
-    if (gridDim.y > 1) merge_chunks<D>(part, out, q8, tickets, R, T, r);
+    if (gridDim.y > 1) merge_chunks<D>(part, out, q8, tickets, row0, nr, T, r);
 }
 
-#define DT_MAX_TILES 2048  // tiles of 32 cells attn_decode_tok and flash_attn_tc list (caches of up to 65536 cells)
+#define DT_MAX_TILES 2048  // tiles of 32 cells attn_tiles and flash_attn_tc list (caches of up to 65536 cells)
 
-// The tiles of 32 cells that any of the mask's rows t0..t1 sees (a value other than -inf), listed in order
-// into tiles[] (shared memory), their count returned: a micro-batch of many sequences sees a few tiles of the
-// whole cache each (llm/kv_blocks.py keeps a sequence's cells in blocks of their own), so attention reads
-// those and skips the rest without a pass over every tile. NT threads (the whole block) call it; each reads
-// 16 bytes of a row at a time, U loads in flight, four threads a tile; warp 0 lists the flagged tiles in
-// order (ballots), so the tiles' order, and the sums' rounding, do not depend on timing. Rows 16-byte aligned, n_kv a multiple of 8
-// and at most DT_MAX_TILES * 32 (the binders' checks).
+// The tiles of 32 cells that any of the mask's rows t0..t1 sees (a value other than -inf), flagged in flag[]
+// (shared memory, one byte a tile): a micro-batch of many sequences sees a few tiles of the whole cache each
+// (llm/kv_blocks.py keeps a sequence's cells in blocks of their own), so attention reads those and skips the
+// rest. NT threads (the whole block) call it; each reads 16 bytes of a row at a time, U loads in flight, four
+// threads a tile. Rows 16-byte aligned, n_kv a multiple of 8 and at most DT_MAX_TILES * 32 (the binders'
+// checks). The flags are complete after the block's next __syncthreads.
 template <int NT>
-__device__ int list_tiles(const __half *mask, i64 ldm, int t0, int t1, int n_kv, int *tiles, unsigned char *flag,
-                          int *count) {
+__device__ void flag_tiles(const __half *mask, i64 ldm, int t0, int t1, int n_kv, unsigned char *flag) {
     constexpr int U = 4;  // loads in flight a thread: a pass over a long row is a few round trips, not dozens
     const int lane = threadIdx.x & 31, n_t = (n_kv + 31) / 32;
     for (int base = 0; base < n_t * 32; base += NT * 8 * U) {
@@ -620,18 +625,32 @@ __device__ int list_tiles(const __half *mask, i64 ldm, int t0, int t1, int n_kv,
             if ((lane & 3) == 0 && c < n_t * 32) flag[c / 32] = sn;
         }
     }
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        int n = 0;
-        for (int base = 0; base < n_t; base += 32) {
-            const int i = base + lane;
-            const bool f = i < n_t && flag[i];
-            const u32 b = __ballot_sync(0xffffffff, f);
-            if (f) tiles[n + __popc(b & ((1u << lane) - 1))] = i;
-            n += __popc(b);
-        }
-        if (lane == 0) *count = n;
+}
+
+// The flagged tiles of n_t listed in order into tiles[], their count into *count, by warp 0 (ballots), so the
+// tiles' order, and the sums' rounding, do not depend on timing; the other warps pass.
+__device__ __forceinline__ void collect_tiles(const unsigned char *flag, int n_t, int *tiles, int *count) {
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x;
+    int n = 0;
+    for (int base = 0; base < n_t; base += 32) {
+        const int i = base + lane;
+        const bool f = i < n_t && flag[i];
+        const u32 b = __ballot_sync(0xffffffff, f);
+        if (f) tiles[n + __popc(b & ((1u << lane) - 1))] = i;
+        n += __popc(b);
     }
+    if (lane == 0) *count = n;
+}
+
+// flag_tiles then collect_tiles into shared memory: the tiles any of rows t0..t1 sees, their count returned to
+// every thread of the block.
+template <int NT>
+__device__ int list_tiles(const __half *mask, i64 ldm, int t0, int t1, int n_kv, int *tiles, unsigned char *flag,
+                          int *count) {
+    flag_tiles<NT>(mask, ldm, t0, t1, n_kv, flag);
+    __syncthreads();
+    collect_tiles(flag, (n_kv + 31) / 32, tiles, count);
     __syncthreads();
     return *count;
 }
@@ -788,36 +807,59 @@ __global__ void __launch_bounds__(128) flash_attn_tc(
 }
 
 
+// The tiles of 32 cells each token of a decode step of many sequences sees, for attn_decode_tok: token
+// t = blockIdx.x's count, then its tiles in order, at tiles[t * (n_t + 1)] (n_t: n_kv / 32 rounded up). Once
+// a token, not once a KV head and row block: a step of 128 sequences over 32768 cells reads its mask once
+// (8 MB), where every block of attention scanning its row read it 8 or 16 times over. The scan of a mask
+// that is a step input (mask_in) runs before pdl_begin, beside the kernel before; the list is written after
+// it (its memory may be one that kernel still uses). Rows 16-byte aligned, n_kv a multiple of 8 and at most
+// DT_MAX_TILES * 32 (the binder's checks).
+extern "C" __global__ void __launch_bounds__(256) attn_tiles(const __half *mask, i64 ldm, int n_kv, int *tiles,
+                                                            int mask_in) {
+    __shared__ unsigned char flag[DT_MAX_TILES];
+    const int n_t = (n_kv + 31) / 32;
+    if (!mask_in) pdl_begin();  // a mask a kernel of the step made (ops.kq_mask): read once that kernel is done
+    flag_tiles<256>(mask, ldm, blockIdx.x, blockIdx.x, n_kv, flag);
+    __syncthreads();
+    pdl_begin();
+    int *list = tiles + (i64)blockIdx.x * (n_t + 1);
+    collect_tiles(flag, n_t, list + 1, list);
+}
+
 // Decode attention for a step of many sequences, one token each (GraphParams.one_per_seq): a block per KV
-// head g and token t = blockIdx.y serves the token's r <= DS_ROWS query heads of the group over the cells
-// its own sequence holds, not over the whole cache. The token's mask row is read once (list_tiles) to list
-// the tiles of 32 cells it sees any of; then the keys of those tiles only, as attn_decode_rows reads a span:
-// D / 8 lanes per key, DS_UNROLL keys at once, online softmax per lane, lanes merged by shuffles and warps
-// through shared memory. The mask row must be 16-byte aligned and n_kv a multiple of 8 (the binder's check).
+// head g, token t = blockIdx.y and DS_ROWS of the group's r query heads (blockIdx.z: heads z * DS_ROWS on)
+// over the cells its own sequence holds, not over the whole cache: the tiles attn_tiles listed for the
+// token (the launch before), then the keys of those tiles only, as attn_decode_rows reads a span: D / 8 lanes
+// per key, DS_UNROLL keys at once, online softmax per lane, lanes merged by shuffles and warps through shared
+// memory. Queries, keys and values were written before attn_tiles ran, so the queries are read before
+// pdl_begin; the list after it. Two blocks a multiprocessor (registers capped at 128, ~200 bytes spilled): a
+// step of 128 sequences is 1024 blocks or more, and throughput, not one block's latency, is what counts. H200,
+// 64 / 128 sequences of 129 cells each, 32 query heads over 8 KV heads, d 64: 20.7 / 47.0 us a step with
+// attn_tiles, where a scan of the mask row in each block (167 registers, one block a multiprocessor) took
+// 27.6 / 87.2.
 template <int TK, int D>
-__global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_tok(
-    const float *q, const void *k, const void *v, const __half *mask, const float *sinks, float *out, int r, int n_kv,
-    i64 sq0, i64 sq1, i64 sk0, i64 sk1, i64 sv0, i64 sv1, i64 ldm, float scale) {
+__global__ void __launch_bounds__(DS_WARPS * 32, 2) attn_decode_tok(
+    const float *q, const void *k, const void *v, const __half *mask, const float *sinks, float *out,
+    const int *tiles, int r, int n_kv, i64 sq0, i64 sq1, i64 sk0, i64 sk1, i64 sv0, i64 sv1, i64 ldm, float scale) {
     constexpr int LPK = D / 8, KPW = 32 / LPK, KPB = KPW * DS_WARPS;
     __shared__ __align__(16) float wacc[DS_WARPS][DS_ROWS][D];
     __shared__ float wm[DS_WARPS][DS_ROWS], wl[DS_WARPS][DS_ROWS];
-    __shared__ int tiles[DT_MAX_TILES];
-    __shared__ unsigned char flag[DT_MAX_TILES];
-    __shared__ int n_tiles;
     const int g = blockIdx.x, t = blockIdx.y, hq = gridDim.x * r;
+    const int row0 = blockIdx.z * DS_ROWS, nr = min(DS_ROWS, r - row0);  // this block's heads of the group
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, o = lane % LPK, kl = lane / LPK;
-    pdl_begin();
     const __half *mrow = mask + (i64)t * ldm;
-    const int nk = list_tiles<DS_WARPS * 32>(mask, ldm, t, t, n_kv, tiles, flag, &n_tiles) * 32;
     float qr[DS_ROWS][8], m[DS_ROWS], l[DS_ROWS], acc[DS_ROWS][8];
 #pragma unroll
-    for (int i = 0; i < DS_ROWS; i++) {  // rows past r repeat the last (never written)
-        const int ii = min(i, r - 1);
+    for (int i = 0; i < DS_ROWS; i++) {  // rows past the block's repeat its last (never written)
+        const int ii = row0 + min(i, nr - 1);
         const float *qrow = q + (i64)(g * r + ii) * sq0 + (i64)t * sq1 + o * 8;
         m[i] = -INFINITY, l[i] = 0.0f;
 #pragma unroll
         for (int x = 0; x < 8; x++) qr[i][x] = qrow[x] * scale, acc[i][x] = 0.0f;
     }
+    pdl_begin();
+    const int *list = tiles + (i64)t * ((n_kv + 31) / 32 + 1);
+    const int nk = list[0] * 32;
     for (int jw = warp * KPW; jw < nk; jw += KPB * DS_UNROLL) {
         const int jb = jw + kl;
         float kx[DS_UNROLL][8], vx[DS_UNROLL][8], mk[DS_UNROLL];
@@ -825,7 +867,7 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_tok(
         for (int u = 0; u < DS_UNROLL; u++) {
             const int j = jb + u * KPB;
             const bool live = j < nk;
-            const int cell = live ? tiles[j >> 5] * 32 + (j & 31) : 0;
+            const int cell = live ? list[1 + (j >> 5)] * 32 + (j & 31) : 0;
             ds_load<TK, D>(k, v, (i64)g * sk0 + (i64)cell * sk1 + o * 8, (i64)g * sv0 + (i64)cell * sv1 + o * 8, live,
                            kx[u], vx[u]);
             mk[u] = live ? __half2float(mrow[cell]) : -INFINITY;
@@ -836,10 +878,10 @@ __global__ void __launch_bounds__(DS_WARPS * 32) attn_decode_tok(
     }
     ds_merge_lanes<LPK, D>(m, l, acc, warp, o, kl, wacc, wm, wl);
     __syncthreads();
-    for (int x = threadIdx.x; x < r * D; x += DS_WARPS * 32) {
-        const int i = x / D, e = x % D;
+    for (int x = threadIdx.x; x < nr * D; x += DS_WARPS * 32) {
+        const int i = row0 + x / D, e = x % D;
         float mx, num, den;
-        ds_merge_warps<D>(wacc, wm, wl, i, e, mx, num, den);
+        ds_merge_warps<D>(wacc, wm, wl, x / D, e, mx, num, den);
         if (sinks != nullptr) num *= fold_sink(sinks[g * r + i], mx, den);
         out[((i64)t * hq + g * r + i) * D + e] = den > 0.0f ? num / den : 0.0f;
     }

@@ -444,7 +444,8 @@ DECODE_ROWS = 32  # query rows per KV head up to which attention runs attn_decod
 DECODE_SMEM = 96 << 10  # its shared memory: query rows, one chunk's weights, 4096 floats of value sums
 DECODE_SUMS = 4096
 DECODE_MIN_KEYS = 256  # keys per block before a cache is split over blocks
-DECODE_FEW_ROWS = 4  # query rows per KV head up to which attn_decode_rows serves (attention.cu's DS_ROWS)
+DECODE_FEW_ROWS = 16  # query rows per KV head up to which attn_decode_rows serves (a block each 4 of them)
+DECODE_BLOCK_ROWS = 4  # query rows an attn_decode_rows or attn_decode_tok block serves (attention.cu's DS_ROWS)
 
 
 def _decode_chunk(node: Tensor) -> int | None:
@@ -561,24 +562,39 @@ def _kq_mask(node: Tensor, out, srcs, scratch, backend):
 
 
 TOK_MAX_CELLS = 65536  # cells attention kernels list the tiles of (attention.cu's DT_MAX_TILES * 32)
+TOK_MAX_ROWS = 16  # query heads per KV head attn_decode_tok serves (4 blocks of DECODE_BLOCK_ROWS)
 
 
-@binds("flash_attn")
+def _tok_tiles(node: Tensor) -> int:
+    """Bytes of attn_tiles' lists (a count and up to n_kv / 32 tiles a token) for a decode step of many
+    sequences, else 0."""
+    if not node.params.get("per_token"):
+        return 0
+    t, n_kv = node.srcs[0].shape[1], node.srcs[1].shape[1]
+    return t * (-(-n_kv // 32) + 1) * 4
+
+
+@binds("flash_attn", scratch=_tok_tiles)
 def _attn_decode_tok(node: Tensor, out, srcs, scratch, backend):
-    """A decode step of many sequences (the graph builder marks it `per_token`): attn_decode_tok, a block per
-    KV head and token over the tiles of cells that token sees, so each sequence's attention reads its own
-    cells rather than the whole cache under a mask."""
+    """A decode step of many sequences (the graph builder marks it `per_token`): attn_tiles lists each token's
+    tiles of cells from its mask row once, then attn_decode_tok, a block per KV head, token and 4 heads of the
+    group, reads those tiles only, so each sequence's attention reads its own cells rather than the whole
+    cache under a mask."""
     q, k, v, mask = srcs[:4]
     hq, t, d = q.shape
     hk, n_kv, _ = k.shape
-    if (not node.params.get("per_token") or d not in DECODE_DIMS or hq // hk > DECODE_FEW_ROWS
-            or n_kv % 8 or n_kv > TOK_MAX_CELLS or not _attention_operands(node, out, srcs) or not _aligned8(k, v, mask)):
+    r = hq // hk
+    if (not node.params.get("per_token") or d not in DECODE_DIMS or r > TOK_MAX_ROWS or n_kv % 8
+            or n_kv > TOK_MAX_CELLS or not _attention_operands(node, out, srcs) or not _aligned8(k, v, mask)):
         return None
     sq, sk, sv = estrides(q), estrides(k), estrides(v)
-    args = (ptr(q), ptr(k), ptr(v), ptr(mask), _sinks(node, srcs), ptr(out), i32(hq // hk), i32(n_kv), i64(sq[0]),
-            i64(sq[1]), i64(sk[0]), i64(sk[1]), i64(sv[0]), i64(sv[1]), i64(estrides(mask)[0]), f32(node.params["scale"]))
+    ldm = i64(estrides(mask)[0])
+    tiles = Launch(kernel("attention.cu", "attn_tiles"), (t,), (256,),
+                   (ptr(mask), ldm, i32(n_kv), ptr(scratch), i32(_mask_is_step_input(node))))
+    args = (ptr(q), ptr(k), ptr(v), ptr(mask), _sinks(node, srcs), ptr(out), ptr(scratch), i32(r), i32(n_kv),
+            i64(sq[0]), i64(sq[1]), i64(sk[0]), i64(sk[1]), i64(sv[0]), i64(sv[1]), ldm, f32(node.params["scale"]))
     fn = kernel("attention.cu", f"attn_decode_tok<{_tid(node.srcs[1].dtype)}, {d}>")
-    return launch_step(node.op, Launch(fn, (hk, t), (256,), args))
+    return launch_step(node.op, tiles, Launch(fn, (hk, t, -(-r // DECODE_BLOCK_ROWS)), (256,), args))
 
 
 @binds("flash_attn", scratch=_fa_scratch)
@@ -591,13 +607,15 @@ def _attn_decode(node: Tensor, out, srcs, scratch, backend):
     hq, t, d = q.shape
     hk, n_kv, _ = k.shape
     split = -(-n_kv // chunk)
+    rows = t * (hq // hk)
+    blocks = -(-rows // DECODE_BLOCK_ROWS) if rows <= DECODE_FEW_ROWS else 1  # row blocks of attn_decode_rows
     args = (ptr(q), ptr(k), ptr(v), ptr(mask), _sinks(node, srcs), ptr(out), ptr(scratch) if split > 1 else NULL,
-            ptr(backend.tickets(hk)), *_attention_args(node, srcs, chunk), _q8_dest(node, backend))
+            ptr(backend.tickets(hk * blocks)), *_attention_args(node, srcs, chunk), _q8_dest(node, backend))
     mask_in = i32(_mask_is_step_input(node))
-    if t * (hq // hk) <= DECODE_FEW_ROWS:  # one token's heads: the kernel built for latency
+    if rows <= DECODE_FEW_ROWS:  # one token's heads: the kernel built for latency, a block each 4 rows
         fn = kernel("attention.cu", f"attn_decode_rows<{_tid(node.srcs[1].dtype)}, {d}>")
         rows_args = args + (_fresh_rows(node, backend), mask_in, i32(0))
-        return launch_step(node.op, Launch(fn, (hk, split), (256,), rows_args, prologue=True, light=True))
+        return launch_step(node.op, Launch(fn, (hk, split, blocks), (256,), rows_args, prologue=True, light=True))
     args += (mask_in, i32(0))
     fn = kernel("attention.cu", f"attn_decode<{_tid(node.srcs[1].dtype)}, {d}>")
     smem = _decode_smem(node, chunk)
