@@ -233,6 +233,15 @@ __device__ __forceinline__ int warp_max_i(int v) {
     return v;
 #endif
 }
+// integer sum over a warp
+__device__ __forceinline__ int warp_sum_i(int v) {
+#if __CUDA_ARCH__ >= 800
+    return __reduce_add_sync(0xffffffff, v);
+#else
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+#endif
+}
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
