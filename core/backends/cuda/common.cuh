@@ -7,6 +7,7 @@ typedef signed char i8;
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
+typedef unsigned long long u64;
 
 // Programmatic dependent launch (sm_90, launch.py): a kernel launched with it may start while the one
 // before it on the stream still runs. Every kernel calls pdl_begin before it reads anything another

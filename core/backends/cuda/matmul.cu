@@ -934,7 +934,7 @@ __device__ __forceinline__ void mt_stage(u8 *st, const u8 *w, int r0, int M, i64
     for (int i = threadIdx.x; i < C::BM * W::WORDS; i += MT_WARPS * 32) {
         const int r = i / W::WORDS, j = i % W::WORDS;
         const u8 *from = w + (i64)min(r0 + r, M - 1) * row_bytes + (i64)c * W::L;
-        const u8 *base = (const u8 *)((size_t)from & ~(size_t)15);
+        const u8 *base = (const u8 *)((u64)from & ~(u64)15);
         if (16 * j < (int)(from - base) + len) cp_async16(st + r * W::LD + 16 * j, base + 16 * j);
     }
     u8 *qs = st + C::QAT;
@@ -997,7 +997,7 @@ __device__ __forceinline__ void mt_tile(const u8 *w, int r0, int M, const i8 *q,
         cp_wait1();
         __syncthreads();
         const u8 *st = smem + (c & 1) * C::STAGE;
-        const int oa = (int)((size_t)(ga + (i64)c * W::L) & 15), ob = (int)((size_t)(gb + (i64)c * W::L) & 15);
+        const int oa = (int)((u64)(ga + (i64)c * W::L) & 15), ob = (int)((u64)(gb + (i64)c * W::L) & 15);
         mt_chunk<T, WM, NT>(st, st + la * W::LD + oa, st + (la + 8) * W::LD + ob, acc, wn, grp, tig,
                             min(MT_KB, nb - c * MT_KB));
         __syncthreads();  // the stage is read before the next chunk but one is copied into it
