@@ -5,8 +5,9 @@ A decode step's few slots (token, chosen expert) each read only their expert's b
 quantized to q8_1 once and mmvq_id takes a warp per weight row and a block row per slot, as ggml's mmvq
 with ids. A prompt's slots are grouped by expert on the device (moe_group: counts, offsets, the slots of
 each expert), then one grouped GEMM multiplies each expert's weights by its slots' activations: for a type
-with a scale per 32 weights (MMQ_TYPES) mmq_id meets the weights' quants with the q8_1 activations on int8
-tensor cores, as ggml's mmq with ids; other types' weight tiles are decoded to f16 against f16 activations
+with a scale per 32 weights (MMQ_TYPES) mmq_idt meets the weights' quants with the q8_1 activations on int8
+tensor cores in ggml's tile layout (matmul.cu's mmqt: 64 rows of an expert by 16..64 of its slots a block, each
+chunk of K staged in shared memory once), as ggml's mmq with ids (mmq_id, 16 rows a block, stays beside it); other types' weight tiles are decoded to f16 against f16 activations
 (mmid_tc). Every launch has a fixed grid, so the step is captured in a CUDA graph like any other, and blocks
 past an expert's slots return at once. (mmid_tc decoded each weight element alone and took 0.85 ms for one
 qwen3-30b-a3b layer's gate product of 512 tokens on an H200, ~7 TFLOP/s.) A decode step's experts' bias rows

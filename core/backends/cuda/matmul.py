@@ -5,10 +5,13 @@ the result) times up to GEMV_MAX_ROWS token rows: the legacy block
 types quantize the activations to q8_1 blocks in the node's scratch and take integer dot products
 (mmvq, as ggml's CUDA backend); other types decode their blocks inside the product (gemv). Up to
 MMQ_MAX_ROWS token rows of a type with a scale per 32 weights: the q8_1 activations meet the weights'
-quants on int8 tensor cores (mmq, as ggml's), reading each weight once. More
-token rows: the weight is decoded to f16 one tile of rows at a time into scratch and multiplied
-by cuBLAS (f32 accumulation; through blas.py, which CUDA graphs capture), the activations converted
-to f16 once. Products of two float operands (attention without the fused op) run a plain strided
+quants on int8 tensor cores (mmq, as ggml's), reading each weight once. Up to MMQT_MAX_ROWS (decode
+steps of many sequences, prompt micro-batches): the same products in ggml's tile layout (mmqt: a block
+of 32 or 64 weight rows by 16..128 token rows, each chunk of K's weights and activations staged in
+shared memory once for all its warps; the tile chosen to fill the GPU, _mt_tile), up to three weights of
+one type in one launch. More token rows, or other types: the weight is decoded to f16 one tile of rows
+at a time into scratch and multiplied by cuBLAS (f32 accumulation; through blas.py, which CUDA graphs
+capture), the activations converted to f16 once. Products of two float operands (attention without the fused op) run a plain strided
 kernel. A decode product's kernel also does the bias add after it (bias_adds.py; mmvq_bias, gemv_bias).
 """
 from __future__ import annotations
@@ -158,17 +161,22 @@ def mt_kernel(name: str, qt: DType, wm: int, nt: int):
 
 
 def _mt_tile(ms: list[int], n: int) -> tuple[int, int, int]:
-    """(WM, NT, BN) of mmqt for weights of heights ms and n token rows: the fewest token rows a block that hold n (up
-    to 128, more in grid rows), then 64 weight rows a block where that gives every multiprocessor two blocks, else 32."""
-    bn = next((b for b in MT_BN if n <= b), MT_BN[-1])
-    cols = -(-n // bn)
-    for wm in (4, 2):
-        nt = bn // (8 * (8 // wm))
-        if (wm, nt) not in MT_TILES:
+    """(WM, NT, BN) of mmqt for weights of heights ms and n token rows. A warp of a larger NT decodes each weight
+    fragment for more products, and a block of more rows reads the activations fewer times; of the tiles no wider than
+    n needs (up to 128 token rows, more in grid rows), the largest that still gives every multiprocessor a block,
+    else the one of the most blocks (small weights: a few long blocks would leave most of the GPU idle)."""
+    need = next((b for b in MT_BN if n <= b), MT_BN[-1])
+    best = None
+    for wm, nt in sorted(MT_TILES, key=lambda t: (-t[1], -t[0])):  # products a decoded fragment feeds, first
+        bn = 8 * nt * (8 // wm)
+        if bn > need:
             continue
-        if sum(-(-m // (16 * wm)) for m in ms) * cols >= 2 * multiprocessors() or wm == 2:
+        blocks = sum(-(-m // (16 * wm)) for m in ms) * -(-n // bn)
+        if blocks >= multiprocessors():
             return wm, nt, bn
-    return 4, bn // 16, bn
+        if best is None or blocks > best[0]:
+            best = (blocks, wm, nt, bn)
+    return best[1:]
 
 
 def _chunks(n: int) -> list[int]:
