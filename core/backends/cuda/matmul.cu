@@ -869,8 +869,8 @@ __global__ void __launch_bounds__(MQ_WARPS * 32) mmq_id(const u8 *w, const block
 // A block of MT_WARPS warps covers 16 WM weight rows by 8 NT WN token rows (WN = MT_WARPS / WM); each warp owns 16 of
 // the weight rows and 8 NT of the token rows for the whole of K, so its sums take one block of 32 columns after the
 // other in one order and never meet another warp's. K goes by in chunks of MT_KB blocks (256 columns: a k-quant
-// super-block); each chunk's weight bytes and activations are copied into shared memory once (cp.async, two stages:
-// the next chunk's copies run while this one's products do) and every warp reads them there. A block's terms are
+// super-block); each chunk's weight bytes and activations are copied into shared memory once (cp.async into two or
+// three stages: the next chunks' copies run while this one's products do) and every warp reads them there. A block's terms are
 // mmq's (mq_frag, mq_acc). The activations come as mt_quantize writes them: int8 quants [rows, ncols] and a float2
 // per block of 32 [rows, ncols / 32], the scale and sum term mmq takes from a q8_1 block (for the k-quants, whose
 // mins meet the sum of the int8 activations, that sum times the scale, worked out once here).
@@ -907,10 +907,13 @@ template <int T> struct MtW {
     static constexpr int WORDS = (L + 30) / 16;
     static constexpr int LD = 16 * (WORDS | 1);
 };
-// a block's tile: BM weight rows, BN token rows, the bytes of one stage (weights, quants, scales)
+// a block's tile: BM weight rows, BN token rows, the bytes of one stage (weights, quants, scales) and the stages: three
+// where they fit in MT_SMEM3 (two blocks a multiprocessor), so that two chunks' copies are in flight behind the products
+#define MT_SMEM3 (112 * 1024)
 template <int T, int WM, int NT> struct Mt {
     static constexpr int BM = 16 * WM, WN = MT_WARPS / WM, BN = 8 * NT * WN;
     static constexpr int QAT = BM * MtW<T>::LD, SAT = QAT + BN * MT_QLD, STAGE = SAT + MT_KB * BN * 8;
+    static constexpr int STAGES = 3 * STAGE <= MT_SMEM3 ? 3 : 2;
 };
 
 __device__ __forceinline__ void cp_async16(void *dst, const void *src) {
@@ -920,7 +923,8 @@ __device__ __forceinline__ void cp_async8(void *dst, const void *src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_wait1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+// until at most N of this thread's groups of copies are still in flight
+template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // Chunk c into stage st: weight rows r0 .. r0 + BM - 1 of w (rows past M repeat row M - 1), each from the 16-byte word
 // its bytes start in; the quants and scales of activation rows src[0 .. BN) (-1: none, left as they are)
@@ -989,18 +993,22 @@ __device__ __forceinline__ void mt_tile(const u8 *w, int r0, int M, const i8 *q,
     const u8 *ga = w + (i64)min(r0 + la, M - 1) * row_bytes, *gb = w + (i64)min(r0 + la + 8, M - 1) * row_bytes;
     float acc[NT][4];
     mq_zero<NT>(acc);
-    mt_stage<T, WM, NT>(smem, w, r0, M, row_bytes, q, s, src, ncols, 0);
-    cp_commit();
-    for (int c = 0; c < nc; c++) {
-        if (c + 1 < nc) mt_stage<T, WM, NT>(smem + ((c + 1) & 1) * C::STAGE, w, r0, M, row_bytes, q, s, src, ncols, c + 1);
+#pragma unroll
+    for (int c = 0; c < C::STAGES - 1; c++) {  // a group of copies a chunk, empty past the last
+        if (c < nc) mt_stage<T, WM, NT>(smem + c * C::STAGE, w, r0, M, row_bytes, q, s, src, ncols, c);
         cp_commit();
-        cp_wait1();
+    }
+    for (int c = 0; c < nc; c++) {
+        const int next = c + C::STAGES - 1;  // into the stage chunk c - 1 was read from
+        if (next < nc) mt_stage<T, WM, NT>(smem + (next % C::STAGES) * C::STAGE, w, r0, M, row_bytes, q, s, src, ncols, next);
+        cp_commit();
+        cp_wait<C::STAGES - 1>();  // chunk c's copies are done
         __syncthreads();
-        const u8 *st = smem + (c & 1) * C::STAGE;
+        const u8 *st = smem + (c % C::STAGES) * C::STAGE;
         const int oa = (int)((u64)(ga + (i64)c * W::L) & 15), ob = (int)((u64)(gb + (i64)c * W::L) & 15);
         mt_chunk<T, WM, NT>(st, st + la * W::LD + oa, st + (la + 8) * W::LD + ob, acc, wn, grp, tig,
                             min(MT_KB, nb - c * MT_KB));
-        __syncthreads();  // the stage is read before the next chunk but one is copied into it
+        __syncthreads();  // the stage is read before the next iteration copies a chunk into it
     }
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {

@@ -40,6 +40,7 @@ MMQ_MAX_ROWS = 16  # token rows up to which mmq serves (past GEMV_MAX_ROWS): on 
 MMQT_MAX_ROWS = 512  # token rows up to which mmqt serves (past MMQ_MAX_ROWS); more: f16 tiles and cuBLAS
 MQ_WARPS = 8  # warps of an mmq block (matmul.cu)
 MT_KB, MT_QLD = 8, 8 * 32 + 16  # mmqt's q8_1 blocks a chunk and bytes of a token's staged quants (matmul.cu)
+MT_SMEM3 = 112 << 10  # bytes up to which mmqt's stages are three
 MT_BN = (16, 32, 64, 128)  # token rows an mmqt block can take
 SUM_Q = ("Q4_K", "Q5_K")  # types whose mins meet the sum of the int8 activations (matmul.cu's MqSumQ)
 TILE_BYTES = 32 << 20  # f16 bytes of one decoded weight tile
@@ -144,11 +145,13 @@ def mt_quantize(b, ldb: int, at: int, k: int, n: int, types: list[DType]) -> tup
 
 
 def mt_smem(qt: DType, wm: int, nt: int) -> int:
-    """Dynamic shared memory of an mmqt / mmq_idt block (matmul.cu's Mt: two stages of weights, quants, scales)."""
+    """Dynamic shared memory of an mmqt / mmq_idt block (matmul.cu's Mt: two or three stages of weights, quants and
+    scales)."""
     span = qt.type_size if qt.block_size == 256 else MT_KB * qt.type_size
     ld = 16 * (((span + 30) // 16) | 1)
     bm, bn = 16 * wm, 8 * nt * (8 // wm)
-    return 2 * (bm * ld + bn * MT_QLD + MT_KB * bn * 8)
+    stage = bm * ld + bn * MT_QLD + MT_KB * bn * 8
+    return (3 if 3 * stage <= MT_SMEM3 else 2) * stage
 
 
 def mt_kernel(name: str, qt: DType, wm: int, nt: int):

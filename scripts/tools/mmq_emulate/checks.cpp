@@ -47,7 +47,7 @@ template <int T, int WM, int NT> bool check_mmqt(int M, int K, int N) {
     const int m0 = M / 2, m1 = M / 4, m2 = M - m0 - m1;
     const int tiles = (m0 + C::BM - 1) / C::BM + (m1 + C::BM - 1) / C::BM + (m2 + C::BM - 1) / C::BM;
     std::vector<float> o0(N * m0), o1(N * m1), o2(N * m2);
-    launch(dim3(tiles, (N + C::BN - 1) / C::BN), dim3(256), 2 * C::STAGE, [&] {
+    launch(dim3(tiles, (N + C::BN - 1) / C::BN), dim3(256), C::STAGES * C::STAGE, [&] {
         mmqt<T, WM, NT>(w.data(), w.data() + m0 * row_bytes, w.data() + (m0 + m1) * row_bytes, o0.data(), o1.data(),
                         o2.data(), m0, m1, m2, q.data(), sc, K, row_bytes, N); });
     for (int t = 0; t < N; t++) for (int r = 0; r < M; r++)
@@ -88,7 +88,7 @@ template <int T, int WM, int NT> bool check_idt(int n_expert, int kk, int M, int
     std::vector<float2> s(rows * nb), sq(rows * nb);
     launch(dim3((rows * nb + 7) / 8), dim3(256), 0, [&] { mt_quantize(x.data(), q.data(), s.data(), sq.data(), K, K, rows); });
     using C = Mt<T, WM, NT>;
-    launch(dim3((M + C::BM - 1) / C::BM, n_expert, 2), dim3(256), 2 * C::STAGE, [&] {
+    launch(dim3((M + C::BM - 1) / C::BM, n_expert, 2), dim3(256), C::STAGES * C::STAGE, [&] {
         mmq_idt<T, WM, NT>(w.data(), q.data(), MqSumQ<T>::v ? sq.data() : s.data(), offs.data(), list.data(), out.data(), K, row_bytes, eb, M, kk, per_slot); });
     const double e1 = relerr(out, ref);
     const bool ok = e1 < 1e-9;

@@ -38,7 +38,7 @@ def host_source() -> str:
         src = re.sub(rf"__device__ __forceinline__ void cp_async{n}\(void \*dst, const void \*src\) \{{\n.*\n\}}",
                      f"inline void cp_async{n}(void *dst, const void *src) {{ copy_async(dst, src, {n}); }}", src)
     src = src.replace('{ asm volatile("cp.async.commit_group;" ::: "memory"); }', "{}")
-    src = src.replace('{ asm volatile("cp.async.wait_group 1;" ::: "memory"); }', "{}")
+    src = src.replace('{ asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }', "{}")
     src = src.replace("extern __shared__ __align__(16) u8 mt_smem[];", "u8 *mt_smem = g_dyn;")
     src = src.replace("extern __shared__ int count[];", "int *count = (int *)g_dyn;")
     src = src.replace('extern "C" ', "")
