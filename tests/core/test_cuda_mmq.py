@@ -1,6 +1,6 @@
 """CUDA's int8 tensor-core products in ggml's tile layout (mmqt, mmq_idt) against the reference kernels, for the
 token rows they serve (past mmq's, up to MMQT_MAX_ROWS: decode buckets of many sequences, prompt micro-batches)
-and every type they read: weight heights that leave the last tile part-filled, K of several staged chunks with a
+and every type they read (tests/core/op_cases.py has the other paths' cases): weight heights that leave the last tile part-filled, K of several staged chunks with a
 last one of a single block, rows whose blocks start at any byte (MXFP4's 17-byte blocks), several weights of one
 launch with both kinds of activation sums, and a prompt's experts grouped by expert. Skipped where cupy or a GPU
 is missing."""
@@ -49,9 +49,9 @@ def _steps(gpu, build) -> list[str]:
 @pytest.mark.parametrize("n", [17, 33, 64, 100, 128, 256, 512])
 @pytest.mark.parametrize("dtype", MMQ_CASE_TYPES, ids=lambda t: t.name)
 def test_rows(gpu, dtype, n):
-    """67 weight rows (one part-filled tile) of a short K (3 blocks: one chunk, part-filled)."""
+    """67 weight rows (one part-filled tile) of a short K (3 blocks: one chunk, part-filled); mmqt where it serves."""
     build = _product(dtype, 67, _width(dtype, 3), n, n)
-    assert MMQ_MAX_ROWS < n <= MMQT_MAX_ROWS and "mul_mat (mmqt)" in _steps(gpu, build)
+    assert ("mul_mat (mmqt)" in _steps(gpu, build)) == (MMQ_MAX_ROWS < n <= MMQT_MAX_ROWS)
     assert compare(gpu, build) < MUL_MAT["CUDA"]
 
 

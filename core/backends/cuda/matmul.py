@@ -37,7 +37,9 @@ from ggrun.core.tensor import Tensor
 GEMV_MAX_ROWS = 8
 MMQ_MAX_ROWS = 16  # token rows up to which mmq serves (past GEMV_MAX_ROWS): on an H200 (llama-1b Q4_0) a decode
 # step of 16 sequences went 4,142 -> 4,826 t/s; at 32 and 64 rows decoding to f16 for cuBLAS was faster (-5%, -21%)
-MMQT_MAX_ROWS = 512  # token rows up to which mmqt serves (past MMQ_MAX_ROWS); more: f16 tiles and cuBLAS
+# token rows up to which mmqt serves (past MMQ_MAX_ROWS): the decode buckets of many sequences; a prompt's micro-batch
+# of 512 stays with f16 tiles and cuBLAS until a GPU run of scripts/bench/bench_mmq_gpu.py shows where they cross
+MMQT_MAX_ROWS = 256
 MQ_WARPS = 8  # warps of an mmq block (matmul.cu)
 MT_KB, MT_QLD = 8, 8 * 32 + 16  # mmqt's q8_1 blocks a chunk and bytes of a token's staged quants (matmul.cu)
 MT_SMEM3 = 112 << 10  # bytes up to which mmqt's stages are three
