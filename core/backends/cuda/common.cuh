@@ -7,6 +7,7 @@ typedef signed char i8;
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
+typedef unsigned long long u64;
 
 // Programmatic dependent launch (sm_90, launch.py): a kernel launched with it may start while the one
 // before it on the stream still runs. Every kernel calls pdl_begin before it reads anything another
@@ -230,6 +231,15 @@ __device__ __forceinline__ int warp_max_i(int v) {
     return __reduce_max_sync(0xffffffff, v);
 #else
     for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffff, v, o));
+    return v;
+#endif
+}
+// integer sum over a warp
+__device__ __forceinline__ int warp_sum_i(int v) {
+#if __CUDA_ARCH__ >= 800
+    return __reduce_add_sync(0xffffffff, v);
+#else
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
     return v;
 #endif
 }

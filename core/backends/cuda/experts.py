@@ -5,8 +5,9 @@ A decode step's few slots (token, chosen expert) each read only their expert's b
 quantized to q8_1 once and mmvq_id takes a warp per weight row and a block row per slot, as ggml's mmvq
 with ids. A prompt's slots are grouped by expert on the device (moe_group: counts, offsets, the slots of
 each expert), then one grouped GEMM multiplies each expert's weights by its slots' activations: for a type
-with a scale per 32 weights (MMQ_TYPES) mmq_id meets the weights' quants with the q8_1 activations on int8
-tensor cores, as ggml's mmq with ids; other types' weight tiles are decoded to f16 against f16 activations
+with a scale per 32 weights (MMQ_TYPES) mmq_idt meets the weights' quants with the q8_1 activations on int8
+tensor cores in ggml's tile layout (matmul.cu's mmqt: 64 rows of an expert by 16..64 of its slots a block, each
+chunk of K staged in shared memory once), as ggml's mmq with ids (mmq_id, 16 rows a block, stays beside it); other types' weight tiles are decoded to f16 against f16 activations
 (mmid_tc). Every launch has a fixed grid, so the step is captured in a CUDA graph like any other, and blocks
 past an expert's slots return at once. (mmid_tc decoded each weight element alone and took 0.85 ms for one
 qwen3-30b-a3b layer's gate product of 512 tokens on an H200, ~7 TFLOP/s.) A decode step's experts' bias rows
@@ -21,9 +22,10 @@ from ggrun.core.backends.bias_adds import ExpertBias, expert_bias
 from ggrun.core.backends.cuda.binding import (Launch, binds, disjoint, estrides, f32, fuses, grid1d, i32, i64,
                                               launch_step, ptr, rows_of, writes_apart)
 from ggrun.core.backends.cuda.handoff import Q8_1_BYTES, SLOT_BYTES
-from ggrun.core.backends.cuda.matmul import GEMV_MAX_ROWS, MQ_WARPS, WARPS, quantize_launch
-from ggrun.core.backends.cuda.module import (DP4A_TYPES, EXPERT_GLU_ACTS, GLU_ACTS, MMQ_TILES, MMQ_TYPES, TYPE_IDS,
-                                             kernel)
+from ggrun.core.backends.cuda.matmul import (GEMV_MAX_ROWS, MQ_WARPS, WARPS, mt_bytes, mt_kernel, mt_quantize,
+                                             quantize_launch)
+from ggrun.core.backends.cuda.module import (DP4A_TYPES, EXPERT_GLU_ACTS, GLU_ACTS, MMQ_TILES, MMQ_TYPES, MT_ID_TILES,
+                                             TYPE_IDS, kernel)
 from ggrun.core.dtypes import DType
 from ggrun.core.tensor import Tensor
 
@@ -31,6 +33,7 @@ ID_M, ID_N = 64, 64  # weight rows and slots of an mmid_tc block (matmul.cu's ID
 MAX_EXPERTS = 1024  # moe_topk's rows (a lane holds 32 of them) and moe_group's shared counts
 MAX_USED = 16  # experts a token uses, up to which moe_sum fuses the weighting and the sum
 ALIGN = 256
+MMQ_ID_TILED = True  # a prompt's experts of an MMQ_TYPES type through mmq_idt (else mmq_id)
 
 
 def _case(node: Tensor) -> tuple[int, int, int, int, int, int] | None:
@@ -66,7 +69,7 @@ def _scratch(node: Tensor) -> int:
     n_expert, _, k_cols, t, k, b1 = case
     if _decodes(node, case):
         return t * b1 * (k_cols // 32) * Q8_1_BYTES
-    return _group_bytes(n_expert, t * k) + t * b1 * k_cols * 2
+    return _group_bytes(n_expert, t * k) + max(t * b1 * k_cols * 2, mt_bytes(t * b1, k_cols, [node.srcs[0].dtype]))
 
 
 @binds("mul_mat_id", scratch=_scratch)
@@ -96,6 +99,16 @@ def _mul_mat_id(node: Tensor, out, srcs, scratch, backend):
     group = Launch(kernel("matmul.cu", "moe_group"), (1,), (1024,),
                    (ptr(ids), np.uint64(offs), np.uint64(cursor), np.uint64(slots), i32(t), i32(k), i64(ldi),
                     i32(n_expert)), n_expert * 4)
+    if k_cols % 32 == 0 and qt.name in MMQ_TYPES and MMQ_ID_TILED:
+        quantize, q, scales = mt_quantize(b, ldb, x16, k_cols, t * b1, [qt])
+        wm, nt = _id_tile(t * k / n_expert)
+        bn = 8 * nt * (8 // wm)
+        fn, smem = mt_kernel("mmq_idt", qt, wm, nt)
+        args = (ptr(w), np.uint64(q), np.uint64(next(iter(scales.values()))), np.uint64(offs), np.uint64(slots),
+                ptr(out), i32(k_cols), i64(row_bytes), i64(m * row_bytes), i32(m), i32(k), i32(b1 != 1))
+        z = max(1, min(-(-t // bn), -(-2 * t * k // (n_expert * bn))))  # as mmq_id's
+        return launch_step(node.op, quantize, group,
+                           Launch(fn, (-(-m // (16 * wm)), n_expert, z), (256,), args, smem))
     if k_cols % 32 == 0 and qt.name in MMQ_TYPES:
         nt = _slot_tile(t * k / n_expert)
         fn = kernel("matmul.cu", f"mmq_id<{TYPE_IDS[qt.name]}, {nt}>")
@@ -114,6 +127,12 @@ def _mul_mat_id(node: Tensor, out, srcs, scratch, backend):
     # tiles of slots per expert: sized for a token's experts being distinct (moe_topk's); more loop in a block
     tiles = Launch(fn, (-(-m // ID_M), n_expert, -(-t // ID_N)), (128,), args)
     return launch_step(node.op, convert, group, tiles)
+
+
+def _id_tile(per_expert: float) -> tuple[int, int]:
+    """mmq_idt's tile (MT_ID_TILES: 64 weight rows by 16, 32 or 64 slots): the fewest slots that hold an expert's
+    average share."""
+    return next(((wm, nt) for wm, nt in MT_ID_TILES if per_expert <= 8 * nt * (8 // wm)), MT_ID_TILES[-1])
 
 
 def _slot_tile(per_expert: float) -> int:

@@ -57,6 +57,11 @@ def _device(device: int) -> tuple[bool, int]:
     return int(dev.compute_capability) >= 90, dev.attributes["MultiProcessorCount"]
 
 
+def multiprocessors() -> int:
+    """The current device's multiprocessors."""
+    return _device(cupy.cuda.Device().id)[1]
+
+
 def available() -> bool:
     """PDL launches on the current device: compute capability 9.0 or later, unless GGRUN_CUDA_PDL=0."""
     if os.environ.get("GGRUN_CUDA_PDL", "1") in ("0", "false", "no"):

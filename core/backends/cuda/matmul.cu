@@ -686,6 +686,15 @@ __device__ __forceinline__ void mq_frags(const u8 *wa, const u8 *wb, int b, int 
     mq_frag<T>(wa, b, tig, a[0], a[2], da, ma);
     mq_frag<T>(wb, b, tig, a[1], a[3], db, mb);
 }
+// An m16n8k32 product's sums c added to acc[4] as one block's terms: rows grp (scale da, sum coefficient ma) and
+// grp + 8 (db, mb) against C's two token columns, whose activations' scales and sum terms are y0 and y1
+__device__ __forceinline__ void mq_acc(float *acc, const int *c, float da, float ma, float db, float mb, float2 y0,
+                                       float2 y1) {
+    acc[0] += da * y0.x * (float)c[0] + ma * y0.y;
+    acc[1] += da * y1.x * (float)c[1] + ma * y1.y;
+    acc[2] += db * y0.x * (float)c[2] + mb * y0.y;
+    acc[3] += db * y1.x * (float)c[3] + mb * y1.y;
+}
 // An m16n8k32 product c of mmq and mmq_id added to acc[4]: the weight fragment's rows grp and grp + 8 (scales
 // da/db, sum coefficients ma/mb) against 8 token rows' int8 quants (b0, b1: this lane's B column) whose q8_1
 // scales and sums are y0, y1 (C's two columns). For the k-quants each lane of group g sums token g's int8s and
@@ -700,10 +709,7 @@ __device__ __forceinline__ void mq_add(float *acc, const int *c, float da, float
         const int s0 = __shfl_sync(0xffffffff, s, 8 * tig), s1 = __shfl_sync(0xffffffff, s, 8 * tig + 4);
         y0.y = y0.x * (float)s0, y1.y = y1.x * (float)s1;
     }
-    acc[0] += da * y0.x * (float)c[0] + ma * y0.y;
-    acc[1] += da * y1.x * (float)c[1] + ma * y1.y;
-    acc[2] += db * y0.x * (float)c[2] + mb * y0.y;
-    acc[3] += db * y1.x * (float)c[3] + mb * y1.y;
+    mq_acc(acc, c, da, ma, db, mb, y0, y1);
 }
 // The MQ_WARPS warps' partial sums: warps 1.. leave theirs in red for warp 0 (mq_total), which all wait for.
 template <int NT>
@@ -856,6 +862,210 @@ __global__ void __launch_bounds__(MQ_WARPS * 32) mmq_id(const u8 *w, const block
                 }
             }
         }
+    }
+}
+
+// ---- mmq in ggml's tile layout: mmqt (weights) and mmq_idt (experts) ----------------------------------------------
+// A block of MT_WARPS warps covers 16 WM weight rows by 8 NT WN token rows (WN = MT_WARPS / WM); each warp owns 16 of
+// the weight rows and 8 NT of the token rows for the whole of K, so its sums take one block of 32 columns after the
+// other in one order and never meet another warp's. K goes by in chunks of MT_KB blocks (256 columns: a k-quant
+// super-block); each chunk's weight bytes and activations are copied into shared memory once (cp.async into two or
+// three stages: the next chunks' copies run while this one's products do) and every warp reads them there. A block's terms are
+// mmq's (mq_frag, mq_acc). The activations come as mt_quantize writes them: int8 quants [rows, ncols] and a float2
+// per block of 32 [rows, ncols / 32], the scale and sum term mmq takes from a q8_1 block (for the k-quants, whose
+// mins meet the sum of the int8 activations, that sum times the scale, worked out once here).
+#define MT_KB 8
+#define MT_WARPS 8
+#define MT_QLD (MT_KB * 32 + 16)  // bytes of a token's quants in a stage: 68 words, so B fragments' rows miss each other's banks
+
+// x [rows, ncols] (row stride ldx) -> q [rows, ncols] int8 and, per block of 32, the scale d with the block's sum
+// (both as their f16 roundings, as a q8_1 block holds them) into s, and d with d times the sum of the int8s (the
+// k-quants' sum term) into sq; either may be null. A warp a block.
+extern "C" __global__ void mt_quantize(const float *x, i8 *q, float2 *s, float2 *sq, int ncols, i64 ldx, int rows) {
+    pdl_begin();
+    const i64 blk = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int nb = ncols / 32, lane = threadIdx.x & 31;
+    if (blk >= (i64)rows * nb) return;
+    const i64 r = blk / nb, b = blk % nb;
+    const float v = x[r * ldx + b * 32 + lane];
+    const float amax = warp_max(fabsf(v)), sum = warp_sum(v), d = amax / 127.0f;
+    const int qi = amax == 0.0f ? 0 : (int)(i8)roundf(v / d);
+    q[r * ncols + b * 32 + lane] = (i8)qi;
+    const int isum = sq != nullptr ? warp_sum_i(qi) : 0;
+    if (lane == 0) {
+        const float dh = __half2float(__float2half(d));
+        if (s != nullptr) s[blk] = make_float2(dh, __half2float(__float2half(sum)));
+        if (sq != nullptr) sq[blk] = make_float2(dh, dh * (float)isum);
+    }
+}
+
+// A weight row's bytes in one chunk (the last chunk of a 32-element type may hold fewer), the 16-byte words they can
+// touch (a row's chunk starts anywhere: rows of 18-byte blocks align only to 2), and a row's stride in a stage: an
+// odd number of words, so the 8 rows of an A fragment fall in different banks
+template <int T> struct MtW {
+    static constexpr int L = Block<T>::QK == 256 ? Block<T>::BYTES : MT_KB * Block<T>::BYTES;
+    static constexpr int WORDS = (L + 30) / 16;
+    static constexpr int LD = 16 * (WORDS | 1);
+};
+// a block's tile: BM weight rows, BN token rows, the bytes of one stage (weights, quants, scales) and the stages: three
+// where they fit in MT_SMEM3 (two blocks a multiprocessor), so that two chunks' copies are in flight behind the products
+#define MT_SMEM3 (112 * 1024)
+template <int T, int WM, int NT> struct Mt {
+    static constexpr int BM = 16 * WM, WN = MT_WARPS / WM, BN = 8 * NT * WN;
+    static constexpr int QAT = BM * MtW<T>::LD, SAT = QAT + BN * MT_QLD, STAGE = SAT + MT_KB * BN * 8;
+    static constexpr int STAGES = 3 * STAGE <= MT_SMEM3 ? 3 : 2;
+};
+
+__device__ __forceinline__ void cp_async16(void *dst, const void *src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async8(void *dst, const void *src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// until at most N of this thread's groups of copies are still in flight
+template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// Chunk c into stage st: weight rows r0 .. r0 + BM - 1 of w (rows past M repeat row M - 1), each from the 16-byte word
+// its bytes start in; the quants and scales of activation rows src[0 .. BN) (-1: none, left as they are)
+template <int T, int WM, int NT>
+__device__ __forceinline__ void mt_stage(u8 *st, const u8 *w, int r0, int M, i64 row_bytes, const i8 *q,
+                                         const float2 *s, const int *src, int ncols, int c) {
+    using C = Mt<T, WM, NT>;
+    using W = MtW<T>;
+    const int nb = ncols / 32, kbn = min(MT_KB, nb - c * MT_KB);
+    const int len = Block<T>::QK == 256 ? W::L : kbn * Block<T>::BYTES;
+    for (int i = threadIdx.x; i < C::BM * W::WORDS; i += MT_WARPS * 32) {
+        const int r = i / W::WORDS, j = i % W::WORDS;
+        const u8 *from = w + (i64)min(r0 + r, M - 1) * row_bytes + (i64)c * W::L;
+        const u8 *base = (const u8 *)((u64)from & ~(u64)15);
+        if (16 * j < (int)(from - base) + len) cp_async16(st + r * W::LD + 16 * j, base + 16 * j);
+    }
+    u8 *qs = st + C::QAT;
+    for (int i = threadIdx.x; i < C::BN * 16; i += MT_WARPS * 32) {
+        const int t = i >> 4, j = i & 15;
+        if (src[t] >= 0 && j < 2 * kbn) cp_async16(qs + t * MT_QLD + 16 * j, q + (i64)src[t] * ncols + c * 256 + 16 * j);
+    }
+    float2 *ss = (float2 *)(st + C::SAT);
+    for (int i = threadIdx.x; i < C::BN * MT_KB; i += MT_WARPS * 32) {
+        const int kb = i / C::BN, t = i % C::BN;
+        if (src[t] >= 0 && kb < kbn) cp_async8(ss + kb * C::BN + t, s + (i64)src[t] * nb + c * MT_KB + kb);
+    }
+}
+
+// One warp's products of a staged chunk: its weight rows' fragments (ra, rb: rows grp and grp + 8 in the stage) against
+// each of its NT groups of 8 token rows, for the chunk's kbn blocks in order
+template <int T, int WM, int NT>
+__device__ __forceinline__ void mt_chunk(const u8 *st, const u8 *ra, const u8 *rb, float (*acc)[4], int wn, int grp,
+                                         int tig, int kbn) {
+    using C = Mt<T, WM, NT>;
+    const u8 *qs = st + C::QAT;
+    const float2 *ss = (const float2 *)(st + C::SAT);
+#pragma unroll
+    for (int kb = 0; kb < MT_KB; kb++) {
+        if (kb < kbn) {
+            int a[4];
+            float da, ma, db, mb;
+            mq_frags<T>(ra, rb, kb, tig, a, da, ma, db, mb);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const int t = (wn * NT + nt) * 8;
+                const int *u = (const int *)(qs + (t + grp) * MT_QLD + 32 * kb);
+                int c[4] = {0, 0, 0, 0};
+                mma_s8(c, a, u[tig], u[4 + tig]);
+                const float4 y = *(const float4 *)(ss + kb * C::BN + t + 2 * tig);
+                mq_acc(acc[nt], c, da, ma, db, mb, make_float2(y.x, y.y), make_float2(y.z, y.w));
+            }
+        }
+    }
+}
+
+// A block's tile: weight rows r0 .. r0 + BM - 1 of w (M rows) by the activation rows src[0 .. BN); column j's sums go
+// to out row dst[j] (row stride ldo; -1: none). src and dst in shared memory, set before the call.
+template <int T, int WM, int NT>
+__device__ __forceinline__ void mt_tile(const u8 *w, int r0, int M, const i8 *q, const float2 *s, const int *src,
+                                        const int *dst, float *out, i64 ldo, int ncols, i64 row_bytes, u8 *smem) {
+    using C = Mt<T, WM, NT>;
+    using W = MtW<T>;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane >> 2, tig = lane & 3;
+    const int wm = warp % WM, wn = warp / WM, nb = ncols / 32, nc = (nb + MT_KB - 1) / MT_KB;
+    const int la = wm * 16 + grp;  // this lane's rows in the tile: la, la + 8
+    const u8 *ga = w + (i64)min(r0 + la, M - 1) * row_bytes, *gb = w + (i64)min(r0 + la + 8, M - 1) * row_bytes;
+    float acc[NT][4];
+    mq_zero<NT>(acc);
+#pragma unroll
+    for (int c = 0; c < C::STAGES - 1; c++) {  // a group of copies a chunk, empty past the last
+        if (c < nc) mt_stage<T, WM, NT>(smem + c * C::STAGE, w, r0, M, row_bytes, q, s, src, ncols, c);
+        cp_commit();
+    }
+    for (int c = 0; c < nc; c++) {
+        const int next = c + C::STAGES - 1;  // into the stage chunk c - 1 was read from
+        if (next < nc) mt_stage<T, WM, NT>(smem + (next % C::STAGES) * C::STAGE, w, r0, M, row_bytes, q, s, src, ncols, next);
+        cp_commit();
+        cp_wait<C::STAGES - 1>();  // chunk c's copies are done
+        __syncthreads();
+        const u8 *st = smem + (c % C::STAGES) * C::STAGE;
+        const int oa = (int)((u64)(ga + (i64)c * W::L) & 15), ob = (int)((u64)(gb + (i64)c * W::L) & 15);
+        mt_chunk<T, WM, NT>(st, st + la * W::LD + oa, st + (la + 8) * W::LD + ob, acc, wn, grp, tig,
+                            min(MT_KB, nb - c * MT_KB));
+        __syncthreads();  // the stage is read before the next iteration copies a chunk into it
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const int row = r0 + la + (x >= 2 ? 8 : 0), d = dst[(wn * NT + nt) * 8 + 2 * tig + (x & 1)];
+            if (row < M && d >= 0) out[(i64)d * ldo + row] = acc[nt][x];
+        }
+    }
+}
+
+// out_i[t, row] = W_i[row] . y[t] for N token rows and up to three weights of one type and width (q, k and v; gate and
+// up): block x is tile x of the weights' tiles of BM rows, 0's first (m0 rows, product [N, m0] at o0), then 1's, 2's;
+// block y the token rows BN y ..
+template <int T, int WM, int NT>
+__global__ void __launch_bounds__(MT_WARPS * 32, 2) mmqt(const u8 *w0, const u8 *w1, const u8 *w2, float *o0, float *o1,
+                                                     float *o2, int m0, int m1, int m2, const i8 *q, const float2 *s,
+                                                     int ncols, i64 row_bytes, int N) {
+    using C = Mt<T, WM, NT>;
+    extern __shared__ __align__(16) u8 mt_smem[];
+    __shared__ int rows[C::BN];
+    pdl_begin();
+    const int t0 = (m0 + C::BM - 1) / C::BM, t1 = (m1 + C::BM - 1) / C::BM;
+    int tile = blockIdx.x, M = m0;
+    const u8 *w = w0;
+    float *out = o0;
+    if (tile >= t0 + t1) {
+        w = w2, out = o2, M = m2, tile -= t0 + t1;
+    } else if (tile >= t0) {
+        w = w1, out = o1, M = m1, tile -= t0;
+    }
+    const int n0 = blockIdx.y * C::BN;
+    if (threadIdx.x < C::BN) rows[threadIdx.x] = n0 + (int)threadIdx.x < N ? n0 + (int)threadIdx.x : -1;
+    __syncthreads();
+    mt_tile<T, WM, NT>(w, tile * C::BM, M, q, s, rows, rows, out, M, ncols, row_bytes, mt_smem);
+}
+
+// mmq_id in the same layout: block (x, e, z) multiplies weight rows BM x .. of expert e by its grouped slots (moe_group)
+// in tiles of BN, tiles z, z + gridDim.z, ...; slot s reads activation row s (bstep 1) or its token's, s / k. out [slots, M]
+template <int T, int WM, int NT>
+__global__ void __launch_bounds__(MT_WARPS * 32, 2) mmq_idt(const u8 *w, const i8 *q, const float2 *s, const int *offs,
+                                                        const int *list, float *out, int ncols, i64 row_bytes,
+                                                        i64 expert_bytes, int M, int k, int bstep) {
+    using C = Mt<T, WM, NT>;
+    extern __shared__ __align__(16) u8 mt_smem[];
+    __shared__ int src[C::BN], dst[C::BN];
+    pdl_begin();
+    const int e = blockIdx.y, end = offs[e + 1];
+    const u8 *we = w + (i64)e * expert_bytes;
+    for (int first = offs[e] + blockIdx.z * C::BN; first < end; first += gridDim.z * C::BN) {
+        __syncthreads();  // the last tile's slots are read
+        if (threadIdx.x < C::BN) {
+            const int sl = first + (int)threadIdx.x < end ? list[first + threadIdx.x] : -1;
+            dst[threadIdx.x] = sl, src[threadIdx.x] = sl < 0 ? -1 : bstep ? sl : sl / k;
+        }
+        __syncthreads();
+        mt_tile<T, WM, NT>(we, blockIdx.x * C::BM, M, q, s, src, dst, out, M, ncols, row_bytes, mt_smem);
     }
 }
 

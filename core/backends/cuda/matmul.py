@@ -5,10 +5,13 @@ the result) times up to GEMV_MAX_ROWS token rows: the legacy block
 types quantize the activations to q8_1 blocks in the node's scratch and take integer dot products
 (mmvq, as ggml's CUDA backend); other types decode their blocks inside the product (gemv). Up to
 MMQ_MAX_ROWS token rows of a type with a scale per 32 weights: the q8_1 activations meet the weights'
-quants on int8 tensor cores (mmq, as ggml's), reading each weight once. More
-token rows: the weight is decoded to f16 one tile of rows at a time into scratch and multiplied
-by cuBLAS (f32 accumulation; through blas.py, which CUDA graphs capture), the activations converted
-to f16 once. Products of two float operands (attention without the fused op) run a plain strided
+quants on int8 tensor cores (mmq, as ggml's), reading each weight once. Up to MMQT_MAX_ROWS (decode
+steps of many sequences, prompt micro-batches): the same products in ggml's tile layout (mmqt: a block
+of 32 or 64 weight rows by 16..128 token rows, each chunk of K's weights and activations staged in
+shared memory once for all its warps; the tile chosen to fill the GPU, _mt_tile), up to three weights of
+one type in one launch. More token rows, or other types: the weight is decoded to f16 one tile of rows
+at a time into scratch and multiplied by cuBLAS (f32 accumulation; through blas.py, which CUDA graphs
+capture), the activations converted to f16 once. Products of two float operands (attention without the fused op) run a plain strided
 kernel. A decode product's kernel also does the bias add after it (bias_adds.py; mmvq_bias, gemv_bias).
 """
 from __future__ import annotations
@@ -23,7 +26,8 @@ from ggrun.core.backends.cuda import blas
 from ggrun.core.backends.cuda.binding import (NULL, Launch, Step, binds, estrides, f32, fuses, grid1d, i32, i64,
                                               launch_step, ptr, rows_of, writes_apart)
 from ggrun.core.backends.cuda.handoff import Q8_1_BYTES, SLOT_BYTES
-from ggrun.core.backends.cuda.module import (DP4A_TYPES, FLOATS, GEMV_COLS, GLU_ACTS, MMQ_TILES, MMQ_TYPES,
+from ggrun.core.backends.cuda.launch import multiprocessors
+from ggrun.core.backends.cuda.module import (DP4A_TYPES, FLOATS, GEMV_COLS, GLU_ACTS, MMQ_TILES, MMQ_TYPES, MT_TILES,
                                              NO_WEIGHT, TYPE_IDS, kernel)
 from ggrun.core.backends.cuda.ops import rope_params, rope_qkv, weight_id
 from ggrun.core.ops import ROPE_NEOX
@@ -33,7 +37,14 @@ from ggrun.core.tensor import Tensor
 GEMV_MAX_ROWS = 8
 MMQ_MAX_ROWS = 16  # token rows up to which mmq serves (past GEMV_MAX_ROWS): on an H200 (llama-1b Q4_0) a decode
 # step of 16 sequences went 4,142 -> 4,826 t/s; at 32 and 64 rows decoding to f16 for cuBLAS was faster (-5%, -21%)
+# token rows up to which mmqt serves (past MMQ_MAX_ROWS): the decode buckets of many sequences; a prompt's micro-batch
+# of 512 stays with f16 tiles and cuBLAS until a GPU run of scripts/bench/bench_mmq_gpu.py shows where they cross
+MMQT_MAX_ROWS = 256
 MQ_WARPS = 8  # warps of an mmq block (matmul.cu)
+MT_KB, MT_QLD = 8, 8 * 32 + 16  # mmqt's q8_1 blocks a chunk and bytes of a token's staged quants (matmul.cu)
+MT_SMEM3 = 112 << 10  # bytes up to which mmqt's stages are three
+MT_BN = (16, 32, 64, 128)  # token rows an mmqt block can take
+SUM_Q = ("Q4_K", "Q5_K")  # types whose mins meet the sum of the int8 activations (matmul.cu's MqSumQ)
 TILE_BYTES = 32 << 20  # f16 bytes of one decoded weight tile
 WARPS = 4
 CUDA_R_16F, CUDA_R_32F, CUBLAS_COMPUTE_32F = 2, 0, 68
@@ -92,6 +103,8 @@ def _scratch(node: Tensor) -> int:
         return n * (k // 32) * Q8_1_BYTES if _quantizes(node, k) else 0
     if _mmq_serves(node, k, n):
         return n * (k // 32) * Q8_1_BYTES
+    if _mt_serves(node, k, n):
+        return mt_bytes(n, k, [w.dtype for w in _weights(node)])
     return (max(_tile_rows(m, k) for m in ms) + n) * k * 2
 
 
@@ -99,6 +112,76 @@ def _mmq_serves(node: Tensor, k: int, n: int) -> bool:
     """Whether mmq runs the product: a few dozen token rows, every weight of a type it reads."""
     return (GEMV_MAX_ROWS < n <= MMQ_MAX_ROWS and k % 32 == 0
             and all(w.dtype.name in MMQ_TYPES for w in _weights(node)))
+
+
+def _mt_serves(node: Tensor, k: int, n: int) -> bool:
+    """Whether mmqt runs the product: past mmq's token rows up to MMQT_MAX_ROWS, every weight of a type it reads."""
+    return (MMQ_MAX_ROWS < n <= MMQT_MAX_ROWS and k % 32 == 0
+            and all(w.dtype.name in MMQ_TYPES for w in _weights(node)))
+
+
+def _up16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def mt_bytes(n: int, k: int, types: list[DType]) -> int:
+    """Scratch of mt_quantize's activations for n rows of k: the int8 quants, then the scales with the blocks' sums
+    and / or with the k-quants' sum term (the types multiplied say which), 16 bytes of slack to align them."""
+    kinds = len({t.name in SUM_Q for t in types})
+    return 16 + _up16(n * k) + kinds * _up16(n * (k // 32) * 8)
+
+
+def mt_quantize(b, ldb: int, at: int, k: int, n: int, types: list[DType]) -> tuple[Launch, int, dict[bool, int]]:
+    """The activations b [n, k] (row stride ldb) quantized for mmqt / mmq_idt into scratch at `at` (mt_bytes): the
+    launch, the quants' address and the scales' by whether the type's mins meet the int8s' sum (SUM_Q)."""
+    q = _up16(at)
+    s_at = q + _up16(n * k)
+    scales = {}
+    for sum_q in sorted({t.name in SUM_Q for t in types}):
+        scales[sum_q] = s_at
+        s_at += _up16(n * (k // 32) * 8)
+    blocks = n * (k // 32)
+    args = (ptr(b), np.uint64(q), np.uint64(scales.get(False, 0)), np.uint64(scales.get(True, 0)), i32(k), i64(ldb),
+            i32(n))
+    return Launch(kernel("matmul.cu", "mt_quantize"), (-(-blocks // 8),), (256,), args), q, scales
+
+
+def mt_smem(qt: DType, wm: int, nt: int) -> int:
+    """Dynamic shared memory of an mmqt / mmq_idt block (matmul.cu's Mt: two or three stages of weights, quants and
+    scales)."""
+    span = qt.type_size if qt.block_size == 256 else MT_KB * qt.type_size
+    ld = 16 * (((span + 30) // 16) | 1)
+    bm, bn = 16 * wm, 8 * nt * (8 // wm)
+    stage = bm * ld + bn * MT_QLD + MT_KB * bn * 8
+    return (3 if 3 * stage <= MT_SMEM3 else 2) * stage
+
+
+def mt_kernel(name: str, qt: DType, wm: int, nt: int):
+    """mmqt / mmq_idt for type qt and tile (wm, nt), allowed the dynamic shared memory it takes."""
+    fn = kernel("matmul.cu", f"{name}<{TYPE_IDS[qt.name]}, {wm}, {nt}>")
+    smem = mt_smem(qt, wm, nt)
+    if fn.max_dynamic_shared_size_bytes < smem:
+        fn.max_dynamic_shared_size_bytes = smem
+    return fn, smem
+
+
+def _mt_tile(ms: list[int], n: int) -> tuple[int, int, int]:
+    """(WM, NT, BN) of mmqt for weights of heights ms and n token rows. A warp of a larger NT decodes each weight
+    fragment for more products, and a block of more rows reads the activations fewer times; of the tiles no wider than
+    n needs (up to 128 token rows, more in grid rows), the largest that still gives every multiprocessor a block,
+    else the one of the most blocks (small weights: a few long blocks would leave most of the GPU idle)."""
+    need = next((b for b in MT_BN if n <= b), MT_BN[-1])
+    best = None
+    for wm, nt in sorted(MT_TILES, key=lambda t: (-t[1], -t[0])):  # products a decoded fragment feeds, first
+        bn = 8 * nt * (8 // wm)
+        if bn > need:
+            continue
+        blocks = sum(-(-m // (16 * wm)) for m in ms) * -(-n // bn)
+        if blocks >= multiprocessors():
+            return wm, nt, bn
+        if best is None or blocks > best[0]:
+            best = (blocks, wm, nt, bn)
+    return best[1:]
 
 
 def _chunks(n: int) -> list[int]:
@@ -135,6 +218,8 @@ def _bind_products(node: Tensor, out, srcs, scratch, backend):
         return _gemv(node, parts, srcs[-1], b[2], scratch, k, n, _fed_at(node, backend))
     if _mmq_serves(node, k, n):
         return _mmq(parts, srcs[-1], b[2], scratch, k, n)
+    if _mt_serves(node, k, n):
+        return _mmqt(parts, srcs[-1], b[2], scratch, k, n)
     return _gemm(parts, srcs[-1], b[2], scratch, backend, k, n)
 
 
@@ -328,6 +413,27 @@ def _mmq(parts: list, b, ldb: int, scratch, k: int, n: int) -> Step:
     return launch_step("mul_mat (mmq)", *launches)
 
 
+def _mmqt(parts: list, b, ldb: int, scratch, k: int, n: int) -> Step:
+    """Dozens to hundreds of token rows: the activations quantized once (mt_quantize), then an mmqt launch for each
+    run of up to three weights of one type (q, k and v; gate and up), tiles sized by _mt_tile."""
+    quantize, q, scales = mt_quantize(b, ldb, scratch.data.ptr, k, n, [p.qt for p in parts])
+    launches = [quantize]
+    for group in _same_type_groups(parts):
+        qt = group[0].qt
+        ms = [p.m for p in group]
+        wm, nt, bn = _mt_tile(ms, n)
+        fn, smem = mt_kernel("mmqt", qt, wm, nt)
+        pad = MMVQ_WEIGHTS - len(group)
+        ws = [ptr(p.arr) for p in group] + [ptr(group[-1].arr)] * pad
+        outs = [np.uint64(p.out_at) for p in group] + [np.uint64(group[-1].out_at)] * pad
+        heights = ms + [0] * pad
+        tiles = sum(-(-m // (16 * wm)) for m in ms)
+        args = (*ws, *outs, *map(i32, heights), np.uint64(q), np.uint64(scales[qt.name in SUM_Q]), i32(k),
+                i64(qt.row_bytes(k)), i32(n))
+        launches.append(Launch(fn, (tiles, -(-n // bn)), (256,), args, smem))
+    return launch_step("mul_mat (mmqt)", *launches)
+
+
 def _gemm(parts: list, b, ldb: int, scratch, backend, k: int, n: int) -> Step:
     """Prompt products: the activations converted to f16 once, each weight decoded to f16 tile by
     tile and multiplied by cuBLAS: out [n, m] = b [n, k] w^T."""
@@ -396,6 +502,8 @@ def _bind_glu(node: Tensor, out, srcs, scratch, backend):
         step = _gemv(node, parts, srcs[-1], b[2], work, k, n)
     elif _mmq_serves(node, k, n):
         step = _mmq(parts, srcs[-1], b[2], work, k, n)
+    elif _mt_serves(node, k, n):
+        step = _mmqt(parts, srcs[-1], b[2], work, k, n)
     else:
         step = _gemm(parts, srcs[-1], b[2], work, backend, k, n)
     grid, block = grid1d(n * m)

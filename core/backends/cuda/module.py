@@ -27,6 +27,9 @@ GEMV_COLS = (1, 2, 4, 8)  # token rows one product kernel serves; other counts a
 # products of a few dozen token rows on int8 tensor cores (mmq; a scale per 32 weights)
 MMQ_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "IQ4_NL", "MXFP4")
 MMQ_TILES = (2, 4, 8)  # groups of 8 token rows an mmq block serves
+# mmqt's and mmq_idt's tiles (matmul.cu): (WM, NT), a block of 16 WM weight rows by 8 NT (8 / WM) token rows
+MT_TILES = ((4, 1), (4, 2), (4, 4), (4, 8), (2, 1), (2, 2), (2, 4))
+MT_ID_TILES = ((4, 1), (4, 2), (4, 4))
 FA_EPL = (1, 2, 4, 8)  # head-dimension elements per lane of flash_attn (head dims up to 256)
 NO_WEIGHT = -1
 DECODE_DIMS = (64, 128, 256)  # head dimensions attn_decode is built for
@@ -52,6 +55,8 @@ def _instances() -> dict[str, list[str]]:
         + [f"gemv<{_t(q)}, {c}>" for q in weights for c in GEMV_COLS]
         + [f"gemv_bias<{_t(f)}, {c}>" for f in FLOATS for c in GEMV_COLS]
         + [f"mmq<{_t(q)}, {nt}>" for q in MMQ_TYPES for nt in MMQ_TILES]
+        + [f"mmqt<{_t(q)}, {wm}, {nt}>" for q in MMQ_TYPES for wm, nt in MT_TILES]
+        + [f"mmq_idt<{_t(q)}, {wm}, {nt}>" for q in MMQ_TYPES for wm, nt in MT_ID_TILES]
         + [f"mmvq_id<{_t(q)}>" for q in DP4A_TYPES] + [f"mmid_tc<{_t(q)}>" for q in weights]
         + [f"mmq_id<{_t(q)}, {nt}>" for q in MMQ_TYPES for nt in MMQ_TILES]
         + [f"mmvq_id_glu<{_t(q)}, {f}>" for q in DP4A_TYPES for f in GLU_ACTS.values()]
