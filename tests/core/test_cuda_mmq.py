@@ -14,8 +14,8 @@ from tests.core.gpu import require_gpu
 cupy = require_gpu()
 
 from ggrun.core import ops  # noqa: E402
-from ggrun.core.backends.cuda import CUDABackend  # noqa: E402
-from ggrun.core.backends.cuda.matmul import MMQ_MAX_ROWS, MMQT_MAX_ROWS  # noqa: E402
+from ggrun.core.backends.cuda import CUDABackend, matmul  # noqa: E402
+from ggrun.core.backends.cuda.matmul import MMQ_MAX_ROWS  # noqa: E402
 from ggrun.core.backends.op_harness import compare, planned, weight_data  # noqa: E402
 from ggrun.core.dtypes import DType  # noqa: E402
 from tests.core.op_cases import GLU, MUL_MAT, values  # noqa: E402
@@ -25,9 +25,29 @@ MMQ_CASE_TYPES = (DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q8_0, DT
 F32, I32 = DType.F32, DType.I32
 
 
+TILED_ROWS = 256  # token rows mmqt's kernels can take (its largest tile, twice)
+
+
 @pytest.fixture(scope="module")
 def gpu():
     return CUDABackend(0)
+
+
+@pytest.fixture(autouse=True)
+def mmqt_wherever_it_can(monkeypatch):
+    """mmqt for every product it can run (past mmq's rows up to TILED_ROWS, any weight's height), so that its
+    numerics are checked on shapes the dispatch would give other kernels (_mt_serves picks by speed)."""
+    monkeypatch.setattr(matmul, "MMQT_MAX_ROWS", TILED_ROWS)
+    monkeypatch.setattr(matmul, "MT_WIDTH", 0.0)
+
+
+@pytest.mark.parametrize("m, k, n, tiled", [(3072, 2048, 64, True), (2048, 2048, 64, False), (16384, 2048, 16, True),
+                                            (3072, 2048, 16, False), (16384, 2048, 128, False)])
+def test_mmqt_serves_wide_weights_of_few_dozen_rows(gpu, monkeypatch, m, k, n, tiled):
+    """With the dispatch's own settings: mmqt for weights at least MT_WIDTH (past mmq's rows) or MT_WIDTH_FEW times
+    as high as K up to MMQT_MAX_ROWS token rows, else mmq or f16 tiles and cuBLAS (where each measured faster)."""
+    monkeypatch.undo()
+    assert ("mul_mat (mmqt)" in _steps(gpu, _product(DType.Q4_0, m, k, n, 1))) == tiled
 
 
 def _width(dtype: DType, blocks: int) -> int:
@@ -51,7 +71,7 @@ def _steps(gpu, build) -> list[str]:
 def test_rows(gpu, dtype, n):
     """67 weight rows (one part-filled tile) of a short K (3 blocks: one chunk, part-filled); mmqt where it serves."""
     build = _product(dtype, 67, _width(dtype, 3), n, n)
-    assert ("mul_mat (mmqt)" in _steps(gpu, build)) == (MMQ_MAX_ROWS < n <= MMQT_MAX_ROWS)
+    assert ("mul_mat (mmqt)" in _steps(gpu, build)) == (MMQ_MAX_ROWS < n <= TILED_ROWS)
     assert compare(gpu, build) < MUL_MAT["CUDA"]
 
 

@@ -5,8 +5,8 @@ the result) times up to GEMV_MAX_ROWS token rows: the legacy block
 types quantize the activations to q8_1 blocks in the node's scratch and take integer dot products
 (mmvq, as ggml's CUDA backend); other types decode their blocks inside the product (gemv). Up to
 MMQ_MAX_ROWS token rows of a type with a scale per 32 weights: the q8_1 activations meet the weights'
-quants on int8 tensor cores (mmq, as ggml's), reading each weight once. Up to MMQT_MAX_ROWS (decode
-steps of many sequences, prompt micro-batches): the same products in ggml's tile layout (mmqt: a block
+quants on int8 tensor cores (mmq, as ggml's), reading each weight once. Wide weights up to MMQT_MAX_ROWS
+(decode steps of many sequences; _mt_serves): the same products in ggml's tile layout (mmqt: a block
 of 32 or 64 weight rows by 16..128 token rows, each chunk of K's weights and activations staged in
 shared memory once for all its warps; the tile chosen to fill the GPU, _mt_tile), up to three weights of
 one type in one launch. More token rows, or other types: the weight is decoded to f16 one tile of rows
@@ -37,9 +37,16 @@ from ggrun.core.tensor import Tensor
 GEMV_MAX_ROWS = 8
 MMQ_MAX_ROWS = 16  # token rows up to which mmq serves (past GEMV_MAX_ROWS): on an H200 (llama-1b Q4_0) a decode
 # step of 16 sequences went 4,142 -> 4,826 t/s; at 32 and 64 rows decoding to f16 for cuBLAS was faster (-5%, -21%)
-# token rows up to which mmqt serves (past MMQ_MAX_ROWS): the decode buckets of many sequences; a prompt's micro-batch
-# of 512 stays with f16 tiles and cuBLAS until a GPU run of scripts/bench/bench_mmq_gpu.py shows where they cross
-MMQT_MAX_ROWS = 256
+# Where mmqt serves, from scripts/bench/bench_mmq_gpu.py on an H200 (llama-1b Q4_0's products, us, mmq / mmqt /
+# f16 tiles and cuBLAS): it wins on wide weights (height M at least MT_WIDTH times K: q, k and v 3072 x 2048 at
+# 32..128 rows 45/37/46 .. -/34/48; gate and up 16384 x 2048 at 16..64 rows 51/34/65 .. 126/55/70) and loses on
+# square and tall ones (attn_out 2048 x 2048: 30/36/23 at 64 rows; ffn_out 2048 x 8192: 76/111/49), where its
+# few blocks each walk a long K; at 128 rows and more cuBLAS wins gate and up (74 against 88). Its q8_1
+# activations also round a prompt as ggml's mmq does, not as the CPU's f16 tiles: 128-token prompts of the tiny
+# families' k-quant and lookup-table models then chose the CPU's top token at 92-97% of positions (bar 98%).
+MMQT_MAX_ROWS = 64  # token rows up to which mmqt serves (decode steps of many sequences)
+MT_WIDTH = 1.5  # M / K from which mmqt serves past MMQ_MAX_ROWS token rows
+MT_WIDTH_FEW = 4.0  # and from which it serves in mmq's stead, past GEMV_MAX_ROWS (16 rows: gate and up 34 us, mmq 51)
 MQ_WARPS = 8  # warps of an mmq block (matmul.cu)
 MT_KB, MT_QLD = 8, 8 * 32 + 16  # mmqt's q8_1 blocks a chunk and bytes of a token's staged quants (matmul.cu)
 MT_SMEM3 = 112 << 10  # bytes up to which mmqt's stages are three
@@ -109,15 +116,19 @@ def _scratch(node: Tensor) -> int:
 
 
 def _mmq_serves(node: Tensor, k: int, n: int) -> bool:
-    """Whether mmq runs the product: a few dozen token rows, every weight of a type it reads."""
+    """Whether mmq runs the product: a few dozen token rows, every weight of a type it reads, not wide enough for
+    mmqt (_mt_serves)."""
     return (GEMV_MAX_ROWS < n <= MMQ_MAX_ROWS and k % 32 == 0
-            and all(w.dtype.name in MMQ_TYPES for w in _weights(node)))
+            and all(w.dtype.name in MMQ_TYPES for w in _weights(node)) and not _mt_serves(node, k, n))
 
 
 def _mt_serves(node: Tensor, k: int, n: int) -> bool:
-    """Whether mmqt runs the product: past mmq's token rows up to MMQT_MAX_ROWS, every weight of a type it reads."""
-    return (MMQ_MAX_ROWS < n <= MMQT_MAX_ROWS and k % 32 == 0
-            and all(w.dtype.name in MMQ_TYPES for w in _weights(node)))
+    """Whether mmqt runs the product: past mmvq's token rows up to MMQT_MAX_ROWS, every weight of a type it reads,
+    the weights together at least MT_WIDTH (MT_WIDTH_FEW where mmq serves) times as high as K."""
+    if not (GEMV_MAX_ROWS < n <= MMQT_MAX_ROWS and k % 32 == 0
+            and all(w.dtype.name in MMQ_TYPES for w in _weights(node))):
+        return False
+    return sum(w.shape[0] for w in _weights(node)) >= (MT_WIDTH_FEW if n <= MMQ_MAX_ROWS else MT_WIDTH) * k
 
 
 def _up16(n: int) -> int:
