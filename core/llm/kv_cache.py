@@ -457,10 +457,8 @@ class KVCache:
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Let sequence dst share src's cells in [p0, p1): no data moves."""
         self.changes += 1
-        sel = self._cells(src, p0, p1)
-        self.seqs[sel, dst] = True
-        if sel.any():  # the highest cell shared, which may lie below src's own top
-            self.seq_top[dst] = max(self.seq_top[dst], len(sel) - int(sel[::-1].argmax()))
+        self.seqs[self._cells(src, p0, p1), dst] = True
+        self.seq_top[dst] = max(self.seq_top[dst], self._top if src < 0 else self.seq_top[src])
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
         """Shift positions of seq's cells in [p0, p1) by delta; K is re-rotated before the next use."""
