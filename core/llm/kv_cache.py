@@ -30,7 +30,6 @@ from ggrun.core.llm.kv_blocks import find_cells
 from ggrun.core.tensor import Tensor, new_tensor
 
 KV_PAD = 256
-POW2_SHRINK = 4  # with pow2_cells, n_kv shrinks only to this fraction of what it was, or less
 CACHE_TYPES = (DType.F16, DType.F32, DType.Q8_0, DType.Q4_0)  # -ctk / -ctv
 
 
@@ -170,9 +169,6 @@ class KVCache:
         self.pos = np.full(n_ctx, -1, dtype=np.int32)
         self.seqs = np.zeros((n_ctx, n_seq_max), dtype=bool)
         self.tail = np.full(n_seq_max, -1, dtype=np.int32)  # the last cell apply gave each sequence (kv_blocks)
-        # one past the highest cell each sequence may hold: raised as cells are given, counted again when a
-        # sequence leaves cells (never below the truth, so the cells a batch's tokens see lie below its top)
-        self.seq_top = np.zeros(n_seq_max, dtype=np.int64)
         self.shift = np.zeros(n_ctx, dtype=np.int32)
         self.has_shift = False
         self.version = 0
@@ -195,27 +191,18 @@ class KVCache:
     def n_free(self) -> int:
         return self.n_ctx - self.n_used
 
-    def n_kv(self, ahead: int = 0, seqs: np.ndarray | None = None) -> int:
-        """Cells the attention reads: up to the last used cell, padded so shapes stay stable. With
-        `pow2_cells` (masks made from the cells), up to the last cell that the micro-batch's sequences `seqs`
-        hold when given (their tokens see no cell above it), rounded to a power of two of the cells in use
-        once `ahead` more tokens (the batch's later micro-batches) are placed too, so a graph serves while
-        the cache doubles: every micro-batch of a batch of many sequences' prompts, and decode steps whose
-        sequences take new blocks, keep one graph (attention lists the tiles it sees, so cells past the last
-        used cost little). It shrinks only to a quarter or less of what it was (_pow2_floor): a session of
-        many sequences whose cells come and go would otherwise build its graphs again at every smaller power
-        of two (a new graph costs ~100 ms of host work on a GPU, a step of 64 sequences ~5 ms), while one
-        sequence after a crowd no longer reads the crowd's cells (an H200, llama-1b: a decode step over
-        32768 cells took 1.13 ms, over 256 0.61 ms)."""
-        top = self._top
-        if seqs is not None and self.pow2_cells and len(seqs):
-            top = min(top, int(self.seq_top[seqs].max()))
-        n = max(self.pad, -(-top // self.pad) * self.pad)
-        if self.pow2_cells:
-            n = 1 << (max(n, top + ahead) - 1).bit_length()
-            if n * POW2_SHRINK > self._pow2_floor:
-                n = max(n, self._pow2_floor)
-            self._pow2_floor = n
+    def n_kv(self, ahead: int = 0) -> int:
+        """Cells the attention reads: up to the last used cell, padded so shapes stay stable; with
+        `pow2_cells`, to a power of two of the cells in use once `ahead` more tokens (the batch's later
+        micro-batches) are placed too, so a graph serves while the cache doubles: every micro-batch of a
+        batch of many sequences' prompts, and decode steps whose sequences take new blocks, keep one graph
+        (attention lists the tiles it sees, so cells past the last used cost little). Nor does it shrink when
+        sequences leave, until the cache is cleared: a session of many sequences whose cells come and go would
+        otherwise build its graphs again at every smaller power of two (a new graph costs ~100 ms of host
+        work on a GPU, a step of 64 sequences ~5 ms)."""
+        n = max(self.pad, -(-self._top // self.pad) * self.pad)
+        if self.pow2_cells:  # and never below what it was since the cache was cleared (_pow2_floor)
+            n = self._pow2_floor = max(1 << (max(n, self._top + ahead) - 1).bit_length(), self._pow2_floor)
         return min(self.n_ctx, n)
 
     def fill_cell_seqs(self, out: np.ndarray) -> None:
@@ -226,19 +213,6 @@ class KVCache:
         raw = out.view(np.uint8).reshape(n, nbytes)
         raw[:, :packed.shape[1]] = packed
         raw[:, packed.shape[1]:] = 0
-
-    def _recount_seq_tops(self, seq: int) -> None:
-        """seq_top of sequence `seq` (every one when seq < 0) counted again from the cells below the top."""
-        held = self.seqs[:self._top] if seq < 0 else self.seqs[:self._top, seq:seq + 1]
-        if not len(held):
-            (self.seq_top if seq < 0 else self.seq_top[seq:seq + 1]).fill(0)
-            return
-        rev = held[::-1]
-        tops = np.where(rev.any(axis=0), len(held) - rev.argmax(axis=0), 0)
-        if seq < 0:
-            self.seq_top[:] = tops
-        else:
-            self.seq_top[seq] = tops[0]
 
     def _recount(self) -> None:
         """Count the used cells and find the highest one again, after cells were freed or moved."""
@@ -328,7 +302,6 @@ class KVCache:
         self.seqs[cells] = False
         self.seqs[cells, seq] = True
         self.tail[seq] = cells
-        np.maximum.at(self.seq_top, seq, cells.astype(np.int64) + 1)
         if appended:  # the cells just past the top: still packed, n more used
             self._n_used = self._top = self._top + len(cells)
             self._max_pos = max(self._max_pos, int(pos.max()))
@@ -350,8 +323,6 @@ class KVCache:
             self.seqs[cell] = False
         self.seqs[cell, seq] = True
         self.tail[seq] = cell
-        if cell >= self.seq_top[seq]:
-            self.seq_top[seq] = cell % self.n_ctx + 1
         if pos < 0 or cell < 0:  # a cell freed by its position, or counted from the end: count again
             self._recount()
             return
@@ -364,7 +335,7 @@ class KVCache:
         """The cells as if apply(cells, pos, seq) had run, and as they were again on leaving (what a
         readied step's inputs are filled from, before the step is known to come)."""
         saved = (self.pos[cells], self.seqs[cells], self._n_used, self._top, self._max_pos, self.changes)
-        tail, seq_top = self.tail.copy(), self.seq_top.copy()
+        tail = self.tail.copy()
         self.apply(cells, pos, seq)
         try:
             yield
@@ -372,7 +343,6 @@ class KVCache:
             self.pos[cells], self.seqs[cells] = saved[0], saved[1]
             self._n_used, self._top, self._max_pos, self.changes = saved[2:]
             self.tail[:] = tail
-            self.seq_top[:] = seq_top
 
     def _check_seq_ids(self, lo: int, hi: int) -> None:
         if lo < 0 or hi >= self.n_seq_max:
@@ -452,13 +422,11 @@ class KVCache:
         self.pos[emptied] = -1
         self.shift[emptied] = 0
         self._recount()
-        self._recount_seq_tops(seq)
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Let sequence dst share src's cells in [p0, p1): no data moves."""
         self.changes += 1
         self.seqs[self._cells(src, p0, p1), dst] = True
-        self.seq_top[dst] = max(self.seq_top[dst], self._top if src < 0 else self.seq_top[src])
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
         """Shift positions of seq's cells in [p0, p1) by delta; K is re-rotated before the next use."""
@@ -479,7 +447,6 @@ class KVCache:
         self.changes += 1
         self._pow2_floor = 0
         self.tail[:] = -1
-        self.seq_top[:] = 0
         self.pos[:] = -1
         self.seqs[:] = False
         self.shift[:] = 0

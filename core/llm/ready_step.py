@@ -74,7 +74,7 @@ def ready_next(st: UBatchState, res: GraphResult, caches: tuple[KVCache, ...], s
         return None
     ub = UBatch(st.ub.tokens, st.ub.pos + 1, st.ub.seq, st.ub.out_rows, 0)
     with kv.trial(cells, ub.pos, ub.seq):
-        p = GraphParams(1, 1, kv.n_kv(seqs=ub.seq), greedy=res.params.greedy)
+        p = GraphParams(1, 1, kv.n_kv(), greedy=res.params.greedy)
         if not decide(p, res, res, (kv.version,), sched.generation, reuse).reuse:
             return None
         res.set_inputs(UBatchState(ub, cells, kv), sched.cpu)

@@ -315,7 +315,6 @@ class Session:
             if cache.has_shift:
                 apply_k_shift(self.model, self.sched, cache)
         one_per_seq = wants_bucket(ub)
-        seqs = ub.seq  # the real rows' sequences, before padding: the cells they see bound n_kv
         st = self.place_ubatch(ub)
         if one_per_seq:
             st = pad_state(st, self.n_ubatch)
@@ -324,7 +323,7 @@ class Session:
         if sampling is not None:
             st = replace(st, sampling=sampling)
         ub = st.ub
-        p = GraphParams(ub.n_tokens, ub.n_outputs, self.kv.n_kv(ahead, seqs), self.kv_swa.n_kv() if self.kv_swa is not None else 0,
+        p = GraphParams(ub.n_tokens, ub.n_outputs, self.kv.n_kv(ahead), self.kv_swa.n_kv() if self.kv_swa is not None else 0,
                         greedy and ub.n_outputs > 0, sampling.shape_key if sampling is not None else (), one_per_seq,
                         self._n_probs if sampling is not None else -1)
         res = self._graph_for(p)

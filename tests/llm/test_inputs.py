@@ -113,29 +113,3 @@ def test_masks_from_the_cells_are_made_on_each_device_of_a_layer_split(family, t
     assert all(n.name.endswith("-" + sg.home(n).name) for n in masks)
     assert {sg.home(n).name for n in masks} == {"SIM0", "SIM1"}
     assert not [c for sp in sg.splits for c in sp.copies if c.srcs[0].op == "kq_mask"]
-
-
-def test_one_sequence_after_a_crowd_reads_only_its_own_cells(tiny_llama_path):
-    """With masks made from the cells, a sequence whose cells lie low reads only up to them (n_kv from the
-    micro-batch's own sequences) while another sequence still holds the highest cells, and decodes as it
-    does alone."""
-    model = Model.load(tiny_llama_path, [CPUBackend()], numerics="f32")
-    prompt, steps = [7, 3, 9, 11, 2, 5], [4, 8, 1]
-
-    def alone(s: Session) -> list[np.ndarray]:
-        out = [s.decode(Batch.of_sequence(prompt, 0, 0)).copy()]
-        for i, t in enumerate(steps):
-            out.append(s.decode(Batch.of_sequence([t], len(prompt) + i, 0)).copy())
-        return out
-
-    s = Session(model, SessionParams(n_ctx=2048, n_batch=512, n_ubatch=256, n_seq_max=8, mask_from_cells=True))
-    for q in range(1, 7):
-        s.decode(Batch.of_sequence(list(range(1, 201)), 0, q))
-    crowd_top = s.kv.n_kv()
-    for q in range(1, 6):
-        s.seq_rm(q)
-    got = alone(s)
-    assert s.result.params.n_kv * 4 <= crowd_top and s.kv._top > s.result.params.n_kv
-    fresh = Session(model, SessionParams(n_ctx=2048, n_batch=512, n_ubatch=256, n_seq_max=8, mask_from_cells=True))
-    for g, w in zip(got, alone(fresh)):
-        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)
