@@ -323,18 +323,14 @@ class EngineLoop:
 
     def _admit(self) -> None:
         """Start queued requests, first come first served, each in the free slot that holds the longest
-        prefix of its prompt, else the one whose cells lie lowest, else the one unused longest. Low cells keep
-        a request's attention short (its n_kv follows its own cells: KVCache.n_kv), and lone requests after a
-        crowd keep to one slot, so to one graph: taking the slots in turn, each with cells elsewhere in the
-        cache, built new graphs for every request (an H200, serve at c=1 after c=64: 63 ms to the first token)."""
-        top = self.s.kv.seq_top
+        prefix of its prompt (else the one unused longest)."""
         while self._queue:
             free = [s for s in self.slots if not s.busy]
             if not free:
                 return
             h = self._queue.popleft()
             held = self._prefixes(h.request)
-            self._start(max(free, key=lambda s: (held[s.id], -top[s.id], -s.last_used)), h, held)
+            self._start(max(free, key=lambda s: (held[s.id], -s.last_used)), h, held)
 
     def _prefixes(self, req: Request) -> list[int]:
         """How many of req's prompt tokens, from the start, each slot's cells hold (busy or not: between steps

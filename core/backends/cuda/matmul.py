@@ -41,9 +41,7 @@ MMQ_MAX_ROWS = 16  # token rows up to which mmq serves (past GEMV_MAX_ROWS): on 
 # f16 tiles and cuBLAS): it wins on wide weights (height M at least MT_WIDTH times K: q, k and v 3072 x 2048 at
 # 32..128 rows 45/37/46 .. -/34/48; gate and up 16384 x 2048 at 16..64 rows 51/34/65 .. 126/55/70) and loses on
 # square and tall ones (attn_out 2048 x 2048: 30/36/23 at 64 rows; ffn_out 2048 x 8192: 76/111/49), where its
-# few blocks each walk a long K; at 128 rows and more cuBLAS wins gate and up (74 against 88). Its q8_1
-# activations also round a prompt as ggml's mmq does, not as the CPU's f16 tiles: 128-token prompts of the tiny
-# families' k-quant and lookup-table models then chose the CPU's top token at 92-97% of positions (bar 98%).
+# few blocks each walk a long K; at 128 rows and more cuBLAS wins gate and up (74 against 88).
 MMQT_MAX_ROWS = 64  # token rows up to which mmqt serves (decode steps of many sequences)
 MT_WIDTH = 1.5  # M / K from which mmqt serves past MMQ_MAX_ROWS token rows
 MT_WIDTH_FEW = 4.0  # and from which it serves in mmq's stead, past GEMV_MAX_ROWS (16 rows: gate and up 34 us, mmq 51)
