@@ -146,44 +146,51 @@ def _accumulate(S, Vf, lo, hi, t, h, out):
 
 
 @kernel(inline="always")
+def _online_step(s, t, h, M, L, out, f16):
+    """Score s of one more cell joins row (t, h)'s running maximum M and total L in llama.cpp's own order:
+    a new maximum rescales the running sum of values (ggml_vec_scale; kept rounded to f16 with f16, as
+    ggml's VKQ16). Returns the weight of the cell's value row, which the caller adds (ggml_vec_mad)."""
+    ms = np.float32(1.0)
+    vs = np.float32(1.0)
+    if s > M[t, h]:
+        ms = np.float32(math.exp(M[t, h] - s))
+        M[t, h] = s
+        if f16:
+            for j in range(out.shape[2]):
+                out[t, h, j] = f16_to_f32(f32_to_f16(out[t, h, j] * ms))
+        else:
+            for j in range(out.shape[2]):
+                out[t, h, j] *= ms
+    else:
+        vs = np.float32(math.exp(s - M[t, h]))
+    L[t, h] = L[t, h] * ms + vs
+    return vs
+
+
+@kernel(inline="always")
 def _accumulate_cells(S, Vf, mask, scale, t, h, c0, lo, hi, M, L, out, f16):
-    """llama.cpp's own order: cell by cell, a new maximum rescales the running sum of values
-    (ggml_vec_scale), then each value row is added times its weight (ggml_vec_mad); the scores of
-    cells [lo, hi) are in S. With f16 (an f16 V cache) the running sum is kept rounded to f16 after
-    every step, as ggml's CPU kernel does (VKQ16); else it stays f32 (VKQ32)."""
+    """llama.cpp's own order, cell by cell (_online_step), each value row added times its weight; the
+    scores of cells [lo, hi) are in S. With f16 (an f16 V cache) the running sum is kept rounded to f16
+    after every step, as ggml's CPU kernel does (VKQ16); else it stays f32 (VKQ32)."""
     d = out.shape[2]
     for c in range(lo, hi):
         mv = as_f32(mask[t, c0 + c])
         if mv == -np.inf:
             continue
-        s = S[c] * scale + mv
-        ms = np.float32(1.0)
-        vs = np.float32(1.0)
-        if s > M[t, h]:
-            ms = np.float32(math.exp(M[t, h] - s))
-            M[t, h] = s
-            if f16:
-                for j in range(d):
-                    out[t, h, j] = f16_to_f32(f32_to_f16(out[t, h, j] * ms))
-            else:
-                for j in range(d):
-                    out[t, h, j] *= ms
-        else:
-            vs = np.float32(math.exp(s - M[t, h]))
+        vs = _online_step(S[c] * scale + mv, t, h, M, L, out, f16)
         if f16:
             for j in range(d):
                 out[t, h, j] = f16_to_f32(f32_to_f16(fma(Vf[c, j], vs, out[t, h, j])))
         else:
             for j in range(d):
                 out[t, h, j] = fma(Vf[c, j], vs, out[t, h, j])
-        L[t, h] = L[t, h] * ms + vs
 
 
 @kernel(fastmath=_FLAGS)
-def attend(q, k, v, mask, sinks, spans, scale, q_f16, g, t0, t1, Kf, Vf, S, Qr, M, L, out):
-    """out[t, h] for tokens t0..t1 and the query heads h sharing KV head g (an online softmax over
-    tiles of cells, each token's visible span of a tile in `spans`, then head h's sink when sinks is not
-    empty; out holds the running sums, M and L each row's running maximum and total)."""
+def attend(q, k, v, mask, sinks, spans, scale, g, t0, t1, Kf, Vf, S, M, L, out):
+    """out[t, h] for tokens t0..t1 and the query heads h sharing KV head g, queries as they are (f32): an
+    online softmax over tiles of cells, each token's visible span of a tile in `spans`, then head h's sink
+    when sinks is not empty; out holds the running sums, M and L each row's running maximum and total."""
     n_kv, d = k.shape[0], k.shape[2]
     group = q.shape[1] // k.shape[1]
     for t in range(t0, t1):
@@ -210,13 +217,7 @@ def attend(q, k, v, mask, sinks, spans, scale, q_f16, g, t0, t1, Kf, Vf, S, Qr, 
                     _convert(k, v, g, c0, chi, hi, Kf, Vf)
                     chi = hi
             for h in range(g * group, (g + 1) * group):
-                for j in range(d):
-                    x = q[t, h, j]
-                    Qr[j] = f16_to_f32(f32_to_f16(x)) if q_f16 else x
-                _scores(Qr, Kf, lo, hi, S)
-                if q_f16:
-                    _accumulate_cells(S, Vf, mask, scale, t, h, c0, lo, hi, M, L, out, True)
-                    continue
+                _scores(q[t, h], Kf, lo, hi, S)
                 m = M[t, h]
                 for c in range(lo, hi):  # cells hidden inside [lo, hi) get -inf, hence weight 0
                     S[c] = S[c] * scale + as_f32(mask[t, c0 + c])
@@ -233,43 +234,92 @@ def attend(q, k, v, mask, sinks, spans, scale, q_f16, g, t0, t1, Kf, Vf, S, Qr, 
                     for j in range(d):
                         out[t, h, j] *= alpha
                 _accumulate(S, Vf, lo, hi, t, h, out)
+    _finish(sinks, t0, t1, g * group, (g + 1) * group, M, L, out)
+
+
+@kernel(inline="always")
+def _finish(sinks, t0, t1, h0, h1, M, L, out):
+    """Rows (t, h) for tokens t0..t1 and heads h0..h1: head h's sink joins (when sinks is not empty), then
+    the running sums are divided by their totals (a row that saw no cell stays 0)."""
     for t in range(t0, t1):
-        for h in range(g * group, (g + 1) * group):
+        for h in range(h0, h1):
             if sinks.shape[0]:
                 L[t, h] = fold_sink(sinks[h], M[t, h], L[t, h], out[t, h])
             inv = np.float32(1.0) / L[t, h] if L[t, h] > 0 else np.float32(0.0)
-            for j in range(d):
+            for j in range(out.shape[2]):
                 out[t, h, j] *= inv
+
+
+@kernel(fastmath=_FLAGS)
+def attend_rounded(q, k, v, mask, sinks, spans, scale, g0, g1, t0, t1, Qr, M, L, out):
+    """out[t, h] for tokens t0..t1 and the query heads h of KV heads g0..g1 as llama.cpp's cell-by-cell
+    kernel computes them: the queries rounded to f16 (Qr [heads, d] holds them), then each visible cell in
+    turn, its score and its value row (_online_step; the running sums kept rounded to f16, VKQ16). Cells
+    are the outer loop, so each cell's keys and values of those KV heads are read once, where they lie
+    side by side, and a token's tiles outside its spans are skipped."""
+    d = k.shape[2]
+    group = q.shape[1] // k.shape[1]
+    h0, h1 = g0 * group, g1 * group
+    for t in range(t0, t1):
+        for h in range(h0, h1):
+            M[t, h] = -np.inf
+            L[t, h] = 0.0
+            for j in range(d):
+                out[t, h, j] = 0.0
+                Qr[h, j] = f16_to_f32(f32_to_f16(q[t, h, j]))
+        for b in range(spans.shape[1]):
+            for c in range(b * CELLS + spans[t, b, 0], b * CELLS + spans[t, b, 1]):
+                mv = as_f32(mask[t, c])
+                if mv == -np.inf:
+                    continue
+                for h in range(h0, h1):
+                    g = h // group
+                    a = np.float32(0.0)
+                    for j in range(d):
+                        a += Qr[h, j] * as_f32(k[c, g, j])
+                    vs = _online_step(a * scale + mv, t, h, M, L, out, True)
+                    for j in range(d):
+                        out[t, h, j] = f16_to_f32(f32_to_f16(fma(as_f32(v[c, g, j]), vs, out[t, h, j])))
+    _finish(sinks, t0, t1, h0, h1, M, L, out)
 
 
 @kernel
 def flash_attn_serial(q, k, v, mask, sinks, scale, q_f16, Kf, Vf, S, Qr, ML, spans, out):
     """out [tokens, heads, d] = softmax(q k^T * scale + mask) v for q [tokens, heads, d], k and v
     [n_kv, heads_kv, d] (f16 bits or f32), mask [>= tokens, n_kv], sinks f32 [heads] or empty (none);
-    Kf..Qr: one worker's tiles; spans: room for tile_spans."""
+    q_f16: llama numerics (attend_rounded); Kf..Qr: one worker's tiles; spans: room for tile_spans."""
     tile_spans(mask, q.shape[0], spans)
+    if q_f16:
+        attend_rounded(q, k, v, mask, sinks, spans, scale, 0, k.shape[1], 0, q.shape[0], Qr[0], ML[0], ML[1], out)
+        return
     for g in range(k.shape[1]):
-        attend(q, k, v, mask, sinks, spans, scale, q_f16, g, 0, q.shape[0], Kf[0], Vf[0], S[0], Qr[0], ML[0], ML[1],
-               out)
+        attend(q, k, v, mask, sinks, spans, scale, g, 0, q.shape[0], Kf[0], Vf[0], S[0], ML[0], ML[1], out)
 
 
 @kernel(parallel=True)
 def flash_attn_parallel(q, k, v, mask, sinks, scale, q_f16, Kf, Vf, S, Qr, ML, spans, out):
-    """flash_attn_serial with (KV head, block of tokens) items dealt round-robin to Kf.shape[0] workers."""
+    """flash_attn_serial with (KV heads, block of tokens) items dealt round-robin to Kf.shape[0] workers:
+    a single KV head each, or under llama numerics a run of neighbouring KV heads each (their cells'
+    rows are read whole)."""
     tile_spans_parallel(mask, q.shape[0], spans)
     workers = Kf.shape[0]
-    n_tok = q.shape[0]
-    blocks = max(1, min(n_tok, (2 * workers + k.shape[1] - 1) // k.shape[1]))
+    n_tok, n_head_kv = q.shape[0], k.shape[1]
+    runs = min(n_head_kv, workers) if q_f16 else n_head_kv
+    blocks = max(1, min(n_tok, (2 * workers + runs - 1) // runs))
     per_block = (n_tok + blocks - 1) // blocks
-    items = k.shape[1] * blocks
+    items = runs * blocks
     for w in prange(workers):
         for item in range(w, items, workers):
-            g = item // blocks
+            run = item // blocks
             t0 = (item % blocks) * per_block
             t1 = min(n_tok, t0 + per_block)
-            if t0 < t1:
-                attend(q, k, v, mask, sinks, spans, scale, q_f16, g, t0, t1, Kf[w], Vf[w], S[w], Qr[w], ML[0], ML[1],
-                       out)
+            if t0 >= t1:
+                continue
+            if q_f16:
+                attend_rounded(q, k, v, mask, sinks, spans, scale, run * n_head_kv // runs,
+                               (run + 1) * n_head_kv // runs, t0, t1, Qr[w], ML[0], ML[1], out)
+            else:
+                attend(q, k, v, mask, sinks, spans, scale, run, t0, t1, Kf[w], Vf[w], S[w], ML[0], ML[1], out)
 
 
 def _workers(node) -> int:
@@ -295,7 +345,7 @@ def flash_attn_scratch(node) -> int:
     d, rows = q.shape[2], q.shape[0] * q.shape[1]
     if _tiled(node):
         return 4 * tiled.scratch_floats(_workers(node), d)
-    return 4 * (_workers(node) * (2 * CELLS * d + CELLS + d) + 2 * rows + _spans_scratch(node))
+    return 4 * (_workers(node) * (2 * CELLS * d + CELLS + q.shape[0] * d) + 2 * rows + _spans_scratch(node))
 
 
 def _stored(node, i: int, a: np.ndarray) -> np.ndarray | None:
@@ -345,7 +395,7 @@ def bind_flash_attn(node, out, srcs, scratch):
     if _tiled(node):
         return tiled.bind(q3, k3, v3, mask, _sinks(node, srcs), np.float32(node.params["scale"]), workers, f32, out)
     tiles, at = [], 0
-    for shape in ((workers, CELLS, d), (workers, CELLS, d), (workers, CELLS), (workers, d),
+    for shape in ((workers, CELLS, d), (workers, CELLS, d), (workers, CELLS), (workers, q3.shape[1], d),
                   (2, q3.shape[0], q3.shape[1])):
         n = int(np.prod(shape))
         tiles.append(f32[at:at + n].reshape(shape))
