@@ -238,66 +238,105 @@ def attend(q, k, v, mask, sinks, spans, scale, g, t0, t1, Kf, Vf, S, M, L, out):
 
 
 @kernel(inline="always")
+def _normalize(sinks, t, h, m, total, out):
+    """Row (t, h) of running sums out[t, h] with maximum m and total `total`: head h's sink joins (when
+    sinks is not empty), then the sums are divided by the total (a row that saw no cell stays 0)."""
+    if sinks.shape[0]:
+        total = fold_sink(sinks[h], m, total, out[t, h])
+    inv = np.float32(1.0) / total if total > 0 else np.float32(0.0)
+    for j in range(out.shape[2]):
+        out[t, h, j] *= inv
+
+
+@kernel(inline="always")
 def _finish(sinks, t0, t1, h0, h1, M, L, out):
-    """Rows (t, h) for tokens t0..t1 and heads h0..h1: head h's sink joins (when sinks is not empty), then
-    the running sums are divided by their totals (a row that saw no cell stays 0)."""
+    """_normalize for tokens t0..t1 and heads h0..h1 (maxima M, totals L)."""
     for t in range(t0, t1):
         for h in range(h0, h1):
-            if sinks.shape[0]:
-                L[t, h] = fold_sink(sinks[h], M[t, h], L[t, h], out[t, h])
-            inv = np.float32(1.0) / L[t, h] if L[t, h] > 0 else np.float32(0.0)
-            for j in range(out.shape[2]):
-                out[t, h, j] *= inv
+            _normalize(sinks, t, h, M[t, h], L[t, h], out)
 
 
 @kernel(fastmath=_FLAGS)
-def attend_rounded(q, k, v, mask, sinks, spans, scale, g0, g1, t0, t1, Qr, M, L, out):
+def attend_rounded(q, k, v, mask, sinks, spans, scale, g0, g1, t0, t1, Qr, W, out):
     """out[t, h] for tokens t0..t1 and the query heads h of KV heads g0..g1 as llama.cpp's cell-by-cell
     kernel computes them: the queries rounded to f16 (Qr [heads, d] holds them), then each visible cell in
-    turn, its score and its value row (_online_step; the running sums kept rounded to f16, VKQ16). Cells
-    are the outer loop, so each cell's keys and values of those KV heads are read once, where they lie
-    side by side, and a token's tiles outside its spans are skipped."""
+    turn, its score and its value row (_online_step; the running sums kept rounded to f16, VKQ16).
+
+    A token's visible span of each tile (`spans`; the rest is skipped) is done in three passes, each over
+    the cells in order and, for each cell, over the heads: the scores (W[0]), then each head's running
+    maximum and total (W[3, h, 0] and W[3, h, 1]: a worker's own, as all of W), which give every cell's
+    weight (W[1]) and, where the maximum grew, the factor rescaling the sums before it (W[2]), then the
+    value rows. Each pass reads a cell's keys or values of
+    all those KV heads once, where they lie side by side, and the heads' chains of dependent steps
+    interleave; each head's arithmetic, step by step, is ggml's."""
     d = k.shape[2]
     group = q.shape[1] // k.shape[1]
     h0, h1 = g0 * group, g1 * group
     for t in range(t0, t1):
         for h in range(h0, h1):
-            M[t, h] = -np.inf
-            L[t, h] = 0.0
+            W[3, h, 0] = -np.inf
+            W[3, h, 1] = 0.0
             for j in range(d):
                 out[t, h, j] = 0.0
                 Qr[h, j] = f16_to_f32(f32_to_f16(q[t, h, j]))
         for b in range(spans.shape[1]):
-            for c in range(b * CELLS + spans[t, b, 0], b * CELLS + spans[t, b, 1]):
-                mv = as_f32(mask[t, c])
+            c0 = b * CELLS
+            lo, hi = spans[t, b, 0], spans[t, b, 1]
+            for c in range(lo, hi):
+                mv = as_f32(mask[t, c0 + c])
                 if mv == -np.inf:
                     continue
                 for h in range(h0, h1):
                     g = h // group
                     a = np.float32(0.0)
                     for j in range(d):
-                        a += Qr[h, j] * as_f32(k[c, g, j])
-                    vs = _online_step(a * scale + mv, t, h, M, L, out, True)
+                        a += Qr[h, j] * as_f32(k[c0 + c, g, j])
+                    W[0, h, c] = a * scale + mv
+            for c in range(lo, hi):
+                if as_f32(mask[t, c0 + c]) == -np.inf:
+                    continue
+                for h in range(h0, h1):
+                    s = W[0, h, c]
+                    ms = np.float32(1.0)
+                    vs = np.float32(1.0)
+                    if s > W[3, h, 0]:
+                        ms = np.float32(math.exp(W[3, h, 0] - s))
+                        W[3, h, 0] = s
+                    else:
+                        vs = np.float32(math.exp(s - W[3, h, 0]))
+                    W[3, h, 1] = W[3, h, 1] * ms + vs
+                    W[1, h, c] = vs
+                    W[2, h, c] = ms
+            for c in range(lo, hi):
+                if as_f32(mask[t, c0 + c]) == -np.inf:
+                    continue
+                for h in range(h0, h1):
+                    g = h // group
+                    ms, vs = W[2, h, c], W[1, h, c]
+                    if ms != 1.0:  # (times 1, an f16 value stays itself)
+                        for j in range(d):
+                            out[t, h, j] = f16_to_f32(f32_to_f16(out[t, h, j] * ms))
                     for j in range(d):
-                        out[t, h, j] = f16_to_f32(f32_to_f16(fma(as_f32(v[c, g, j]), vs, out[t, h, j])))
-    _finish(sinks, t0, t1, h0, h1, M, L, out)
+                        out[t, h, j] = f16_to_f32(f32_to_f16(fma(as_f32(v[c0 + c, g, j]), vs, out[t, h, j])))
+        for h in range(h0, h1):
+            _normalize(sinks, t, h, W[3, h, 0], W[3, h, 1], out)
 
 
 @kernel
-def flash_attn_serial(q, k, v, mask, sinks, scale, q_f16, Kf, Vf, S, Qr, ML, spans, out):
+def flash_attn_serial(q, k, v, mask, sinks, scale, q_f16, Kf, Vf, S, Qr, W, ML, spans, out):
     """out [tokens, heads, d] = softmax(q k^T * scale + mask) v for q [tokens, heads, d], k and v
     [n_kv, heads_kv, d] (f16 bits or f32), mask [>= tokens, n_kv], sinks f32 [heads] or empty (none);
     q_f16: llama numerics (attend_rounded); Kf..Qr: one worker's tiles; spans: room for tile_spans."""
     tile_spans(mask, q.shape[0], spans)
     if q_f16:
-        attend_rounded(q, k, v, mask, sinks, spans, scale, 0, k.shape[1], 0, q.shape[0], Qr[0], ML[0], ML[1], out)
+        attend_rounded(q, k, v, mask, sinks, spans, scale, 0, k.shape[1], 0, q.shape[0], Qr[0], W[0], out)
         return
     for g in range(k.shape[1]):
         attend(q, k, v, mask, sinks, spans, scale, g, 0, q.shape[0], Kf[0], Vf[0], S[0], ML[0], ML[1], out)
 
 
 @kernel(parallel=True)
-def flash_attn_parallel(q, k, v, mask, sinks, scale, q_f16, Kf, Vf, S, Qr, ML, spans, out):
+def flash_attn_parallel(q, k, v, mask, sinks, scale, q_f16, Kf, Vf, S, Qr, W, ML, spans, out):
     """flash_attn_serial with (KV heads, block of tokens) items dealt round-robin to Kf.shape[0] workers:
     a single KV head each, or under llama numerics a run of neighbouring KV heads each (their cells'
     rows are read whole)."""
@@ -317,13 +356,16 @@ def flash_attn_parallel(q, k, v, mask, sinks, scale, q_f16, Kf, Vf, S, Qr, ML, s
                 continue
             if q_f16:
                 attend_rounded(q, k, v, mask, sinks, spans, scale, run * n_head_kv // runs,
-                               (run + 1) * n_head_kv // runs, t0, t1, Qr[w], ML[0], ML[1], out)
+                               (run + 1) * n_head_kv // runs, t0, t1, Qr[w], W[w], out)
             else:
                 attend(q, k, v, mask, sinks, spans, scale, run, t0, t1, Kf[w], Vf[w], S[w], ML[0], ML[1], out)
 
 
 def _workers(node) -> int:
-    """One worker, unless there are threads and enough work to share (a prompt, a long cache)."""
+    """One worker, unless there are threads and enough work to share (a prompt, a long cache). A decode
+    step's attention stays on one thread (Qwen3-0.6B's shape, 16 heads over 256 cells: 4096): split, it
+    took ~19 instead of ~26 us alone, but ~61 instead of ~33 us inside decode steps on this shared 2-core
+    machine, where the partner thread is often behind other processes."""
     q, k = node.srcs[0], node.srcs[1]
     work = q.shape[0] * q.shape[1] * k.shape[1]  # query rows x cells
     return 1 if jit.threads() == 1 or work < 16384 else jit.threads()
@@ -345,7 +387,8 @@ def flash_attn_scratch(node) -> int:
     d, rows = q.shape[2], q.shape[0] * q.shape[1]
     if _tiled(node):
         return 4 * tiled.scratch_floats(_workers(node), d)
-    return 4 * (_workers(node) * (2 * CELLS * d + CELLS + q.shape[0] * d) + 2 * rows + _spans_scratch(node))
+    return 4 * (_workers(node) * (2 * CELLS * d + CELLS + q.shape[0] * (d + 4 * CELLS)) + 2 * rows
+                + _spans_scratch(node))
 
 
 def _stored(node, i: int, a: np.ndarray) -> np.ndarray | None:
@@ -396,7 +439,7 @@ def bind_flash_attn(node, out, srcs, scratch):
         return tiled.bind(q3, k3, v3, mask, _sinks(node, srcs), np.float32(node.params["scale"]), workers, f32, out)
     tiles, at = [], 0
     for shape in ((workers, CELLS, d), (workers, CELLS, d), (workers, CELLS), (workers, q3.shape[1], d),
-                  (2, q3.shape[0], q3.shape[1])):
+                  (workers, 4, q3.shape[1], CELLS), (2, q3.shape[0], q3.shape[1])):
         n = int(np.prod(shape))
         tiles.append(f32[at:at + n].reshape(shape))
         at += n
