@@ -1,19 +1,24 @@
-"""Compiled attention over the KV cache: flash_attn (no scores tensor; tiles of query rows meet
-tiles of cache cells with an online softmax).
+"""Compiled attention over the KV cache: flash_attn (no scores tensor; an online softmax over the cells).
 
-The query heads that share one KV head (GQA) and all tokens of an item meet each tile of cached
-keys and values together, so the cache is converted from f16 once per tile and KV head (work
-items are KV heads, and blocks of tokens when several threads share the work). Each token
-attends only the span of a tile between the first and last cells its mask leaves visible, so
-the padded tail of n_kv and the causal future cost nothing; hidden cells inside the span get
-weight 0. Those spans are found once per call for every token and tile (tile_spans), before any
-head is computed: a decode step of many sequences, each in cells of its own (core/llm/kv_blocks.py),
-then works on each token's own tiles and skips every other tile at the cost of one lookup. As llama.cpp's CPU path does, queries meet an f16 cache as f16-rounded values
-(`act_quant` f16 on the cache), and then the values are summed as ggml does, cell by cell in f16;
-otherwise products and the softmax are f32, tile by tile. From 64 query tokens on, llama.cpp's CPU
-kernel takes its tiled path instead (f32 queries and sums), and so do llama numerics here
-(attention_tiled.py). Attention sinks (gpt-oss's) join each row's softmax after its last tile
-(sinks.fold_sink); without them the kernels take an empty array and compute what they did.
+Each token attends only the span of each tile of CELLS cells between the first and last cells its mask
+leaves visible, so the padded tail of n_kv and the causal future cost nothing. Those spans are found once
+per call for every token and tile (tile_spans), before any head is computed: a decode step of many
+sequences, each in cells of its own (core/llm/kv_blocks.py), then works on each token's own tiles and
+skips every other tile at the cost of one lookup.
+
+Under llama numerics (`act_quant` f16 on the cache) the result is the one llama.cpp's CPU kernel computes
+cell by cell: queries rounded to f16, then for each visible cell its score, the running maximum and total,
+and its value row added to sums kept rounded to f16 (VKQ16), as ggml does (attend_rounded). Cells are the
+outer loop there, so a cell's keys and values of all KV heads are read once where they lie side by side,
+and independent heads interleave. From 64 query tokens on, llama.cpp's CPU kernel takes its tiled path
+instead (f32 queries and sums), and so do llama numerics here (attention_tiled.py).
+
+Otherwise (f32 numerics) the query heads that share one KV head (GQA) and all tokens of an item meet each
+tile of cached keys and values together, the tile converted to f32 once per KV head (attend); products
+and the softmax are f32, tile by tile; hidden cells inside a span get weight 0. Work items are KV heads
+(runs of them under llama numerics), and blocks of tokens when several threads share the work.
+Attention sinks (gpt-oss's) join each row's softmax after its last cell (sinks.fold_sink); without them
+the kernels take an empty array and compute what they did.
 """
 from __future__ import annotations
 
