@@ -151,30 +151,23 @@ def _accumulate(S, Vf, lo, hi, t, h, out):
 
 
 @kernel(inline="always")
-def _online_step(s, t, h, M, L, out, f16):
-    """Score s of one more cell joins row (t, h)'s running maximum M and total L in llama.cpp's own order:
-    a new maximum rescales the running sum of values (ggml_vec_scale; kept rounded to f16 with f16, as
-    ggml's VKQ16). Returns the weight of the cell's value row, which the caller adds (ggml_vec_mad)."""
+def _weigh(s, m, total):
+    """Score s of one more cell against a row's running maximum m and total, in llama.cpp's order: a new
+    maximum rescales the sums so far by ms = e^(m - s) (ggml_vec_scale) and the cell's value weighs 1;
+    else it weighs vs = e^(s - m). Returns the new maximum, the new total, ms and vs."""
     ms = np.float32(1.0)
     vs = np.float32(1.0)
-    if s > M[t, h]:
-        ms = np.float32(math.exp(M[t, h] - s))
-        M[t, h] = s
-        if f16:
-            for j in range(out.shape[2]):
-                out[t, h, j] = f16_to_f32(f32_to_f16(out[t, h, j] * ms))
-        else:
-            for j in range(out.shape[2]):
-                out[t, h, j] *= ms
+    if s > m:
+        ms = np.float32(math.exp(m - s))
+        m = s
     else:
-        vs = np.float32(math.exp(s - M[t, h]))
-    L[t, h] = L[t, h] * ms + vs
-    return vs
+        vs = np.float32(math.exp(s - m))
+    return m, total * ms + vs, ms, vs
 
 
 @kernel(inline="always")
 def _accumulate_cells(S, Vf, mask, scale, t, h, c0, lo, hi, M, L, out, f16):
-    """llama.cpp's own order, cell by cell (_online_step), each value row added times its weight; the
+    """llama.cpp's own order, cell by cell (_weigh), each value row added times its weight (ggml_vec_mad); the
     scores of cells [lo, hi) are in S. With f16 (an f16 V cache) the running sum is kept rounded to f16
     after every step, as ggml's CPU kernel does (VKQ16); else it stays f32 (VKQ32)."""
     d = out.shape[2]
@@ -182,7 +175,14 @@ def _accumulate_cells(S, Vf, mask, scale, t, h, c0, lo, hi, M, L, out, f16):
         mv = as_f32(mask[t, c0 + c])
         if mv == -np.inf:
             continue
-        vs = _online_step(S[c] * scale + mv, t, h, M, L, out, f16)
+        M[t, h], L[t, h], ms, vs = _weigh(S[c] * scale + mv, M[t, h], L[t, h])
+        if ms != 1.0:  # (times 1, the sums stay themselves)
+            if f16:
+                for j in range(d):
+                    out[t, h, j] = f16_to_f32(f32_to_f16(out[t, h, j] * ms))
+            else:
+                for j in range(d):
+                    out[t, h, j] *= ms
         if f16:
             for j in range(d):
                 out[t, h, j] = f16_to_f32(f32_to_f16(fma(Vf[c, j], vs, out[t, h, j])))
@@ -265,15 +265,15 @@ def _finish(sinks, t0, t1, h0, h1, M, L, out):
 def attend_rounded(q, k, v, mask, sinks, spans, scale, g0, g1, t0, t1, Qr, W, out):
     """out[t, h] for tokens t0..t1 and the query heads h of KV heads g0..g1 as llama.cpp's cell-by-cell
     kernel computes them: the queries rounded to f16 (Qr [heads, d] holds them), then each visible cell in
-    turn, its score and its value row (_online_step; the running sums kept rounded to f16, VKQ16).
+    turn, its score, its weight (_weigh) and its value row added to sums kept rounded to f16 (VKQ16).
 
     A token's visible span of each tile (`spans`; the rest is skipped) is done in three passes, each over
     the cells in order and, for each cell, over the heads: the scores (W[0]), then each head's running
     maximum and total (W[3, h, 0] and W[3, h, 1]: a worker's own, as all of W), which give every cell's
     weight (W[1]) and, where the maximum grew, the factor rescaling the sums before it (W[2]), then the
-    value rows. Each pass reads a cell's keys or values of
-    all those KV heads once, where they lie side by side, and the heads' chains of dependent steps
-    interleave; each head's arithmetic, step by step, is ggml's."""
+    value rows. Each pass reads a cell's keys or values of all those KV heads once, where they lie side by
+    side, and the heads' chains of dependent steps interleave; each head's arithmetic, step by step, is
+    ggml's."""
     d = k.shape[2]
     group = q.shape[1] // k.shape[1]
     h0, h1 = g0 * group, g1 * group
@@ -301,24 +301,14 @@ def attend_rounded(q, k, v, mask, sinks, spans, scale, g0, g1, t0, t1, Qr, W, ou
                 if as_f32(mask[t, c0 + c]) == -np.inf:
                     continue
                 for h in range(h0, h1):
-                    s = W[0, h, c]
-                    ms = np.float32(1.0)
-                    vs = np.float32(1.0)
-                    if s > W[3, h, 0]:
-                        ms = np.float32(math.exp(W[3, h, 0] - s))
-                        W[3, h, 0] = s
-                    else:
-                        vs = np.float32(math.exp(s - W[3, h, 0]))
-                    W[3, h, 1] = W[3, h, 1] * ms + vs
-                    W[1, h, c] = vs
-                    W[2, h, c] = ms
+                    W[3, h, 0], W[3, h, 1], W[2, h, c], W[1, h, c] = _weigh(W[0, h, c], W[3, h, 0], W[3, h, 1])
             for c in range(lo, hi):
                 if as_f32(mask[t, c0 + c]) == -np.inf:
                     continue
                 for h in range(h0, h1):
                     g = h // group
                     ms, vs = W[2, h, c], W[1, h, c]
-                    if ms != 1.0:  # (times 1, an f16 value stays itself)
+                    if ms != 1.0:  # (times 1, the sums stay themselves)
                         for j in range(d):
                             out[t, h, j] = f16_to_f32(f32_to_f16(out[t, h, j] * ms))
                     for j in range(d):
