@@ -1,19 +1,24 @@
-"""Compiled attention over the KV cache: flash_attn (no scores tensor; tiles of query rows meet
-tiles of cache cells with an online softmax).
+"""Compiled attention over the KV cache: flash_attn (no scores tensor; an online softmax over the cells).
 
-The query heads that share one KV head (GQA) and all tokens of an item meet each tile of cached
-keys and values together, so the cache is converted from f16 once per tile and KV head (work
-items are KV heads, and blocks of tokens when several threads share the work). Each token
-attends only the span of a tile between the first and last cells its mask leaves visible, so
-the padded tail of n_kv and the causal future cost nothing; hidden cells inside the span get
-weight 0. Those spans are found once per call for every token and tile (tile_spans), before any
-head is computed: a decode step of many sequences, each in cells of its own (core/llm/kv_blocks.py),
-then works on each token's own tiles and skips every other tile at the cost of one lookup. As llama.cpp's CPU path does, queries meet an f16 cache as f16-rounded values
-(`act_quant` f16 on the cache), and then the values are summed as ggml does, cell by cell in f16;
-otherwise products and the softmax are f32, tile by tile. From 64 query tokens on, llama.cpp's CPU
-kernel takes its tiled path instead (f32 queries and sums), and so do llama numerics here
-(attention_tiled.py). Attention sinks (gpt-oss's) join each row's softmax after its last tile
-(sinks.fold_sink); without them the kernels take an empty array and compute what they did.
+Each token attends only the span of each tile of CELLS cells between the first and last cells its mask
+leaves visible, so the padded tail of n_kv and the causal future cost nothing. Those spans are found once
+per call for every token and tile (tile_spans), before any head is computed: a decode step of many
+sequences, each in cells of its own (core/llm/kv_blocks.py), then works on each token's own tiles and
+skips every other tile at the cost of one lookup.
+
+Under llama numerics (`act_quant` f16 on the cache) the result is the one llama.cpp's CPU kernel computes
+cell by cell: queries rounded to f16, then for each visible cell its score, the running maximum and total,
+and its value row added to sums kept rounded to f16 (VKQ16), as ggml does (attend_rounded). Cells are the
+outer loop there, so a cell's keys and values of all KV heads are read once where they lie side by side,
+and independent heads interleave. From 64 query tokens on, llama.cpp's CPU kernel takes its tiled path
+instead (f32 queries and sums), and so do llama numerics here (attention_tiled.py).
+
+Otherwise (f32 numerics) the query heads that share one KV head (GQA) and all tokens of an item meet each
+tile of cached keys and values together, the tile converted to f32 once per KV head (attend); products
+and the softmax are f32, tile by tile; hidden cells inside a span get weight 0. Work items are KV heads
+(runs of them under llama numerics), and blocks of tokens when several threads share the work.
+Attention sinks (gpt-oss's) join each row's softmax after its last cell (sinks.fold_sink); without them
+the kernels take an empty array and compute what they did.
 """
 from __future__ import annotations
 
@@ -146,44 +151,51 @@ def _accumulate(S, Vf, lo, hi, t, h, out):
 
 
 @kernel(inline="always")
+def _weigh(s, m, total):
+    """Score s of one more cell against a row's running maximum m and total, in llama.cpp's order: a new
+    maximum rescales the sums so far by ms = e^(m - s) (ggml_vec_scale) and the cell's value weighs 1;
+    else it weighs vs = e^(s - m). Returns the new maximum, the new total, ms and vs."""
+    ms = np.float32(1.0)
+    vs = np.float32(1.0)
+    if s > m:
+        ms = np.float32(math.exp(m - s))
+        m = s
+    else:
+        vs = np.float32(math.exp(s - m))
+    return m, total * ms + vs, ms, vs
+
+
+@kernel(inline="always")
 def _accumulate_cells(S, Vf, mask, scale, t, h, c0, lo, hi, M, L, out, f16):
-    """llama.cpp's own order: cell by cell, a new maximum rescales the running sum of values
-    (ggml_vec_scale), then each value row is added times its weight (ggml_vec_mad); the scores of
-    cells [lo, hi) are in S. With f16 (an f16 V cache) the running sum is kept rounded to f16 after
-    every step, as ggml's CPU kernel does (VKQ16); else it stays f32 (VKQ32)."""
+    """llama.cpp's own order, cell by cell (_weigh), each value row added times its weight (ggml_vec_mad); the
+    scores of cells [lo, hi) are in S. With f16 (an f16 V cache) the running sum is kept rounded to f16
+    after every step, as ggml's CPU kernel does (VKQ16); else it stays f32 (VKQ32)."""
     d = out.shape[2]
     for c in range(lo, hi):
         mv = as_f32(mask[t, c0 + c])
         if mv == -np.inf:
             continue
-        s = S[c] * scale + mv
-        ms = np.float32(1.0)
-        vs = np.float32(1.0)
-        if s > M[t, h]:
-            ms = np.float32(math.exp(M[t, h] - s))
-            M[t, h] = s
+        M[t, h], L[t, h], ms, vs = _weigh(S[c] * scale + mv, M[t, h], L[t, h])
+        if ms != 1.0:  # (times 1, the sums stay themselves)
             if f16:
                 for j in range(d):
                     out[t, h, j] = f16_to_f32(f32_to_f16(out[t, h, j] * ms))
             else:
                 for j in range(d):
                     out[t, h, j] *= ms
-        else:
-            vs = np.float32(math.exp(s - M[t, h]))
         if f16:
             for j in range(d):
                 out[t, h, j] = f16_to_f32(f32_to_f16(fma(Vf[c, j], vs, out[t, h, j])))
         else:
             for j in range(d):
                 out[t, h, j] = fma(Vf[c, j], vs, out[t, h, j])
-        L[t, h] = L[t, h] * ms + vs
 
 
 @kernel(fastmath=_FLAGS)
-def attend(q, k, v, mask, sinks, spans, scale, q_f16, g, t0, t1, Kf, Vf, S, Qr, M, L, out):
-    """out[t, h] for tokens t0..t1 and the query heads h sharing KV head g (an online softmax over
-    tiles of cells, each token's visible span of a tile in `spans`, then head h's sink when sinks is not
-    empty; out holds the running sums, M and L each row's running maximum and total)."""
+def attend(q, k, v, mask, sinks, spans, scale, g, t0, t1, Kf, Vf, S, M, L, out):
+    """out[t, h] for tokens t0..t1 and the query heads h sharing KV head g, queries as they are (f32): an
+    online softmax over tiles of cells, each token's visible span of a tile in `spans`, then head h's sink
+    when sinks is not empty; out holds the running sums, M and L each row's running maximum and total."""
     n_kv, d = k.shape[0], k.shape[2]
     group = q.shape[1] // k.shape[1]
     for t in range(t0, t1):
@@ -210,13 +222,7 @@ def attend(q, k, v, mask, sinks, spans, scale, q_f16, g, t0, t1, Kf, Vf, S, Qr, 
                     _convert(k, v, g, c0, chi, hi, Kf, Vf)
                     chi = hi
             for h in range(g * group, (g + 1) * group):
-                for j in range(d):
-                    x = q[t, h, j]
-                    Qr[j] = f16_to_f32(f32_to_f16(x)) if q_f16 else x
-                _scores(Qr, Kf, lo, hi, S)
-                if q_f16:
-                    _accumulate_cells(S, Vf, mask, scale, t, h, c0, lo, hi, M, L, out, True)
-                    continue
+                _scores(q[t, h], Kf, lo, hi, S)
                 m = M[t, h]
                 for c in range(lo, hi):  # cells hidden inside [lo, hi) get -inf, hence weight 0
                     S[c] = S[c] * scale + as_f32(mask[t, c0 + c])
@@ -233,47 +239,128 @@ def attend(q, k, v, mask, sinks, spans, scale, q_f16, g, t0, t1, Kf, Vf, S, Qr, 
                     for j in range(d):
                         out[t, h, j] *= alpha
                 _accumulate(S, Vf, lo, hi, t, h, out)
+    _finish(sinks, t0, t1, g * group, (g + 1) * group, M, L, out)
+
+
+@kernel(inline="always")
+def _normalize(sinks, t, h, m, total, out):
+    """Row (t, h) of running sums out[t, h] with maximum m and total `total`: head h's sink joins (when
+    sinks is not empty), then the sums are divided by the total (a row that saw no cell stays 0)."""
+    if sinks.shape[0]:
+        total = fold_sink(sinks[h], m, total, out[t, h])
+    inv = np.float32(1.0) / total if total > 0 else np.float32(0.0)
+    for j in range(out.shape[2]):
+        out[t, h, j] *= inv
+
+
+@kernel(inline="always")
+def _finish(sinks, t0, t1, h0, h1, M, L, out):
+    """_normalize for tokens t0..t1 and heads h0..h1 (maxima M, totals L)."""
     for t in range(t0, t1):
-        for h in range(g * group, (g + 1) * group):
-            if sinks.shape[0]:
-                L[t, h] = fold_sink(sinks[h], M[t, h], L[t, h], out[t, h])
-            inv = np.float32(1.0) / L[t, h] if L[t, h] > 0 else np.float32(0.0)
+        for h in range(h0, h1):
+            _normalize(sinks, t, h, M[t, h], L[t, h], out)
+
+
+@kernel(fastmath=_FLAGS)
+def attend_rounded(q, k, v, mask, sinks, spans, scale, g0, g1, t0, t1, Qr, W, out):
+    """out[t, h] for tokens t0..t1 and the query heads h of KV heads g0..g1 as llama.cpp's cell-by-cell
+    kernel computes them: the queries rounded to f16 (Qr [heads, d] holds them), then each visible cell in
+    turn, its score, its weight (_weigh) and its value row added to sums kept rounded to f16 (VKQ16).
+
+    A token's visible span of each tile (`spans`; the rest is skipped) is done in three passes, each over
+    the cells in order and, for each cell, over the heads: the scores (W[0]), then each head's running
+    maximum and total (W[3, h, 0] and W[3, h, 1]: a worker's own, as all of W), which give every cell's
+    weight (W[1]) and, where the maximum grew, the factor rescaling the sums before it (W[2]), then the
+    value rows. Each pass reads a cell's keys or values of all those KV heads once, where they lie side by
+    side, and the heads' chains of dependent steps interleave; each head's arithmetic, step by step, is
+    ggml's."""
+    d = k.shape[2]
+    group = q.shape[1] // k.shape[1]
+    h0, h1 = g0 * group, g1 * group
+    for t in range(t0, t1):
+        for h in range(h0, h1):
+            W[3, h, 0] = -np.inf
+            W[3, h, 1] = 0.0
             for j in range(d):
-                out[t, h, j] *= inv
+                out[t, h, j] = 0.0
+                Qr[h, j] = f16_to_f32(f32_to_f16(q[t, h, j]))
+        for b in range(spans.shape[1]):
+            c0 = b * CELLS
+            lo, hi = spans[t, b, 0], spans[t, b, 1]
+            for c in range(lo, hi):
+                mv = as_f32(mask[t, c0 + c])
+                if mv == -np.inf:
+                    continue
+                for h in range(h0, h1):
+                    g = h // group
+                    a = np.float32(0.0)
+                    for j in range(d):
+                        a += Qr[h, j] * as_f32(k[c0 + c, g, j])
+                    W[0, h, c] = a * scale + mv
+            for c in range(lo, hi):
+                if as_f32(mask[t, c0 + c]) == -np.inf:
+                    continue
+                for h in range(h0, h1):
+                    W[3, h, 0], W[3, h, 1], W[2, h, c], W[1, h, c] = _weigh(W[0, h, c], W[3, h, 0], W[3, h, 1])
+            for c in range(lo, hi):
+                if as_f32(mask[t, c0 + c]) == -np.inf:
+                    continue
+                for h in range(h0, h1):
+                    g = h // group
+                    ms, vs = W[2, h, c], W[1, h, c]
+                    if ms != 1.0:  # (times 1, the sums stay themselves)
+                        for j in range(d):
+                            out[t, h, j] = f16_to_f32(f32_to_f16(out[t, h, j] * ms))
+                    for j in range(d):
+                        out[t, h, j] = f16_to_f32(f32_to_f16(fma(as_f32(v[c0 + c, g, j]), vs, out[t, h, j])))
+        for h in range(h0, h1):
+            _normalize(sinks, t, h, W[3, h, 0], W[3, h, 1], out)
 
 
 @kernel
-def flash_attn_serial(q, k, v, mask, sinks, scale, q_f16, Kf, Vf, S, Qr, ML, spans, out):
+def flash_attn_serial(q, k, v, mask, sinks, scale, q_f16, Kf, Vf, S, Qr, W, ML, spans, out):
     """out [tokens, heads, d] = softmax(q k^T * scale + mask) v for q [tokens, heads, d], k and v
     [n_kv, heads_kv, d] (f16 bits or f32), mask [>= tokens, n_kv], sinks f32 [heads] or empty (none);
-    Kf..Qr: one worker's tiles; spans: room for tile_spans."""
+    q_f16: llama numerics (attend_rounded); Kf..Qr: one worker's tiles; spans: room for tile_spans."""
     tile_spans(mask, q.shape[0], spans)
+    if q_f16:
+        attend_rounded(q, k, v, mask, sinks, spans, scale, 0, k.shape[1], 0, q.shape[0], Qr[0], W[0], out)
+        return
     for g in range(k.shape[1]):
-        attend(q, k, v, mask, sinks, spans, scale, q_f16, g, 0, q.shape[0], Kf[0], Vf[0], S[0], Qr[0], ML[0], ML[1],
-               out)
+        attend(q, k, v, mask, sinks, spans, scale, g, 0, q.shape[0], Kf[0], Vf[0], S[0], ML[0], ML[1], out)
 
 
 @kernel(parallel=True)
-def flash_attn_parallel(q, k, v, mask, sinks, scale, q_f16, Kf, Vf, S, Qr, ML, spans, out):
-    """flash_attn_serial with (KV head, block of tokens) items dealt round-robin to Kf.shape[0] workers."""
+def flash_attn_parallel(q, k, v, mask, sinks, scale, q_f16, Kf, Vf, S, Qr, W, ML, spans, out):
+    """flash_attn_serial with (KV heads, block of tokens) items dealt round-robin to Kf.shape[0] workers:
+    a single KV head each, or under llama numerics a run of neighbouring KV heads each (their cells'
+    rows are read whole)."""
     tile_spans_parallel(mask, q.shape[0], spans)
     workers = Kf.shape[0]
-    n_tok = q.shape[0]
-    blocks = max(1, min(n_tok, (2 * workers + k.shape[1] - 1) // k.shape[1]))
+    n_tok, n_head_kv = q.shape[0], k.shape[1]
+    runs = min(n_head_kv, workers) if q_f16 else n_head_kv
+    blocks = max(1, min(n_tok, (2 * workers + runs - 1) // runs))
     per_block = (n_tok + blocks - 1) // blocks
-    items = k.shape[1] * blocks
+    items = runs * blocks
     for w in prange(workers):
         for item in range(w, items, workers):
-            g = item // blocks
+            run = item // blocks
             t0 = (item % blocks) * per_block
             t1 = min(n_tok, t0 + per_block)
-            if t0 < t1:
-                attend(q, k, v, mask, sinks, spans, scale, q_f16, g, t0, t1, Kf[w], Vf[w], S[w], Qr[w], ML[0], ML[1],
-                       out)
+            if t0 >= t1:
+                continue
+            if q_f16:
+                attend_rounded(q, k, v, mask, sinks, spans, scale, run * n_head_kv // runs,
+                               (run + 1) * n_head_kv // runs, t0, t1, Qr[w], W[w], out)
+            else:
+                attend(q, k, v, mask, sinks, spans, scale, run, t0, t1, Kf[w], Vf[w], S[w], ML[0], ML[1], out)
 
 
 def _workers(node) -> int:
-    """One worker, unless there are threads and enough work to share (a prompt, a long cache)."""
+    """One worker, unless there are threads and enough work to share (a prompt, a long cache). A decode
+    step's attention stays on one thread (Qwen3-0.6B's shape, 16 heads over 256 cells: 4096): split, it
+    took ~19 instead of ~26 us alone, but ~61 instead of ~33 us inside decode steps on this shared 2-core
+    machine, where the partner thread is often behind other processes."""
     q, k = node.srcs[0], node.srcs[1]
     work = q.shape[0] * q.shape[1] * k.shape[1]  # query rows x cells
     return 1 if jit.threads() == 1 or work < 16384 else jit.threads()
@@ -295,7 +382,8 @@ def flash_attn_scratch(node) -> int:
     d, rows = q.shape[2], q.shape[0] * q.shape[1]
     if _tiled(node):
         return 4 * tiled.scratch_floats(_workers(node), d)
-    return 4 * (_workers(node) * (2 * CELLS * d + CELLS + d) + 2 * rows + _spans_scratch(node))
+    return 4 * (_workers(node) * (2 * CELLS * d + CELLS + q.shape[0] * (d + 4 * CELLS)) + 2 * rows
+                + _spans_scratch(node))
 
 
 def _stored(node, i: int, a: np.ndarray) -> np.ndarray | None:
@@ -345,8 +433,8 @@ def bind_flash_attn(node, out, srcs, scratch):
     if _tiled(node):
         return tiled.bind(q3, k3, v3, mask, _sinks(node, srcs), np.float32(node.params["scale"]), workers, f32, out)
     tiles, at = [], 0
-    for shape in ((workers, CELLS, d), (workers, CELLS, d), (workers, CELLS), (workers, d),
-                  (2, q3.shape[0], q3.shape[1])):
+    for shape in ((workers, CELLS, d), (workers, CELLS, d), (workers, CELLS), (workers, q3.shape[1], d),
+                  (workers, 4, q3.shape[1], CELLS), (2, q3.shape[0], q3.shape[1])):
         n = int(np.prod(shape))
         tiles.append(f32[at:at + n].reshape(shape))
         at += n
