@@ -41,9 +41,16 @@ def test_a_quiet_machine_keeps_splitting(monkeypatch):
     assert not any(m.step(watch, 15, 0.5) for _ in range(100))
 
 
+def test_a_few_milliseconds_taken_now_and_then_are_no_crowd(monkeypatch):
+    """A quiet machine takes a core from a step for a few milliseconds now and then (a fifth of a 13 ms step, past
+    CROWDED_SHARE): no crowd, the steps keep splitting."""
+    m, watch = FakeMachine(monkeypatch), crowding.Crowding()
+    assert not any(m.step(watch, 13, 6.8 if i % 10 == 0 else 0.2) for i in range(100))
+
+
 def test_a_crowd_holds_small_steps_until_a_core_is_spare(monkeypatch):
     m, watch = FakeMachine(monkeypatch), crowding.Crowding()
-    assert not m.step(watch, 15, 10)  # the step that meets the crowd splits; the next ones do not
+    assert not m.step(watch, 15, 12)  # the step that meets the crowd splits; the next ones do not
     m.others = 1
     assert all(m.step(watch, 20, 0) for _ in range(3 * crowding.HOLD))  # no spare core: held past the hold
     m.others = 0
@@ -55,7 +62,7 @@ def test_each_return_into_the_crowd_doubles_the_hold(monkeypatch):
     m, watch = FakeMachine(monkeypatch), crowding.Crowding()
     holds = []
     for _ in range(8):
-        m.step(watch, 15, 10)
+        m.step(watch, 15, 12)
         holds.append(watch.hold)
         while m.step(watch, 15, 0):  # the machine says a core is spare, but the crowd is still there
             pass
@@ -64,12 +71,12 @@ def test_each_return_into_the_crowd_doubles_the_hold(monkeypatch):
 
 def test_a_long_quiet_spell_forgets_the_crowd(monkeypatch):
     m, watch = FakeMachine(monkeypatch), crowding.Crowding()
-    m.step(watch, 15, 10)
+    m.step(watch, 15, 12)
     while m.step(watch, 15, 0):
         pass
     for _ in range(20):
         m.step(watch, 15, 0)
-    m.step(watch, 15, 10)
+    m.step(watch, 15, 12)
     assert watch.hold == crowding.HOLD
 
 

@@ -7,7 +7,8 @@ then waits most of a time slice for it: a Qwen3-0.6B-shaped decode step at -t 2 
 beside busy processes, where one thread takes ~20. So:
 - while steps split, the kernel's count of the time this process's threads spent runnable but not
   running (/proc/self/task/*/schedstat, its second field) is read after each decode step (products of a
-  few rows of activations); past CROWDED_SHARE of the wall time since the watch began, the process is crowded;
+  few rows of activations); past CROWDED_SHARE of the wall time since the watch began (and MIN_WAIT_NS: a
+  core taken for a few milliseconds is no crowd), the process is crowded;
 - crowded, decode steps run on one thread for at least HOLD of them, and then until Linux's count of
   runnable threads (/proc/loadavg) has shown a core to spare for the others ROOM_STEPS steps running;
   then they split again and the watch restarts. Each return that meets the crowd again doubles the hold
@@ -29,6 +30,10 @@ TASKS = "/proc/self/task"
 LOADAVG = "/proc/loadavg"
 CROWDED_SHARE = 0.15    # run-queue wait over wall time above which the process is crowded
 MIN_WALL_NS = 2_000_000  # wall time the watch needs before it judges
+# run-queue wait below which it is not a crowd, whatever its share: on a quiet 2-core EPYC a decode step of a
+# Qwen3-0.6B-shaped model (~13 ms) met 2.4-6.8 ms waits now and then, each sending ~48 steps to one thread (tg128
+# 66-76 t/s where runs without one gave 79-84); beside busy processes a step waits ~200 ms
+MIN_WAIT_NS = 10_000_000
 HOLD = 32               # decode steps on one thread after the first crowded watch, at least
 MAX_HOLD = 1024
 ROOM_STEPS = 16         # steps in a row with a core to spare before splitting again
@@ -98,7 +103,7 @@ class Crowding:
         if wall < MIN_WALL_NS:
             return
         wait = run_queue_wait_ns()
-        if wait is not None and wait - wait0 > CROWDED_SHARE * wall:
+        if wait is not None and wait - wait0 > max(CROWDED_SHARE * wall, MIN_WAIT_NS):
             self.held, self.hold, self.room, self.start = True, self.next_hold, 0, None
             self.next_hold = min(2 * self.next_hold, MAX_HOLD)
         elif wall > 64 * MIN_WALL_NS:  # a long quiet watch: the crowd, if it comes, shows sooner in a fresh one
