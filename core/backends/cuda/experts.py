@@ -7,7 +7,7 @@ with ids. A prompt's slots are grouped by expert on the device (moe_group: count
 each expert), then one grouped GEMM multiplies each expert's weights by its slots' activations: for a type
 with a scale per 32 weights (MMQ_TYPES) mmq_idt meets the weights' quants with the q8_1 activations on int8
 tensor cores in ggml's tile layout (matmul.cu's mmqt: 64 rows of an expert by 16..64 of its slots a block, each
-chunk of K staged in shared memory once), as ggml's mmq with ids (mmq_id, 16 rows a block, stays beside it); other types' weight tiles are decoded to f16 against f16 activations
+chunk of K staged in shared memory once), as ggml's mmq with ids (it replaced mmq_id, 16 rows a block, 3-4x slower on an H200); other types' weight tiles are decoded to f16 against f16 activations
 (mmid_tc). Every launch has a fixed grid, so the step is captured in a CUDA graph like any other, and blocks
 past an expert's slots return at once. (mmid_tc decoded each weight element alone and took 0.85 ms for one
 qwen3-30b-a3b layer's gate product of 512 tokens on an H200, ~7 TFLOP/s.) A decode step's experts' bias rows
@@ -22,9 +22,9 @@ from ggrun.core.backends.bias_adds import ExpertBias, expert_bias
 from ggrun.core.backends.cuda.binding import (Launch, binds, disjoint, estrides, f32, fuses, grid1d, i32, i64,
                                               launch_step, ptr, rows_of, writes_apart)
 from ggrun.core.backends.cuda.handoff import Q8_1_BYTES, SLOT_BYTES
-from ggrun.core.backends.cuda.matmul import (GEMV_MAX_ROWS, MQ_WARPS, WARPS, mt_bytes, mt_kernel, mt_quantize,
+from ggrun.core.backends.cuda.matmul import (GEMV_MAX_ROWS, WARPS, mt_bytes, mt_kernel, mt_quantize,
                                              quantize_launch)
-from ggrun.core.backends.cuda.module import (DP4A_TYPES, EXPERT_GLU_ACTS, GLU_ACTS, MMQ_TILES, MMQ_TYPES, MT_ID_TILES,
+from ggrun.core.backends.cuda.module import (DP4A_TYPES, EXPERT_GLU_ACTS, GLU_ACTS, MMQ_TYPES, MT_ID_TILES,
                                              TYPE_IDS, kernel)
 from ggrun.core.dtypes import DType
 from ggrun.core.tensor import Tensor
@@ -33,7 +33,6 @@ ID_M, ID_N = 64, 64  # weight rows and slots of an mmid_tc block (matmul.cu's ID
 MAX_EXPERTS = 1024  # moe_topk's rows (a lane holds 32 of them) and moe_group's shared counts
 MAX_USED = 16  # experts a token uses, up to which moe_sum fuses the weighting and the sum
 ALIGN = 256
-MMQ_ID_TILED = True  # a prompt's experts of an MMQ_TYPES type through mmq_idt (else mmq_id)
 
 
 def _case(node: Tensor) -> tuple[int, int, int, int, int, int] | None:
@@ -99,25 +98,16 @@ def _mul_mat_id(node: Tensor, out, srcs, scratch, backend):
     group = Launch(kernel("matmul.cu", "moe_group"), (1,), (1024,),
                    (ptr(ids), np.uint64(offs), np.uint64(cursor), np.uint64(slots), i32(t), i32(k), i64(ldi),
                     i32(n_expert)), n_expert * 4)
-    if k_cols % 32 == 0 and qt.name in MMQ_TYPES and MMQ_ID_TILED:
+    if k_cols % 32 == 0 and qt.name in MMQ_TYPES:
         quantize, q, scales = mt_quantize(b, ldb, x16, k_cols, t * b1, [qt])
         wm, nt = _id_tile(t * k / n_expert)
         bn = 8 * nt * (8 // wm)
         fn, smem = mt_kernel("mmq_idt", qt, wm, nt)
         args = (ptr(w), np.uint64(q), np.uint64(next(iter(scales.values()))), np.uint64(offs), np.uint64(slots),
                 ptr(out), i32(k_cols), i64(row_bytes), i64(m * row_bytes), i32(m), i32(k), i32(b1 != 1))
-        z = max(1, min(-(-t // bn), -(-2 * t * k // (n_expert * bn))))  # as mmq_id's
+        z = max(1, min(-(-t // bn), -(-2 * t * k // (n_expert * bn))))  # z tiles: twice an expert's average share; a busier expert's block loops
         return launch_step(node.op, quantize, group,
                            Launch(fn, (-(-m // (16 * wm)), n_expert, z), (256,), args, smem))
-    if k_cols % 32 == 0 and qt.name in MMQ_TYPES:
-        nt = _slot_tile(t * k / n_expert)
-        fn = kernel("matmul.cu", f"mmq_id<{TYPE_IDS[qt.name]}, {nt}>")
-        args = (ptr(w), np.uint64(x16), np.uint64(offs), np.uint64(slots), ptr(out), i32(k_cols), i64(row_bytes),
-                i64(m * row_bytes), i32(m), i32(k), i32(b1 != 1))
-        # z tiles of 8 nt slots: twice an expert's average share; a busier expert's block loops
-        z = max(1, min(-(-t // (8 * nt)), -(-2 * t * k // (n_expert * 8 * nt))))
-        return launch_step(node.op, quantize_launch(b, ldb, x16, k_cols, t * b1), group,
-                           Launch(fn, (-(-m // 16), n_expert, z), (32 * MQ_WARPS,), args))
     grid, block = grid1d(t * b1 * k_cols)
     convert = Launch(kernel("matmul.cu", "f32_to_f16"), grid, block,
                      (ptr(b), np.uint64(x16), i32(k_cols), i64(ldb), i64(t * b1)))
@@ -133,11 +123,6 @@ def _id_tile(per_expert: float) -> tuple[int, int]:
     """mmq_idt's tile (MT_ID_TILES: 64 weight rows by 16, 32 or 64 slots): the fewest slots that hold an expert's
     average share."""
     return next(((wm, nt) for wm, nt in MT_ID_TILES if per_expert <= 8 * nt * (8 // wm)), MT_ID_TILES[-1])
-
-
-def _slot_tile(per_expert: float) -> int:
-    """mmq_id's groups of 8 slots a tile (MMQ_TILES): the fewest that hold an expert's average share."""
-    return next((nt for nt in MMQ_TILES if per_expert <= 8 * nt), MMQ_TILES[-1])
 
 
 @fuses("mul_mat_id", "mul_mat_id", "swiglu")

@@ -671,9 +671,9 @@ template <> __device__ __forceinline__ void mq_frag<T_Q5_K>(const u8 *row, int b
     d = ld_f16(k) * sc, m = -ld_f16(k + 2) * mn;
 }
 
-#define MQ_WARPS 8  // warps of an mmq or mmq_id block
+#define MQ_WARPS 8  // warps of an mmq block
 
-// mmq's and mmq_id's sums of a tile set to zero
+// mmq's sums of a tile set to zero
 template <int NT> __device__ __forceinline__ void mq_zero(float (*acc)[4]) {
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
@@ -695,7 +695,7 @@ __device__ __forceinline__ void mq_acc(float *acc, const int *c, float da, float
     acc[2] += db * y0.x * (float)c[2] + mb * y0.y;
     acc[3] += db * y1.x * (float)c[3] + mb * y1.y;
 }
-// An m16n8k32 product c of mmq and mmq_id added to acc[4]: the weight fragment's rows grp and grp + 8 (scales
+// An m16n8k32 product c of mmq added to acc[4]: the weight fragment's rows grp and grp + 8 (scales
 // da/db, sum coefficients ma/mb) against 8 token rows' int8 quants (b0, b1: this lane's B column) whose q8_1
 // scales and sums are y0, y1 (C's two columns). For the k-quants each lane of group g sums token g's int8s and
 // C's columns read theirs (the mins meet dy * that sum).
@@ -802,66 +802,6 @@ extern "C" __global__ void moe_group(const int *ids, int *offs, int *cursor, int
     for (int s = threadIdx.x; s < n; s += blockDim.x) {
         const int e = ids[(i64)(s / k) * ldi + s % k];
         list[atomicAdd(&cursor[e], 1)] = s;
-    }
-}
-
-// Prompt, weights of a type with a scale per 32 (MMQ_TYPES): mmq with ids (ggml's mmq for mul_mat_id). Block
-// (x, e, z): weight rows 16 x .. + 15 of expert e against its grouped slots in tiles of 8 NT, tiles z,
-// z + gridDim.z, ...; the slots' activations are q8_1 rows (y: [rows of b, ncols / 32] blocks; slot s reads row
-// s, or with bstep 0 its token's, s / k), met on int8 tensor cores by the weights' quants as mmq does, so no
-// weight is decoded to f16. Each tile's MQ_WARPS partial sums are added in a fixed order; out [slots, M].
-template <int T, int NT>
-__global__ void __launch_bounds__(MQ_WARPS * 32) mmq_id(const u8 *w, const block_q8_1 *y, const int *offs,
-                                                       const int *list, float *out, int ncols, i64 row_bytes,
-                                                       i64 expert_bytes, int M, int k, int bstep) {
-    pdl_begin();
-    __shared__ float red[MQ_WARPS - 1][NT * 4][32];
-    __shared__ int slot[NT * 8];
-    const int e = blockIdx.y, end = offs[e + 1];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane >> 2, tig = lane & 3;
-    const int m0 = blockIdx.x * 16, nb = ncols / 32;
-    const u8 *we = w + (i64)e * expert_bytes;
-    const u8 *wa = we + (i64)min(m0 + grp, M - 1) * row_bytes, *wb = we + (i64)min(m0 + grp + 8, M - 1) * row_bytes;
-    for (int first = offs[e] + blockIdx.z * NT * 8; first < end; first += gridDim.z * NT * 8) {
-        __syncthreads();  // the last tile's slots and partial sums are read
-        if (threadIdx.x < NT * 8) slot[threadIdx.x] = first + (int)threadIdx.x < end ? list[first + threadIdx.x] : -1;
-        __syncthreads();
-        float acc[NT][4];
-        mq_zero<NT>(acc);
-#pragma unroll 2
-        for (int b = warp; b < nb; b += MQ_WARPS) {
-            int a[4];
-            float da, ma, db, mb;
-            mq_frags<T>(wa, wb, b, tig, a, da, ma, db, mb);
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                // B's column (slot of group grp) and C's two columns (slots 2 tig, 2 tig + 1 of the 8)
-                const int sb = slot[nt * 8 + grp], s0 = slot[nt * 8 + 2 * tig], s1 = slot[nt * 8 + 2 * tig + 1];
-                int b0 = 0, b1 = 0;
-                if (sb >= 0) {
-                    const int *u = (const int *)y[(i64)(bstep ? sb : sb / k) * nb + b].qs;
-                    b0 = u[tig], b1 = u[4 + tig];
-                }
-                int c[4] = {0, 0, 0, 0};
-                mma_s8(c, a, b0, b1);
-                float2 y0 = make_float2(0.0f, 0.0f), y1 = y0;
-                if (s0 >= 0) y0 = __half22float2(y[(i64)(bstep ? s0 : s0 / k) * nb + b].ds);
-                if (s1 >= 0) y1 = __half22float2(y[(i64)(bstep ? s1 : s1 / k) * nb + b].ds);
-                mq_add<T>(acc[nt], c, da, ma, db, mb, b0, b1, y0, y1, tig);
-            }
-        }
-        mq_share<NT>(acc, red, warp, lane);
-        if (warp == 0) {
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-#pragma unroll
-                for (int x = 0; x < 4; x++) {
-                    const float v = mq_total<NT>(acc, red, nt, x, lane);
-                    const int row = m0 + grp + (x >= 2 ? 8 : 0), s = slot[nt * 8 + 2 * tig + (x & 1)];
-                    if (row < M && s >= 0) out[(i64)s * M + row] = v;
-                }
-            }
-        }
     }
 }
 
@@ -1046,7 +986,7 @@ __global__ void __launch_bounds__(MT_WARPS * 32, 2) mmqt(const u8 *w0, const u8 
     mt_tile<T, WM, NT>(w, tile * C::BM, M, q, s, rows, rows, out, M, ncols, row_bytes, mt_smem);
 }
 
-// mmq_id in the same layout: block (x, e, z) multiplies weight rows BM x .. of expert e by its grouped slots (moe_group)
+// mmqt for a prompt's experts (ggml's mmq with ids): block (x, e, z) multiplies weight rows BM x .. of expert e by its grouped slots (moe_group)
 // in tiles of BN, tiles z, z + gridDim.z, ...; slot s reads activation row s (bstep 1) or its token's, s / k. out [slots, M]
 template <int T, int WM, int NT>
 __global__ void __launch_bounds__(MT_WARPS * 32, 2) mmq_idt(const u8 *w, const i8 *q, const float2 *s, const int *offs,

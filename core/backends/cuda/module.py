@@ -58,7 +58,6 @@ def _instances() -> dict[str, list[str]]:
         + [f"mmqt<{_t(q)}, {wm}, {nt}>" for q in MMQ_TYPES for wm, nt in MT_TILES]
         + [f"mmq_idt<{_t(q)}, {wm}, {nt}>" for q in MMQ_TYPES for wm, nt in MT_ID_TILES]
         + [f"mmvq_id<{_t(q)}>" for q in DP4A_TYPES] + [f"mmid_tc<{_t(q)}>" for q in weights]
-        + [f"mmq_id<{_t(q)}, {nt}>" for q in MMQ_TYPES for nt in MMQ_TILES]
         + [f"mmvq_id_glu<{_t(q)}, {f}>" for q in DP4A_TYPES for f in GLU_ACTS.values()]
         + [f"mmvq_id_bias<{_t(q)}>" for q in DP4A_TYPES]
         + [f"mmvq_id_glu_bias<{_t(q)}, {f}>" for q in DP4A_TYPES for f in EXPERT_GLU_ACTS.values()]

@@ -83,7 +83,13 @@ template <int T, int WM, int NT> bool check_idt(int n_expert, int kk, int M, int
     launch(dim3((rows * nb + 7) / 8), dim3(256), 0, [&] { quantize_q8_1(x.data(), y.data(), K, K, rows); });
     std::vector<float> ref(slots * M, NAN), out(slots * M, NAN);
     const i64 eb = (i64)M * row_bytes;
-    launch(dim3((M + 15) / 16, n_expert, 2), dim3(256), 0, [&] { mmq_id<T, 4>(w.data(), y.data(), offs.data(), list.data(), ref.data(), K, row_bytes, eb, M, kk, per_slot); });
+    // reference: each expert's weights times every activation row by mmq, then each slot's row of its expert's
+    std::vector<float> dense(rows * M);
+    for (int e = 0; e < n_expert; e++) {
+        launch(dim3((M + 15) / 16, (rows + 63) / 64), dim3(256), 0, [&] { mmq<T, 8>(w.data() + e * eb, y.data(), dense.data(), K, row_bytes, M, rows, M); });
+        for (int sl = 0; sl < slots; sl++)
+            if (ids[sl] == e) std::copy_n(dense.data() + (i64)(per_slot ? sl : sl / kk) * M, M, ref.data() + (i64)sl * M);
+    }
     std::vector<i8> q(rows * K);
     std::vector<float2> s(rows * nb), sq(rows * nb);
     launch(dim3((rows * nb + 7) / 8), dim3(256), 0, [&] { mt_quantize(x.data(), q.data(), s.data(), sq.data(), K, K, rows); });
@@ -92,7 +98,7 @@ template <int T, int WM, int NT> bool check_idt(int n_expert, int kk, int M, int
         mmq_idt<T, WM, NT>(w.data(), q.data(), MqSumQ<T>::v ? sq.data() : s.data(), offs.data(), list.data(), out.data(), K, row_bytes, eb, M, kk, per_slot); });
     const double e1 = relerr(out, ref);
     const bool ok = e1 < 1e-9;
-    printf("%s mmq_idt<%d,%d,%d> E=%d k=%d M=%d K=%d tokens=%d %s: nmse vs mmq_id %.2e\n", ok ? "ok  " : "FAIL", T, WM, NT, n_expert, kk, M, K, ntok, per_slot ? "slots" : "tokens", e1);
+    printf("%s mmq_idt<%d,%d,%d> E=%d k=%d M=%d K=%d tokens=%d %s: nmse vs mmq %.2e\n", ok ? "ok  " : "FAIL", T, WM, NT, n_expert, kk, M, K, ntok, per_slot ? "slots" : "tokens", e1);
     return ok;
 }
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """CUDA's int8 tensor-core products (mmqt, mmq_idt) run on the CPU, without a GPU, against the kernels they stand
-beside (mmq, mmq_id, whose results a GPU has checked) and an exact f64 product: a check of their tiling, staging and
+beside (mmq, whose results a GPU has checked; for the experts, mmq over each expert's rows) and an exact f64 product: a check of their tiling, staging and
 fragment layouts where device time is short.
 
 common.cuh and matmul.cu are compiled as host C++ (g++ -std=c++20, CUDA's headers for cuda_fp16.h) over shim.h,
