@@ -168,6 +168,9 @@ class KVCache:
             self.layers[il] = CacheRows(k, v)
         self.pos = np.full(n_ctx, -1, dtype=np.int32)
         self.seqs = np.zeros((n_ctx, n_seq_max), dtype=bool)
+        # seqs packed as fill_cell_seqs gives them, repacked only where seqs changed since (_stale, _touch)
+        self._bits = np.zeros((n_ctx, -(-n_seq_max // 32) * 4), dtype=np.uint8)
+        self._stale = np.ones(n_ctx, dtype=bool)
         self.tail = np.full(n_seq_max, -1, dtype=np.int32)  # the last cell apply gave each sequence (kv_blocks)
         self.shift = np.zeros(n_ctx, dtype=np.int32)
         self.has_shift = False
@@ -207,12 +210,24 @@ class KVCache:
 
     def fill_cell_seqs(self, out: np.ndarray) -> None:
         """out i32 [cells, words]: the first cells' sequences as bits, sequence s as bit s % 32 of word s // 32
-        (what ops.kq_mask reads)."""
+        (what ops.kq_mask reads). Only the cells whose sequences changed since the last fill are packed again:
+        packing every cell's flags took a decode step of 128 sequences over 32k cells ~1 ms of host time,
+        while the GPU waited."""
         n, nbytes = out.shape[0], out.shape[1] * 4
-        packed = np.packbits(self.seqs[:n], axis=1, bitorder="little")
+        if nbytes < self._bits.shape[1]:
+            raise ValueError(f"{out.shape[1]} words a cell cannot hold {self.n_seq_max} sequences")
+        stale = np.flatnonzero(self._stale[:n])
+        if len(stale):
+            packed = np.packbits(self.seqs[stale], axis=1, bitorder="little")
+            self._bits[stale, :packed.shape[1]] = packed
+            self._stale[stale] = False
         raw = out.view(np.uint8).reshape(n, nbytes)
-        raw[:, :packed.shape[1]] = packed
-        raw[:, packed.shape[1]:] = 0
+        raw[:, :self._bits.shape[1]] = self._bits[:n]
+        raw[:, self._bits.shape[1]:] = 0
+
+    def _touch(self, cells) -> None:
+        """Mark cells (indices or a mask) whose sequences changed, for fill_cell_seqs to pack again."""
+        self._stale[cells] = True
 
     def _recount(self) -> None:
         """Count the used cells and find the highest one again, after cells were freed or moved."""
@@ -252,6 +267,7 @@ class KVCache:
             return
         self.changes += 1
         held[cells] = False
+        self._touch(cells)
         # one sequence: every cell it leaves is empty, no need to look at the others
         emptied = cells if self.n_seq_max == 1 else cells[~self.seqs[cells].any(axis=1)]
         if len(emptied):
@@ -301,6 +317,7 @@ class KVCache:
         self.pos[cells] = pos
         self.seqs[cells] = False
         self.seqs[cells, seq] = True
+        self._touch(cells)
         self.tail[seq] = cells
         if appended:  # the cells just past the top: still packed, n more used
             self._n_used = self._top = self._top + len(cells)
@@ -322,6 +339,7 @@ class KVCache:
         if self.n_seq_max > 1:  # with one sequence, the flag set next is the cell's only one
             self.seqs[cell] = False
         self.seqs[cell, seq] = True
+        self._stale[cell] = True
         self.tail[seq] = cell
         if pos < 0 or cell < 0:  # a cell freed by its position, or counted from the end: count again
             self._recount()
@@ -341,6 +359,7 @@ class KVCache:
             yield
         finally:
             self.pos[cells], self.seqs[cells] = saved[0], saved[1]
+            self._touch(cells)
             self._n_used, self._top, self._max_pos, self.changes = saved[2:]
             self.tail[:] = tail
 
@@ -418,6 +437,7 @@ class KVCache:
             self.seqs[sel] = False
         else:
             self.seqs[sel, seq] = False
+        self._touch(sel)
         emptied = sel & ~self.seqs.any(axis=1)
         self.pos[emptied] = -1
         self.shift[emptied] = 0
@@ -426,7 +446,9 @@ class KVCache:
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Let sequence dst share src's cells in [p0, p1): no data moves."""
         self.changes += 1
-        self.seqs[self._cells(src, p0, p1), dst] = True
+        sel = self._cells(src, p0, p1)
+        self.seqs[sel, dst] = True
+        self._touch(sel)
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
         """Shift positions of seq's cells in [p0, p1) by delta; K is re-rotated before the next use."""
@@ -439,6 +461,7 @@ class KVCache:
         gone = sel & (self.pos < 0)
         self.pos[gone] = -1
         self.seqs[gone] = False
+        self._touch(gone)
         self._recount()
         self.has_shift = True
         self.version += 1
@@ -449,6 +472,7 @@ class KVCache:
         self.tail[:] = -1
         self.pos[:] = -1
         self.seqs[:] = False
+        self._stale[:] = True
         self.shift[:] = 0
         self.has_shift = False
         self._recount()

@@ -64,6 +64,20 @@ def check_counts(kv: KVCache) -> None:
     assert kv._top == (int(used[-1]) + 1 if len(used) else 0)
     if len(used):
         assert kv._max_pos >= kv.pos[used].max()
+    check_cell_seqs(kv)
+
+
+def check_cell_seqs(kv: KVCache) -> None:
+    """fill_cell_seqs gives every cell's sequences as bits, for the first top cells and for all, although it
+    packs only the cells changed since its last call."""
+    words = -(-kv.n_seq_max // 32)
+    want = np.zeros((kv.n_ctx, words * 4), dtype=np.uint8)
+    packed = np.packbits(kv.seqs, axis=1, bitorder="little")
+    want[:, :packed.shape[1]] = packed
+    for n in (kv._top, kv.n_ctx):
+        got = np.full((n, words), -1, dtype=np.int32)
+        kv.fill_cell_seqs(got)
+        np.testing.assert_array_equal(got.view(np.uint8), want[:n])
 
 
 def check_same(kv: KVCache, want: tuple[np.ndarray, ...]) -> None:
@@ -173,6 +187,21 @@ def test_decode_paths_match_the_array_formulas(n_seq_max, window, seed):
     finally:
         KVCache._sees_all = original
     assert steps > 150 and short > 30 and rows > 30
+
+
+def test_cell_seqs_follow_random_changes_of_many_sequences():
+    """Sequence bits of 40 sequences (two words a cell) through random changes, a trial's too (check_counts
+    compares them with the flags after every change)."""
+    rng = np.random.default_rng(5)
+    kv = new_cache(40, None)
+    next_pos = [0] * 40
+    for i in range(300):
+        random_step(kv, rng, next_pos, [None])
+        cells = np.flatnonzero(kv.pos < 0)[:2]
+        if i % 25 == 0 and len(cells) == 2:
+            with kv.trial(cells, np.array([1, 2], np.int32), np.array([7, 39], np.int32)):
+                check_counts(kv)
+            check_counts(kv)
 
 
 def test_in_order_decoding_takes_the_short_paths():
