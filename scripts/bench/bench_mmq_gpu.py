@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Where the CUDA weight products' paths cross: one product node of a model's shapes timed on the GPU through each
 path that can serve it, at each token-row count: mmq (16 weight rows a block, warps split K; up to 64 rows), mmqt
-(ggml's tile layout, whatever the weight's width) and the weights decoded to f16 tiles for cuBLAS; and a prompt's
+(ggml's tile layout, whatever the weight's width) with K split where its tiles leave the GPU idle and without
+(mmqt-1), and the weights decoded to f16 tiles for cuBLAS; and a prompt's
 experts (mul_mat_id) through mmq_idt. Each node's step is captured as a CUDA graph and launched --reps times
 (node_times); medians in microseconds, and each path's result's NMSE against the cuBLAS path's (the experts': against
 the reference kernels').
@@ -25,8 +26,9 @@ from ggrun.core.backends.op_harness import compare, nmse, planned, weight_data
 from ggrun.core.dtypes import DType
 
 BIG = 1 << 30
-# path -> (matmul.MMQ_MAX_ROWS, matmul.MMQT_MAX_ROWS) that sends a product through it
-PATHS = {"mmq": (BIG, 0), "mmqt": (matmul.GEMV_MAX_ROWS, BIG), "cublas": (matmul.GEMV_MAX_ROWS, matmul.GEMV_MAX_ROWS)}
+# path -> (matmul.MMQ_MAX_ROWS, matmul.MMQT_MAX_ROWS, matmul.MT_MAX_SPLIT) that sends a product through it
+PATHS = {"mmq": (BIG, 0, 1), "mmqt": (matmul.GEMV_MAX_ROWS, BIG, matmul.MT_MAX_SPLIT),
+         "mmqt-1": (matmul.GEMV_MAX_ROWS, BIG, 1), "cublas": (matmul.GEMV_MAX_ROWS, matmul.GEMV_MAX_ROWS, 1)}
 # llama-1b (n_embd 2048, n_ff 8192, 32 q heads / 8 kv heads of 64): (name, type, heights, K, op)
 PRODUCTS = (("qkv", DType.Q4_0, (2048, 512, 512), 2048, "multi"), ("attn_out", DType.Q4_0, (2048,), 2048, "one"),
             ("ffn_glu", DType.Q4_0, (8192, 8192), 2048, "glu"), ("ffn_out", DType.Q4_0, (2048,), 8192, "one"),
@@ -89,16 +91,16 @@ def main() -> None:
     ap.add_argument("--no-experts", action="store_true")
     a = ap.parse_args()
     gpu = CUDABackend(0)
-    matmul.MT_WIDTH = matmul.MT_WIDTH_FEW = 0.0  # the row limits alone pick each path, whatever the weight's width
+    matmul.MT_WIDTH, matmul.MT_TALL_ROWS = 0.0, 0  # the row limits alone pick each path, whatever the weight's width
     rows = [int(r) for r in a.rows.split(",")]
     print(f"{'product':14s} {'rows':>5s} " + " ".join(f"{p + ' us':>10s}" for p in PATHS) + "   nmse vs cuBLAS")
     for name, qt, ms, k, op in PRODUCTS:
         for n in rows:
             times, outs = {}, {}
-            for path, (mmq_max, mmqt_max) in PATHS.items():
+            for path, (mmq_max, mmqt_max, split) in PATHS.items():
                 if path == "mmq" and not matmul.GEMV_MAX_ROWS < n <= 8 * max(matmul.MMQ_TILES):
                     continue
-                matmul.MMQ_MAX_ROWS, matmul.MMQT_MAX_ROWS = mmq_max, mmqt_max
+                matmul.MMQ_MAX_ROWS, matmul.MMQT_MAX_ROWS, matmul.MT_MAX_SPLIT = mmq_max, mmqt_max, split
                 times[path], outs[path] = timed(gpu, product(qt, ms, k, op, n), a.reps)
             errs = " ".join(f"{p} {nmse(o, outs['cublas']):.1e}" for p, o in outs.items() if p != "cublas")
             print(f"{name:14s} {n:5d} " + " ".join(f"{times[p]:10.1f}" if p in times else f"{'-':>10s}" for p in PATHS)

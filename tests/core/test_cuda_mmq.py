@@ -42,10 +42,12 @@ def mmqt_wherever_it_can(monkeypatch):
 
 
 @pytest.mark.parametrize("m, k, n, tiled", [(3072, 2048, 64, True), (2048, 2048, 64, False), (16384, 2048, 16, True),
-                                            (3072, 2048, 16, False), (16384, 2048, 128, False)])
+                                            (3072, 2048, 16, True), (16384, 2048, 128, False), (2048, 8192, 16, True),
+                                            (2048, 8192, 32, True), (2048, 8192, 64, False), (2048, 2048, 16, False)])
 def test_mmqt_serves_wide_weights_of_few_dozen_rows(gpu, monkeypatch, m, k, n, tiled):
-    """With the dispatch's own settings: mmqt for weights at least MT_WIDTH (past mmq's rows) or MT_WIDTH_FEW times
-    as high as K up to MMQT_MAX_ROWS token rows, else mmq or f16 tiles and cuBLAS (where each measured faster)."""
+    """With the dispatch's own settings: mmqt for weights at least MT_WIDTH times as high as K up to MMQT_MAX_ROWS token
+    rows, and for those at most half as high up to MT_TALL_ROWS; else mmq or f16 tiles and cuBLAS (where each measured
+    faster)."""
     monkeypatch.undo()
     assert ("mul_mat (mmqt)" in _steps(gpu, _product(DType.Q4_0, m, k, n, 1))) == tiled
 
@@ -81,6 +83,30 @@ def test_tiles_and_chunks(gpu, dtype, n):
     """200 weight rows (several tiles, the last part-filled) of K in several chunks, the last of one block for the
     32-element types (33 blocks: rows of odd bytes, so a chunk's weight bytes start anywhere in a 16-byte word)."""
     assert compare(gpu, _product(dtype, 200, _width(dtype, 33), n, n + 1)) < MUL_MAT["CUDA"]
+
+
+@pytest.mark.parametrize("n", [24, 40])
+@pytest.mark.parametrize("dtype", [DType.Q4_0, DType.Q4_K, DType.MXFP4], ids=lambda t: t.name)
+def test_split_k(gpu, dtype, n):
+    """Tall weights (few tiles, K of 97 blocks: 13 chunks in shares, the last share shorter), one and three of them in a
+    launch: each tile's last block adds the shares, and leaves its ticket at 0 for the next launch."""
+    k = _width(dtype, 97)
+    ms = (80, 40, 72)
+    assert all(matmul._mt_split(list(h), n, k) > 1 for h in (ms[:1], ms))
+    rng = np.random.default_rng(n)
+    data = [weight_data(dtype, m, k, seed=i) for i, m in enumerate(ms)]
+    x = values(rng, n, k)
+
+    def one(lf):
+        return ops.mul_mat(lf.weight("w0", dtype, (ms[0], k), data[0]), lf.input("x", F32, x))
+
+    def three(lf):
+        ws = tuple(lf.weight(f"w{i}", dtype, (m, k), d) for i, (m, d) in enumerate(zip(ms, data)))
+        return ops.mul_mat_multi(ws, lf.input("x", F32, x), ("p0", "p1", "p2"))[0].view_src
+    for build in (one, three):
+        assert "mul_mat (mmqt)" in _steps(gpu, build)
+        assert compare(gpu, build) < MUL_MAT["CUDA"]
+        assert not gpu.tickets(1).any()
 
 
 @pytest.mark.parametrize("n", [24, 64])

@@ -36,6 +36,7 @@ from ggrun.core.backends.cuda import ops as _ops  # noqa: F401  (registers kerne
 from ggrun.core.backends.cuda import sample as _sample  # noqa: F401  (registers ops.sample's kernel)
 from ggrun.core.backends.cuda.binding import FUSIONS, TABLE, Step, launches_of, nothing
 from ggrun.core.backends.cuda.graphs import Prepared
+from ggrun.core.backends.cuda.launch import TICKETS
 from ggrun.core.backends.cuda.module import TYPE_IDS, kernel
 from ggrun.core.backends.kernels import KERNELS
 from ggrun.core.dtypes import DType
@@ -50,7 +51,6 @@ FETCH_BLOCKS = 32  # blocks of fetch_checked: as fast as 132 or 528 for 128k log
 NO_FLAGS = bytes(4 * FETCH_BLOCKS)  # the flags of fetch_checked when every value is finite
 H2D, D2H = 1, 2  # cudaMemcpyKind
 PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
-TICKETS = 1024  # counters shared by kernels that elect a last block (one per KV head in attention)
 # the ops whose kernels read GGUF blocks
 BLOCK_OPS = ("mul_mat", "mul_mat_multi", "mul_mat_glu", "get_rows", "mul_mat_id")
 

@@ -24,6 +24,7 @@ import cupy
 import numpy as np
 
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+TICKETS = 1024  # counters shared by kernels that elect a last block (backend.tickets: one per KV head in attention)
 
 
 class LaunchError(RuntimeError):

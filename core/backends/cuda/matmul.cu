@@ -920,31 +920,35 @@ __device__ __forceinline__ void mt_chunk(const u8 *st, const u8 *ra, const u8 *r
     }
 }
 
-// A block's tile: weight rows r0 .. r0 + BM - 1 of w (M rows) by the activation rows src[0 .. BN); column j's sums go
-// to out row dst[j] (row stride ldo; -1: none). src and dst in shared memory, set before the call.
+// A block's tile: weight rows r0 .. r0 + BM - 1 of w (M rows) by the activation rows src[0 .. BN), over K's chunks
+// c0 .. c1 - 1; column j's sums go to out row dst[j] (row stride ldo; -1: none). src and dst in shared memory, set
+// before the call.
 template <int T, int WM, int NT>
 __device__ __forceinline__ void mt_tile(const u8 *w, int r0, int M, const i8 *q, const float2 *s, const int *src,
-                                        const int *dst, float *out, i64 ldo, int ncols, i64 row_bytes, u8 *smem) {
+                                        const int *dst, float *out, i64 ldo, int ncols, i64 row_bytes, u8 *smem,
+                                        int c0, int c1) {
     using C = Mt<T, WM, NT>;
     using W = MtW<T>;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane >> 2, tig = lane & 3;
-    const int wm = warp % WM, wn = warp / WM, nb = ncols / 32, nc = (nb + MT_KB - 1) / MT_KB;
+    const int wm = warp % WM, wn = warp / WM, nb = ncols / 32;
     const int la = wm * 16 + grp;  // this lane's rows in the tile: la, la + 8
     const u8 *ga = w + (i64)min(r0 + la, M - 1) * row_bytes, *gb = w + (i64)min(r0 + la + 8, M - 1) * row_bytes;
     float acc[NT][4];
     mq_zero<NT>(acc);
 #pragma unroll
-    for (int c = 0; c < C::STAGES - 1; c++) {  // a group of copies a chunk, empty past the last
-        if (c < nc) mt_stage<T, WM, NT>(smem + c * C::STAGE, w, r0, M, row_bytes, q, s, src, ncols, c);
+    for (int i = 0; i < C::STAGES - 1; i++) {  // a group of copies a chunk, empty past the last
+        if (c0 + i < c1) mt_stage<T, WM, NT>(smem + i * C::STAGE, w, r0, M, row_bytes, q, s, src, ncols, c0 + i);
         cp_commit();
     }
-    for (int c = 0; c < nc; c++) {
-        const int next = c + C::STAGES - 1;  // into the stage chunk c - 1 was read from
-        if (next < nc) mt_stage<T, WM, NT>(smem + (next % C::STAGES) * C::STAGE, w, r0, M, row_bytes, q, s, src, ncols, next);
+    for (int c = c0; c < c1; c++) {
+        const int i = c - c0, next = c + C::STAGES - 1;  // into the stage chunk c - 1 was read from
+        if (next < c1)
+            mt_stage<T, WM, NT>(smem + ((i + C::STAGES - 1) % C::STAGES) * C::STAGE, w, r0, M, row_bytes, q, s, src,
+                                ncols, next);
         cp_commit();
         cp_wait<C::STAGES - 1>();  // chunk c's copies are done
         __syncthreads();
-        const u8 *st = smem + (c % C::STAGES) * C::STAGE;
+        const u8 *st = smem + (i % C::STAGES) * C::STAGE;
         const int oa = (int)((u64)(ga + (i64)c * W::L) & 15), ob = (int)((u64)(gb + (i64)c * W::L) & 15);
         mt_chunk<T, WM, NT>(st, st + la * W::LD + oa, st + (la + 8) * W::LD + ob, acc, wn, grp, tig,
                             min(MT_KB, nb - c * MT_KB));
@@ -962,11 +966,15 @@ __device__ __forceinline__ void mt_tile(const u8 *w, int r0, int M, const i8 *q,
 
 // out_i[t, row] = W_i[row] . y[t] for N token rows and up to three weights of one type and width (q, k and v; gate and
 // up): block x is tile x of the weights' tiles of BM rows, 0's first (m0 rows, product [N, m0] at o0), then 1's, 2's;
-// block y the token rows BN y ..
+// block y the token rows BN y .. The products lie one after another from o0 (o1 and o2 after it). With gridDim.z > 1
+// (split K: tall weights, whose few tiles would each walk a long K on one multiprocessor) block z sums its share of
+// K's chunks into part (pstride floats a share, laid out as the products from o0), and the last of a tile's blocks to
+// finish (tickets: one per tile x and y, left at 0) adds the shares in order into the products.
 template <int T, int WM, int NT>
 __global__ void __launch_bounds__(MT_WARPS * 32, 2) mmqt(const u8 *w0, const u8 *w1, const u8 *w2, float *o0, float *o1,
                                                      float *o2, int m0, int m1, int m2, const i8 *q, const float2 *s,
-                                                     int ncols, i64 row_bytes, int N) {
+                                                     int ncols, i64 row_bytes, int N, float *part, i64 pstride,
+                                                     int *tickets) {
     using C = Mt<T, WM, NT>;
     extern __shared__ __align__(16) u8 mt_smem[];
     __shared__ int rows[C::BN];
@@ -980,10 +988,25 @@ __global__ void __launch_bounds__(MT_WARPS * 32, 2) mmqt(const u8 *w0, const u8 
     } else if (tile >= t0) {
         w = w1, out = o1, M = m1, tile -= t0;
     }
-    const int n0 = blockIdx.y * C::BN;
+    const int n0 = blockIdx.y * C::BN, nc = (ncols / 32 + MT_KB - 1) / MT_KB, split = gridDim.z;
     if (threadIdx.x < C::BN) rows[threadIdx.x] = n0 + (int)threadIdx.x < N ? n0 + (int)threadIdx.x : -1;
     __syncthreads();
-    mt_tile<T, WM, NT>(w, tile * C::BM, M, q, s, rows, rows, out, M, ncols, row_bytes, mt_smem);
+    const int per = (nc + split - 1) / split, c0 = blockIdx.z * per, c1 = min(nc, c0 + per);
+    const i64 at = out - o0;  // this weight's products from o0 (and its shares from part)
+    mt_tile<T, WM, NT>(w, tile * C::BM, M, q, s, rows, rows, split == 1 ? out : part + blockIdx.z * pstride + at, M,
+                       ncols, row_bytes, mt_smem, c0, c1);
+    if (split == 1) return;
+    int *ticket = tickets + blockIdx.y * gridDim.x + blockIdx.x;
+    if (!last_block(ticket, split)) return;
+    for (int i = threadIdx.x; i < C::BN * C::BM; i += MT_WARPS * 32) {  // consecutive threads, consecutive weight rows
+        const int row = tile * C::BM + i % C::BM, d = rows[i / C::BM];
+        if (row >= M || d < 0) continue;
+        const float *p = part + at + (i64)d * M + row;
+        float v = 0.0f;
+        for (int z = 0; z < split; z++) v += __ldcg(p + z * pstride);  // other blocks wrote them: read from L2
+        out[(i64)d * M + row] = v;
+    }
+    if (threadIdx.x == 0) *ticket = 0;
 }
 
 // mmqt for a prompt's experts (ggml's mmq with ids): block (x, e, z) multiplies weight rows BM x .. of expert e by its grouped slots (moe_group)
@@ -1005,7 +1028,8 @@ __global__ void __launch_bounds__(MT_WARPS * 32, 2) mmq_idt(const u8 *w, const i
             dst[threadIdx.x] = sl, src[threadIdx.x] = sl < 0 ? -1 : bstep ? sl : sl / k;
         }
         __syncthreads();
-        mt_tile<T, WM, NT>(we, blockIdx.x * C::BM, M, q, s, src, dst, out, M, ncols, row_bytes, mt_smem);
+        mt_tile<T, WM, NT>(we, blockIdx.x * C::BM, M, q, s, src, dst, out, M, ncols, row_bytes, mt_smem, 0,
+                           (ncols / 32 + MT_KB - 1) / MT_KB);
     }
 }
 

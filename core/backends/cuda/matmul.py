@@ -26,7 +26,7 @@ from ggrun.core.backends.cuda import blas
 from ggrun.core.backends.cuda.binding import (NULL, Launch, Step, binds, estrides, f32, fuses, grid1d, i32, i64,
                                               launch_step, ptr, rows_of, writes_apart)
 from ggrun.core.backends.cuda.handoff import Q8_1_BYTES, SLOT_BYTES
-from ggrun.core.backends.cuda.launch import multiprocessors
+from ggrun.core.backends.cuda.launch import TICKETS, multiprocessors
 from ggrun.core.backends.cuda.module import (DP4A_TYPES, FLOATS, GEMV_COLS, GLU_ACTS, MMQ_TILES, MMQ_TYPES, MT_TILES,
                                              NO_WEIGHT, TYPE_IDS, kernel)
 from ggrun.core.backends.cuda.ops import rope_params, rope_qkv, weight_id
@@ -37,14 +37,19 @@ from ggrun.core.tensor import Tensor
 GEMV_MAX_ROWS = 8
 MMQ_MAX_ROWS = 16  # token rows up to which mmq serves (past GEMV_MAX_ROWS): on an H200 (llama-1b Q4_0) a decode
 # step of 16 sequences went 4,142 -> 4,826 t/s; at 32 and 64 rows decoding to f16 for cuBLAS was faster (-5%, -21%)
-# Where mmqt serves, from scripts/bench/bench_mmq_gpu.py on an H200 (llama-1b Q4_0's products, us, mmq / mmqt /
-# f16 tiles and cuBLAS): it wins on wide weights (height M at least MT_WIDTH times K: q, k and v 3072 x 2048 at
-# 32..128 rows 45/37/46 .. -/34/48; gate and up 16384 x 2048 at 16..64 rows 51/34/65 .. 126/55/70) and loses on
-# square and tall ones (attn_out 2048 x 2048: 30/36/23 at 64 rows; ffn_out 2048 x 8192: 76/111/49), where its
-# few blocks each walk a long K; at 128 rows and more cuBLAS wins gate and up (74 against 88).
+# Where mmqt serves, from scripts/bench/bench_mmq_gpu.py on an H200 (llama-1b Q4_0's products, us, mmq / mmqt with
+# K split where _mt_split says / f16 tiles and cuBLAS, at 16, 32 and 64 rows): it wins on wide weights (height M at
+# least MT_WIDTH times K: q, k and v 3072 x 2048 31/26/42, 40/27/42, 66/27/45; gate and up 16384 x 2048 51/33/65,
+# 68/38/67, 129/55/73) and, K split, on tall ones up to MT_TALL_ROWS (ffn_out 2048 x 8192 39/27/40, 44/38/41; at 64
+# rows 74/52/42); square ones go to mmq (attn_out 2048 x 2048 at 16 rows 16/27/22) or cuBLAS. At 128 rows cuBLAS
+# wins gate and up (74 against 86).
 MMQT_MAX_ROWS = 64  # token rows up to which mmqt serves (decode steps of many sequences)
-MT_WIDTH = 1.5  # M / K from which mmqt serves past MMQ_MAX_ROWS token rows
-MT_WIDTH_FEW = 4.0  # and from which it serves in mmq's stead, past GEMV_MAX_ROWS (16 rows: gate and up 34 us, mmq 51)
+MT_WIDTH = 1.5  # M / K from which mmqt serves
+MT_TALL_ROWS = 32  # token rows up to which it serves weights at most half as high as K too (split K)
+MT_MAX_SPLIT = 8  # shares of K an mmqt product is split into at most (tall weights: split K)
+MT_SPLIT_CHUNKS = 4  # K's chunks of MT_KB blocks (1024 columns) a share takes at least
+MT_SPLIT_BELOW = 1.5  # blocks per multiprocessor under which K is split (q, k and v at 64 rows: 192 blocks, 34 -> 27
+# us; gate and up at 12 rows: 256 blocks, 33 -> 38 us split, the shares' sums 2 x 12 x 16384 floats)
 MQ_WARPS = 8  # warps of an mmq block (matmul.cu)
 MT_KB, MT_QLD = 8, 8 * 32 + 16  # mmqt's q8_1 blocks a chunk and bytes of a token's staged quants (matmul.cu)
 MT_SMEM3 = 112 << 10  # bytes up to which mmqt's stages are three
@@ -109,7 +114,9 @@ def _scratch(node: Tensor) -> int:
     if _mmq_serves(node, k, n):
         return n * (k // 32) * Q8_1_BYTES
     if _mt_serves(node, k, n):
-        return mt_bytes(n, k, [w.dtype for w in _weights(node)])
+        parts = [Part(w.dtype, None, w.shape[0], 0) for w in _weights(node)]
+        shares = max(_mt_split([p.m for p in g], n, k) * sum(p.m for p in g) for g in _same_type_groups(parts))
+        return _up16(mt_bytes(n, k, [w.dtype for w in _weights(node)])) + shares * n * 4
     return (max(_tile_rows(m, k) for m in ms) + n) * k * 2
 
 
@@ -122,11 +129,12 @@ def _mmq_serves(node: Tensor, k: int, n: int) -> bool:
 
 def _mt_serves(node: Tensor, k: int, n: int) -> bool:
     """Whether mmqt runs the product: past mmvq's token rows up to MMQT_MAX_ROWS, every weight of a type it reads,
-    the weights together at least MT_WIDTH (MT_WIDTH_FEW where mmq serves) times as high as K."""
+    the weights together at least MT_WIDTH times as high as K, or up to MT_TALL_ROWS at most half as high."""
     if not (GEMV_MAX_ROWS < n <= MMQT_MAX_ROWS and k % 32 == 0
             and all(w.dtype.name in MMQ_TYPES for w in _weights(node))):
         return False
-    return sum(w.shape[0] for w in _weights(node)) >= (MT_WIDTH_FEW if n <= MMQ_MAX_ROWS else MT_WIDTH) * k
+    height = sum(w.shape[0] for w in _weights(node))
+    return height >= MT_WIDTH * k or (n <= MT_TALL_ROWS and 2 * height <= k)
 
 
 def _up16(n: int) -> int:
@@ -193,6 +201,20 @@ def _mt_tile(ms: list[int], n: int) -> tuple[int, int, int]:
     return best[1:]
 
 
+def _mt_split(ms: list[int], n: int, k: int) -> int:
+    """Shares of K an mmqt launch for weights of heights ms and n token rows is split into: one, unless its tiles
+    (_mt_tile) are under MT_SPLIT_BELOW blocks a multiprocessor, as tall weights' few tiles are (ffn_out, 2048 x 8192:
+    64 tiles each walking 32 chunks); then enough to fill the GPU's block slots (two a multiprocessor), each share of
+    at least MT_SPLIT_CHUNKS chunks, and no more tiles than the tickets that elect each tile's last block."""
+    wm, _, bn = _mt_tile(ms, n)
+    blocks = sum(-(-m // (16 * wm)) for m in ms) * -(-n // bn)
+    chunks = -(-k // (32 * MT_KB))
+    split = min(MT_MAX_SPLIT, chunks // MT_SPLIT_CHUNKS, -(-2 * multiprocessors() // blocks))
+    if split <= 1 or blocks >= MT_SPLIT_BELOW * multiprocessors() or blocks > TICKETS:
+        return 1
+    return -(-chunks // -(-chunks // split))  # no share left empty
+
+
 def _chunks(n: int) -> list[int]:
     """n token rows as a sum of the row counts the product kernels are built for."""
     out = []
@@ -228,7 +250,7 @@ def _bind_products(node: Tensor, out, srcs, scratch, backend):
     if _mmq_serves(node, k, n):
         return _mmq(parts, srcs[-1], b[2], scratch, k, n)
     if _mt_serves(node, k, n):
-        return _mmqt(parts, srcs[-1], b[2], scratch, k, n)
+        return _mmqt(parts, srcs[-1], b[2], scratch, k, n, backend)
     return _gemm(parts, srcs[-1], b[2], scratch, backend, k, n)
 
 
@@ -422,24 +444,28 @@ def _mmq(parts: list, b, ldb: int, scratch, k: int, n: int) -> Step:
     return launch_step("mul_mat (mmq)", *launches)
 
 
-def _mmqt(parts: list, b, ldb: int, scratch, k: int, n: int) -> Step:
+def _mmqt(parts: list, b, ldb: int, scratch, k: int, n: int, backend) -> Step:
     """Dozens to hundreds of token rows: the activations quantized once (mt_quantize), then an mmqt launch for each
-    run of up to three weights of one type (q, k and v; gate and up), tiles sized by _mt_tile."""
+    run of up to three weights of one type (q, k and v; gate and up), tiles sized by _mt_tile, K split into shares
+    by _mt_split (their sums in scratch past the activations)."""
     quantize, q, scales = mt_quantize(b, ldb, scratch.data.ptr, k, n, [p.qt for p in parts])
+    part = scratch.data.ptr + _up16(mt_bytes(n, k, [p.qt for p in parts]))
     launches = [quantize]
     for group in _same_type_groups(parts):
         qt = group[0].qt
         ms = [p.m for p in group]
         wm, nt, bn = _mt_tile(ms, n)
+        split = _mt_split(ms, n, k)
         fn, smem = mt_kernel("mmqt", qt, wm, nt)
         pad = MMVQ_WEIGHTS - len(group)
         ws = [ptr(p.arr) for p in group] + [ptr(group[-1].arr)] * pad
         outs = [np.uint64(p.out_at) for p in group] + [np.uint64(group[-1].out_at)] * pad
         heights = ms + [0] * pad
         tiles = sum(-(-m // (16 * wm)) for m in ms)
+        tickets = ptr(backend.tickets(tiles * -(-n // bn))) if split > 1 else NULL
         args = (*ws, *outs, *map(i32, heights), np.uint64(q), np.uint64(scales[qt.name in SUM_Q]), i32(k),
-                i64(qt.row_bytes(k)), i32(n))
-        launches.append(Launch(fn, (tiles, -(-n // bn)), (256,), args, smem))
+                i64(qt.row_bytes(k)), i32(n), np.uint64(part if split > 1 else 0), i64(n * sum(ms)), tickets)
+        launches.append(Launch(fn, (tiles, -(-n // bn), split), (256,), args, smem))
     return launch_step("mul_mat (mmqt)", *launches)
 
 
@@ -512,7 +538,7 @@ def _bind_glu(node: Tensor, out, srcs, scratch, backend):
     elif _mmq_serves(node, k, n):
         step = _mmq(parts, srcs[-1], b[2], work, k, n)
     elif _mt_serves(node, k, n):
-        step = _mmqt(parts, srcs[-1], b[2], work, k, n)
+        step = _mmqt(parts, srcs[-1], b[2], work, k, n, backend)
     else:
         step = _gemm(parts, srcs[-1], b[2], work, backend, k, n)
     grid, block = grid1d(n * m)

@@ -28,7 +28,7 @@ static double relerr(const std::vector<float> &a, const std::vector<float> &b) {
     return e / n;
 }
 
-template <int T, int WM, int NT> bool check_mmqt(int M, int K, int N) {
+template <int T, int WM, int NT> bool check_mmqt(int M, int K, int N, int split = 1) {
     auto w = weights<T>(M, K);
     const i64 row_bytes = (i64)(K / Block<T>::QK) * Block<T>::BYTES;
     std::vector<float> x(N * K);
@@ -46,10 +46,14 @@ template <int T, int WM, int NT> bool check_mmqt(int M, int K, int N) {
     // the weight as three of rows M/2, M/4 and the rest: one launch
     const int m0 = M / 2, m1 = M / 4, m2 = M - m0 - m1;
     const int tiles = (m0 + C::BM - 1) / C::BM + (m1 + C::BM - 1) / C::BM + (m2 + C::BM - 1) / C::BM;
-    std::vector<float> o0(N * m0), o1(N * m1), o2(N * m2);
-    launch(dim3(tiles, (N + C::BN - 1) / C::BN), dim3(256), C::STAGES * C::STAGE, [&] {
-        mmqt<T, WM, NT>(w.data(), w.data() + m0 * row_bytes, w.data() + (m0 + m1) * row_bytes, o0.data(), o1.data(),
-                        o2.data(), m0, m1, m2, q.data(), sc, K, row_bytes, N); });
+    std::vector<float> prod(N * M, NAN), part(split * N * M, NAN);  // the three products one after another
+    float *o0 = prod.data(), *o1 = o0 + N * m0, *o2 = o1 + N * m1;
+    const int ytiles = (N + C::BN - 1) / C::BN;
+    std::vector<int> tickets(tiles * ytiles, 0);
+    launch(dim3(tiles, ytiles, split), dim3(256), C::STAGES * C::STAGE, [&] {
+        mmqt<T, WM, NT>(w.data(), w.data() + m0 * row_bytes, w.data() + (m0 + m1) * row_bytes, o0, o1, o2, m0, m1, m2,
+                        q.data(), sc, K, row_bytes, N, part.data(), (i64)N * M, tickets.data()); });
+    for (int t : tickets) if (t != 0) { printf("FAIL a ticket left at %d\n", t); return false; }
     for (int t = 0; t < N; t++) for (int r = 0; r < M; r++)
         out[t * M + r] = r < m0 ? o0[t * m0 + r] : r < m0 + m1 ? o1[t * m1 + r - m0] : o2[t * m2 + r - m0 - m1];
     // exact reference: dequantized weights times x
@@ -61,7 +65,7 @@ template <int T, int WM, int NT> bool check_mmqt(int M, int K, int N) {
     }
     const double e1 = relerr(out, ref), e2 = relerr(out, ex), e3 = relerr(ref, ex);
     const bool ok = e1 < 1e-9 && e2 < 5e-4;
-    printf("%s mmqt<%d,%d,%d> M=%d K=%d N=%d: nmse vs mmq %.2e, vs exact %.2e (mmq vs exact %.2e)\n", ok ? "ok  " : "FAIL", T, WM, NT, M, K, N, e1, e2, e3);
+    printf("%s mmqt<%d,%d,%d> M=%d K=%d N=%d split=%d: nmse vs mmq %.2e, vs exact %.2e (mmq vs exact %.2e)\n", ok ? "ok  " : "FAIL", T, WM, NT, M, K, N, split, e1, e2, e3);
     return ok;
 }
 
@@ -110,6 +114,8 @@ int main(int argc, char **argv) {
         ok &= check_mmqt<T_MXFP4, 2, 2>(200, 1056, 70);
         ok &= check_mmqt<T_Q4_K, 4, 1>(150, 1024, 20);
         ok &= check_mmqt<T_Q5_K, 2, 4>(67, 512, 130);
+        ok &= check_mmqt<T_Q4_0, 2, 1>(200, 2336, 16, 4);  // split K: 10 chunks in shares of 3, 3, 3, 1
+        ok &= check_mmqt<T_Q4_K, 4, 2>(150, 2048, 37, 3);
     }
     if (what == "all" || what == "b") {
         ok &= check_mmqt<T_Q4_1, 4, 4>(100, 1056, 64);

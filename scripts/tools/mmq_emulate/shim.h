@@ -37,6 +37,7 @@ inline void copy_async(void *dst, const void *src, size_t n) {
     memcpy(dst, src, n);
 }
 inline int atomicAdd(int *p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+template <class T> T __ldcg(const T *p) { return *p; }
 inline int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; i++) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
     return c;
