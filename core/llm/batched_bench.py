@@ -97,15 +97,18 @@ def warm_up(session: Session, n_batch: int) -> None:
 
 
 def warm_up_test(session: Session, test: BatchedTest, n_batch: int) -> None:
-    """Untimed, before a row is measured: its prompts and one decode step, then the cache cleared, as
+    """Untimed, before a row is measured: its prompts and one decode step, twice, then the cache cleared, as
     llama-bench warms up each test (its prompt, and one token of generation). ggrun builds, plans and
-    (on a GPU) captures a graph for each new shape on its first run, ~100 ms of host work for a 1B model,
-    where llama.cpp's graph costs it about a millisecond: a row measured cold would time that once-per-shape
-    work beside B prompts or decode steps. The step decodes with the prompt's cells in place, so the timed
-    steps find their graph (until the cache outgrows the next power of two of cells)."""
-    _prompts(session, test, n_batch)
-    if test.tg:
-        _decode_in_batches(session, decode_batch(test, 0), n_batch, session.logits_on_device)
+    (on a GPU) captures a graph for each new shape, ~100 ms of host work for a 1B model, where llama.cpp's
+    graph costs it about a millisecond: a row measured cold would time that once-per-shape work beside B
+    prompts or decode steps. A graph runs eagerly the first time and is captured the second (cuda/graphs.py),
+    so once was not enough: B = 1's timed prompt of 128 tokens paid its capture (H200, llama-1b: S_PP 1.00x
+    llama.cpp's). The step decodes with the prompt's cells in place, so the timed steps find their graph
+    (until the cache outgrows the next power of two of cells)."""
+    for _ in range(2):
+        _prompts(session, test, n_batch)
+        if test.tg:
+            _decode_in_batches(session, decode_batch(test, 0), n_batch, session.logits_on_device)
     session.clear()
 
 
