@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 
 from ggrun.core.backends.base import Backend
-from ggrun.core.llm.inputs import GraphInput, GraphParams, UBatchState
+from ggrun.core.llm.inputs import GraphInput, GraphParams, InpSamplingRows, UBatchState
 from ggrun.core.sched import ScheduledGraph
 from ggrun.core.tensor import Tensor
 
@@ -42,6 +42,12 @@ class GraphResult:
         """Fill every input of the graph for micro-batch state st (inputs live in the CPU's memory)."""
         for set_input, arr in self._input_arrays(cpu):
             set_input(st, arr)
+
+    def set_sampling_inputs(self, st: UBatchState, cpu: Backend) -> None:
+        """Fill only the inputs of ops.sample's rows for st (a readied step's last ones, ready_step.py)."""
+        for i, (set_input, arr) in zip(self.inputs, self._input_arrays(cpu)):
+            if isinstance(i, InpSamplingRows):
+                set_input(st, arr)
 
     def input_array(self, name: str, cpu: Backend) -> np.ndarray:
         """The array over the input tensor called `name` (as set_inputs fills it)."""

@@ -36,7 +36,7 @@ from ggrun.core.llm.inputs import GraphInputs, GraphParams, UBatchState
 from ggrun.core.llm.kv_cache import KVCache
 from ggrun.core.llm.model import Model
 from ggrun.core.llm.numerics import NonFiniteLogits, first_non_finite, non_finite_kind
-from ggrun.core.llm.ready_step import ReadyStep, ready_next, stamp
+from ggrun.core.llm.ready_step import ReadyStep, readies, ready_next, stamp
 from ggrun.core.llm.session_caches import apply_k_shift, k_shift_graph, kv_bytes_by_backend, make_caches
 from ggrun.core.llm.session_params import SessionParams
 from ggrun.core.sched import ScheduledGraph, Scheduler
@@ -240,11 +240,10 @@ class Session:
         graphs end in the logits' argmax, with sampling in ops.sample."""
         self._check_batch(batch)
         ready, self._ready = self._ready, None
-        if (ready is not None and sampling is None and ready.params.greedy == greedy
-                and ready.serves(batch, stamp(self.kv, self.sched))):
+        if ready is not None and self._serves(ready, batch, greedy, sampling):
             if self.interrupt is not None and self.interrupt():
                 raise Interrupted()
-            return [self._take(ready, batch)]
+            return [self._take(ready, batch, sampling)]
         outs = []
         row, ahead = 0, len(batch)
         for ub in split_batch(batch, self.n_ubatch):
@@ -257,6 +256,13 @@ class Session:
             if out is not None:
                 outs.append(out)
         return outs
+
+    def _serves(self, ready: ReadyStep, batch: Batch, greedy: bool, sampling: SamplingRows | None) -> bool:
+        """Whether the readied step is this batch's, decoded as asked (greedy or not, sampled with rows of its
+        shape and its log-probabilities or not)."""
+        n_probs = self._n_probs if sampling is not None else -1
+        return (ready.params.greedy == greedy and ready.params.n_probs == n_probs
+                and ready.serves(batch, stamp(self.kv, self.sched), sampling.shape_key if sampling is not None else ()))
 
     def _fetch(self, res: GraphResult, sampling: SamplingRows | None = None) -> tuple[np.ndarray, bool]:
         """What a computed micro-batch gives back and whether its logits are finite: the logits, or from a graph
@@ -331,21 +337,26 @@ class Session:
         res.set_inputs(st, self.sched.cpu)
         return self._run(st, res, t0)
 
-    def _take(self, ready: ReadyStep, batch: Batch) -> np.ndarray:
-        """Decode the step readied during the last one (ready_step.py): its cell recorded, its token written."""
+    def _take(self, ready: ReadyStep, batch: Batch, sampling: SamplingRows | None) -> np.ndarray:
+        """Decode the step readied during the last one (ready_step.py): its cells recorded, its tokens (and
+        sampling rows) written."""
         t0 = time.perf_counter()
-        ub = ready.take(batch)
-        self.kv.apply_one(ready.cell, ready.pos, ready.seq)
+        st = ready.take(batch, sampling)
+        n = ready.n
+        if n == 1:
+            self.kv.apply_one(int(st.cells[0]), ready.pos, ready.seq)
+        else:
+            self.kv.apply(st.cells[:n], st.ub.pos[:n], st.ub.seq[:n])
         self._reused(ready.params, ready.res)
-        return self._run(UBatchState(ub, ready.cells, self.kv), ready.res, t0)
+        return self._run(st, ready.res, t0)
 
     def _run(self, st: UBatchState, res: GraphResult, t0: float) -> np.ndarray | None:
         """Compute a micro-batch whose inputs are filled (since t0); while the device works, ready the next
         step of a one-token one; its logits."""
         ub = st.ub
         _compute_quietly(self.sched, res.sg)
-        if ub.n_tokens == 1 and ub.n_outputs == 1:
-            self._ready = ready_next(st, res, self.caches, self.sched, self.graph_reuse)
+        if readies(ub):
+            self._ready = self._ready_next(st, res)
         out, finite = self._fetch(res, st.sampling) if ub.n_outputs else (None, True)
         dt = time.perf_counter() - t0
         self.stats.compute_s += dt
@@ -361,6 +372,10 @@ class Session:
         if self._kept_logprobs is not None and ub.n_outputs:
             self._kept_logprobs.append(self._logprobs(res, out[:real]))
         return out[:real] if ub.n_out_pad else out
+
+    def _ready_next(self, st: UBatchState, res: GraphResult) -> ReadyStep | None:
+        """The next decode step after st's, readied while the device computes st's (ready_step.py)."""
+        return ready_next(st, res, self.caches, self.sched, self.graph_reuse, self.n_ubatch)
 
     def _logprobs(self, res: GraphResult, ids: np.ndarray) -> np.ndarray:
         """The micro-batch's ops.sample_logprobs rows; a row whose token the host drew (ops.SAMPLE_ON_HOST: the

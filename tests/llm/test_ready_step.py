@@ -1,6 +1,7 @@
 """A decode step readied while the device computes the one before it (core/llm/ready_step.py): taken when
 the next batch is that step, dropped otherwise, and never visible: logits, cells and reuse decisions equal
-those of a session that readies nothing, over random histories of steps, prompts and sequence edits."""
+those of a session that readies nothing, over random histories of steps, prompts and sequence edits, for
+one sequence and for steps of several (buckets), greedy, sampled and with logits."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +10,9 @@ import pytest
 from ggrun.core.backends.cpu import CPUBackend
 from ggrun.core.backends.sim import SimBackend
 from ggrun.core.llm.batch import Batch
+from ggrun.core.llm.batched_sampler import BatchedSampler
 from ggrun.core.llm.model import Model
+from ggrun.core.llm.sampling import SamplingParams
 from ggrun.core.llm.session import Session, SessionParams
 
 N_CTX = 64
@@ -29,9 +32,9 @@ class Counted(Session):
         super().__init__(*args, **kw)
         self.taken = 0
 
-    def _take(self, ready, batch):
+    def _take(self, ready, batch, sampling):
         self.taken += 1
-        return super()._take(ready, batch)
+        return super()._take(ready, batch, sampling)
 
 
 class Unready(Session):
@@ -41,8 +44,8 @@ class Unready(Session):
         return None
 
 
-def pair(model: Model) -> tuple[Counted, Unready]:
-    params = SessionParams(n_ctx=N_CTX, n_seq_max=N_SEQ, n_ubatch=16)
+def pair(model: Model, n_seq: int = N_SEQ) -> tuple[Counted, Unready]:
+    params = SessionParams(n_ctx=N_CTX, n_seq_max=n_seq, n_ubatch=16)
     return Counted(model, params), Unready(model, params)
 
 
@@ -69,7 +72,8 @@ def test_steps_of_one_sequence_are_readied_and_taken(offloaded):
     assert on._ready is None  # a prompt's micro-batch readies nothing
     for i in range(10):
         both(on, off, step(3 + i, 4 + i))
-        assert on._ready is not None and on._ready.ub.pos[0] == 5 + i
+        assert on._ready is not None and on._ready.st.ub.pos[0] == 5 + i
+    assert off._ready is None
     assert on.taken == 9  # every step after the first
     assert on.stats.reuse_log == off.stats.reuse_log
     assert on.stats.graphs_reused == off.stats.graphs_reused
@@ -150,3 +154,44 @@ def test_nothing_is_readied_when_the_cpu_makes_the_logits(tiny_llama_factory):
     s.decode(Batch.of_sequence([5, 17], 0))
     s.decode(Batch.of_sequence([9], 2))
     assert s._ready is None
+
+
+def steps_of(seqs: list[int], pos: list[int], tokens: list[int]) -> Batch:
+    """One token of each of the sequences, each asking logits."""
+    n = len(seqs)
+    return Batch(np.array(tokens, np.int32), np.array(pos, np.int32), np.array(seqs, np.int32), np.ones(n, bool))
+
+
+@pytest.mark.parametrize("how", ["greedy", "logits", "sampled"])
+def test_steps_of_several_sequences_are_readied_and_taken(offloaded, how):
+    """Five sequences decode together (a bucket of 8, three padding rows), then one leaves: every step after a
+    bucket's first is taken readied, sampled ones with the rows given at the step, and the ids or logits are
+    the unreadied session's; a step of other sequences, or after a removal, is not taken."""
+    on, off = pair(offloaded, 6)
+    samplers = [BatchedSampler([SamplingParams(seed=q, temp=0.8, top_k=5) for q in range(6)], N_CTX) for _ in (0, 1)]
+    for q in range(5):
+        both(on, off, lambda s: s.decode(Batch.of_sequence([3 + q, 9], 0, q)))
+    seqs, pos = [0, 1, 2, 3, 4], [2] * 5
+    taken = []
+    for i in range(8):
+        if i == 5:
+            both(on, off, lambda s: s.seq_rm(2))
+            seqs, pos = [0, 1, 3, 4], pos[:4]
+        batch = steps_of(seqs, pos, [7 + i] * len(seqs))
+        before = on.taken
+        if how == "sampled":
+            rows = [sm.rows(np.array(seqs)) for sm in samplers]
+            ra, rb = on.decode_sampled(batch, rows[0]), off.decode_sampled(batch, rows[1])
+            assert np.array_equal(ra, rb)
+            for sm in samplers:
+                sm.accept_rows(np.array(seqs), ra)
+            assert cells(on) == cells(off)
+        else:
+            both(on, off, lambda s: s.decode_greedy(batch) if how == "greedy" else s.decode(batch))
+        taken.append(on.taken - before)
+        pos = [p + 1 for p in pos]
+    assert taken == [0, 1, 1, 1, 1, 0, 1, 1]
+    assert on.stats.reuse_log == off.stats.reuse_log
+    assert on._ready is not None and on._ready.n == 4 and on._ready.st.ub.n_tokens == 4
+    both(on, off, lambda s: s.decode_greedy(steps_of([0, 1, 3], pos[:3], [5, 5, 5])))
+    assert on.taken == sum(taken)
