@@ -3,7 +3,9 @@
 Both servers are started on free loopback ports with the same model, context, slots and threads; for each
 concurrency level (1, 8, 32 by default) each server in turn (alternating over --rounds) gets the same
 requests from that many concurrent streaming clients: chat completions of llama-parallel's questions, greedy,
---n tokens each (ignore_eos, so every reply is as long). Per level it prints each server's generated tokens
+--n tokens each (ignore_eos, so every reply is as long); below MIN_REQUESTS clients each sends its requests one
+after another until the level has sent MIN_REQUESTS (c=1: 8 in a row; one request a round let a single slow
+request set the level's figures). Per level it prints each server's generated tokens
 per second (all replies' tokens over the level's wall time), time to first token p50 and p99, and the ratios
 ggrun / llama-server; and the HTTP layer's share of a request's time: 1 - (the server's own prompt_ms +
 predicted_ms, from the timings in its last chunk) / (the time the client saw from sending to the last byte).
@@ -104,14 +106,26 @@ async def one(client: httpx.AsyncClient, question: str, n: int) -> Result:
     return Result(ttft, time.perf_counter() - t0, n_gen, server_ms)
 
 
+MIN_REQUESTS = 8  # requests a level sends at least
+
+
 async def level(url: str, concurrency: int, n: int) -> tuple[float, list[Result]]:
-    """`concurrency` clients at once, one request each; (wall seconds, results)."""
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=600, limits=limits) as client:
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(one(client, f"{QUESTIONS[i % len(QUESTIONS)]} (request {i})", n)
-                                         for i in range(concurrency)))
-        return time.perf_counter() - t0, list(results)
+    """`concurrency` clients at once, each sending its share of max(concurrency, MIN_REQUESTS) requests one after
+    another; (wall seconds, results)."""
+    per_client = max(1, -(-MIN_REQUESTS // concurrency))
+
+    async def client_run(c: int) -> list[Result]:
+        """A client's requests, each on a connection of its own (a stream's connection is not reused)."""
+        out = []
+        for j in range(per_client):
+            i = c * per_client + j
+            async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=600) as client:
+                out.append(await one(client, f"{QUESTIONS[i % len(QUESTIONS)]} (request {i})", n))
+        return out
+
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(client_run(c) for c in range(concurrency)))
+    return time.perf_counter() - t0, [r for rs in results for r in rs]
 
 
 def pct(xs: list[float], q: float) -> float:
