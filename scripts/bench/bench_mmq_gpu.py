@@ -32,7 +32,7 @@ PATHS = {"mmq": (BIG, 0, 1), "mmqt": (matmul.GEMV_MAX_ROWS, BIG, matmul.MT_MAX_S
 # llama-1b (n_embd 2048, n_ff 8192, 32 q heads / 8 kv heads of 64): (name, type, heights, K, op)
 PRODUCTS = (("qkv", DType.Q4_0, (2048, 512, 512), 2048, "multi"), ("attn_out", DType.Q4_0, (2048,), 2048, "one"),
             ("ffn_glu", DType.Q4_0, (8192, 8192), 2048, "glu"), ("ffn_out", DType.Q4_0, (2048,), 8192, "one"),
-            ("ffn_glu q4_k", DType.Q4_K, (8192, 8192), 2048, "glu"))
+            ("ffn_glu q4_k", DType.Q4_K, (8192, 8192), 2048, "glu"), ("output", DType.Q4_0, (128256,), 2048, "one"))
 # (name, type, experts, used, M, K, an activation row per slot) of a 512-token prompt
 EXPERTS = (("qwen3moe gate", DType.Q4_K, 128, 8, 768, 2048, False), ("qwen3moe down", DType.Q4_K, 128, 8, 2048, 768, True),
            ("gpt-oss gate", DType.MXFP4, 32, 4, 2880, 2880, False), ("gpt-oss down", DType.MXFP4, 32, 4, 2880, 2880, True))
@@ -89,12 +89,16 @@ def main() -> None:
     ap.add_argument("--rows", default="16,32,64,128,256,512")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--no-experts", action="store_true")
+    ap.add_argument("--products", default="", help="names of PRODUCTS to time, comma-separated (default: all)")
     a = ap.parse_args()
     gpu = CUDABackend(0)
     matmul.MT_WIDTH, matmul.MT_TALL_ROWS = 0.0, 0  # the row limits alone pick each path, whatever the weight's width
     rows = [int(r) for r in a.rows.split(",")]
     print(f"{'product':14s} {'rows':>5s} " + " ".join(f"{p + ' us':>10s}" for p in PATHS) + "   nmse vs cuBLAS")
+    wanted = set(a.products.split(",")) if a.products else None
     for name, qt, ms, k, op in PRODUCTS:
+        if wanted is not None and name not in wanted:
+            continue
         for n in rows:
             times, outs = {}, {}
             for path, (mmq_max, mmqt_max, split) in PATHS.items():

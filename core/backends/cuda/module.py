@@ -28,7 +28,7 @@ GEMV_COLS = (1, 2, 4, 8)  # token rows one product kernel serves; other counts a
 MMQ_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "IQ4_NL", "MXFP4")
 MMQ_TILES = (2, 4, 8)  # groups of 8 token rows an mmq block serves
 # mmqt's and mmq_idt's tiles (matmul.cu): (WM, NT), a block of 16 WM weight rows by 8 NT (8 / WM) token rows
-MT_TILES = ((4, 1), (4, 2), (4, 4), (4, 8), (2, 1), (2, 2), (2, 4))
+MT_TILES = ((8, 2), (8, 4), (8, 8), (4, 1), (4, 2), (4, 4), (4, 8), (2, 1), (2, 2), (2, 4))
 MT_ID_TILES = ((4, 1), (4, 2), (4, 4))
 FA_EPL = (1, 2, 4, 8)  # head-dimension elements per lane of flash_attn (head dims up to 256)
 NO_WEIGHT = -1

@@ -116,6 +116,8 @@ int main(int argc, char **argv) {
         ok &= check_mmqt<T_Q5_K, 2, 4>(67, 512, 130);
         ok &= check_mmqt<T_Q4_0, 2, 1>(200, 2336, 16, 4);  // split K: 10 chunks in shares of 3, 3, 3, 1
         ok &= check_mmqt<T_Q4_K, 4, 2>(150, 2048, 37, 3);
+        ok &= check_mmqt<T_Q4_0, 8, 2>(300, 1056, 16);  // a warp per 16 weight rows, all the block's token rows
+        ok &= check_mmqt<T_Q4_K, 8, 8>(150, 1024, 70, 2);
     }
     if (what == "all" || what == "b") {
         ok &= check_mmqt<T_Q4_1, 4, 4>(100, 1056, 64);
