@@ -15,6 +15,7 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import quantize as gguf_quantize
 
+from ggrun.core import ops
 from ggrun.core.backends.base import Backend
 from ggrun.core.backends.host import HostArrayBackend
 from ggrun.core.backends.kernels import narrow_into
@@ -90,6 +91,27 @@ class Leafs:
         t = new_tensor(name, dtype, data.shape, is_input=True)
         self.feeds[t] = data
         return t
+
+
+def cache_attention(lf: Leafs, dtype: DType, kd: np.ndarray, vd: np.ndarray, qd: np.ndarray, mask: np.ndarray,
+                    sinks: np.ndarray | None = None, q_f16: bool = False, per_token: bool = False) -> Tensor:
+    """One fused attention (ops.flash_attn) of queries qd (f32 [n, heads, d]) over the first mask.shape[1] cells of a
+    cache's keys and values kd, vd ([cells, KV heads * d] of float type dtype), viewed per KV head, under the f16
+    mask [n, cells]; with sinks (f32 [heads]) where given. q_f16: the queries meet the cache rounded to f16 (llama
+    numerics); per_token: marked as the graph builder marks a decode step of many sequences, one token each."""
+    n_kv, d = mask.shape[1], qd.shape[2]
+    h_kv, e = kd.shape[1] // d, dtype.itemsize
+    k, v = lf.weight("k", dtype, kd.shape, kd), lf.weight("v", dtype, vd.shape, vd)
+    if q_f16:
+        k.params["act_quant"] = v.params["act_quant"] = "f16"
+    view = ((n_kv, h_kv, d), (h_kv * d * e, d * e, e))
+    keys, vals = (ops.permute(ops.view(c, *view), (1, 0, 2)) for c in (k, v))
+    q = ops.permute(lf.input("q", DType.F32, qd), (1, 0, 2))
+    s = None if sinks is None else lf.weight("sinks", DType.F32, sinks.shape, sinks)
+    out = ops.flash_attn(q, keys, vals, lf.input("mask", DType.F16, mask), d ** -0.5, sinks=s)
+    if per_token:
+        out.params["per_token"] = True
+    return out
 
 
 def planned(backend: Backend, build: Callable[[Leafs], Tensor]):

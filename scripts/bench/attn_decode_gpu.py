@@ -15,14 +15,13 @@ import cupy
 import numpy as np
 
 import ggrun
-from ggrun.core import ops
 from ggrun.core.backends.cuda import CUDABackend
 from ggrun.core.backends.cuda import ops as cops
 from ggrun.core.backends.cuda.binding import launches_of
-from ggrun.core.backends.op_harness import planned
+from ggrun.core.backends.op_harness import cache_attention, planned
 from ggrun.core.dtypes import DType
 
-F16, F32 = DType.F16, DType.F32
+F16 = DType.F16
 HIDE = -np.inf
 
 
@@ -50,19 +49,7 @@ def build_fn(n: int, hq: int, hk: int, d: int, mask: np.ndarray, sinks: bool = F
     qd = rng.standard_normal((n, hq, d)).astype(np.float32)
     kd, vd = ((rng.standard_normal((n_kv, hk * d)) * 0.5).astype(np.float16) for _ in range(2))
     sd = rng.standard_normal(hq).astype(np.float32) if sinks else None
-
-    def build(lf):
-        k, v = lf.weight("k", F16, kd.shape, kd), lf.weight("v", F16, vd.shape, vd)
-        k.params["act_quant"] = v.params["act_quant"] = "f16"
-        view = ((n_kv, hk, d), (hk * d * 2, d * 2, 2))
-        keys, vals = (ops.permute(ops.view(c, *view), (1, 0, 2)) for c in (k, v))
-        q = ops.permute(lf.input("q", F32, qd), (1, 0, 2))
-        s = None if sd is None else lf.weight("sinks", F32, sd.shape, sd)
-        out = ops.flash_attn(q, keys, vals, lf.input("mask", F16, mask), d ** -0.5, sinks=s)
-        if per_token:
-            out.params["per_token"] = True
-        return out
-    return build
+    return lambda lf: cache_attention(lf, F16, kd, vd, qd, mask, sd, q_f16=True, per_token=per_token)
 
 
 def time_attn(gpu, build, reps: int = 20) -> tuple[float, list[str], list[tuple]]:

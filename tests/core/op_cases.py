@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 
 from ggrun.core import ops
-from ggrun.core.backends.op_harness import TYPES, Leafs, weight_data
+from ggrun.core.backends.op_harness import TYPES, Leafs, cache_attention, weight_data
 from ggrun.core.dtypes import DType
 from ggrun.core.llm.blocks import expert_product, weighted_sum
 from ggrun.core.ops import ROPE_NEOX, ROPE_NORMAL
@@ -339,20 +339,7 @@ def attention_graph(n: int, h: int, h_kv: int, d: int, n_kv: int, n_ctx: int, dt
         md = causal_mask(n, n_kv, n_kv) if mask is None else mask()
         sd = sink_values(rng, h) if sinks else None
 
-        def build(lf):
-            k, v = lf.weight("k", dtype, kd.shape, kd), lf.weight("v", dtype, vd.shape, vd)
-            if q_f16:
-                k.params["act_quant"] = v.params["act_quant"] = "f16"
-            e = dtype.itemsize
-            view = ((n_kv, h_kv, d), (h_kv * d * e, d * e, e))
-            keys, vals = (ops.permute(ops.view(c, *view), (1, 0, 2)) for c in (k, v))
-            q = ops.permute(lf.input("q", F32, qd), (1, 0, 2))
-            s = None if sd is None else lf.weight("sinks", F32, sd.shape, sd)
-            out = ops.flash_attn(q, keys, vals, lf.input("mask", F16, md), d ** -0.5, sinks=s)
-            if per_token:
-                out.params["per_token"] = True
-            return out
-        return build
+        return lambda lf: cache_attention(lf, dtype, kd, vd, qd, md, sd, q_f16, per_token)
     return make
 
 
