@@ -339,7 +339,7 @@ class KVCache:
         if self.n_seq_max > 1:  # with one sequence, the flag set next is the cell's only one
             self.seqs[cell] = False
         self.seqs[cell, seq] = True
-        self._stale[cell] = True
+        self._touch(cell)
         self.tail[seq] = cell
         if pos < 0 or cell < 0:  # a cell freed by its position, or counted from the end: count again
             self._recount()

@@ -19,7 +19,7 @@ import numpy as np
 
 from ggrun.core.backends.base import Backend
 from ggrun.core.llm.batch import Batch, UBatch
-from ggrun.core.llm.buckets import pad_state, wants_bucket
+from ggrun.core.llm.buckets import pad_state
 from ggrun.core.llm.graph_result import GraphResult
 from ggrun.core.llm.graph_reuse import decide
 from ggrun.core.llm.inputs import GraphParams, UBatchState
@@ -75,13 +75,10 @@ def stamp(kv: KVCache, sched: Scheduler) -> tuple[int, int]:
     return kv.changes, sched.activity
 
 
-def readies(ub: UBatch) -> bool:
-    """Whether a micro-batch is a decode step whose next step can be readied: one token asking logits, or a
-    bucket (one token of each of several sequences, each asking logits; padding rows aside)."""
-    n, n_out = ub.n_real, ub.n_real_outputs
-    if n == 1:
-        return n_out == 1
-    return n_out == n and wants_bucket(UBatch(ub.tokens[:n], ub.pos[:n], ub.seq[:n], ub.out_rows[:n], 0))
+def readies(ub: UBatch, params: GraphParams) -> bool:
+    """Whether a micro-batch run by a graph for params is a decode step whose next step can be readied: one token
+    asking logits, or a bucket (buckets.wants_bucket said so when the graph was chosen: params.one_per_seq)."""
+    return params.one_per_seq or (ub.n_tokens == 1 and ub.n_outputs == 1)
 
 
 def ready_next(st: UBatchState, res: GraphResult, caches: tuple[KVCache, ...], sched: Scheduler,
@@ -101,7 +98,7 @@ def ready_next(st: UBatchState, res: GraphResult, caches: tuple[KVCache, ...], s
     cells = kv.find_slot(n, seq)
     if cells is None:
         return None
-    nxt = UBatchState(UBatch(st.ub.tokens[:n].copy(), pos, seq, np.arange(n, dtype=np.int32), 0), cells, kv)
+    nxt = UBatchState(UBatch(st.ub.tokens[:n], pos, seq, np.arange(n, dtype=np.int32), 0), cells, kv)
     with kv.trial(cells, pos, seq):
         if n > 1:
             nxt = pad_state(nxt, n_ubatch)

@@ -343,19 +343,16 @@ class Session:
         t0 = time.perf_counter()
         st = ready.take(batch, sampling)
         n = ready.n
-        if n == 1:
-            self.kv.apply_one(int(st.cells[0]), ready.pos, ready.seq)
-        else:
-            self.kv.apply(st.cells[:n], st.ub.pos[:n], st.ub.seq[:n])
+        self.kv.apply(st.cells[:n], st.ub.pos[:n], st.ub.seq[:n])
         self._reused(ready.params, ready.res)
         return self._run(st, ready.res, t0)
 
     def _run(self, st: UBatchState, res: GraphResult, t0: float) -> np.ndarray | None:
         """Compute a micro-batch whose inputs are filled (since t0); while the device works, ready the next
-        step of a one-token one; its logits."""
+        step of a decode step (ready_step.readies); its logits."""
         ub = st.ub
         _compute_quietly(self.sched, res.sg)
-        if readies(ub):
+        if readies(ub, res.params):
             self._ready = self._ready_next(st, res)
         out, finite = self._fetch(res, st.sampling) if ub.n_outputs else (None, True)
         dt = time.perf_counter() - t0
