@@ -429,8 +429,8 @@ class KVCache:
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
         """Remove sequence `seq` (all when seq < 0) from cells with p0 <= pos < p1; free emptied cells."""
-        sel = self._cells(seq, p0, p1)
-        if not sel.any():
+        sel = np.flatnonzero(self._cells(seq, p0, p1))
+        if not len(sel):
             return
         self.changes += 1
         if seq < 0:
@@ -438,7 +438,8 @@ class KVCache:
         else:
             self.seqs[sel, seq] = False
         self._touch(sel)
-        emptied = sel & ~self.seqs.any(axis=1)
+        # only the cells it left can have emptied: looking at every cell's flags took ~1 ms at 32k cells
+        emptied = sel[~self.seqs[sel].any(axis=1)]
         self.pos[emptied] = -1
         self.shift[emptied] = 0
         self._recount()
