@@ -81,6 +81,7 @@ class BatchedSampler:
             for j, (tid, bias) in enumerate(p.logit_bias):
                 self.bias_ids[i, j], self.bias_vals[i, j] = tid, bias
         self.positive = self.params[:, 0] > 0  # slots that draw (a positive temperature)
+        self.unread_draws: list[list[float]] = [[] for _ in params]  # draws given back (unread), drawn again first
         self.keeps = [p.penalties_on and w > 0 for p, w in zip(params, self.window)]
 
     def __len__(self) -> int:
@@ -94,6 +95,7 @@ class BatchedSampler:
         self.settings[slot] = p
         self.seeds[slot] = p.seed if p.seed >= 0 else random_seed()
         self.rngs[slot] = np.random.default_rng(self.seeds[slot])
+        self.unread_draws[slot] = []
         self.params[slot] = param_row(p)
         self.window[slot] = self.n_ctx if p.repeat_last_n == -1 else max(p.repeat_last_n, 0)
         if p.penalties_on and self.window[slot] > self.recent.shape[1]:
@@ -132,10 +134,18 @@ class BatchedSampler:
             self.recent[slots, self.head[slots]] = tokens
             self.head[slots] = (self.head[slots] + 1) % self.window[slots]
 
+    def unread(self, slot: int, rows: SamplingRows, i: int) -> None:
+        """Give back the draw row i of `rows` (the slot's) made, whose token was never taken (parallel launches a
+        step before it knows which sequences ended the step before): the slot draws it again next, so that its
+        stream goes on as if the draw had not been made."""
+        if self.positive[slot]:
+            self.unread_draws[slot].append(float(rows.draws[i:i + 1].view(np.float64)[0, 0]))
+
     def rows(self, slots: np.ndarray) -> SamplingRows:
         """The sampling inputs of `slots` for one draw each: a uniform double from each drawing slot's stream."""
         u = np.zeros(len(slots), dtype=np.float64)
         for i in np.flatnonzero(self.positive[slots]).tolist():
-            u[i] = self.rngs[int(slots[i])].random()
+            slot = int(slots[i])
+            u[i] = self.unread_draws[slot].pop(0) if self.unread_draws[slot] else self.rngs[slot].random()
         return SamplingRows(self.params[slots], u.view(np.int32).reshape(-1, 2), self.recent[slots],
                             self.bias_ids[slots], self.bias_vals[slots])

@@ -31,6 +31,13 @@ A step's host work does not grow with per-token Python: the generating clients' 
 sequence ids are rows of arrays, every row's next token is drawn in the graph (Session.decode_sampled,
 one BatchedSampler slot per client; the argmax where every client samples greedily), and the stop text
 is looked for in each response's new text only (detok.IncrementalText).
+
+The host works while the device computes: a step's token ids are taken (each sequence's next token, or its end at
+an end-of-generation token or its limit), the next step is launched with them (Session.decode_begin), and only
+then is the step settled: its texts grown, its stop texts looked for, its ended sequences reported and their
+cells freed. A sequence that ends by its text so has a row in the step launched meanwhile: that row's token is
+dropped and its draw given back to its client's stream (BatchedSampler.unread), so every client draws as if each
+step had waited for the one before. On the H200 the host's share of a step of 64 sequences was ~1 ms of ~4.5.
 """
 from __future__ import annotations
 
@@ -42,7 +49,7 @@ import numpy as np
 
 from ggrun.core.errors import Interrupted
 from ggrun.core.llm.batch import Batch
-from ggrun.core.llm.batched_sampler import BatchedSampler
+from ggrun.core.llm.batched_sampler import BatchedSampler, SamplingRows
 from ggrun.core.llm.detok import IncrementalText
 from ggrun.core.llm.generate import common_prefix, eval_prompt
 from ggrun.core.llm.sampling import SamplingParams
@@ -120,11 +127,26 @@ class _Client:
     limit: int = 0  # response tokens this sequence may generate
     t0: float = 0.0
     text: IncrementalText | None = None  # the response's text, for the stop text
+    serial: int = 0  # counts the sequences the client started and ended: a step's row is the sequence's it was
+    ending: str = ""  # the stop reason once its last token is known (EOG, the limit), until it is settled
 
     def cells_still_needed(self) -> int:
         """Cells this sequence may still take: its undecoded prompt and the response tokens still to be
         decoded (the last of `limit` tokens is sampled, never decoded; k sampled so far leave limit - k)."""
         return len(self.pending) + self.limit - max(len(self.response), 1)
+
+
+@dataclass
+class _Step:
+    """A launched step: the clients whose next tokens it draws (each with its serial then and its sampling
+    row), what waits for those tokens, and once taken, the tokens each client's sequence takes."""
+
+    rows: list[_Client]
+    serials: list[int]
+    slots: np.ndarray
+    sampling: SamplingRows | None
+    wait: Callable[[], tuple[np.ndarray, np.ndarray | None]]  # (ids, logits when kept)
+    taken: list[tuple[_Client, int, bool]] = field(default_factory=list)  # (client, token, end of generation)
 
 
 class ParallelRunner:
@@ -178,6 +200,7 @@ class ParallelRunner:
             self.summary.n_done += 1
             on_done(r)
 
+        step: _Step | None = None  # launched last; its tokens are taken before the next step is launched
         while self.summary.n_done < len(prompts):
             may_start = self.cont_batching or not any(c.job >= 0 for c in self.clients)
             for c in self.clients:
@@ -189,12 +212,19 @@ class ParallelRunner:
                         queue.pop(0)
                     else:
                         break  # first come, first served: the head of the queue waits for cells
-            if not any(c.job >= 0 for c in self.clients):
+            if step is None and not any(c.job >= 0 for c in self.clients):
                 if queue:
                     continue  # every waiting sequence was skipped this round; try the rest
                 break
-            for r in self._step(prompts):
-                done(r)
+            if step is not None:
+                self._take(step)
+            launched = self._step(prompts) if any(_works(c) for c in self.clients) else None
+            if step is not None:
+                for r in self._settle(step, prompts):
+                    done(r)
+            step = launched
+        if step is not None:  # rows of sequences that ended by their text meanwhile: nothing to take
+            self._take(step)
 
     def _system(self, tokens: list[int]) -> None:
         self.s.clear()
@@ -227,7 +257,8 @@ class ParallelRunner:
             self.s.seq_cp(src.seq_id, c.seq_id, self.n_system, self.n_system + shared)
             self.summary.n_prompt_shared += shared
         c.job, c.prompt, c.prompt_ids, c.pending = job, list(tokens), ids, list(tokens[shared:])
-        c.response, c.pos, c.next_token = [], self.n_system + shared, -1
+        c.response, c.pos, c.next_token, c.ending = [], self.n_system + shared, -1, ""
+        c.serial += 1
         c.limit = self._limit(tokens)
         c.t0 = time.perf_counter()
         c.text = IncrementalText(self.s.model.tokenizer, (self.stop_text,) if self.stop_text else ())
@@ -262,11 +293,12 @@ class ParallelRunner:
         """Cells a sequence takes beside the system prompt: its prompt and limit - 1 decoded tokens."""
         return len(tokens) + max(self._limit(tokens) - 1, 0)
 
-    def _step(self, prompts) -> list[SequenceResult]:
-        """One decode: a token of every generating client, then prompt tokens (first come, first served) up to
-        the step's budget (`chunk` tokens in all, at least one prompt token); every row that asks logits gets
-        its next token drawn in the graph."""
-        gen = [c for c in self.clients if c.job >= 0 and not c.pending]
+    def _step(self, prompts) -> _Step:
+        """Launch one decode: a token of every generating client, then prompt tokens (first come, first served) up
+        to the step's budget (`chunk` tokens in all, at least one prompt token); every row that asks logits gets
+        its next token drawn in the graph. The tokens are taken later (_take), so that the host settles the step
+        before (_settle) while the device computes this one."""
+        gen = [c for c in self.clients if c.job >= 0 and not c.pending and not c.ending]
         rows = list(gen)
         tokens = np.fromiter((c.next_token for c in gen), dtype=np.int32, count=len(gen))
         pos = np.fromiter((c.pos for c in gen), dtype=np.int32, count=len(gen))
@@ -290,38 +322,54 @@ class ParallelRunner:
                 rows.append(c)
         batch = Batch(*(np.concatenate(x) if len(parts) > 1 else x[0] for x in zip(*parts)))
         slots = np.fromiter((c.id for c in rows), dtype=np.int64, count=len(rows))
-        ids = self._draw(batch, slots, rows)
-        self.sampler.accept_rows(slots, ids)
-        ended = np.isin(ids, self.eog) if not self.ignore_eos else np.zeros(len(ids), dtype=bool)
-        finished = []
-        for c, tok, eog in zip(rows, ids.tolist(), ended.tolist()):
-            finished += self._advance(c, tok, eog, prompts)
-        return finished
+        sampling = None if self.greedy and self.logits is None else self.sampler.rows(slots)
+        return _Step(rows, [c.serial for c in rows], slots, sampling, self._begin(batch, sampling))
 
-    def _draw(self, batch: Batch, slots: np.ndarray, rows: list[_Client]) -> np.ndarray:
-        """Decode the batch; the next token of each client in `rows` (slots: their sampler slots)."""
-        if self.logits is None and self.greedy:
-            return self.s.decode_greedy(batch)
+    def _begin(self, batch: Batch, sampling: SamplingRows | None) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
+        """Decode the batch, left computing where only token ids come back; what waits for (ids, logits kept)."""
         if self.logits is None:
-            return self.s.decode_sampled(batch, self.sampler.rows(slots))
-        ids, logits = self.s.decode_sampled(batch, self.sampler.rows(slots), with_logits=True)
-        for c, row in zip(rows, logits):
-            self.logits.setdefault(c.job, []).append(row)
-        return ids
+            ids = self.s.decode_begin(batch, sampling)
+            return lambda: (ids(), None)
+        ids, logits = self.s.decode_sampled(batch, sampling, with_logits=True)
+        return lambda: (ids, logits)
 
-    def _advance(self, c: _Client, tok: int, eog: bool, prompts) -> list[SequenceResult]:
-        """Take the client's next token; finish the sequence at EOG, at its limit, or where its text shows
-        stop_text (looked for from the third token on, as llama-parallel does)."""
-        if eog:
-            return [self._finish(c, prompts, STOP_EOG)]
-        c.response.append(tok)
-        c.text.add(tok)
-        if self.stop_text is not None and len(c.response) > 2 and c.text.stop_at >= 0:
-            return [self._finish(c, prompts, STOP_TEXT)]
-        if len(c.response) >= c.limit:
-            return [self._finish(c, prompts, STOP_LIMIT if self.n_predict > 0 else STOP_CACHE)]
-        c.next_token = tok
-        return []
+    def _take(self, step: _Step) -> None:
+        """The step's tokens, taken by the sequences its rows are still of: each row's next token, or its end (an
+        end-of-generation token, the limit); a row whose sequence ended since (by its text) gives its draw back,
+        so that the client's next sequence draws what it would have."""
+        ids, logits = step.wait()
+        live = np.fromiter((c.serial == n for c, n in zip(step.rows, step.serials)), dtype=bool, count=len(ids))
+        if step.sampling is not None and not live.all():
+            for i in np.flatnonzero(~live).tolist():
+                self.sampler.unread(int(step.slots[i]), step.sampling, i)
+        self.sampler.accept_rows(step.slots[live], ids[live])
+        ended = np.isin(ids, self.eog) if not self.ignore_eos else np.zeros(len(ids), dtype=bool)
+        for i, (c, tok, eog) in enumerate(zip(step.rows, ids.tolist(), ended.tolist())):
+            if not live[i]:
+                continue
+            if logits is not None:
+                self.logits.setdefault(c.job, []).append(logits[i])
+            step.taken.append((c, tok, eog))
+            if eog:
+                c.ending = STOP_EOG
+                continue
+            c.response.append(tok)
+            if len(c.response) >= c.limit:
+                c.ending = STOP_LIMIT if self.n_predict > 0 else STOP_CACHE
+            c.next_token = tok
+
+    def _settle(self, step: _Step, prompts) -> list[SequenceResult]:
+        """The texts of the step's tokens; the sequences that end: at an end-of-generation token, where the text
+        shows stop_text (looked for from the third token on, as llama-parallel does), at the limit."""
+        finished = []
+        for c, tok, eog in step.taken:
+            if not eog:
+                c.text.add(tok)
+                if self.stop_text is not None and len(c.response) > 2 and c.text.stop_at >= 0:
+                    c.ending = STOP_TEXT
+            if c.ending:
+                finished.append(self._finish(c, prompts, c.ending))
+        return finished
 
     def _finish(self, c: _Client, prompts, why: str) -> SequenceResult:
         """The sequence's result, its cells freed. Its text is the one grown token by token for the stop text
@@ -332,7 +380,8 @@ class ParallelRunner:
         self.s.seq_rm(c.seq_id)
         self.summary.n_prompt += len(c.prompt)
         self.summary.n_gen += len(c.response)
-        c.job, c.pending, c.text = -1, [], None
+        c.job, c.pending, c.text, c.ending = -1, [], None, ""
+        c.serial += 1
         return res
 
     def _skipped(self, c: _Client, job: int, prompts) -> SequenceResult:
@@ -341,6 +390,11 @@ class ParallelRunner:
         why = (f"needs {need} cells (prompt {len(tokens)} + {need - len(tokens)} generated), the cache has "
                f"{self.s.n_ctx - self.n_system} beside the system prompt") if tokens else "empty prompt"
         return SequenceResult(c.id, job, text, list(tokens), [], "", 0.0, skipped=why)
+
+
+def _works(c: _Client) -> bool:
+    """Whether the client has a token for the next step: a prompt to read, or a sequence that goes on."""
+    return c.job >= 0 and (bool(c.pending) or not c.ending)
 
 
 def step_budget(chunk: int | None, n_batch: int, n_ubatch: int) -> int:

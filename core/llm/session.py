@@ -83,6 +83,26 @@ def _compute_quietly(sched: Scheduler, sg: ScheduledGraph) -> None:
     sched.compute(sg)
 
 
+class InFlight:
+    """A decode left computing (Session.decode_begin): calling it waits for what it gives back, once."""
+
+    def __init__(self, collect: Callable[[], np.ndarray | None]) -> None:
+        self._collect: Callable[[], np.ndarray | None] | None = collect
+        self._out: np.ndarray | None = None
+
+    def __call__(self) -> np.ndarray | None:
+        if self._collect is not None:
+            collect, self._collect = self._collect, None
+            self._out = collect()
+        return self._out
+
+
+def _joined(outs: list[np.ndarray | None]) -> np.ndarray:
+    """The token ids of a batch's micro-batches, in order (i32; none: empty)."""
+    outs = [o for o in outs if o is not None]
+    return np.concatenate(outs) if len(outs) > 1 else outs[0] if outs else np.zeros(0, dtype=np.int32)
+
+
 class Session:
     """Decode batches of tokens for a model; logits come back for the tokens that asked."""
 
@@ -115,6 +135,7 @@ class Session:
         self._kept_logits: list[np.ndarray] | None = None  # decode_sampled's logits, when asked for
         self._kept_logprobs: list[np.ndarray] | None = None  # decode_sampled_logprobs' values, when asked for
         self._n_probs = -1  # the likeliest tokens decode_sampled_logprobs asks for (-1: none)
+        self._inflight: InFlight | None = None  # decode_begin's last micro-batch, still computing
         self.reserved = {} if self.virtual else self.reserve()
 
     def kv_bytes_by_backend(self) -> dict[str, int]:
@@ -221,6 +242,20 @@ class Session:
             return ids
         return ids, (np.concatenate(kept) if kept else np.zeros((0, self.model.hp.n_vocab), dtype=np.float32))
 
+    def decode_begin(self, batch: Batch, rows: SamplingRows | None = None) -> "InFlight":
+        """decode_greedy (rows None) or decode_sampled with the batch's last micro-batch left computing: returns
+        what waits for the token ids (all of the batch's, in order). The host does other work meanwhile (parallel
+        settles the step before: its texts, its finished sequences); the session's next decode waits for it
+        first."""
+        if rows is not None:
+            n_out = int(np.count_nonzero(batch.logits))
+            if len(rows) != n_out:
+                raise ValueError(f"{len(rows)} sampling rows for {n_out} rows of logits")
+        outs = self._decode(batch, greedy=rows is None, sampling=rows, defer=True)
+        last = self._inflight
+        self._inflight = InFlight(lambda: _joined(outs + ([last()] if last is not None else [])))
+        return self._inflight
+
     def decode_sampled_logprobs(self, batch: Batch, rows: SamplingRows, n_probs: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """decode_sampled that also reports ops.sample_logprobs for each drawn token: (ids, f32 [rows,
         1 + 2 n_probs]: the token's log-probability, then the n_probs likeliest (id, log-probability) pairs),
@@ -235,15 +270,21 @@ class Session:
             self._kept_logprobs, self._n_probs = None, -1
         return ids, (np.concatenate(kept) if kept else np.zeros((0, 1 + 2 * n_probs), dtype=np.float32))
 
-    def _decode(self, batch: Batch, greedy: bool, sampling: SamplingRows | None = None) -> list[np.ndarray]:
+    def _decode(self, batch: Batch, greedy: bool, sampling: SamplingRows | None = None,
+                defer: bool = False) -> list[np.ndarray]:
         """What each micro-batch of `batch` that asked for logits gives back (_fetch), in order; with greedy,
-        graphs end in the logits' argmax, with sampling in ops.sample."""
+        graphs end in the logits' argmax, with sampling in ops.sample. With defer the last micro-batch is left
+        computing (in _inflight, not in the list). A decode left computing before is waited for first."""
+        if self._inflight is not None:
+            self._inflight()
+            self._inflight = None
         self._check_batch(batch)
         ready, self._ready = self._ready, None
         if ready is not None and self._serves(ready, batch, greedy, sampling):
             if self.interrupt is not None and self.interrupt():
                 raise Interrupted()
-            return [self._take(ready, batch, sampling)]
+            out = self._take(ready, batch, sampling, defer)
+            return [] if defer else [out]
         outs = []
         row, ahead = 0, len(batch)
         for ub in split_batch(batch, self.n_ubatch):
@@ -252,8 +293,8 @@ class Session:
             rows = sampling.slice(row, row + ub.n_outputs) if sampling is not None and ub.n_outputs else None
             row += ub.n_outputs
             ahead -= ub.n_tokens
-            out = self._decode_ubatch(ub, greedy, rows, ahead)
-            if out is not None:
+            out = self._decode_ubatch(ub, greedy, rows, ahead, defer and not ahead)
+            if out is not None and not (defer and not ahead):
                 outs.append(out)
         return outs
 
@@ -315,8 +356,9 @@ class Session:
         return UBatchState(ub, cells[0], self.kv, cells[1], self.kv_swa)
 
     def _decode_ubatch(self, ub: UBatch, greedy: bool, sampling: SamplingRows | None = None,
-                       ahead: int = 0) -> np.ndarray | None:
-        """Place and run one micro-batch; `ahead`: the batch's tokens in later micro-batches (KVCache.n_kv)."""
+                       ahead: int = 0, defer: bool = False) -> np.ndarray | None:
+        """Place and run one micro-batch; `ahead`: the batch's tokens in later micro-batches (KVCache.n_kv);
+        defer: leave it computing (_run)."""
         for cache in self.caches:  # keys move to their shifted positions before any cell is reused
             if cache.has_shift:
                 apply_k_shift(self.model, self.sched, cache)
@@ -335,9 +377,10 @@ class Session:
         res = self._graph_for(p)
         t0 = time.perf_counter()
         res.set_inputs(st, self.sched.cpu)
-        return self._run(st, res, t0)
+        return self._run(st, res, t0, defer)
 
-    def _take(self, ready: ReadyStep, batch: Batch, sampling: SamplingRows | None) -> np.ndarray:
+    def _take(self, ready: ReadyStep, batch: Batch, sampling: SamplingRows | None,
+              defer: bool = False) -> np.ndarray | None:
         """Decode the step readied during the last one (ready_step.py): its cells recorded, its tokens (and
         sampling rows) written."""
         t0 = time.perf_counter()
@@ -345,15 +388,23 @@ class Session:
         n = ready.n
         self.kv.apply(st.cells[:n], st.ub.pos[:n], st.ub.seq[:n])
         self._reused(ready.params, ready.res)
-        return self._run(st, ready.res, t0)
+        return self._run(st, ready.res, t0, defer)
 
-    def _run(self, st: UBatchState, res: GraphResult, t0: float) -> np.ndarray | None:
+    def _run(self, st: UBatchState, res: GraphResult, t0: float, defer: bool = False) -> np.ndarray | None:
         """Compute a micro-batch whose inputs are filled (since t0); while the device works, ready the next
-        step of a decode step (ready_step.readies); its logits."""
-        ub = st.ub
+        step of a decode step (ready_step.readies); its logits, or with defer None and what waits for them in
+        _inflight."""
         _compute_quietly(self.sched, res.sg)
-        if readies(ub, res.params):
+        if readies(st.ub, res.params):
             self._ready = self._ready_next(st, res)
+        if defer:
+            self._inflight = InFlight(partial(self._collect, st, res, t0))
+            return None
+        return self._collect(st, res, t0)
+
+    def _collect(self, st: UBatchState, res: GraphResult, t0: float) -> np.ndarray | None:
+        """What a launched micro-batch gives back (_fetch), once its device is done, with its time and checks."""
+        ub = st.ub
         out, finite = self._fetch(res, st.sampling) if ub.n_outputs else (None, True)
         dt = time.perf_counter() - t0
         self.stats.compute_s += dt

@@ -49,23 +49,24 @@ def run_parallel(model: Model, prompts, n_clients: int = 3, n_predict: int = 6, 
                  chunk: int | None = None, steps: list | None = None, prefix_share: bool = True):
     """(runner, session, {job: result}, summary, {job: logits rows}) of one parallel run; `steps`, when
     given, receives for each step its batch's sequence ids and, as the step began, each busy client's
-    sequence id with its job and its prompt tokens still to read."""
+    sequence id with its job and its prompt tokens still to read (a client whose sequence has ended, to be
+    settled while the step computes, is not busy)."""
     s = Session(model, SessionParams(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_clients + 1,
                                      type_k=kv_type, type_v=kv_type))
     r = ParallelRunner(s, n_clients, n_predict, sampling, n_batch, ignore_eos=ignore_eos, keep_logits=record,
                        chunk=chunk, prefix_share=prefix_share)
     if steps is not None:
-        real_step, real_draw = r._step, r._draw
+        real_step, real_begin = r._step, r._begin
 
         def step(prompts):
-            steps.append([None, {c.seq_id: (c.job, len(c.pending)) for c in r.clients if c.job >= 0}])
+            steps.append([None, {c.seq_id: (c.job, len(c.pending)) for c in r.clients if c.job >= 0 and not c.ending}])
             return real_step(prompts)
 
-        def draw(batch, slots, rows):
+        def begin(batch, sampling):
             steps[-1][0] = batch.seq.copy()
-            return real_draw(batch, slots, rows)
+            return real_begin(batch, sampling)
 
-        r._step, r._draw = step, draw
+        r._step, r._begin = step, begin
     results: dict[int, SequenceResult] = {}
 
     def done(res: SequenceResult) -> None:
@@ -243,17 +244,18 @@ def test_more_clients_than_prompts(tiny):
 
 
 def scripted_runner(model: Model, replies: list[str], n_predict: int, stop_text: str | None = "User:",
-                    cont_batching: bool = True, n_clients: int = 2, n_ctx: int = 512):
+                    cont_batching: bool = True, n_clients: int = 2, n_ctx: int = 512,
+                    sampling: SamplingParams = GREEDY):
     """(session, runner, starts): each new sequence draws the bytes of the next of `replies` in turn (the tiny
     vocabulary's ids 0..255 are the bytes), then 'x'; `starts` logs, as each sequence starts, its job and the
     jobs of all clients then."""
     s = Session(model, SessionParams(n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_seq_max=n_clients + 1))
-    r = ParallelRunner(s, n_clients, n_predict, GREEDY, 512, ignore_eos=True, stop_text=stop_text,
+    r = ParallelRunner(s, n_clients, n_predict, sampling, 512, ignore_eos=True, stop_text=stop_text,
                        cont_batching=cont_batching)
     scripts = iter(replies)
     starts: list[tuple[int, list[int]]] = []
     script: dict[int, list[int]] = {}
-    real_start, real_draw = r._try_start, r._draw
+    real_start, real_step = r._try_start, r._step
 
     def start(c, job, prompts):
         verdict = real_start(c, job, prompts)
@@ -262,13 +264,21 @@ def scripted_runner(model: Model, replies: list[str], n_predict: int, stop_text:
             script[c.id] = list(next(scripts).encode())
         return verdict
 
-    def draw(batch, slots, rows):
-        ids = real_draw(batch, slots, rows)
-        for i, c in enumerate(rows):
-            ids[i] = script[c.id].pop(0) if script[c.id] else ord("x")
-        return ids
+    def step(prompts):
+        launched = real_step(prompts)
+        wait = launched.wait
 
-    r._try_start, r._draw = start, draw
+        def scripted():  # each row's next byte of its script, taken as the row's tokens are
+            ids, logits = wait()
+            ids = np.array(ids)
+            for i, c in enumerate(launched.rows):
+                if c.serial == launched.serials[i]:
+                    ids[i] = script[c.id].pop(0) if script[c.id] else ord("x")
+            return ids, logits
+        launched.wait = scripted
+        return launched
+
+    r._try_start, r._step = start, step
     return s, r, starts
 
 
@@ -283,6 +293,42 @@ def test_response_stops_at_the_next_user_turn(tiny):
     assert by_job[0].n_response == len("Paris is.\nUser:")
     assert by_job[1].n_response == 30 and by_job[1].response.startswith("no turn here at all")
     assert summary.n_gen == len("Paris is.\nUser:") + 30
+    assert_cache_holds_only_system(s, len(SYSTEM))
+
+
+def test_a_step_launched_past_a_sequences_end_gives_its_draw_back(tiny):
+    """The next step is launched before the step before is settled, so a sequence that ends by its text has a
+    row in it: that row's token is dropped and its draw given back. Every draw a client's stream makes is
+    then taken by a token, in the stream's order, as when every step waited for the one before."""
+    replies = ["abUser:", "abcdUser:", "aUser:", "abcdefgUser:", "abcUser:"]
+    sampling = SamplingParams(temp=0.8, seed=7)
+    s, r, _ = scripted_runner(tiny, replies, n_predict=0, sampling=sampling)
+    taken: dict[int, list[float]] = {}
+    real_take = r._take
+
+    def take(step):
+        draws = step.sampling.draws.view(np.float64)[:, 0]
+        for i, c in enumerate(step.rows):
+            if c.serial == step.serials[i]:
+                taken.setdefault(c.id, []).append(float(draws[i]))
+        return real_take(step)
+
+    given_back = []
+    real_unread = r.sampler.unread
+
+    def unread(slot, rows, i):
+        given_back.append(slot)
+        real_unread(slot, rows, i)
+
+    r._take, r.sampler.unread = take, unread
+    done: list[SequenceResult] = []
+    r.run(list(SYSTEM), PROMPTS[:2] + PROMPTS[:3], done.append)
+    assert len(given_back) == len(replies), "each sequence ends by its text with a row launched past its end"
+    assert sorted(d.response for d in done) == sorted(x[:x.index("User:")] for x in replies)
+    for client, draws in taken.items():
+        stream = np.random.default_rng(sampling.seed + client)
+        assert draws == [stream.random() for _ in draws], f"client {client}'s draws"
+    assert sum(len(v) for v in r.sampler.unread_draws) <= len(r.clients)
     assert_cache_holds_only_system(s, len(SYSTEM))
 
 

@@ -32,9 +32,9 @@ class Counted(Session):
         super().__init__(*args, **kw)
         self.taken = 0
 
-    def _take(self, ready, batch, sampling):
+    def _take(self, ready, batch, sampling, defer=False):
         self.taken += 1
-        return super()._take(ready, batch, sampling)
+        return super()._take(ready, batch, sampling, defer)
 
 
 class Unready(Session):
@@ -195,3 +195,32 @@ def test_steps_of_several_sequences_are_readied_and_taken(offloaded, how):
     assert on._ready is not None and on._ready.n == 4 and on._ready.st.ub.n_tokens == 4
     both(on, off, lambda s: s.decode_greedy(steps_of([0, 1, 3], pos[:3], [5, 5, 5])))
     assert on.taken == sum(taken)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_steps_left_computing_give_the_ids_of_steps_waited_for(offloaded, sampled):
+    """decode_begin leaves a step computing and hands back what waits for its ids: readied steps are taken as
+    with decode_greedy or decode_sampled, the ids are theirs, and a decode made before the ids are asked for
+    waits for the step first (its ids stay there to be asked for)."""
+    on, sync = pair(offloaded, 4)[0], pair(offloaded, 4)[0]  # sync: decode_greedy or decode_sampled
+    samplers = [BatchedSampler([SamplingParams(seed=q, temp=0.8, top_k=5) for q in range(4)], N_CTX) for _ in (0, 1)]
+    for q in range(3):
+        both(on, sync, lambda s: s.decode(Batch.of_sequence([3 + q, 9], 0, q)))
+    seqs, pos, tokens = np.arange(3), [2] * 3, [7, 7, 7]
+    for i in range(6):
+        batch = steps_of(seqs, pos, tokens)
+        rows = [sm.rows(seqs) for sm in samplers] if sampled else [None, None]
+        waiting = on.decode_begin(batch, rows[0])
+        want = sync.decode_sampled(batch, rows[1]) if sampled else sync.decode_greedy(batch)
+        if i == 3:  # the next step is decoded before this one's ids are asked for
+            both(on, sync, lambda s: s.decode_greedy(steps_of(seqs, [p + 1 for p in pos], want)))
+            pos = [p + 1 for p in pos]
+        got = waiting()
+        assert np.array_equal(got, want) and np.array_equal(waiting(), want)
+        assert cells(on) == cells(sync)
+        if sampled:
+            for sm in samplers:
+                sm.accept_rows(seqs, got)
+        pos, tokens = [p + 1 for p in pos], got
+    assert on.taken == sync.taken >= 3
+    assert on.stats.reuse_log == sync.stats.reuse_log
