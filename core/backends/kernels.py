@@ -558,6 +558,22 @@ def _sample(xp, node, out, srcs):
         out[r] = _sample_row(xp, logits[r], params[r], float(u[r]), recent[r], bias_ids[r], bias_vals[r])
 
 
+def top_k_ids(xp, x, k: int):
+    """The ids of x's k largest values, largest first, equal values in order of ids (as the CPU and CUDA kernels
+    rank them): argpartition's pick among values equal to the k-th is its own, so those are taken again from the
+    lowest ids."""
+    if k >= len(x):
+        return xp.argsort(-x, kind="stable")
+    ids = xp.argpartition(-x, k - 1)[:k]
+    kth = x[ids].min()
+    at_kth = x[ids] == kth
+    n_above = k - int(xp.count_nonzero(at_kth))  # every value above the k-th is among ids
+    if int(xp.count_nonzero(x == kth)) > k - n_above:
+        ids = xp.concatenate([ids[~at_kth], xp.flatnonzero(x == kth)[:k - n_above]])
+    ids = xp.sort(ids)
+    return ids[xp.argsort(-x[ids], kind="stable")]
+
+
 def _sample_row(xp, logits, params, u: float, recent, bias_ids, bias_vals) -> int:
     x = logits.astype(xp.float32, copy=True)
     if not bool(xp.isfinite(x).all()):
@@ -574,8 +590,7 @@ def _sample_row(xp, logits, params, u: float, recent, bias_ids, bias_vals) -> in
     if temp <= 0:
         return int(xp.argmax(x))
     k = int(top_k) if 0 < int(top_k) < len(x) else len(x)
-    ids = xp.argpartition(-x, k - 1)[:k] if k < len(x) else xp.arange(len(x))
-    ids = ids[xp.argsort(-x[ids], kind="stable")]
+    ids = top_k_ids(xp, x, k)
     vals = x[ids]
     probs = xp.exp(vals - vals[0])
     probs /= probs.sum()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ggrun.core.backends.kernels import top_k_ids
 from ggrun.core.errors import BadInput, RuntimeFailure
 from ggrun.core.llm.numerics import non_finite_kind
 
@@ -112,8 +113,7 @@ class Sampler:
     def _candidates(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Token ids and logits left after top-k, top-p and min-p, best first."""
         k = self.p.top_k if 0 < self.p.top_k < len(logits) else len(logits)
-        ids = np.argpartition(-logits, k - 1)[:k] if k < len(logits) else np.arange(len(logits))
-        ids = ids[np.argsort(-logits[ids], kind="stable")]
+        ids = top_k_ids(np, logits, k)
         vals = logits[ids]
         probs = np.exp(vals - vals[0])
         probs /= probs.sum()

@@ -40,11 +40,12 @@ def kernel_tokens(logits: np.ndarray, rows, compiled: bool) -> np.ndarray:
                                  rows.bias_vals[i]) for i in range(len(logits))])
 
 
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["reference-kernel", "cpu-kernel"])
-def test_rows_draw_the_reference_samplers_tokens(compiled):
+def test_rows_draw_the_reference_samplers_tokens(compiled, ties):
     """Random logits over 150 steps: every row's token equals its own reference sampler's, which accepts the
-    same tokens (so the penalties see the same history). Exactly equal logits are left out: the reference
-    orders them as numpy's argpartition leaves them, the compiled kernel by id (cpu/sample.py)."""
+    same tokens (so the penalties see the same history); with ties, logits of whole numbers, so that many equal
+    the k-th largest: every sampler takes and orders equal logits by id (kernels.top_k_ids)."""
     rng = np.random.default_rng(0)
     refs = [Sampler(p, n_ctx=64) for p in SETTINGS]
     batched = BatchedSampler(SETTINGS, n_ctx=64)
@@ -56,6 +57,8 @@ def test_rows_draw_the_reference_samplers_tokens(compiled):
         batched.accept(i, prompt)
     for step in range(150):
         logits = (rng.standard_normal((len(SETTINGS), 1000)) * 3).astype(np.float32)
+        if ties:
+            logits = np.round(logits)
         rows = batched.rows(slots)
         want = np.array([r.sample(row) for r, row in zip(refs, logits)])
         got = kernel_tokens(logits, rows, compiled)
