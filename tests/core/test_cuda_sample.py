@@ -48,8 +48,10 @@ class GpuSampler:
         return np.array(self.sched.get_tensor(self.out))
 
 
-def run_steps(gpu, settings: list[SamplingParams], vocab: int, steps: int, scale: float = 3.0) -> None:
-    """Random logits for `steps` steps: every row's token equals its own reference sampler's."""
+def run_steps(gpu, settings: list[SamplingParams], vocab: int, steps: int, scale: float = 3.0,
+              shape=None) -> None:
+    """Random logits for `steps` steps (normal, times scale, then `shape` applied when given): every row's
+    token equals its own reference sampler's."""
     rng = np.random.default_rng(vocab)
     refs = [Sampler(p, n_ctx=64) for p in settings]
     batched = BatchedSampler(settings, n_ctx=64)
@@ -62,6 +64,8 @@ def run_steps(gpu, settings: list[SamplingParams], vocab: int, steps: int, scale
         batched.accept(i, prompt)
     for step in range(steps):
         logits = (rng.standard_normal((len(settings), vocab)) * scale).astype(np.float32)
+        if shape is not None:
+            logits = shape(logits).astype(np.float32)
         rows = batched.rows(slots)
         want = np.array([r.sample(row) for r, row in zip(refs, logits)])
         np.testing.assert_array_equal(run(logits, rows), want, err_msg=f"step {step}")
@@ -82,6 +86,24 @@ def test_vocabulary_wide_rows(gpu):
         SamplingParams(temp=1.0, top_k=64, repeat_penalty=1.2, presence_penalty=0.5, seed=22),
         SamplingParams(temp=1.5, top_k=10, min_p=0.1, seed=23, logit_bias=((5, 4.0), (128_000, -np.inf)))]
     run_steps(gpu, settings, 128_256, 12, scale=2.0)
+
+
+def test_ties_at_the_kth_value(gpu):
+    """Logits of few distinct values, so that more entries equal the k-th largest than are taken: the lowest ids
+    are (the select over the whole row, in order of ids)."""
+    settings = [SamplingParams(seed=s) for s in range(4)] + [SamplingParams(temp=1.2, top_k=7, seed=9)]
+    run_steps(gpu, settings, 128_256, 6, scale=2.0, shape=lambda x: np.round(x * 4) / 4)
+    run_steps(gpu, settings, 1000, 20, scale=2.0, shape=lambda x: np.round(x))
+
+
+def test_crowded_top_bin(gpu):
+    """Every logit in one bin of the kernel's first histogram (the same sign, exponent and 3 leading mantissa
+    bits), more of them than it gathers (sample.cu's L_CAP): the select over the whole row draws the
+    reference's tokens too; and a row whose top bins hold just about L_CAP."""
+    settings = [SamplingParams(seed=s) for s in range(3)] + [SamplingParams(temp=0.7, top_k=500, top_p=1.0, seed=5)]
+    run_steps(gpu, settings, 20_000, 4, shape=lambda x: 1.0 + np.abs(x) / (np.abs(x).max() * 9))
+    for t in (1.85, 1.9):  # ~4,100 and ~3,660 of 128k normal logits above t, moved into the bin of [10, 11)
+        run_steps(gpu, settings, 128_256, 3, scale=1.0, shape=lambda x: np.where(x > t, 10 + (x - t) / 40, x))
 
 
 def test_rows_beyond_the_kernels_candidates_are_left_to_the_host(gpu):

@@ -6,8 +6,13 @@
 // and new values are listed (in the op's scratch) and flagged in a bitmap in shared memory, and each
 // pass reads an entry's value through `value` (the row's, or the listed one where flagged). Greedy
 // rows take the first largest value. Otherwise the top-k candidates are found by a radix select over
-// keys that order as the floats do (4 passes of 8 bits; equal values: lower ids first), sorted in shared
-// memory, and the rest runs on those k: probabilities in f32 with numpy's pairwise sum (the reference
+// keys that order as the floats do (equal values: lower ids first), sorted in shared memory, and the rest
+// runs on those k. The select reads the row twice: the pass that checks it also counts its keys' top 12
+// bits, which tells the bin of the k-th key, and a second pass gathers that bin and the ones above it into
+// shared memory, where the rest of the select runs. Where that bin holds more than L_CAP entries, or more
+// entries equal the k-th key than are taken, the select runs over the row instead (select_row: 4 passes
+// of 8 bits, then one in order of ids). A row of 128k logits took ~0.4 ms with the 6 passes, each a load
+// in flight per thread; the passes now keep 4 each: probabilities in f32 with numpy's pairwise sum (the reference
 // sums with numpy), the top-p and min-p cuts, the temperature, and the draw through a float64 cumulative
 // sum. Compiled without --use_fast_math and with --fmad=false (module.py), so every f32 step rounds as
 // numpy's does; exp may differ from numpy's in the last bit, which changes a token only where the draw
@@ -18,6 +23,10 @@
 #define SK_MAX 1024  // candidates sorted in shared memory
 #define ST 1024      // threads of a block
 #define PW_BLOCK 128  // numpy's pairwise summation block
+#define FB_SHIFT 20   // the first histogram's bins: a key's top 12 bits
+#define FB_BINS 4096
+#define L_CAP 4096    // entries of the k-th key's bin and above gathered in shared memory (32 KiB)
+#define UNROLL 4      // entries of a row a thread reads at once: loads in flight
 
 // a key whose unsigned order is the floats' order (-0 as +0)
 __device__ __forceinline__ u32 fkey(float f) {
@@ -76,19 +85,165 @@ __device__ __forceinline__ int block_rank(bool flag, int &total, int *wsum) {
     return before + __popc(ballot & ((1u << lane) - 1u));
 }
 
+// exclusive prefix sum of v over the block (in thread order) and the block's total
+__device__ __forceinline__ int block_excl_sum(int v, int &total, int *wsum) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int incl = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int x = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += x;
+    }
+    if (lane == 31) wsum[warp] = incl;
+    __syncthreads();
+    int before = 0;
+    total = 0;
+    for (int w = 0; w < ST / 32; w++) {
+        before += w < warp ? wsum[w] : 0;
+        total += wsum[w];
+    }
+    __syncthreads();
+    return before + incl - v;
+}
+
+// one radix pass of `width` bits at `shift` over the keys (in keys[0, nk) or, keys null, the row's): the
+// bin of the need-th largest key among those whose bits under `mask` equal *prefix; updates *prefix and *need
+__device__ void radix_pass(const float *row, const u32 *bits, const int *mid, const float *mv, int m, int n,
+                           const u64 *keys, int nk, int shift, int width, u32 mask, int *prefix, int *need,
+                           int *hist) {
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int nbins = 1 << width;
+    for (int b = tid; b < nbins; b += ST) hist[b] = 0;
+    __syncthreads();
+    const u32 pre = (u32)*prefix;
+    const int total = keys ? nk : n;
+    for (int i0 = 0; i0 < total; i0 += ST) {
+        const int i = i0 + tid;
+        u32 key = 0;
+        if (i < total) key = keys ? (u32)(keys[i] >> 32) : fkey(value(row, bits, mid, mv, m, i));
+        const bool in = i < total && (key & mask) == pre;
+        const int bin = in ? (int)((key >> shift) & (u32)(nbins - 1)) : -1;
+        const u32 same = __match_any_sync(0xffffffffu, bin);
+        if (in && lane == __ffs(same) - 1) atomicAdd(&hist[bin], __popc(same));
+    }
+    __syncthreads();
+    if (tid == 0) {
+        int nd = *need, b = nbins - 1;
+        while (hist[b] < nd) nd -= hist[b], b--;
+        *need = nd;
+        *prefix = (int)(pre | ((u32)b << shift));
+    }
+    __syncthreads();
+}
+
+// the k candidates over the whole row: the k-th largest key in 4 passes of 8 bits, then the keys above it
+// and the lowest ids of those equal to it, in order of ids
+__device__ void select_row(const float *row, const u32 *bits, const int *mid, const float *mv, int m, int n, int k,
+                           u64 *cand, int *hist, int *wsum, int *s_prefix, int *s_need, int *s_g) {
+    const int tid = threadIdx.x;
+    if (tid == 0) *s_prefix = 0, *s_need = k;
+    __syncthreads();
+    u32 mask = 0;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        radix_pass(row, bits, mid, mv, m, n, nullptr, 0, shift, 8, mask, s_prefix, s_need, hist);
+        mask |= 255u << shift;
+    }
+    const u32 kth = (u32)*s_prefix;
+    const int need = *s_need, n_greater = k - need;
+    if (tid == 0) *s_g = 0;
+    __syncthreads();
+    int taken = 0;  // entries equal to the k-th key taken so far
+    for (int i0 = 0; i0 < n; i0 += ST) {
+        const int i = i0 + tid;
+        const u32 key = i < n ? fkey(value(row, bits, mid, mv, m, i)) : 0;
+        if (i < n && key > kth) cand[atomicAdd(s_g, 1)] = ((u64)key << 32) | (u32)(~i);
+        int total;
+        const bool eq = i < n && key == kth;
+        const int rank = block_rank(eq, total, wsum);
+        if (eq && taken + rank < need) cand[n_greater + taken + rank] = ((u64)key << 32) | (u32)(~i);
+        taken += total;
+    }
+    __syncthreads();
+}
+
+// the k candidates from the first histogram (`fine`: FB_BINS counts of the keys' top 12 bits): the bin of the
+// k-th key, then the row's entries of that bin and above gathered into `keys` (over `fine`), where the rest of
+// the select runs; false, and cand left to select_row, where more than L_CAP entries would be gathered or more
+// entries equal the k-th key than are taken (which lowest ids take them is select_row's ordered pass)
+__device__ bool gather_select(const float *row, const u32 *bits, const int *mid, const float *mv, int m, int n, int k,
+                              const int *fine, u64 *keys, u64 *cand, int *hist, int *wsum, int *s_prefix,
+                              int *s_need, int *s_g, int *s_bin, int *s_above, int *s_inbin, int *s_eq) {
+    static_assert(FB_BINS == 4 * ST, "a thread sums 4 bins");
+    const int tid = threadIdx.x;
+    int c[4], sum = 0;  // thread t: bins FB_BINS - 1 - 4t down to FB_BINS - 4 - 4t (the largest keys first)
+    for (int j = 0; j < 4; j++) c[j] = fine[FB_BINS - 1 - 4 * tid - j], sum += c[j];
+    int total;
+    const int before = block_excl_sum(sum, total, wsum);  // every thread has read its bins after this
+    if (before < k && k <= before + sum) {
+        int acc = before;
+        for (int j = 0; j < 4; j++) {
+            if (acc + c[j] >= k) {
+                *s_bin = FB_BINS - 1 - 4 * tid - j, *s_above = acc, *s_inbin = c[j];
+                break;
+            }
+            acc += c[j];
+        }
+    }
+    if (tid == 0) *s_g = 0;
+    __syncthreads();
+    const int bin = *s_bin, above = *s_above, nl = above + *s_inbin;
+    if (nl > L_CAP) return false;
+    for (int i0 = tid; i0 < n; i0 += UNROLL * ST) {
+        float raw[UNROLL];
+#pragma unroll
+        for (int j = 0; j < UNROLL; j++) raw[j] = i0 + j * ST < n ? row[i0 + j * ST] : 0.0f;
+#pragma unroll
+        for (int j = 0; j < UNROLL; j++) {
+            const int i = i0 + j * ST;
+            if (i >= n) break;
+            const float v = ((bits[i >> 5] >> (i & 31)) & 1u) ? value(row, bits, mid, mv, m, i) : raw[j];
+            const u32 key = fkey(v);
+            if ((int)(key >> FB_SHIFT) >= bin) keys[atomicAdd(s_g, 1)] = ((u64)key << 32) | (u32)(~i);
+        }
+    }
+    if (tid == 0) *s_prefix = (int)((u32)bin << FB_SHIFT), *s_need = k - above;
+    __syncthreads();
+    radix_pass(row, bits, mid, mv, m, n, keys, nl, 12, 8, 0xfff00000u, s_prefix, s_need, hist);
+    radix_pass(row, bits, mid, mv, m, n, keys, nl, 4, 8, 0xfffff000u, s_prefix, s_need, hist);
+    radix_pass(row, bits, mid, mv, m, n, keys, nl, 0, 4, 0xfffffff0u, s_prefix, s_need, hist);
+    const u32 kth = (u32)*s_prefix;
+    const int need = *s_need, n_greater = k - need;
+    if (tid == 0) *s_g = 0, *s_eq = 0;
+    __syncthreads();
+    for (int e = tid; e < nl; e += ST) {
+        const u64 entry = keys[e];
+        const u32 key = (u32)(entry >> 32);
+        if (key > kth) {
+            cand[atomicAdd(s_g, 1)] = entry;
+        } else if (key == kth) {
+            const int at = atomicAdd(s_eq, 1);
+            if (at < need) cand[n_greater + at] = entry;
+        }
+    }
+    __syncthreads();
+    return *s_eq == need;
+}
+
 // params [rows, 7]: temp, top_k, top_p, min_p, repeat, frequency and presence penalty; u [rows]: the draws;
 // recent [rows, W] (-1: none); bias ids / values [rows, NB] (id -1: none); mod_ids / mod_vals [rows, W + NB]
-// scratch; dynamic shared memory: (n + 31) / 32 words of flags
+// scratch; dynamic shared memory: (n + 63) / 64 pairs of words of flags, then L_CAP * 8 bytes where the first
+// histogram (FB_BINS words) and then the gathered keys live
 extern "C" __global__ void __launch_bounds__(ST) sample_rows(
     const float *logits, i64 ldl, int n, const float *params, const double *u, const int *recent, int W,
     const int *bias_ids, const float *bias_vals, int NB, int *mod_ids, float *mod_vals, int *out) {
     pdl_begin();
     extern __shared__ u32 bits[];
-    __shared__ unsigned long long cand[SK_MAX];
+    u64 *gathered = (u64 *)(bits + 2 * ((n + 63) / 64));
+    int *fine = (int *)gathered;  // the first histogram, until the keys are gathered over it
+    __shared__ u64 cand[SK_MAX];
     __shared__ float pr[SK_MAX];
     __shared__ int hist[256], wsum[ST / 32], wi[ST / 32];
     __shared__ float wv[ST / 32];
-    __shared__ int s_m, s_bad, s_keep, s_prefix, s_need, s_g;
+    __shared__ int s_m, s_bad, s_keep, s_prefix, s_need, s_g, s_bin, s_above, s_inbin, s_eq;
     __shared__ float s_total;
     const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float *row = logits + (i64)r * ldl;
@@ -138,14 +293,27 @@ extern "C" __global__ void __launch_bounds__(ST) sample_rows(
     __syncthreads();
     __threadfence_block();
 
-    // the raw row's finiteness, and the first largest value
+    // the raw row's finiteness, the first largest value and, for a row that samples, the first histogram
+    const int k = (top_k > 0 && top_k < n) ? top_k : n;
+    const bool counts = temp > 0.0f && k <= SK_MAX;
+    if (counts)
+        for (int b = tid; b < FB_BINS; b += ST) fine[b] = 0;
+    __syncthreads();
     float best = -INFINITY;
     int besti = n, bad = 0;
-    for (int i = tid; i < n; i += ST) {
-        const float raw = row[i];
-        bad |= !isfinite(raw);
-        const float v = value(row, bits, mid, mv, m, i);
-        if (v > best || (besti == n && v == best)) best = v, besti = i;
+    for (int i0 = tid; i0 < n; i0 += UNROLL * ST) {
+        float raw[UNROLL];
+#pragma unroll
+        for (int j = 0; j < UNROLL; j++) raw[j] = i0 + j * ST < n ? row[i0 + j * ST] : 0.0f;
+#pragma unroll
+        for (int j = 0; j < UNROLL; j++) {
+            const int i = i0 + j * ST;
+            if (i >= n) break;
+            bad |= !isfinite(raw[j]);
+            const float v = ((bits[i >> 5] >> (i & 31)) & 1u) ? value(row, bits, mid, mv, m, i) : raw[j];
+            if (v > best || (besti == n && v == best)) best = v, besti = i;
+            if (counts) atomicAdd(&fine[fkey(v) >> FB_SHIFT], 1);
+        }
     }
     if (__syncthreads_or(bad)) {
         if (tid == 0) out[r] = -1;
@@ -166,51 +334,14 @@ extern "C" __global__ void __launch_bounds__(ST) sample_rows(
         }
         return;
     }
-    const int k = (top_k > 0 && top_k < n) ? top_k : n;
     if (k > SK_MAX) {
         if (tid == 0) out[r] = -2;
         return;
     }
+    if (!gather_select(row, bits, mid, mv, m, n, k, fine, gathered, cand, hist, wsum, &s_prefix, &s_need, &s_g,
+                       &s_bin, &s_above, &s_inbin, &s_eq))
+        select_row(row, bits, mid, mv, m, n, k, cand, hist, wsum, &s_prefix, &s_need, &s_g);
 
-    // the k-th largest key, 8 bits a pass; s_need: how many entries equal to it are taken (lowest ids)
-    if (tid == 0) s_prefix = 0, s_need = k;
-    u32 mask = 0;
-    for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int b = tid; b < 256; b += ST) hist[b] = 0;
-        __syncthreads();
-        const u32 prefix = (u32)s_prefix;
-        for (int i0 = 0; i0 < n; i0 += ST) {
-            const int i = i0 + tid;
-            const bool in = i < n && (fkey(value(row, bits, mid, mv, m, i)) & mask) == prefix;
-            const int bin = in ? (fkey(value(row, bits, mid, mv, m, i)) >> shift) & 255 : -1;
-            const u32 same = __match_any_sync(0xffffffffu, bin);
-            if (in && lane == __ffs(same) - 1) atomicAdd(&hist[bin], __popc(same));
-        }
-        __syncthreads();
-        if (tid == 0) {
-            int need = s_need, b = 255;
-            while (hist[b] < need) need -= hist[b], b--;
-            s_need = need;
-            s_prefix = (int)(prefix | ((u32)b << shift));
-        }
-        mask |= 255u << shift;
-        __syncthreads();
-    }
-    const u32 kth = (u32)s_prefix;
-    const int need = s_need, n_greater = k - need;
-    if (tid == 0) s_g = 0;
-    __syncthreads();
-    int taken = 0;  // entries equal to the k-th key taken so far
-    for (int i0 = 0; i0 < n; i0 += ST) {
-        const int i = i0 + tid;
-        const u32 key = i < n ? fkey(value(row, bits, mid, mv, m, i)) : 0;
-        if (i < n && key > kth) cand[atomicAdd(&s_g, 1)] = ((unsigned long long)key << 32) | (u32)(~i);
-        int total;
-        const bool eq = i < n && key == kth;
-        const int rank = block_rank(eq, total, wsum);
-        if (eq && taken + rank < need) cand[n_greater + taken + rank] = ((unsigned long long)key << 32) | (u32)(~i);
-        taken += total;
-    }
     int kp = 1;
     while (kp < k) kp <<= 1;
     for (int i = k + tid; i < kp; i += ST) cand[i] = 0;
