@@ -2,6 +2,11 @@
 (`ggrun parallel`'s system prompt and questions) served by -np clients sharing each decode, then by a
 single client, with the same model, context and sampling; prints both speeds and their ratio.
 
+With --batched, `ggrun parallel` against `ggrun bench --batched` at B = -np (-npp 128 -ntg 128), alternating over
+--rounds: the generated t/s of the run against S_TG, issue 31's bar on the GPU (0.8x at -np 64, -ns 256, -n 128,
+-c 32768, -ngl 99; parallel with its own sampling defaults unless --temp is given); with --llama-bin holding
+llama-parallel, that tool's run with the same options is timed beside them, for its own figure.
+
 With --llama, `ggrun parallel` against llama.cpp's `llama-parallel` instead: the same command line for
 both (-np, -ns, -n, -c, -t, -s, --temp), each as its own process, alternating over --rounds, for every
 -np of a comma list and every model of a comma list (default SmolLM2 and gemma-3-270m); prints each tool's
@@ -10,16 +15,20 @@ model the lowest ratio against --target (issue 31's CPU bar: 1.5x at every -np).
 or $LLAMA_BIN).
 
 Usage: python scripts/bench/bench_parallel.py [-m MODEL] [-np 4] [-ns 16] [-n 64] [-c 4096] [--temp 0] [-t THREADS]
+       python scripts/bench/bench_parallel.py --batched -m MODEL -ngl 99 -np 64 -ns 256 -n 128 -c 32768
+                                        [--rounds 2] [--target 0.8] [--llama-bin DIR]
        python scripts/bench/bench_parallel.py --llama [-m smollm2,gemma3-270m] [-np 1,4,8] [-ns 16] [-n 64] [-t 2]
                                         [--rounds 2] [--target 1.5]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -101,6 +110,47 @@ def against_llama(a, model: str, n_parallel: list[int]) -> float:
     return lowest
 
 
+def batched_speed(cmd: list[str]) -> float:
+    """S_TG of `ggrun bench --batched -o jsonl`'s one row."""
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    rows = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    if out.returncode != 0 or len(rows) != 1:
+        raise SystemExit(f"failed ({out.returncode}): {' '.join(cmd)}\n{(out.stdout + out.stderr)[-2000:]}")
+    return float(rows[0]["speed_tg"])
+
+
+def against_batched(a) -> float:
+    """ggrun parallel's generated t/s against ggrun bench --batched's S_TG at B = -np, alternating; the ratio of
+    the medians. llama-parallel's run beside them where --llama-bin has it."""
+    model = a.model if Path(a.model).is_file() else str(resolve_model(a.model))
+    ggrun = [sys.executable, "-c", "from ggrun.cli.app import main; main()"]
+    common = ["-m", model, "-ngl", str(a.gpu_layers), "-c", str(a.ctx_size)]
+    run = common + ["-np", a.parallel, "-ns", str(a.sequences), "-n", str(a.n_predict)]
+    run += ["--temp", str(a.temp), "-s", str(a.seed)] if a.temp is not None else []
+    bench = ggrun + ["bench", "--batched", *common, "-npp", "128", "-ntg", "128", "-npl", a.parallel, "-o", "jsonl"]
+    llama = Path(a.llama_bin) / "llama-parallel"
+    speeds: dict[str, list[float]] = {"parallel": [], "batched": [], "llama-parallel": []}
+    gen_speed(ggrun + ["parallel", *common, "-np", "1", "-ns", "1", "-n", "4"])  # untimed: kernels compiled
+    for r in range(a.rounds):
+        for who in (("parallel", "batched") if r % 2 == 0 else ("batched", "parallel")):
+            speeds[who].append(gen_speed(ggrun + ["parallel", *run])[1] if who == "parallel" else batched_speed(bench))
+        if llama.exists():
+            try:
+                speeds["llama-parallel"].append(gen_speed([str(llama), *run])[1])
+            except SystemExit as err:  # e.g. its cache cannot hold every client's whole prompt (no sharing)
+                print(f"llama-parallel: {str(err).splitlines()[-1][-200:]}", flush=True)
+                llama = Path("/nonexistent")
+    g, b = statistics.median(speeds["parallel"]), statistics.median(speeds["batched"])
+    rounds = " ".join(f"{x / y:.2f}" for x, y in zip(speeds["parallel"], speeds["batched"]))
+    print(f"-np {a.parallel}: parallel {g:.0f} gen t/s {speeds['parallel']}, bench --batched S_TG {b:.0f} "
+          f"{speeds['batched']}: {g / b:.2f}x (rounds {rounds})", flush=True)
+    if speeds["llama-parallel"]:
+        ll = statistics.median(speeds["llama-parallel"])
+        print(f"llama-parallel, same options: {ll:.0f} gen t/s {speeds['llama-parallel']}; ggrun parallel / "
+              f"llama-parallel {g / ll:.2f}x", flush=True)
+    return g / b
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default=None,
@@ -109,17 +159,27 @@ def main() -> None:
     ap.add_argument("-np", "--parallel", default=None,
                     help="clients of the batched run (default 4; --llama: a comma list, default 1,4,8)")
     ap.add_argument("--llama", action="store_true", help="ggrun parallel against llama-parallel")
+    ap.add_argument("--batched", action="store_true", help="ggrun parallel against ggrun bench --batched's S_TG")
+    ap.add_argument("-ngl", "--gpu-layers", type=int, default=0, help="--batched: layers offloaded")
     ap.add_argument("--rounds", type=int, default=2, help="--llama: alternating rounds per -np")
     ap.add_argument("--llama-bin", default=os.environ.get("LLAMA_BIN", str(DEFAULT_ANCHOR)))
     ap.add_argument("-ns", "--sequences", type=int, default=16)
     ap.add_argument("-n", "--n-predict", type=int, default=64)
     ap.add_argument("-c", "--ctx-size", type=int, default=4096)
     ap.add_argument("-b", "--batch-size", type=int, default=512)
-    ap.add_argument("--temp", type=float, default=0.0)
+    ap.add_argument("--temp", type=float, default=None, help="default 0 (--batched: parallel's own default)")
     ap.add_argument("-s", "--seed", type=int, default=1)
     ap.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for matrix products")
-    ap.add_argument("--target", type=float, default=1.5, help="--llama: the ratio every -np should reach")
+    ap.add_argument("--target", type=float, default=None,
+                    help="the ratio to reach (--llama: every -np's, default 1.5; --batched: default 0.8)")
     a = ap.parse_args()
+    if a.batched:
+        a.model, a.parallel = a.model or "smollm2", a.parallel or "64"
+        ratio, target = against_batched(a), a.target or 0.8
+        print(f"parallel / batched S_TG {ratio:.2f}x ({'meets' if ratio >= target else 'below'} {target}x)")
+        return
+    a.target = a.target or 1.5
+    a.temp = 0.0 if a.temp is None else a.temp
     if a.llama:
         lowest = {m: against_llama(a, m, [int(x) for x in (a.parallel or "1,4,8").split(",")])
                   for m in (a.model or "smollm2,gemma3-270m").split(",")}
