@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 from ggrun.core.backends.cpu import CPUBackend
-from ggrun.core.llm.batch import Batch
-from ggrun.core.llm.buckets import bucket_size
+from ggrun.core.llm.batch import Batch, UBatch
+from ggrun.core.llm.buckets import bucket_size, pad_mixed
+from ggrun.core.llm.inputs import UBatchState
 from ggrun.core.llm.kv_blocks import BLOCK, find_cells
+from ggrun.core.llm.kv_cache import KVCache
 from ggrun.core.llm.model import Model
 from ggrun.core.llm.session import Session, SessionParams
 
@@ -145,3 +147,15 @@ def test_mixed_steps_of_a_many_sequence_session_pad_to_powers_of_two(tiny):
     for g, w in zip(got, want):
         assert g.shape == w.shape
         np.testing.assert_allclose(g, w, rtol=0, atol=2e-5)
+
+
+def test_mixed_outputs_pad_to_a_quarter_of_the_padded_tokens():
+    """A mixed step's outputs pad to a power of two and to at least a quarter of its padded tokens (no more than
+    those tokens): 40 tokens with 3 outputs are 64 with 16, 5 with 1 are 8 with 2, 9 with 9 are 16 with 16."""
+    for n, n_out, want in ((40, 3, (64, 16)), (5, 1, (8, 2)), (9, 9, (16, 16)), (40, 0, (64, 0))):
+        kv = KVCache(256, 8, [], n_seq_max=4, pad=8)
+        ub = UBatch(np.zeros(n, np.int32), np.arange(n, dtype=np.int32), np.zeros(n, np.int32),
+                    np.arange(n - n_out, n, dtype=np.int32), 0)
+        st = pad_mixed(UBatchState(ub, np.arange(n, dtype=np.int32), kv), 512)
+        assert (st.ub.n_tokens, st.ub.n_outputs) == want
+        assert st.ub.n_out_pad == want[1] - n_out and list(st.ub.out_rows[:n_out]) == list(range(n - n_out, n))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ggrun.core.errors import BadInput
-from ggrun.core.llm.kv_cache import KVCache
+from ggrun.core.llm.kv_cache import SEVERAL_FLOOR, KVCache
 
 N_CTX = 48
 PAD = 8  # small, so that n_kv follows the top closely
@@ -273,6 +273,20 @@ def test_a_full_cache_gives_no_slot():
     kv.seq_rm(0, 5, 6)
     np.testing.assert_array_equal(kv.find_slot(1), [5])
     assert kv.find_slot(2) is None
+
+
+def test_several_tokens_read_at_least_the_floor_one_token_its_own():
+    """With pow2_cells a micro-batch of several tokens reads at least SEVERAL_FLOOR cells (within the cache), so
+    that a run of growing caches keeps its graphs; one token's n_kv is the power of two of its cells, and the
+    floor given to several tokens does not raise it."""
+    for n_ctx in (256, 2 * SEVERAL_FLOOR):
+        kv = KVCache(n_ctx, 8, [], n_seq_max=3, pad=PAD)
+        kv.pow2_cells = True
+        kv.apply(np.arange(70, dtype=np.int32), np.arange(70, dtype=np.int32), np.full(70, 1, dtype=np.int32))
+        assert kv.n_kv(tokens=64) == min(n_ctx, SEVERAL_FLOOR)
+        assert kv.n_kv() == kv.n_kv(tokens=1) == 128
+    kv.pow2_cells = False
+    assert kv.n_kv(tokens=64) == 72
 
 
 def test_pow2_cells_never_shrink_until_the_cache_is_cleared():
