@@ -98,9 +98,10 @@ class InFlight:
 
 
 def _joined(outs: list[np.ndarray | None]) -> np.ndarray:
-    """The token ids of a batch's micro-batches, in order (i32; none: empty)."""
+    """The token ids of a batch's micro-batches, in order (i32; none: empty), in an array of their own (a
+    graph's output, as the CPU's, is written again by its next run)."""
     outs = [o for o in outs if o is not None]
-    return np.concatenate(outs) if len(outs) > 1 else outs[0] if outs else np.zeros(0, dtype=np.int32)
+    return np.concatenate(outs) if len(outs) > 1 else np.array(outs[0]) if outs else np.zeros(0, dtype=np.int32)
 
 
 class Session:

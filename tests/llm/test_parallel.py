@@ -255,7 +255,7 @@ def scripted_runner(model: Model, replies: list[str], n_predict: int, stop_text:
     scripts = iter(replies)
     starts: list[tuple[int, list[int]]] = []
     script: dict[int, list[int]] = {}
-    real_start, real_step = r._try_start, r._step
+    real_start, real_step, real_follow = r._try_start, r._step, r._follow
 
     def start(c, job, prompts):
         verdict = real_start(c, job, prompts)
@@ -264,21 +264,26 @@ def scripted_runner(model: Model, replies: list[str], n_predict: int, stop_text:
             script[c.id] = list(next(scripts).encode())
         return verdict
 
-    def step(prompts):
-        launched = real_step(prompts)
-        wait = launched.wait
+    def scripted(launched):  # each row's next byte of its script, once, when the step's ids are first asked for
+        if launched is None:
+            return None
+        wait, done = launched.wait, []
 
-        def scripted():  # each row's next byte of its script, taken as the row's tokens are
-            ids, logits = wait()
-            ids = np.array(ids)
-            for i, c in enumerate(launched.rows):
-                if c.serial == launched.serials[i]:
-                    ids[i] = script[c.id].pop(0) if script[c.id] else ord("x")
-            return ids, logits
-        launched.wait = scripted
+        def ids_of_script():
+            if not done:
+                ids, logits = wait()
+                ids = np.array(ids)
+                for i, c in enumerate(launched.rows):
+                    if c.serial == launched.serials[i]:
+                        ids[i] = script[c.id].pop(0) if script[c.id] else ord("x")
+                done.append((ids, logits))
+            return done[0]
+        launched.wait = ids_of_script
         return launched
 
-    r._try_start, r._step = start, step
+    r._try_start = start
+    r._step = lambda prompts: scripted(real_step(prompts))
+    r._follow = lambda step, may_join: scripted(real_follow(step, may_join))
     return s, r, starts
 
 
@@ -591,3 +596,33 @@ def test_smollm2_batch_invariance_llama_numerics(smollm2):
                f"margin {top2[1] - top2[0]:.4g}); batched-vs-alone max logit difference {diffs[first]:.4g}")
         print(msg)
         assert 0 <= margin < bound and diffs[first] < bound, msg
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temp=0.9, top_k=20, seed=3)], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("ignore_eos", [True, False], ids=["to-the-limit", "eog-ends"])
+def test_steps_launched_as_ids_come_back_change_nothing(tiny, sampling, ignore_eos):
+    """Decode steps of the same sequences are launched as soon as the step before's ids are back (_follow): the
+    sequences' tokens, texts and ends (at the limit, by the stop text, sampled: at an end-of-generation token),
+    and the totals, are those of a run that takes every step's tokens first; most steps are launched so."""
+    prompts = PROMPTS * 3
+
+    def run(follow: bool):
+        s = Session(tiny, SessionParams(n_ctx=1024, n_batch=512, n_ubatch=512, n_seq_max=4))
+        r = ParallelRunner(s, 3, 24, sampling, 512, ignore_eos=ignore_eos, stop_text="e")
+        followed = []
+        real = r._follow
+
+        def counted(step, may_join):
+            launched = real(step, may_join) if follow else None
+            followed.append(launched is not None)
+            return launched
+        r._follow = counted
+        done: list[SequenceResult] = []
+        summary = r.run(list(SYSTEM), prompts, done.append)
+        return {d.seq: (d.response_tokens, d.response, d.stop_reason) for d in done}, summary, followed
+
+    want, base, _ = run(False)
+    got, summary, followed = run(True)
+    assert got == want
+    assert (summary.n_gen, summary.n_prompt) == (base.n_gen, base.n_prompt)
+    assert sum(followed) > len(followed) / 2
