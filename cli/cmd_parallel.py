@@ -63,6 +63,7 @@ class ParallelSettings:
     ignore_eos: bool = False
     json: bool = False
     graph_reuse: bool = True
+    warmup: bool = True  # a decode of every client, twice, before the clock starts (ParallelRunner.warm_up)
     list_devices: bool = False
 
 
@@ -97,6 +98,8 @@ def settings(
                                               "cells of its beginning from a sequence that holds them"),
     as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout: one per sequence, then a summary"),
     list_devices_: o.ListDevices = False, no_graph_reuse: o.NoGraphReuse = False,
+    no_warmup: bool = typer.Option(False, "--no-warmup", help="Skip the untimed warm-up (one token of every "
+                                   "client, twice, before the clock starts, as llama.cpp's warm-up decode)"),
 ) -> ParallelSettings:
     """Serve many sequences at once with continuous batching (like llama-parallel)."""
     if list_devices_:
@@ -123,7 +126,7 @@ def settings(
         type_k=cache_type_k, type_v=cache_type_v, flash_attn=flash_attn != "off" and not no_flash_attn, file=file,
         sampling=sampling, shared_system=shared_system, system=not no_system, n_junk=junk,
         cont_batching=cont_batching, prefill_chunk=prefill_chunk, prefix_share=not no_prefix_share,
-        ignore_eos=ignore_eos, json=as_json, graph_reuse=not no_graph_reuse)
+        ignore_eos=ignore_eos, json=as_json, graph_reuse=not no_graph_reuse, warmup=not no_warmup)
 
 
 def read_questions(file: str | None) -> list[str]:
@@ -167,6 +170,8 @@ def run(s: ParallelSettings) -> None:
                       f"{int(s.cont_batching)}, system tokens = {n_system}", markup=False)
     with Interrupt() as stop:
         stop.watch(session)
+        if s.warmup:
+            runner.warm_up()
         summary = runner.run(system, jobs, lambda r: _print_result(r, s, runner.summary.cache_misses))
     if not s.json:
         err_console.print(f"External prompt file: {s.file or 'used built-in defaults'}\n"

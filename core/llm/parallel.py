@@ -178,6 +178,26 @@ class ParallelRunner:
         self.system: list[int] = []
         self.summary = ParallelSummary()
 
+    def warm_up(self) -> None:
+        """Untimed, before run: one token of every client decoded twice (sampled as the run samples, from streams
+        of the warm-up's own), then the cache cleared. As llama.cpp's tools warm up with a decode and bench
+        --batched warms each row up twice, the kernels of the run's decode steps are loaded, and the graph of a
+        step of every client is built, planned and (on a GPU) captured, before the run's clock starts. Skipped
+        where the cache cannot hold two tokens of every client."""
+        n = len(self.clients)
+        if self.s.n_ctx < 2 * n:
+            return
+        seqs = np.fromiter((c.seq_id for c in self.clients), dtype=np.int32, count=n)
+        sampler = BatchedSampler(self.sampler.settings, self.s.n_ctx)
+        self.s.clear()
+        for pos in range(2):
+            batch = Batch(np.zeros(n, dtype=np.int32), np.full(n, pos, dtype=np.int32), seqs, np.ones(n, dtype=bool))
+            if self.greedy:
+                self.s.decode_greedy(batch)
+            else:
+                self.s.decode_sampled(batch, sampler.rows(np.arange(n)))
+        self.s.clear()
+
     def run(self, system_prompt: list[int], prompts: list[tuple[str, list[int]]],
             on_done: Callable[[SequenceResult], None]) -> ParallelSummary:
         """Evaluate the system prompt once, then serve every prompt; returns the totals."""

@@ -626,3 +626,25 @@ def test_steps_launched_as_ids_come_back_change_nothing(tiny, sampling, ignore_e
     assert got == want
     assert (summary.n_gen, summary.n_prompt) == (base.n_gen, base.n_prompt)
     assert sum(followed) > len(followed) / 2
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temp=0.9, top_k=20, seed=3)], ids=["greedy", "sampled"])
+def test_warm_up_builds_the_step_of_every_client_and_changes_nothing(tiny, sampling):
+    """The warm-up decodes one token of every client twice and clears the cache: the run then finds the graph of a
+    step of every client built (it builds fewer), and its sequences' tokens and texts are a cold run's (the
+    warm-up draws from streams of its own)."""
+    def run(warm: bool):
+        s = Session(tiny, SessionParams(n_ctx=1024, n_batch=512, n_ubatch=512, n_seq_max=4, mask_from_cells=True))
+        r = ParallelRunner(s, 3, 10, sampling, 512, ignore_eos=True)
+        if warm:
+            r.warm_up()
+            assert s.kv.n_used == 0
+        built = s.stats.graphs_built
+        done: list[SequenceResult] = []
+        r.run(list(SYSTEM), PROMPTS * 2, done.append)
+        return {d.seq: (d.response_tokens, d.response) for d in done}, s.stats.graphs_built - built
+
+    cold, built_cold = run(False)
+    warm, built_warm = run(True)
+    assert warm == cold
+    assert built_warm < built_cold
