@@ -362,7 +362,8 @@ __global__ void __launch_bounds__(DEC_THREADS) attn_decode(
 
 #define DS_WARPS 8  // warps of attn_decode_rows
 #define DS_ROWS 4   // query rows of a KV head's group an attn_decode_rows or attn_decode_tok block serves
-#define DS_UNROLL 4  // keys each lane group loads at once
+#define DS_UNROLL 4  // keys each lane group of attn_decode_rows loads at once
+#define DT_UNROLL 2  // attn_decode_tok's: at 4 its 128 registers (two blocks a multiprocessor) spilled 104 bytes
 
 // a key's and its value's eight elements for this lane (zeros past the span)
 template <int TK, int D>
@@ -378,11 +379,11 @@ __device__ __forceinline__ void ds_load(const void *k, const void *v, i64 ko, i6
 
 // A round's scores: sc[u][i] = the dot of row i's query (scaled) with key u, from this lane's slices
 // qr[i] and kx[u] and those of the other LPK - 1 lanes that hold the key.
-template <int LPK>
-__device__ __forceinline__ void ds_scores(const float (&qr)[DS_ROWS][8], const float (&kx)[DS_UNROLL][8],
-                                          float (&sc)[DS_UNROLL][DS_ROWS]) {
+template <int LPK, int U>
+__device__ __forceinline__ void ds_scores(const float (&qr)[DS_ROWS][8], const float (&kx)[U][8],
+                                          float (&sc)[U][DS_ROWS]) {
 #pragma unroll
-    for (int u = 0; u < DS_UNROLL; u++)
+    for (int u = 0; u < U; u++)
 #pragma unroll
         for (int i = 0; i < DS_ROWS; i++) {
             float dot = 0.0f;
@@ -396,14 +397,14 @@ __device__ __forceinline__ void ds_scores(const float (&qr)[DS_ROWS][8], const f
 // A round's scores sc, masked (mask(u, i): key u's mask value for row i, -INFINITY: hidden), folded into
 // each row's running maximum m, sum l and weighted value slice acc (online softmax); a row that sees none
 // of the round's keys is left as it is.
-template <typename Mask>
-__device__ __forceinline__ void ds_fold(float (&sc)[DS_UNROLL][DS_ROWS], const float (&vx)[DS_UNROLL][8],
+template <int U, typename Mask>
+__device__ __forceinline__ void ds_fold(float (&sc)[U][DS_ROWS], const float (&vx)[U][8],
                                         float (&m)[DS_ROWS], float (&l)[DS_ROWS], float (&acc)[DS_ROWS][8], Mask mask) {
 #pragma unroll
     for (int i = 0; i < DS_ROWS; i++) {
         float mn = m[i];
 #pragma unroll
-        for (int u = 0; u < DS_UNROLL; u++) {
+        for (int u = 0; u < U; u++) {
             const float mk = mask(u, i);
             sc[u][i] = mk == -INFINITY ? -INFINITY : sc[u][i] + mk;
             mn = fmaxf(mn, sc[u][i]);
@@ -414,7 +415,7 @@ __device__ __forceinline__ void ds_fold(float (&sc)[DS_UNROLL][DS_ROWS], const f
 #pragma unroll
         for (int x = 0; x < 8; x++) acc[i][x] *= corr;
 #pragma unroll
-        for (int u = 0; u < DS_UNROLL; u++) {
+        for (int u = 0; u < U; u++) {
             const float p = __expf(sc[u][i] - mn);
             l[i] += p;
 #pragma unroll
@@ -830,13 +831,13 @@ extern "C" __global__ void __launch_bounds__(256) attn_tiles(const __half *mask,
 // head g, token t = blockIdx.y and DS_ROWS of the group's r query heads (blockIdx.z: heads z * DS_ROWS on)
 // over the cells its own sequence holds, not over the whole cache: the tiles attn_tiles listed for the
 // token (the launch before), then the keys of those tiles only, as attn_decode_rows reads a span: D / 8 lanes
-// per key, DS_UNROLL keys at once, online softmax per lane, lanes merged by shuffles and warps through shared
+// per key, DT_UNROLL keys at once, online softmax per lane, lanes merged by shuffles and warps through shared
 // memory. Queries, keys and values were written before attn_tiles ran, so the queries are read before
-// pdl_begin; the list after it. Two blocks a multiprocessor (registers capped at 128, ~200 bytes spilled): a
-// step of 128 sequences is 1024 blocks or more, and throughput, not one block's latency, is what counts. H200,
-// 64 / 128 sequences of 129 cells each, 32 query heads over 8 KV heads, d 64: 20.7 / 47.0 us a step with
-// attn_tiles, where a scan of the mask row in each block (167 registers, one block a multiprocessor) took
-// 27.6 / 87.2.
+// pdl_begin; the list after it. Two blocks a multiprocessor (registers capped at 128; DT_UNROLL keys a lane group
+// at once keeps them unspilled): a step of 128 sequences is 1024 blocks or more, and throughput, not one block's
+// latency, is what counts. H200, 64 sequences, 32 query heads over 8 KV heads, d 64, with attn_tiles: 16.1 us a
+// step over 129 cells each, 54.9 over a shared 1024-cell prefix and 72 of its own (4 keys at once, 104 bytes
+// spilled: 22.7 and 70.3; a scan of the mask row in each block, 167 registers, 27.6 over the 129).
 template <int TK, int D>
 __global__ void __launch_bounds__(DS_WARPS * 32, 2) attn_decode_tok(
     const float *q, const void *k, const void *v, const __half *mask, const float *sinks, float *out,
@@ -860,11 +861,11 @@ __global__ void __launch_bounds__(DS_WARPS * 32, 2) attn_decode_tok(
     pdl_begin();
     const int *list = tiles + (i64)t * ((n_kv + 31) / 32 + 1);
     const int nk = list[0] * 32;
-    for (int jw = warp * KPW; jw < nk; jw += KPB * DS_UNROLL) {
+    for (int jw = warp * KPW; jw < nk; jw += KPB * DT_UNROLL) {
         const int jb = jw + kl;
-        float kx[DS_UNROLL][8], vx[DS_UNROLL][8], mk[DS_UNROLL];
+        float kx[DT_UNROLL][8], vx[DT_UNROLL][8], mk[DT_UNROLL];
 #pragma unroll
-        for (int u = 0; u < DS_UNROLL; u++) {
+        for (int u = 0; u < DT_UNROLL; u++) {
             const int j = jb + u * KPB;
             const bool live = j < nk;
             const int cell = live ? list[1 + (j >> 5)] * 32 + (j & 31) : 0;
@@ -872,7 +873,7 @@ __global__ void __launch_bounds__(DS_WARPS * 32, 2) attn_decode_tok(
                            kx[u], vx[u]);
             mk[u] = live ? __half2float(mrow[cell]) : -INFINITY;
         }
-        float sc[DS_UNROLL][DS_ROWS];
+        float sc[DT_UNROLL][DS_ROWS];
         ds_scores<LPK>(qr, kx, sc);
         ds_fold(sc, vx, m, l, acc, [&](int u, int) { return mk[u]; });
     }
