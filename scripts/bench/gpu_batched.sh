@@ -6,7 +6,8 @@
 #      host-filled masks), and the CPU-side tests of those masks;
 #   2. ggrun bench --batched against llama-batched-bench (-npp 128 -ntg 128 -npl 1,16,64,128), once with
 #      host-filled masks (GGRUN_MASK_FROM_CELLS=0) and once with masks made from the cells (the default);
-#   3. ggrun parallel -np 64 -ns 256 -n 128: generated t/s, and how many sequences finished (all 256 should);
+#   3. ggrun parallel -np 64 -ns 256 -n 128: how many sequences finished (all 256 should), then its generated t/s
+#      against bench --batched's S_TG at B = 64, alternating (bench_parallel.py --batched: issue 31's 0.8x);
 #   4. bench_serve.py at concurrency 1, 16 and 64 against llama-server (issue 34's GPU bench: serve_gpu.sh).
 # Logs go to OUT (default /tmp/gpu_batched).
 #
@@ -32,5 +33,7 @@ t "parallel -np 64 -ns 256 -n 128"
 timeout 90 "${G[@]}" parallel -m "$M" -ngl 99 -np 64 -ns 256 -n 128 -c 32768 >"$OUT/parallel.out" 2>"$OUT/parallel.err"
 echo "sequences finished: $(grep -c '^Client' "$OUT/parallel.out") of 256, skipped: $(grep -c skipped "$OUT/parallel.out")"
 tail -5 "$OUT/parallel.out"; tail -2 "$OUT/parallel.err"
+timeout 240 python3 scripts/bench/bench_parallel.py --batched -m "$M" -ngl 99 -np 64 -ns 256 -n 128 -c 32768 \
+  --rounds 3 2>&1 | tee "$OUT/parallel_vs_batched.log" | tail -2
 bash scripts/bench/serve_gpu.sh "$M" "$LLB" "$OUT/serve"
 t end
