@@ -69,20 +69,22 @@ __device__ __forceinline__ float value(const float *row, const u32 *bits, const 
     return row[i];
 }
 
-// exclusive prefix count of `flag` over the block (in thread order) and the block's total
-__device__ __forceinline__ int block_rank(bool flag, int &total, int *wsum) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 ballot = __ballot_sync(0xffffffffu, flag);
-    if (lane == 0) wsum[warp] = __popc(ballot);
-    __syncthreads();
-    int before = 0;
-    total = 0;
-    for (int w = 0; w < ST / 32; w++) {
-        before += w < warp ? wsum[w] : 0;
-        total += wsum[w];
+// f(i, raw, value) for each of this thread's entries i of the row (its raw value, and its value after the bias
+// and penalties, looked up only where flagged), in rounds of UNROLL entries whose loads are in flight together
+template <typename F>
+__device__ __forceinline__ void each_entry(const float *row, const u32 *bits, const int *mid, const float *mv, int m,
+                                           int n, F f) {
+    for (int i0 = threadIdx.x; i0 < n; i0 += UNROLL * ST) {
+        float raw[UNROLL];
+#pragma unroll
+        for (int j = 0; j < UNROLL; j++) raw[j] = i0 + j * ST < n ? row[i0 + j * ST] : 0.0f;
+#pragma unroll
+        for (int j = 0; j < UNROLL; j++) {
+            const int i = i0 + j * ST;
+            if (i >= n) break;
+            f(i, raw[j], ((bits[i >> 5] >> (i & 31)) & 1u) ? value(row, bits, mid, mv, m, i) : raw[j]);
+        }
     }
-    __syncthreads();
-    return before + __popc(ballot & ((1u << lane) - 1u));
 }
 
 // exclusive prefix sum of v over the block (in thread order) and the block's total
@@ -158,7 +160,7 @@ __device__ void select_row(const float *row, const u32 *bits, const int *mid, co
         if (i < n && key > kth) cand[atomicAdd(s_g, 1)] = ((u64)key << 32) | (u32)(~i);
         int total;
         const bool eq = i < n && key == kth;
-        const int rank = block_rank(eq, total, wsum);
+        const int rank = block_excl_sum(eq ? 1 : 0, total, wsum);
         if (eq && taken + rank < need) cand[n_greater + taken + rank] = ((u64)key << 32) | (u32)(~i);
         taken += total;
     }
@@ -192,19 +194,10 @@ __device__ bool gather_select(const float *row, const u32 *bits, const int *mid,
     __syncthreads();
     const int bin = *s_bin, above = *s_above, nl = above + *s_inbin;
     if (nl > L_CAP) return false;
-    for (int i0 = tid; i0 < n; i0 += UNROLL * ST) {
-        float raw[UNROLL];
-#pragma unroll
-        for (int j = 0; j < UNROLL; j++) raw[j] = i0 + j * ST < n ? row[i0 + j * ST] : 0.0f;
-#pragma unroll
-        for (int j = 0; j < UNROLL; j++) {
-            const int i = i0 + j * ST;
-            if (i >= n) break;
-            const float v = ((bits[i >> 5] >> (i & 31)) & 1u) ? value(row, bits, mid, mv, m, i) : raw[j];
-            const u32 key = fkey(v);
-            if ((int)(key >> FB_SHIFT) >= bin) keys[atomicAdd(s_g, 1)] = ((u64)key << 32) | (u32)(~i);
-        }
-    }
+    each_entry(row, bits, mid, mv, m, n, [&](int i, float, float v) {
+        const u32 key = fkey(v);
+        if ((int)(key >> FB_SHIFT) >= bin) keys[atomicAdd(s_g, 1)] = ((u64)key << 32) | (u32)(~i);
+    });
     if (tid == 0) *s_prefix = (int)((u32)bin << FB_SHIFT), *s_need = k - above;
     __syncthreads();
     radix_pass(row, bits, mid, mv, m, n, keys, nl, 12, 8, 0xfff00000u, s_prefix, s_need, hist);
@@ -243,7 +236,7 @@ extern "C" __global__ void __launch_bounds__(ST) sample_rows(
     __shared__ float pr[SK_MAX];
     __shared__ int hist[256], wsum[ST / 32], wi[ST / 32];
     __shared__ float wv[ST / 32];
-    __shared__ int s_m, s_bad, s_keep, s_prefix, s_need, s_g, s_bin, s_above, s_inbin, s_eq;
+    __shared__ int s_m, s_keep, s_prefix, s_need, s_g, s_bin, s_above, s_inbin, s_eq;
     __shared__ float s_total;
     const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float *row = logits + (i64)r * ldl;
@@ -265,7 +258,6 @@ extern "C" __global__ void __launch_bounds__(ST) sample_rows(
             mv[k] += bias_vals[(i64)r * NB + j];
         }
         s_m = m;
-        s_bad = 0;
     }
     __syncthreads();
     const int nb = s_m;
@@ -301,20 +293,11 @@ extern "C" __global__ void __launch_bounds__(ST) sample_rows(
     __syncthreads();
     float best = -INFINITY;
     int besti = n, bad = 0;
-    for (int i0 = tid; i0 < n; i0 += UNROLL * ST) {
-        float raw[UNROLL];
-#pragma unroll
-        for (int j = 0; j < UNROLL; j++) raw[j] = i0 + j * ST < n ? row[i0 + j * ST] : 0.0f;
-#pragma unroll
-        for (int j = 0; j < UNROLL; j++) {
-            const int i = i0 + j * ST;
-            if (i >= n) break;
-            bad |= !isfinite(raw[j]);
-            const float v = ((bits[i >> 5] >> (i & 31)) & 1u) ? value(row, bits, mid, mv, m, i) : raw[j];
-            if (v > best || (besti == n && v == best)) best = v, besti = i;
-            if (counts) atomicAdd(&fine[fkey(v) >> FB_SHIFT], 1);
-        }
-    }
+    each_entry(row, bits, mid, mv, m, n, [&](int i, float raw, float v) {
+        bad |= !isfinite(raw);
+        if (v > best || (besti == n && v == best)) best = v, besti = i;
+        if (counts) atomicAdd(&fine[fkey(v) >> FB_SHIFT], 1);
+    });
     if (__syncthreads_or(bad)) {
         if (tid == 0) out[r] = -1;
         return;
