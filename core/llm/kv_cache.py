@@ -32,7 +32,7 @@ from ggrun.core.tensor import Tensor, new_tensor
 KV_PAD = 256
 CACHE_TYPES = (DType.F16, DType.F32, DType.Q8_0, DType.Q4_0)  # -ctk / -ctv
 
-SEVERAL_FLOOR = 16384  # the fewest cells a micro-batch of several tokens reads with pow2_cells (n_kv)
+BUCKET_FLOOR = 16384  # the fewest cells a decode step of several sequences reads with pow2_cells (n_kv)
 
 
 @dataclass
@@ -196,7 +196,7 @@ class KVCache:
     def n_free(self) -> int:
         return self.n_ctx - self.n_used
 
-    def n_kv(self, ahead: int = 0, tokens: int = 1) -> int:
+    def n_kv(self, ahead: int = 0, bucket: bool = False) -> int:
         """Cells the attention reads: up to the last used cell, padded so shapes stay stable; with
         `pow2_cells`, to a power of two of the cells in use once `ahead` more tokens (the batch's later
         micro-batches) are placed too, so a graph serves while the cache doubles: every micro-batch of a
@@ -204,15 +204,17 @@ class KVCache:
         (attention lists the tiles it sees, so cells past the last used cost little). Nor does it shrink when
         sequences leave, until the cache is cleared: a session of many sequences whose cells come and go would
         otherwise build its graphs again at every smaller power of two (a new graph costs ~100 ms of host
-        work on a GPU, a step of 64 sequences ~5 ms). A micro-batch of several tokens (`tokens`) reads at least
-        SEVERAL_FLOOR cells then: its attention skips the tiles its tokens do not see, so the powers of two
-        below cost more graphs (~40 ms of host work each on the H200's Xeon, 5 of parallel's 12 for 64 clients)
-        than they save; one token's attention reads every cell, so its floor is its own (not raised by this)."""
+        work on a GPU, a step of 64 sequences ~5 ms). A decode step of several sequences (`bucket`, buckets.py)
+        reads at least BUCKET_FLOOR cells then: its attention lists the tiles each token sees, so the powers of two
+        below would only cost graphs (~40 ms of host work each on the H200's Xeon). Prompts are left below it
+        (their attention scans the mask of every cell: with every micro-batch at 16384 cells, bench --batched's
+        prompts at B = 16 ran at 0.91x llama.cpp's S_PP, 2.27x before), and one token's attention reads every
+        cell: their floor is their own (not raised by this)."""
         n = max(self.pad, -(-self._top // self.pad) * self.pad)
         if self.pow2_cells:  # and never below what it was since the cache was cleared (_pow2_floor)
             n = self._pow2_floor = max(1 << (max(n, self._top + ahead) - 1).bit_length(), self._pow2_floor)
-            if tokens > 1:
-                n = max(n, SEVERAL_FLOOR)
+            if bucket:
+                n = max(n, BUCKET_FLOOR)
         return min(self.n_ctx, n)
 
     def fill_cell_seqs(self, out: np.ndarray) -> None:

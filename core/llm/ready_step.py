@@ -102,7 +102,7 @@ def ready_next(st: UBatchState, res: GraphResult, caches: tuple[KVCache, ...], s
     with kv.trial(cells, pos, seq):
         if n > 1:
             nxt = pad_state(nxt, n_ubatch)
-        p = replace(res.params, n_kv=kv.n_kv(tokens=nxt.ub.n_tokens))
+        p = replace(res.params, n_kv=kv.n_kv(bucket=n > 1))
         if p.n_tokens != nxt.ub.n_tokens or not decide(p, res, res, (kv.version,), sched.generation, reuse).reuse:
             return None
         res.set_inputs(replace(nxt, sampling=st.sampling), sched.cpu)

@@ -372,7 +372,7 @@ class Session:
         if sampling is not None:
             st = replace(st, sampling=sampling)
         ub = st.ub
-        p = GraphParams(ub.n_tokens, ub.n_outputs, self.kv.n_kv(ahead, ub.n_tokens), self.kv_swa.n_kv() if self.kv_swa is not None else 0,
+        p = GraphParams(ub.n_tokens, ub.n_outputs, self.kv.n_kv(ahead, one_per_seq), self.kv_swa.n_kv() if self.kv_swa is not None else 0,
                         greedy and ub.n_outputs > 0, sampling.shape_key if sampling is not None else (), one_per_seq,
                         self._n_probs if sampling is not None else -1)
         res = self._graph_for(p)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ggrun.core.errors import BadInput
-from ggrun.core.llm.kv_cache import SEVERAL_FLOOR, KVCache
+from ggrun.core.llm.kv_cache import BUCKET_FLOOR, KVCache
 
 N_CTX = 48
 PAD = 8  # small, so that n_kv follows the top closely
@@ -275,18 +275,18 @@ def test_a_full_cache_gives_no_slot():
     assert kv.find_slot(2) is None
 
 
-def test_several_tokens_read_at_least_the_floor_one_token_its_own():
-    """With pow2_cells a micro-batch of several tokens reads at least SEVERAL_FLOOR cells (within the cache), so
-    that a run of growing caches keeps its graphs; one token's n_kv is the power of two of its cells, and the
-    floor given to several tokens does not raise it."""
-    for n_ctx in (256, 2 * SEVERAL_FLOOR):
+def test_decode_buckets_read_at_least_the_floor_others_their_own():
+    """With pow2_cells a decode step of several sequences (a bucket) reads at least BUCKET_FLOOR cells (within the
+    cache), so that a run of growing caches keeps its graphs; a prompt's or one token's n_kv is the power of two
+    of its cells, and the floor given to buckets does not raise it."""
+    for n_ctx in (256, 2 * BUCKET_FLOOR):
         kv = KVCache(n_ctx, 8, [], n_seq_max=3, pad=PAD)
         kv.pow2_cells = True
         kv.apply(np.arange(70, dtype=np.int32), np.arange(70, dtype=np.int32), np.full(70, 1, dtype=np.int32))
-        assert kv.n_kv(tokens=64) == min(n_ctx, SEVERAL_FLOOR)
-        assert kv.n_kv() == kv.n_kv(tokens=1) == 128
+        assert kv.n_kv(bucket=True) == min(n_ctx, BUCKET_FLOOR)
+        assert kv.n_kv() == kv.n_kv(ahead=10) == 128
     kv.pow2_cells = False
-    assert kv.n_kv(tokens=64) == 72
+    assert kv.n_kv(bucket=True) == 72
 
 
 def test_pow2_cells_never_shrink_until_the_cache_is_cleared():
