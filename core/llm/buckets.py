@@ -11,10 +11,10 @@ then reused while B moves within it.
 A session of many sequences on a GPU pads its other micro-batches too (pad_mixed): a step where prompts
 join decoding sequences, or a burst of prompts, has as many tokens and outputs as its arrivals make, so
 each would build and plan a graph of its own (20-30 ms of Python) and run it uncaptured. Their tokens are
-padded the same way to a power of two (up to n_ubatch) and their outputs to one too, at least a quarter of the
-padded tokens (MIXED_OUT_SHARE), by repeating the last output row; a padded output's logits are computed and never
-read. The quarter keeps the outputs of the steps where many prompts end at once (64 clients joining a parallel
-run: 4, 8, 16 and 32 rows of 64-256 tokens) to one graph a token count, for the price of a few rows of the head.
+padded the same way to a power of two (up to n_ubatch) and their outputs to one too, by repeating the last
+output row; a padded output's logits are computed and never read. Outputs are padded no further (to a quarter of
+the tokens, say, which would save a crowd joining parallel two graphs): a prompt's logits come back to the host
+with their padded rows, 64 MB a micro-batch for 128 rows of a 128k vocabulary.
 """
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ from ggrun.core.llm.batch import UBatch
 from ggrun.core.llm.inputs import UBatchState
 
 MAX_BUCKET = 256
-MIXED_OUT_SHARE = 4  # a padded mixed step's outputs: at least 1 / MIXED_OUT_SHARE of its padded tokens
 
 
 def bucket_size(n: int, n_ubatch: int) -> int:
@@ -47,15 +46,14 @@ def _pow2(n: int) -> int:
 
 def pad_mixed(st: UBatchState, n_ubatch: int) -> UBatchState:
     """st with a micro-batch that is not a decode step (the caller's wants_bucket said so) padded to powers of
-    two: its tokens (at most n_ubatch) and its outputs (at least MIXED_OUT_SHARE's share of its padded tokens, at
-    most all of them); unchanged for one token, where nothing would change, or where a cache has no free cell
-    for padding rows."""
+    two: its tokens (at most n_ubatch) and its outputs (at most its padded tokens); unchanged for one token,
+    where nothing would change, or where a cache has no free cell for padding rows."""
     ub = st.ub
     if ub.n_tokens < 2:
         return st
     size = bucket_size(ub.n_tokens, n_ubatch)
     n_out = ub.n_outputs
-    outs = min(size, max(_pow2(n_out), size // MIXED_OUT_SHARE)) if n_out else 0
+    outs = min(size, _pow2(n_out)) if n_out else 0
     if size == ub.n_tokens and outs == n_out:
         return st
     if size > ub.n_tokens:

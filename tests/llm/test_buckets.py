@@ -149,10 +149,10 @@ def test_mixed_steps_of_a_many_sequence_session_pad_to_powers_of_two(tiny):
         np.testing.assert_allclose(g, w, rtol=0, atol=2e-5)
 
 
-def test_mixed_outputs_pad_to_a_quarter_of_the_padded_tokens():
-    """A mixed step's outputs pad to a power of two and to at least a quarter of its padded tokens (no more than
-    those tokens): 40 tokens with 3 outputs are 64 with 16, 5 with 1 are 8 with 2, 9 with 9 are 16 with 16."""
-    for n, n_out, want in ((40, 3, (64, 16)), (5, 1, (8, 2)), (9, 9, (16, 16)), (40, 0, (64, 0))):
+def test_mixed_outputs_pad_to_a_power_of_two():
+    """A mixed step's tokens and outputs pad to powers of two, the outputs by repeating the last (no more than
+    the padded tokens): 40 tokens with 3 outputs are 64 with 4, 5 with 1 stay 8 with 1, 9 with 9 are 16 with 16."""
+    for n, n_out, want in ((40, 3, (64, 4)), (5, 1, (8, 1)), (9, 9, (16, 16)), (40, 0, (64, 0))):
         kv = KVCache(256, 8, [], n_seq_max=4, pad=8)
         ub = UBatch(np.zeros(n, np.int32), np.arange(n, dtype=np.int32), np.zeros(n, np.int32),
                     np.arange(n - n_out, n, dtype=np.int32), 0)
