@@ -18,8 +18,8 @@ default) then read it once, not once per sequence, and hold its cells once. Wher
 reading a longer prefix than any held, of PREFIX_WAIT tokens or more, the next sequence waits until it is
 read instead of reading the same tokens beside it. The K and V of a shared cell are those the sequence would have
 computed at that position (with `--numerics f32` the same bits). `--no-prefix-share` reads every prompt
-whole, as llama-parallel does; so do models with sliding-window layers, whose window cache frees the cells
-behind a sequence's window that a later sequence would still need.
+whole, as llama-parallel does. With sliding-window layers a sequence lends its cells only while it has left
+none of them in the window's cache (until it passes the window's length): a later sequence would miss those.
 
 Long prompts are read in chunks (chunked prefill, as llama.cpp's server and vLLM do): a step holds every
 generating client's next token and prompt tokens up to a budget of `chunk` tokens in all (by default one
@@ -165,9 +165,10 @@ class ParallelRunner:
         self.ignore_eos = ignore_eos
         self.stop_text = stop_text
         self.cont_batching = cont_batching
-        # a sliding-window cache frees a sequence's cells behind its window, which a later sequence sharing
-        # its prefix would still need: such models read every prompt whole
-        self.prefix_share = prefix_share and session.kv_swa is None
+        self.prefix_share = prefix_share
+        # a sliding-window cache frees a sequence's cells behind its window, which a later sequence sharing its
+        # prefix would still need: only a sequence that has freed none (_shares) lends its prefix
+        self.window = session.kv_swa.window if session.kv_swa is not None else None
         self.clients = [_Client(i, i + 1) for i in range(n_clients)]
         self.sampler = BatchedSampler([_seeded(sampling, i) for i in range(n_clients)], session.n_ctx)
         self.greedy = sampling.temp <= 0 and not sampling.logit_bias and not sampling.penalties_on
@@ -301,10 +302,16 @@ class ParallelRunner:
                 continue
             n = min(common_prefix(c.prompt_ids, ids), len(ids) - 1)
             read = min(n, len(c.prompt) - len(c.pending))
-            if read > best:
+            if read > best and self._lends(c):
                 src, best = c, read
             in_flight = max(in_flight, n)
         return src, best, in_flight
+
+    def _lends(self, c: _Client) -> bool:
+        """Whether c's cells may be shared: always without a sliding window; with one, while c has left none of
+        its cells in the window's cache (it leaves those up to position pos - 1 - window, and a sequence that
+        copies c's cells afterwards would miss them)."""
+        return self.window is None or c.pos <= self.window
 
     def _limit(self, tokens: list[int]) -> int:
         """Response tokens a sequence may generate: n_predict, or without one an equal share of the cells

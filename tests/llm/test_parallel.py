@@ -648,3 +648,25 @@ def test_warm_up_builds_the_step_of_every_client_and_changes_nothing(tiny, sampl
     warm, built_warm = run(True)
     assert warm == cold
     assert built_warm < built_cold
+
+
+@pytest.mark.parametrize("window", [8, 512], ids=["window-8", "window-512"])
+def test_sliding_window_prefixes_are_shared_while_their_cells_are_all_held(tiny_gemma3_factory, window):
+    """A tiny gemma3 with sliding-window layers: prompts that begin alike share the prefix's cells while the
+    sequence that lends them has left none of them in the window's cache (a window of 512 positions: every
+    later sequence shares); with a window of 8 the lender has left its first cells by then, so every prompt is
+    read whole. Either way each sequence gets the tokens of its prompt generated alone, and the logits up to
+    float summation order (--numerics f32)."""
+    model = Model.load(tiny_gemma3_factory(sliding_window=window, n_ctx_train=1024), [CPUBackend()], numerics="f32")
+    r, s, results, summary, rows = run_parallel(model, ALIKE[:4], n_predict=6, record=True, kv_type=DType.F32,
+                                                n_ctx=1024)
+    assert s.kv_swa is not None
+    if window > 200:
+        assert summary.n_prompt_shared >= len(COMMON) * 2
+    else:
+        assert summary.n_prompt_shared == 0
+    for job, (_, prompt) in enumerate(ALIKE[:4]):
+        want, want_rows = run_alone(model, SYSTEM + prompt, 6, n_ctx=1024, kv_type=DType.F32)
+        assert results[job].response_tokens == want, f"sequence {job}"
+        for got, exp in zip(rows[job], want_rows, strict=True):
+            np.testing.assert_allclose(got, exp, rtol=0, atol=1e-4, err_msg=f"sequence {job}")
