@@ -16,7 +16,10 @@ starts while another holds the cells of a prefix of its prompt takes those cells
 decodes only the rest of its prompt. Requests that each carry the same system prompt (llama-parallel's
 default) then read it once, not once per sequence, and hold its cells once. Where another sequence is still
 reading a longer prefix than any held, of PREFIX_WAIT tokens or more, the next sequence waits until it is
-read instead of reading the same tokens beside it. The K and V of a shared cell are those the sequence would have
+read instead of reading the same tokens beside it. A finished sequence's prompt cells stay held by its idle client
+(llama-server's prompt cache, a client's own), so that a later prompt that begins alike, on that client or
+another, reads only what differs, as with one client (-np 1); held cells give way whenever a sequence needs
+cells. The K and V of a shared cell are those the sequence would have
 computed at that position (with `--numerics f32` the same bits). `--no-prefix-share` reads every prompt
 whole, as llama-parallel does. With sliding-window layers a sequence lends its cells only while it has left
 none of them in the window's cache (until it passes the window's length): a later sequence would miss those.
@@ -129,6 +132,7 @@ class _Client:
     text: IncrementalText | None = None  # the response's text, for the stop text
     serial: int = 0  # counts the sequences the client started and ended: a step's row is the sequence's it was
     ending: str = ""  # the stop reason once its last token is known (EOG, the limit), until it is settled
+    held: int = 0  # idle: tokens of its last prompt whose cells it still holds, for later prompts to share
 
     def cells_still_needed(self) -> int:
         """Cells this sequence may still take: its undecoded prompt and the response tokens still to be
@@ -250,6 +254,7 @@ class ParallelRunner:
             step = launched
         if step is not None:  # rows of sequences that ended by their text meanwhile: nothing to take
             self._take(step)
+        self._drop_held()
 
     def _system(self, tokens: list[int]) -> None:
         self.s.clear()
@@ -272,15 +277,21 @@ class ParallelRunner:
         src, shared, in_flight = self._prefix_of(ids) if self.prefix_share else (None, 0, 0)
         if in_flight > shared and in_flight >= PREFIX_WAIT:
             return "wait"  # another sequence is reading this prompt's beginning: share it once read
+        if need - shared > self._free_cells() and self._drop_held():  # held prefixes give way, then share anew
+            src, shared, in_flight = self._prefix_of(ids) if self.prefix_share else (None, 0, 0)
         if need - shared > self._free_cells():
             self.summary.cache_misses += 1
             return "wait"
-        self.s.seq_rm(c.seq_id)
-        if self.n_system:
-            self.s.seq_cp(SYSTEM_SEQ, c.seq_id)
-        if shared:
-            self.s.seq_cp(src.seq_id, c.seq_id, self.n_system, self.n_system + shared)
-            self.summary.n_prompt_shared += shared
+        if src is c:  # the client's own last prompt: keep its shared part
+            self.s.seq_rm(c.seq_id, self.n_system + shared)
+        else:
+            self.s.seq_rm(c.seq_id)
+            if self.n_system:
+                self.s.seq_cp(SYSTEM_SEQ, c.seq_id)
+            if shared:
+                self.s.seq_cp(src.seq_id, c.seq_id, self.n_system, self.n_system + shared)
+        self.summary.n_prompt_shared += shared
+        c.held = 0
         c.job, c.prompt, c.prompt_ids, c.pending = job, list(tokens), ids, list(tokens[shared:])
         c.response, c.pos, c.next_token, c.ending = [], self.n_system + shared, -1, ""
         c.serial += 1
@@ -293,19 +304,30 @@ class ParallelRunner:
         return "started"
 
     def _prefix_of(self, ids: np.ndarray) -> tuple[_Client | None, int, int]:
-        """The running client whose cells hold the longest prefix of prompt `ids` (None if none), that
-        prefix's length, and the longest prefix any running client's prompt has in common with it, read or
-        not. Never the whole prompt: its last token is decoded for the logits of the first response token."""
+        """The client whose cells hold the longest prefix of prompt `ids` (None if none): a running one, or an
+        idle one that still holds its last prompt's cells; that prefix's length; and the longest prefix any
+        running client's prompt has in common with it, read or not. Never the whole prompt: its last token is
+        decoded for the logits of the first response token."""
         src, best, in_flight = None, 0, 0
         for c in self.clients:
-            if c.job < 0:
+            if c.job < 0 and not c.held:
                 continue
             n = min(common_prefix(c.prompt_ids, ids), len(ids) - 1)
-            read = min(n, len(c.prompt) - len(c.pending))
+            read = min(n, c.held if c.job < 0 else len(c.prompt) - len(c.pending))
             if read > best and self._lends(c):
                 src, best = c, read
-            in_flight = max(in_flight, n)
+            if c.job >= 0:
+                in_flight = max(in_flight, n)
         return src, best, in_flight
+
+    def _drop_held(self) -> bool:
+        """Free the cells idle clients hold for sharing; whether any were held."""
+        dropped = False
+        for c in self.clients:
+            if c.job < 0 and c.held:
+                self.s.seq_rm(c.seq_id)
+                c.held, dropped = 0, True
+        return dropped
 
     def _lends(self, c: _Client) -> bool:
         """Whether c's cells may be shared: always without a sliding window; with one, while c has left none of
@@ -431,7 +453,9 @@ class ParallelRunner:
         text: detokenizing the whole response again took the H200's host 1.8 ms a sequence."""
         res = SequenceResult(c.id, c.job, prompts[c.job][0], c.prompt, list(c.response), c.text.result(),
                              time.perf_counter() - c.t0, stop_reason=why)
-        self.s.seq_rm(c.seq_id)
+        # its prompt's cells stay for later prompts that begin alike (llama-server's prompt cache, per client)
+        c.held = len(c.prompt) if self.prefix_share and self._lends(c) else 0
+        self.s.seq_rm(c.seq_id, self.n_system + c.held if c.held else -1)
         self.summary.n_prompt += len(c.prompt)
         self.summary.n_gen += len(c.response)
         c.job, c.pending, c.text, c.ending = -1, [], None, ""

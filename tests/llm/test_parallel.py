@@ -670,3 +670,18 @@ def test_sliding_window_prefixes_are_shared_while_their_cells_are_all_held(tiny_
         assert results[job].response_tokens == want, f"sequence {job}"
         for got, exp in zip(rows[job], want_rows, strict=True):
             np.testing.assert_allclose(got, exp, rtol=0, atol=1e-4, err_msg=f"sequence {job}")
+
+
+def test_a_client_reuses_the_prompt_cells_of_its_last_sequence_f32_numerics(tiny_f32):
+    """One client (-np 1): each finished sequence leaves its prompt's cells held, so the next prompt that begins
+    alike reads only what differs (every later one shares the 80 common tokens); the tokens and logits are those
+    of prompts read whole, and the cache ends with nothing but the system prompt."""
+    whole = run_parallel(tiny_f32, ALIKE, n_clients=1, n_predict=6, record=True, kv_type=DType.F32,
+                         prefix_share=False)
+    held = run_parallel(tiny_f32, ALIKE, n_clients=1, n_predict=6, record=True, kv_type=DType.F32)
+    for job in range(len(ALIKE)):
+        assert held[2][job].response_tokens == whole[2][job].response_tokens, f"sequence {job}"
+        for a, b in zip(held[4][job], whole[4][job], strict=True):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=f"sequence {job}")
+    assert held[3].n_prompt_shared >= len(COMMON) * (len(ALIKE) - 1)
+    assert_cache_holds_only_system(held[1], len(SYSTEM))
