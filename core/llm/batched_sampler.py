@@ -82,7 +82,7 @@ class BatchedSampler:
                 self.bias_ids[i, j], self.bias_vals[i, j] = tid, bias
         self.positive = self.params[:, 0] > 0  # slots that draw (a positive temperature)
         self.unread_draws: list[list[float]] = [[] for _ in params]  # draws given back (unread), drawn again first
-        self.keeps = [p.penalties_on and w > 0 for p, w in zip(params, self.window)]
+        self.keeps = np.array([p.penalties_on and w > 0 for p, w in zip(params, self.window)], dtype=bool)
 
     def __len__(self) -> int:
         return len(self.settings)
@@ -128,7 +128,7 @@ class BatchedSampler:
 
     def accept_rows(self, slots: np.ndarray, tokens: np.ndarray) -> None:
         """One token for each of `slots` (a decode step's draws), without a loop over them."""
-        keep = np.asarray(self.keeps)[slots]
+        keep = self.keeps[slots]
         slots, tokens = slots[keep], tokens[keep]
         if len(slots):
             self.recent[slots, self.head[slots]] = tokens

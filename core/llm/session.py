@@ -97,6 +97,13 @@ class InFlight:
         return self._out
 
 
+def _check_rows(batch: Batch, rows: SamplingRows) -> None:
+    """A sampling row for each token of the batch that asks logits."""
+    n_out = int(np.count_nonzero(batch.logits))
+    if len(rows) != n_out:
+        raise ValueError(f"{len(rows)} sampling rows for {n_out} rows of logits")
+
+
 def _joined(outs: list[np.ndarray | None]) -> np.ndarray:
     """The token ids of a batch's micro-batches, in order (i32; none: empty), in an array of their own (a
     graph's output, as the CPU's, is written again by its next run)."""
@@ -229,9 +236,7 @@ class Session:
         llama.cpp's sampler chain (ops.sample) with row i of `rows` for the i-th token asking logits: returns
         the token ids (i32, in batch order), and only those come back to the host, unless with_logits asks
         for the logits too (then: ids, logits). Non-finite logits raise NonFiniteLogits as in decode."""
-        n_out = int(np.count_nonzero(batch.logits))
-        if len(rows) != n_out:
-            raise ValueError(f"{len(rows)} sampling rows for {n_out} rows of logits")
+        _check_rows(batch, rows)
         self._kept_logits = [] if with_logits else None
         try:
             outs = self._decode(batch, greedy=False, sampling=rows)
@@ -249,9 +254,7 @@ class Session:
         settles the step before: its texts, its finished sequences); the session's next decode waits for it
         first."""
         if rows is not None:
-            n_out = int(np.count_nonzero(batch.logits))
-            if len(rows) != n_out:
-                raise ValueError(f"{len(rows)} sampling rows for {n_out} rows of logits")
+            _check_rows(batch, rows)
         outs = self._decode(batch, greedy=rows is None, sampling=rows, defer=True)
         last = self._inflight
         self._inflight = InFlight(lambda: _joined(outs + ([last()] if last is not None else [])))
@@ -294,8 +297,9 @@ class Session:
             rows = sampling.slice(row, row + ub.n_outputs) if sampling is not None and ub.n_outputs else None
             row += ub.n_outputs
             ahead -= ub.n_tokens
-            out = self._decode_ubatch(ub, greedy, rows, ahead, defer and not ahead)
-            if out is not None and not (defer and not ahead):
+            left = defer and not ahead  # the batch's last micro-batch, left computing
+            out = self._decode_ubatch(ub, greedy, rows, ahead, left)
+            if out is not None and not left:
                 outs.append(out)
         return outs
 
