@@ -72,7 +72,11 @@ def _blocker(res: GraphResult, p: GraphParams, kv_version: tuple[int, ...], sche
     return None
 
 
-KEPT_GRAPHS = 8  # shapes a session keeps: a prompt's few n_kv steps, decode buckets, prompt and decode interleaved
+# shapes a session keeps: a prompt's few n_kv steps, decode buckets, prompt and decode interleaved. 64 clients
+# joining `parallel` make ~8 shapes of prompt steps once; with 8 kept, those pushed out the decode step's graph
+# that the warm-up had built, and a new graph costs the H200's host ~66 ms. A kept graph holds no device memory of
+# its own (its plan is in the shared compute buffers), only its bound steps and captured CUDA graph.
+KEPT_GRAPHS = 16
 
 
 class GraphCache:
