@@ -12,9 +12,13 @@ A session of many sequences on a GPU pads its other micro-batches too (pad_mixed
 join decoding sequences, or a burst of prompts, has as many tokens and outputs as its arrivals make, so
 each would build and plan a graph of its own (20-30 ms of Python) and run it uncaptured. Their tokens are
 padded the same way to a power of two (up to n_ubatch) and their outputs to one too, by repeating the last
-output row; a padded output's logits are computed and never read. Outputs are padded no further (to a quarter of
-the tokens, say, which would save a crowd joining parallel two graphs): a prompt's logits come back to the host
-with their padded rows, 64 MB a micro-batch for 128 rows of a 128k vocabulary.
+output row; a padded output's logits are computed and never read. Where the step's tokens are drawn in the graph
+(only their ids come back: `parallel`'s, a server's), the outputs pad to at least a quarter of the padded tokens
+(MIXED_OUT_SHARE): 64 clients joining a parallel run make steps of 4, 8, 16 and 32 outputs in 64-256 tokens, each
+a graph built for one use (~66 ms of the H200's host), where the quarter costs a few rows of the output head.
+Where the logits come back (a prompt's, bench --batched's), the outputs pad no further: the padded rows would come
+back too, 64 MB a micro-batch for 128 rows of a 128k vocabulary (bench --batched's S_PP at B = 16 fell to 0.86x
+llama.cpp's with them).
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from ggrun.core.llm.batch import UBatch
 from ggrun.core.llm.inputs import UBatchState
 
 MAX_BUCKET = 256
+MIXED_OUT_SHARE = 4  # a padded mixed step whose tokens are drawn in the graph: outputs >= 1 / 4 of its tokens
 
 
 def bucket_size(n: int, n_ubatch: int) -> int:
@@ -44,16 +49,18 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def pad_mixed(st: UBatchState, n_ubatch: int) -> UBatchState:
+def pad_mixed(st: UBatchState, n_ubatch: int, drawn: bool = False) -> UBatchState:
     """st with a micro-batch that is not a decode step (the caller's wants_bucket said so) padded to powers of
-    two: its tokens (at most n_ubatch) and its outputs (at most its padded tokens); unchanged for one token,
-    where nothing would change, or where a cache has no free cell for padding rows."""
+    two: its tokens (at most n_ubatch) and its outputs (at most its padded tokens; with `drawn`, tokens drawn in
+    the graph, at least MIXED_OUT_SHARE's share of them); unchanged for one token, where nothing would change, or
+    where a cache has no free cell for padding rows."""
     ub = st.ub
     if ub.n_tokens < 2:
         return st
     size = bucket_size(ub.n_tokens, n_ubatch)
     n_out = ub.n_outputs
-    outs = min(size, _pow2(n_out)) if n_out else 0
+    least = size // MIXED_OUT_SHARE if drawn else 1
+    outs = min(size, max(_pow2(n_out), least)) if n_out else 0
     if size == ub.n_tokens and outs == n_out:
         return st
     if size > ub.n_tokens:

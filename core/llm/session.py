@@ -372,7 +372,7 @@ class Session:
         if one_per_seq:
             st = pad_state(st, self.n_ubatch)
         elif self.seq_words:  # many sequences off the CPU: mixed steps and prompts padded too (buckets.pad_mixed)
-            st = pad_mixed(st, self.n_ubatch)
+            st = pad_mixed(st, self.n_ubatch, greedy or (sampling is not None and self._kept_logits is None))
         if sampling is not None:
             st = replace(st, sampling=sampling)
         ub = st.ub

@@ -149,13 +149,18 @@ def test_mixed_steps_of_a_many_sequence_session_pad_to_powers_of_two(tiny):
         np.testing.assert_allclose(g, w, rtol=0, atol=2e-5)
 
 
-def test_mixed_outputs_pad_to_a_power_of_two():
+@pytest.mark.parametrize("drawn, cases", [
+    (False, ((40, 3, (64, 4)), (5, 1, (8, 1)), (9, 9, (16, 16)), (40, 0, (64, 0)))),
+    (True, ((40, 3, (64, 16)), (5, 1, (8, 2)), (9, 9, (16, 16)), (40, 0, (64, 0)), (166, 4, (256, 64))))])
+def test_mixed_outputs_pad_to_a_power_of_two(drawn, cases):
     """A mixed step's tokens and outputs pad to powers of two, the outputs by repeating the last (no more than
-    the padded tokens): 40 tokens with 3 outputs are 64 with 4, 5 with 1 stay 8 with 1, 9 with 9 are 16 with 16."""
-    for n, n_out, want in ((40, 3, (64, 4)), (5, 1, (8, 1)), (9, 9, (16, 16)), (40, 0, (64, 0))):
-        kv = KVCache(256, 8, [], n_seq_max=4, pad=8)
+    the padded tokens): 40 tokens with 3 outputs are 64 with 4, 5 with 1 stay 8 with 1, 9 with 9 are 16 with 16.
+    Where its tokens are drawn in the graph (its logits stay there), the outputs pad to a quarter of the tokens
+    at least: 40 with 3 are 64 with 16, 5 with 1 are 8 with 2, 166 with 4 are 256 with 64."""
+    for n, n_out, want in cases:
+        kv = KVCache(256 if n < 256 else 512, 8, [], n_seq_max=4, pad=8)
         ub = UBatch(np.zeros(n, np.int32), np.arange(n, dtype=np.int32), np.zeros(n, np.int32),
                     np.arange(n - n_out, n, dtype=np.int32), 0)
-        st = pad_mixed(UBatchState(ub, np.arange(n, dtype=np.int32), kv), 512)
+        st = pad_mixed(UBatchState(ub, np.arange(n, dtype=np.int32), kv), 512, drawn)
         assert (st.ub.n_tokens, st.ub.n_outputs) == want
         assert st.ub.n_out_pad == want[1] - n_out and list(st.ub.out_rows[:n_out]) == list(range(n - n_out, n))
