@@ -46,13 +46,14 @@ def tiny(tiny_llama_path) -> Model:
 def run_parallel(model: Model, prompts, n_clients: int = 3, n_predict: int = 6, n_ctx: int = 512,
                  system=SYSTEM, n_batch: int = 512, n_ubatch: int = 512, sampling: SamplingParams = GREEDY,
                  record: bool = False, ignore_eos: bool = True, kv_type: DType = DType.F16,
-                 chunk: int | None = None, steps: list | None = None, prefix_share: bool = True):
+                 chunk: int | None = None, steps: list | None = None, prefix_share: bool = True,
+                 mask_from_cells: bool | None = None):
     """(runner, session, {job: result}, summary, {job: logits rows}) of one parallel run; `steps`, when
     given, receives for each step its batch's sequence ids and, as the step began, each busy client's
     sequence id with its job and its prompt tokens still to read (a client whose sequence has ended, to be
     settled while the step computes, is not busy)."""
     s = Session(model, SessionParams(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_clients + 1,
-                                     type_k=kv_type, type_v=kv_type))
+                                     type_k=kv_type, type_v=kv_type, mask_from_cells=mask_from_cells))
     r = ParallelRunner(s, n_clients, n_predict, sampling, n_batch, ignore_eos=ignore_eos, keep_logits=record,
                        chunk=chunk, prefix_share=prefix_share)
     if steps is not None:
@@ -436,6 +437,23 @@ def test_chunked_prefill_gives_the_unchunked_tokens_f32_numerics(tiny_f32, chunk
         assert chunked[2][job].response_tokens == whole[2][job].response_tokens, f"sequence {job}"
         for a, b in zip(chunked[4][job], whole[4][job]):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=f"sequence {job}")
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temp=0.9, top_k=20, seed=3)], ids=["greedy", "sampled"])
+def test_padded_mixed_steps_draw_the_unpadded_tokens_f32_numerics(tiny_f32, sampling):
+    """With masks made from the cells (a GPU session of many sequences), steps where prompts join decoding
+    sequences pad their tokens and, their tokens being drawn in the graph, their outputs to a quarter of the padded
+    tokens at least (buckets.pad_mixed): every sequence draws the tokens of the unpadded session."""
+    prompts = PROMPTS + LONG
+    plain = run_parallel(tiny_f32, prompts, n_predict=8, chunk=16, kv_type=DType.F32, sampling=sampling,
+                         mask_from_cells=False)
+    padded = run_parallel(tiny_f32, prompts, n_predict=8, chunk=16, kv_type=DType.F32, sampling=sampling,
+                          mask_from_cells=True)
+    # the steps of 16 tokens are mixed ones (prompt chunks of 16 beside the decoding clients): 1 output unpadded
+    outs = {p.n_outputs for p in padded[1].graphs._graphs if p.n_tokens == 16 and p.n_outputs}
+    assert outs and min(outs) >= 4, f"mixed steps of 16 tokens with {sorted(outs)} outputs"
+    for job in range(len(prompts)):
+        assert padded[2][job].response_tokens == plain[2][job].response_tokens, f"sequence {job}"
 
 
 COMMON = [int(t) for t in _rng.integers(0, 276, PREFIX_WAIT + 16)]
