@@ -94,11 +94,13 @@ class Leafs:
 
 
 def cache_attention(lf: Leafs, dtype: DType, kd: np.ndarray, vd: np.ndarray, qd: np.ndarray, mask: np.ndarray,
-                    sinks: np.ndarray | None = None, q_f16: bool = False, per_token: bool = False) -> Tensor:
+                    sinks: np.ndarray | None = None, q_f16: bool = False, per_token: bool = False,
+                    shared: bool = False) -> Tensor:
     """One fused attention (ops.flash_attn) of queries qd (f32 [n, heads, d]) over the first mask.shape[1] cells of a
     cache's keys and values kd, vd ([cells, KV heads * d] of float type dtype), viewed per KV head, under the f16
     mask [n, cells]; with sinks (f32 [heads]) where given. q_f16: the queries meet the cache rounded to f16 (llama
-    numerics); per_token: marked as the graph builder marks a decode step of many sequences, one token each."""
+    numerics); per_token: marked as the graph builder marks a decode step of many sequences, one token each; shared:
+    one whose sequences may share cells too (GraphParams.shared)."""
     n_kv, d = mask.shape[1], qd.shape[2]
     h_kv, e = kd.shape[1] // d, dtype.itemsize
     k, v = lf.weight("k", dtype, kd.shape, kd), lf.weight("v", dtype, vd.shape, vd)
@@ -111,6 +113,8 @@ def cache_attention(lf: Leafs, dtype: DType, kd: np.ndarray, vd: np.ndarray, qd:
     out = ops.flash_attn(q, keys, vals, lf.input("mask", DType.F16, mask), d ** -0.5, sinks=s)
     if per_token:
         out.params["per_token"] = True
+    if shared:
+        out.params["shared_prefix"] = True
     return out
 
 

@@ -2,7 +2,8 @@
 """Decode attention alone on one GPU, for tuning its kernels (not a comparison with llama.cpp): each case's
 flash_attn step (one token's groups of query heads over a causal cache, qwen3-30b-a3b's, gpt-oss-20b's and
 llama-8b's shapes; `tok`: a step of many sequences, one token each over its own 129 cells, as the graph builder
-marks it per_token) captured 20 times into one CUDA graph, best of 5 launches: microseconds a step, the kernels
+marks it per_token; `shared`: each over a 1024-cell prefix they all share, then 72 cells of its own, as
+parallel's requests share a system prompt) captured 20 times into one CUDA graph, best of 5 launches: microseconds a step, the kernels
 it ran and their grids. `rows` runs the one-token cases with ops.DECODE_FEW_ROWS set to each FEW given.
 
     python3 scripts/bench/attn_decode_gpu.py new all 4,16
@@ -42,14 +43,26 @@ def own(n: int, per: int, seen: int) -> np.ndarray:
     return m.astype(np.float16)
 
 
-def build_fn(n: int, hq: int, hk: int, d: int, mask: np.ndarray, sinks: bool = False, per_token: bool = False):
+def shared(n: int, prefix: int, per: int, seen: int) -> np.ndarray:
+    """f16 [n, prefix + n * per]: every token sees the first `prefix` cells (a shared system prompt), then the first
+    `seen` cells of block t of `per` cells after them (its sequence's own)."""
+    m = np.full((n, prefix + n * per), HIDE, np.float32)
+    m[:, :prefix] = 0
+    for t in range(n):
+        m[t, prefix + per * t:prefix + per * t + seen] = 0
+    return m.astype(np.float16)
+
+
+def build_fn(n: int, hq: int, hk: int, d: int, mask: np.ndarray, sinks: bool = False, per_token: bool = False,
+             shared: bool = False):
     """The graph builder of one fused attention over an f16 cache of mask.shape[1] cells (random data)."""
     rng = np.random.default_rng(0)
     n_kv = mask.shape[1]
     qd = rng.standard_normal((n, hq, d)).astype(np.float32)
     kd, vd = ((rng.standard_normal((n_kv, hk * d)) * 0.5).astype(np.float16) for _ in range(2))
     sd = rng.standard_normal(hq).astype(np.float32) if sinks else None
-    return lambda lf: cache_attention(lf, F16, kd, vd, qd, mask, sd, q_f16=True, per_token=per_token)
+    return lambda lf: cache_attention(lf, F16, kd, vd, qd, mask, sd, q_f16=True, per_token=per_token,
+                                      shared=shared)
 
 
 def time_attn(gpu, build, reps: int = 20) -> tuple[float, list[str], list[tuple]]:
@@ -98,6 +111,9 @@ TOK = {
     "l1b-B128": (128, 32, 8, 64, own(128, 256, 129), False),
     "q3-B64": (64, 32, 4, 128, own(64, 256, 129), False),
     "oss-B64": (64, 64, 8, 64, own(64, 256, 129), True),
+    "l1b-B64-shared1024+72": (64, 32, 8, 64, shared(64, 1024, 128, 72), False),
+    "l1b-B16-shared1024+72": (16, 32, 8, 64, shared(16, 1024, 128, 72), False),
+    "l1b-B128-shared1024+72": (128, 32, 8, 64, shared(128, 1024, 128, 72), False),
 }
 
 def main() -> None:
@@ -113,8 +129,10 @@ def main() -> None:
                 print(f"[{tag}] rows few={few:2d} {name:18s} {us:7.2f} us  {names} {grids}", flush=True)
     if which in ("tok", "all"):
         for name, (n, hq, hk, d, mask, sinks) in TOK.items():
-            us, names, grids = time_attn(gpu, build_fn(n, hq, hk, d, mask, sinks, per_token=True))
-            print(f"[{tag}] tok {name:18s} {us:7.2f} us  {names} {grids}", flush=True)
+            for shared in (False, True) if "shared" in name or name == "l1b-B64" else (False,):
+                us, names, grids = time_attn(gpu, build_fn(n, hq, hk, d, mask, sinks, per_token=True, shared=shared))
+                print(f"[{tag}] tok {name:18s} {'cascade' if shared else 'per token':9s} {us:7.2f} us  {names} "
+                      f"{grids}", flush=True)
 
 
 if __name__ == "__main__":

@@ -329,17 +329,18 @@ def sink_values(rng: np.random.Generator, heads: int) -> np.ndarray:
 
 
 def attention_graph(n: int, h: int, h_kv: int, d: int, n_kv: int, n_ctx: int, dtype: DType = F16, q_f16: bool = True,
-                    mask: Callable[[], np.ndarray] | None = None, sinks: bool = False, per_token: bool = False):
+                    mask: Callable[[], np.ndarray] | None = None, sinks: bool = False, per_token: bool = False,
+                    shared: bool = False):
     """Fused attention over the first n_kv cells of an n_ctx cache viewed per KV head (grouped queries), with
     attention sinks (sink_values) when asked; per_token marks it as the graph builder marks a decode step
-    of many sequences, one token each."""
+    of many sequences, one token each, and shared one whose sequences may share cells."""
     def make(rng):
         qd = values(rng, n, h, d)
         kd, vd = (values(rng, n_ctx, h_kv * d).astype(dtype.np_dtype) for _ in range(2))
         md = causal_mask(n, n_kv, n_kv) if mask is None else mask()
         sd = sink_values(rng, h) if sinks else None
 
-        return lambda lf: cache_attention(lf, dtype, kd, vd, qd, md, sd, q_f16, per_token)
+        return lambda lf: cache_attention(lf, dtype, kd, vd, qd, md, sd, q_f16, per_token, shared)
     return make
 
 
@@ -423,14 +424,37 @@ def attention_sink_cases() -> list[OpCase]:
             for name, (n, h, h_kv, n_kv, dtype, mask, per_token) in shapes.items()] + own_cells_cases()
 
 
+def shared_prefix_mask(n: int, n_kv: int, prefix: int) -> np.ndarray:
+    """f16 [n, n_kv]: n tokens of a decode step of many sequences that share the first `prefix` cells (a system
+    prompt), each then over its own block of 64 cells after them, but for the last two: one sequence that shares
+    nothing (its own block alone) and a padding row (cell 0 alone)."""
+    m = np.full((n, n_kv), -np.inf, dtype=np.float32)
+    own = -(-prefix // 64) * 64
+    for t in range(n - 2):
+        m[t, :prefix] = 0
+        m[t, own + 64 * t:own + 64 * t + 5 + 3 * t] = 0
+    m[n - 2, own + 64 * (n - 2):own + 64 * (n - 2) + 40] = 0
+    m[n - 1, 0] = 0
+    return m.astype(np.float16)
+
+
 def own_cells_cases() -> list[OpCase]:
     """Decode steps of many sequences (per_token: attn_tiles, then attn_decode_tok) without sinks: groups of 4, 8
-    and 16 query heads a KV head at head sizes 64 and 128, tokens each over their own block of cells."""
+    and 16 query heads a KV head at head sizes 64 and 128, tokens each over their own block of cells; then steps
+    whose sequences share a prefix of cells, read once for all where it has 8 tiles of 32 or more (flash_attn_tc's
+    PREFIX pass in 4 key chunks, merged into each token's own part), and with 6 (each token reads them), rows of 64
+    and more."""
     shapes = [(5, 8, 2, 64, 320), (4, 32, 4, 128, 256), (3, 16, 1, 64, 200), (6, 16, 1, 128, 384)]
-    return [OpCase(f"flash_attn-own-cells-n{n}-h{h}-kv{h_kv}-d{d}",
-                   attention_graph(n, h, h_kv, d, n_kv, n_kv + 11, mask=lambda n=n, n_kv=n_kv: own_cells_mask(n, n_kv),
-                                   per_token=True), ATTENTION)
-            for n, h, h_kv, d, n_kv in shapes]
+    cases = [OpCase(f"flash_attn-own-cells-n{n}-h{h}-kv{h_kv}-d{d}",
+                    attention_graph(n, h, h_kv, d, n_kv, n_kv + 11, mask=lambda n=n, n_kv=n_kv: own_cells_mask(n, n_kv),
+                                    per_token=True), ATTENTION)
+             for n, h, h_kv, d, n_kv in shapes]
+    shared = [(20, 32, 8, 64, 3072, 1030), (12, 16, 4, 128, 2048, 700), (6, 16, 1, 64, 1024, 300),
+              (9, 16, 2, 128, 1024, 260), (7, 8, 2, 64, 1024, 200)]
+    return cases + [OpCase(f"flash_attn-shared-prefix{p}-n{n}-h{h}-kv{h_kv}-d{d}",
+                           attention_graph(n, h, h_kv, d, n_kv, n_kv + 11, per_token=True, shared=True,
+                                           mask=lambda n=n, n_kv=n_kv, p=p: shared_prefix_mask(n, n_kv, p)), ATTENTION)
+                    for n, h, h_kv, d, n_kv, p in shared]
 
 
 # ---- element-wise, softmax and data movement --------------------------------------------------

@@ -77,7 +77,7 @@ def _instances() -> dict[str, list[str]]:
         + [f"soft_max<{m}>" for m in (NO_WEIGHT, 0, 1)],
         "attention.cu": [f"flash_attn<{_t(k)}, {e}>" for k in FLOATS for e in FA_EPL]
         + [f"attn_decode{rows}<{_t(k)}, {d}>" for rows in ("", "_rows", "_tok") for k in FLOATS for d in DECODE_DIMS]
-        + [f"flash_attn_tc<{d}>" for d in TC_DIMS],
+        + [f"flash_attn_tc<{d}, {p}>" for d in TC_DIMS for p in ("false", "true")],
     }
 
 

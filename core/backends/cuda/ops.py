@@ -565,13 +565,35 @@ TOK_MAX_CELLS = 65536  # cells attention kernels list the tiles of (attention.cu
 TOK_MAX_ROWS = 16  # query heads per KV head attn_decode_tok serves (4 blocks of DECODE_BLOCK_ROWS)
 
 
+CASCADE_SPLIT = 4  # key chunks of a shared prefix flash_attn_tc's PREFIX mode reads (attention.cu's CASCADE_SPLIT)
+
+
+def _cascades(node: Tensor) -> bool:
+    """Whether a decode step of many sequences whose cells may be shared (the graph builder marks it
+    `shared_prefix`: GraphParams.shared) reads the prefix of cells its tokens share once for all of them
+    (flash_attn_tc's PREFIX mode, on tensor cores: an f16 cache, head sizes TC_DIMS, no sinks) before each token's
+    own cells (attn_decode_tok). Which cells are shared the step finds itself (attn_tiles); where none are, the
+    extra launch returns at once, but costs (H200, 64 sequences of their own cells: 24 us a layer against 14)."""
+    return (node.params.get("shared_prefix", False) and node.srcs[1].dtype is DType.F16
+            and node.srcs[2].dtype is DType.F16 and node.srcs[0].shape[2] in TC_DIMS and not node.params.get("sinks"))
+
+
+def _tok_layout(node: Tensor) -> tuple[int, int, int]:
+    """attn_decode_tok's scratch: the bytes of attn_tiles' lists (a count and up to n_kv / 32 tiles a token),
+    then with _cascades each token's leading tiles seen whole (i32) and the PREFIX pass's partial rows (f32 [chunk][T *
+    hq rows][D + 2]): (offset of the tiles seen whole, offset of the partial rows, bytes in all)."""
+    hq, t, d = node.srcs[0].shape
+    n_kv = node.srcs[1].shape[1]
+    lists = t * (-(-n_kv // 32) + 1) * 4
+    if not _cascades(node):
+        return lists, lists, lists
+    part = -(-(lists + t * 4) // 16) * 16
+    return lists, part, part + CASCADE_SPLIT * t * hq * (d + 2) * 4
+
+
 def _tok_tiles(node: Tensor) -> int:
-    """Bytes of attn_tiles' lists (a count and up to n_kv / 32 tiles a token) for a decode step of many
-    sequences, else 0."""
-    if not node.params.get("per_token"):
-        return 0
-    t, n_kv = node.srcs[0].shape[1], node.srcs[1].shape[1]
-    return t * (-(-n_kv // 32) + 1) * 4
+    """Bytes of attn_decode_tok's scratch (_tok_layout) for a decode step of many sequences, else 0."""
+    return _tok_layout(node)[2] if node.params.get("per_token") else 0
 
 
 @binds("flash_attn", scratch=_tok_tiles)
@@ -589,12 +611,24 @@ def _attn_decode_tok(node: Tensor, out, srcs, scratch, backend):
         return None
     sq, sk, sv = estrides(q), estrides(k), estrides(v)
     ldm = i64(estrides(mask)[0])
+    cascade = _cascades(node)
+    at_full, at_part, _ = _tok_layout(node)
+    full = np.uint64(scratch.data.ptr + at_full) if cascade else NULL
+    part = np.uint64(scratch.data.ptr + at_part) if cascade else NULL
     tiles = Launch(kernel("attention.cu", "attn_tiles"), (t,), (256,),
-                   (ptr(mask), ldm, i32(n_kv), ptr(scratch), i32(_mask_is_step_input(node))))
+                   (ptr(mask), ldm, i32(n_kv), ptr(scratch), i32(_mask_is_step_input(node)), full))
     args = (ptr(q), ptr(k), ptr(v), ptr(mask), _sinks(node, srcs), ptr(out), ptr(scratch), i32(r), i32(n_kv),
-            i64(sq[0]), i64(sq[1]), i64(sk[0]), i64(sk[1]), i64(sv[0]), i64(sv[1]), ldm, f32(node.params["scale"]))
+            i64(sq[0]), i64(sq[1]), i64(sk[0]), i64(sk[1]), i64(sv[0]), i64(sv[1]), ldm, f32(node.params["scale"]),
+            full, part)
     fn = kernel("attention.cu", f"attn_decode_tok<{_tid(node.srcs[1].dtype)}, {d}>")
-    return launch_step(node.op, tiles, Launch(fn, (hk, t, -(-r // DECODE_BLOCK_ROWS)), (256,), args))
+    own = Launch(fn, (hk, t, -(-r // DECODE_BLOCK_ROWS)), (256,), args)
+    if not cascade:
+        return launch_step(node.op, tiles, own)
+    common = _attention_args(node, srcs, n_kv)  # all but chunk, as flash_attn_tc takes them; not listed
+    prefix_args = (ptr(q), ptr(k), ptr(v), ptr(mask), NULL, ptr(out), *common[:4], *common[5:], i32(0), full, part)
+    prefix = Launch(kernel("attention.cu", f"flash_attn_tc<{d}, true>"),
+                    (-(-t * r // TC_BLOCK_ROWS), hk, CASCADE_SPLIT), (128,), prefix_args)
+    return launch_step(node.op, tiles, prefix, own)
 
 
 @binds("flash_attn", scratch=_fa_scratch)
@@ -636,11 +670,12 @@ def _flash_attn_tc(node: Tensor, out, srcs, scratch, backend):
     if (d not in TC_DIMS or node.srcs[1].dtype is not DType.F16 or t * (hq // hk) < TC_BLOCK_ROWS
             or flash_split(node) > 1 or not _attention_operands(node, out, srcs) or not _aligned8(k, v)):
         return None
-    fn = kernel("attention.cu", f"flash_attn_tc<{d}>")
+    fn = kernel("attention.cu", f"flash_attn_tc<{d}, false>")
     args = _attention_args(node, srcs, n_kv)
     listed = i32(n_kv % 8 == 0 and n_kv <= TOK_MAX_CELLS and _aligned8(mask))  # list_tiles' conditions
     # all of _attention_args but chunk: one key chunk
-    args = (ptr(q), ptr(k), ptr(v), ptr(mask), _sinks(node, srcs), ptr(out), *args[:4], *args[5:], listed)
+    args = (ptr(q), ptr(k), ptr(v), ptr(mask), _sinks(node, srcs), ptr(out), *args[:4], *args[5:], listed, NULL,
+            NULL)
     return launch_step(node.op, Launch(fn, (-(-t * (hq // hk) // TC_BLOCK_ROWS), hk), (128,), args))
 
 
