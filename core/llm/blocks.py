@@ -169,6 +169,8 @@ def attention(b: Build, il: int, q: Tensor, k: Tensor, v: Tensor, wo: Tensor, ro
                                 sinks=sinks)  # [tokens, heads, head_dim]
         if b.p.one_per_seq:  # each token of its own sequence: a backend may attend token by token
             merged.params["per_token"] = True
+        if b.p.shared:  # and read a prefix of cells the tokens share once for all of them
+            merged.params["shared_prefix"] = True
     else:
         vals = ops.permute(heads_view(v_all, n_kv, hp.n_head_kv, hp.head_dim), (1, 2, 0))  # [heads_kv, head_dim, n_kv]
         kq = ops.mul_mat(keys, qh, name=f"kq-{il}")  # [heads, tokens, n_kv]

@@ -30,10 +30,14 @@ class GraphParams:
     sampler: tuple[int, int] = ()  # the graph ends in ops.sample: (recent tokens, bias entries) per row
     one_per_seq: bool = False  # a decode step of many sequences, a token each: attention per token (buckets.py)
     n_probs: int = -1  # with a sampler: the likeliest tokens ops.sample_logprobs reports per row (-1: no log-probabilities)
+    # one_per_seq where the sequences may share cells (KVCache.copied): attention reads a prefix of cells that half
+    # the step's tokens or more see whole once for all of them (a backend may: CUDA's cascade, attention.cu)
+    shared: bool = False
 
     def differences(self, other: "GraphParams") -> list[str]:
         return [f"{k} {getattr(other, k)} -> {getattr(self, k)}"
-                for k in ("n_tokens", "n_outputs", "n_kv", "n_kv_swa", "greedy", "sampler", "one_per_seq", "n_probs")
+                for k in ("n_tokens", "n_outputs", "n_kv", "n_kv_swa", "greedy", "sampler", "one_per_seq", "n_probs",
+                          "shared")
                 if getattr(self, k) != getattr(other, k)]
 
 

@@ -178,6 +178,9 @@ class KVCache:
         self.has_shift = False
         self.version = 0
         self.changes = 0  # counts every change of the cells: a step readied against them checks it
+        # a seq_cp gave cells a second sequence since the cache was cleared (they may be shared): a decode step of
+        # many sequences then reads a shared prefix once for all of them where it can (GraphParams.shared)
+        self.copied = False
         self.pow2_cells = False  # n_kv rounded to a power of two (a session whose masks are made from the cells)
         self._pow2_floor = 0  # the largest n_kv given since the cache was cleared, with pow2_cells
         self._recount()
@@ -459,6 +462,7 @@ class KVCache:
         sel = self._cells(src, p0, p1)
         self.seqs[sel, dst] = True
         self._touch(sel)
+        self.copied = self.copied or (src != dst and bool(sel.any()))
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
         """Shift positions of seq's cells in [p0, p1) by delta; K is re-rotated before the next use."""
@@ -478,6 +482,7 @@ class KVCache:
 
     def clear(self) -> None:
         self.changes += 1
+        self.copied = False
         self._pow2_floor = 0
         self.tail[:] = -1
         self.pos[:] = -1

@@ -188,21 +188,32 @@ class ParallelRunner:
         """Untimed, before run: one token of every client decoded twice (sampled as the run samples, from streams
         of the warm-up's own), then the cache cleared. As llama.cpp's tools warm up with a decode and bench
         --batched warms each row up twice, the kernels of the run's decode steps are loaded, and the graph of a
-        step of every client is built, planned and (on a GPU) captured, before the run's clock starts. Skipped
-        where the cache cannot hold two tokens of every client."""
+        step of every client is built, planned and (on a GPU) captured, before the run's clock starts. With prefix
+        sharing the clients' sequences share a first cell (client 0's, seq_cp), as the run's share prompts' cells:
+        their steps' graph is the one that reads shared cells once for all (GraphParams.shared). Skipped where the
+        cache cannot hold three tokens of every client."""
         n = len(self.clients)
-        if self.s.n_ctx < 2 * n:
+        if self.s.n_ctx < 3 * n:
             return
         seqs = np.fromiter((c.seq_id for c in self.clients), dtype=np.int32, count=n)
         sampler = BatchedSampler(self.sampler.settings, self.s.n_ctx)
         self.s.clear()
-        for pos in range(2):
-            batch = Batch(np.zeros(n, dtype=np.int32), np.full(n, pos, dtype=np.int32), seqs, np.ones(n, dtype=bool))
-            if self.greedy:
-                self.s.decode_greedy(batch)
-            else:
-                self.s.decode_sampled(batch, sampler.rows(np.arange(n)))
+        first = 0
+        if self.prefix_share and n > 1:
+            self._warm_step(Batch(np.zeros(1, np.int32), np.zeros(1, np.int32), seqs[:1], np.ones(1, bool)), sampler)
+            for c in self.clients[1:]:
+                self.s.seq_cp(self.clients[0].seq_id, c.seq_id)
+            first = 1
+        for pos in range(first, first + 2):
+            self._warm_step(Batch(np.zeros(n, np.int32), np.full(n, pos, np.int32), seqs, np.ones(n, bool)), sampler)
         self.s.clear()
+
+    def _warm_step(self, batch: Batch, sampler: BatchedSampler) -> None:
+        """A warm-up decode, sampled as the run samples (or greedily), from the warm-up's streams."""
+        if self.greedy:
+            self.s.decode_greedy(batch)
+        else:
+            self.s.decode_sampled(batch, sampler.rows(np.arange(len(batch))))
 
     def run(self, system_prompt: list[int], prompts: list[tuple[str, list[int]]],
             on_done: Callable[[SequenceResult], None]) -> ParallelSummary:

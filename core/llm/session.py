@@ -26,7 +26,7 @@ from ggrun.core.graph import build_graph
 from ggrun.core.llm import reservation
 from ggrun.core.llm.batch import Batch, UBatch, split_batch
 from ggrun.core.llm.batched_sampler import SamplingRows, sample_on_host
-from ggrun.core.llm.buckets import pad_mixed, pad_state, wants_bucket
+from ggrun.core.llm.buckets import pad_mixed, pad_state, shares_prefix, wants_bucket
 from ggrun.core.llm.blocks import Build
 from ggrun.core.llm.budget import Budget
 from ggrun.core.llm.graph_debug import decision_line, graph_debug_level, print_ubatch
@@ -378,7 +378,7 @@ class Session:
         ub = st.ub
         p = GraphParams(ub.n_tokens, ub.n_outputs, self.kv.n_kv(ahead, one_per_seq), self.kv_swa.n_kv() if self.kv_swa is not None else 0,
                         greedy and ub.n_outputs > 0, sampling.shape_key if sampling is not None else (), one_per_seq,
-                        self._n_probs if sampling is not None else -1)
+                        self._n_probs if sampling is not None else -1, one_per_seq and shares_prefix(ub, self.kv))
         res = self._graph_for(p)
         t0 = time.perf_counter()
         res.set_inputs(st, self.sched.cpu)

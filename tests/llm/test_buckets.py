@@ -9,6 +9,7 @@ import pytest
 
 from ggrun.core.backends.cpu import CPUBackend
 from ggrun.core.llm.batch import Batch, UBatch
+from ggrun.core.llm import buckets
 from ggrun.core.llm.buckets import bucket_size, pad_mixed
 from ggrun.core.llm.inputs import UBatchState
 from ggrun.core.llm.kv_blocks import BLOCK, find_cells
@@ -164,3 +165,33 @@ def test_mixed_outputs_pad_to_a_power_of_two(drawn, cases):
         st = pad_mixed(UBatchState(ub, np.arange(n, dtype=np.int32), kv), 512, drawn)
         assert (st.ub.n_tokens, st.ub.n_outputs) == want
         assert st.ub.n_out_pad == want[1] - n_out and list(st.ub.out_rows[:n_out]) == list(range(n - n_out, n))
+
+
+def test_steps_of_sequences_that_may_share_cells_are_marked_shared(tiny, monkeypatch):
+    """A decode step of 32 sequences or more whose cache had cells copied between sequences (seq_cp: a shared
+    system prompt) gets the graph that reads a shared prefix once for all (GraphParams.shared, the attention node
+    marked shared_prefix); without a copy, or with fewer sequences (16), the graph of tokens read one by one;
+    clearing the cache forgets the copies. Its logits are the unmarked graph's (the CPU attends token by token)."""
+    n = 32
+    s = Session(tiny, SessionParams(n_ctx=512, n_seq_max=n + 1))
+
+    def run(copy: bool, seqs: int) -> tuple[bool, np.ndarray]:
+        s.clear()
+        s.decode(Batch.of_sequence([5, 6, 7], 0, n, last_logits=False))
+        if copy:
+            for q in range(seqs):
+                s.seq_cp(n, q)
+        out = s.decode(step(list(range(seqs)), [3] * seqs)).copy()
+        marked = [t for t in s.result.sg.graph.nodes if t.params.get("shared_prefix")]
+        assert bool(marked) == s.result.params.shared
+        return s.result.params.shared, out
+
+    shared, with_copy = run(True, n)
+    assert shared
+    assert run(False, n)[0] is False and run(True, 16)[0] is False
+    s.clear()
+    assert s.kv.copied is False
+    monkeypatch.setattr(buckets, "SHARED_MIN_TOKENS", 1000)
+    unmarked, plain = run(True, n)
+    assert not unmarked
+    np.testing.assert_array_equal(with_copy, plain)
