@@ -16,11 +16,11 @@ starts while another holds the cells of a prefix of its prompt takes those cells
 decodes only the rest of its prompt. Requests that each carry the same system prompt (llama-parallel's
 default) then read it once, not once per sequence, and hold its cells once. Where another sequence is still
 reading a longer prefix than any held, of PREFIX_WAIT tokens or more, the next sequence waits until it is
-read instead of reading the same tokens beside it, and lets sequences behind it in the queue start meanwhile. A finished sequence's prompt cells stay held by its idle client
-(llama-server's prompt cache, a client's own), so that a later prompt that begins alike, on that client or
-another, reads only what differs, as with one client (-np 1); held cells give way whenever a sequence needs
-cells. The K and V of a shared cell are those the sequence would have
-computed at that position (with `--numerics f32` the same bits). `--no-prefix-share` reads every prompt
+read instead of reading the same tokens beside it, and lets sequences behind it in the queue start meanwhile. A
+finished sequence's prompt cells stay held by its idle client (llama-server's prompt cache, a client's own), so
+that a later prompt that begins alike, on that client or another, reads only what differs, as with one client
+(-np 1); held cells give way whenever a sequence needs cells. The K and V of a shared cell are those the sequence
+would have computed at that position (with `--numerics f32` the same bits). `--no-prefix-share` reads every prompt
 whole, as llama-parallel does. With sliding-window layers a sequence lends its cells only while it has left
 none of them in the window's cache (until it passes the window's length): a later sequence would miss those.
 
@@ -64,7 +64,9 @@ STOP_LIMIT = "n_predict reached"
 STOP_TEXT = "stop text"
 STOP_CACHE = "its share of the KV cache is used up"
 PREFIX_WAIT = 64  # a prefix in flight this long or longer is worth waiting for
-PASS_AHEAD = 2  # jobs a client looks at past those waiting for a prefix: this many per client at most
+# jobs a round finds waiting for a prefix before it looks no further: each costs a look at every client's prompt
+# (_prefix_of), and a long prefix in flight would otherwise have every queued job looked at each step
+PASS_WAITING = 16
 
 
 @dataclass
@@ -279,12 +281,14 @@ class ParallelRunner:
         """Start the first queued job that can start on idle client c ('started'), or report the first that never
         can ('skip'), in the queue's order: first come, first served, but a job that waits for a prefix another
         sequence is reading (`waiting`, found so this round) lets those behind it pass, as it starts a step later
-        whatever they do; 'full' where the first that cannot start waits for cells, which none behind it may take.
-        Held up by each prefix in turn, 64 clients joining a run took 9 steps of as many shapes, each a graph
+        whatever they do; 'full' where the first that cannot start waits for cells, which none behind it may take;
+        'none' past PASS_WAITING jobs waiting for a prefix. Held up by each prefix in turn, 64 clients joining a run took 9 steps of as many shapes, each a graph
         built for one use (~66 ms of the H200's host)."""
-        for i, job in enumerate(queue[:PASS_AHEAD * len(self.clients)]):
+        for i, job in enumerate(queue):
             if job in waiting:
                 continue
+            if len(waiting) >= PASS_WAITING:
+                break
             verdict = self._try_start(c, job, prompts)
             if verdict == "prefix":
                 waiting.add(job)
