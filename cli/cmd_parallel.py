@@ -171,7 +171,7 @@ def run(s: ParallelSettings) -> None:
     with Interrupt() as stop:
         stop.watch(session)
         if s.warmup:
-            runner.warm_up()
+            runner.warm_up(len(system))
         summary = runner.run(system, jobs, lambda r: _print_result(r, s, runner.summary.cache_misses))
     if not s.json:
         err_console.print(f"External prompt file: {s.file or 'used built-in defaults'}\n"

@@ -186,14 +186,19 @@ class ParallelRunner:
         self.system: list[int] = []
         self.summary = ParallelSummary()
 
-    def warm_up(self) -> None:
-        """Untimed, before run: one token of every client decoded twice (sampled as the run samples, from streams
-        of the warm-up's own), then the cache cleared. As llama.cpp's tools warm up with a decode and bench
-        --batched warms each row up twice, the kernels of the run's decode steps are loaded, and the graph of a
-        step of every client is built, planned and (on a GPU) captured, before the run's clock starts. With prefix
+    def warm_up(self, n_system: int = 0) -> None:
+        """Untimed, before run: a system prompt of n_system placeholder tokens read as run reads its own, then one
+        token of every client decoded twice (sampled as the run samples, from streams of the warm-up's own), the
+        cache cleared after each. As llama.cpp's tools warm up with a decode and bench --batched warms each row up
+        twice, the kernels of the run's decode steps are loaded, and the graphs of the system prompt's micro-batches
+        (their shapes are its length's) and of a step of every client are built, planned and (on a GPU) captured,
+        before the run's clock starts: a graph built in the run cost it 30-90 ms of the H200's host. With prefix
         sharing the clients' sequences share a first cell (client 0's, seq_cp), as the run's share prompts' cells:
-        their steps' graph is the one that reads shared cells once for all (GraphParams.shared). Skipped where the
-        cache cannot hold three tokens of every client."""
+        their steps' graph is the one that reads shared cells once for all (GraphParams.shared). The decodes are
+        skipped where the cache cannot hold three tokens of every client."""
+        if 0 < n_system < self.s.n_ctx:
+            self.s.clear()
+            eval_prompt(self.s, [0] * n_system, self.n_batch, seq=SYSTEM_SEQ)
         n = len(self.clients)
         if self.s.n_ctx < 3 * n:
             return

@@ -684,6 +684,27 @@ def test_warm_up_builds_the_step_of_every_client_and_changes_nothing(tiny, sampl
     assert built_warm < built_cold
 
 
+def test_warm_up_reads_a_system_prompt_of_its_length_and_changes_nothing(tiny):
+    """Given the system prompt's length, the warm-up also reads that many placeholder tokens as the run reads its
+    system prompt (llama-parallel's -pps): the run's system prompt then finds the graphs of its micro-batches
+    (here 16, then 8 tokens) built, and the sequences' tokens are those of a warm-up without it."""
+    def run(n_system: int):
+        s = Session(tiny, SessionParams(n_ctx=1024, n_batch=16, n_ubatch=16, n_seq_max=4, mask_from_cells=True))
+        r = ParallelRunner(s, 3, 10, GREEDY, 16, ignore_eos=True)
+        r.warm_up(n_system)
+        assert s.kv.n_used == 0
+        seen = len(s.stats.reuse_log)
+        done: list[SequenceResult] = []
+        r.run(list(SYSTEM), PROMPTS * 2, done.append)
+        return {d.seq: (d.response_tokens, d.response) for d in done}, s.stats.reuse_log[seen:seen + 2]
+
+    plain, system_plain = run(0)
+    warm, system_warm = run(len(SYSTEM))
+    assert warm == plain
+    assert [reused for reused, _ in system_warm] == [True, True], system_warm
+    assert not all(reused for reused, _ in system_plain)
+
+
 @pytest.mark.parametrize("window", [8, 512], ids=["window-8", "window-512"])
 def test_sliding_window_prefixes_are_shared_while_their_cells_are_all_held(tiny_gemma3_factory, window):
     """A tiny gemma3 with sliding-window layers: prompts that begin alike share the prefix's cells while the
