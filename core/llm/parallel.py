@@ -199,6 +199,7 @@ class ParallelRunner:
         if 0 < n_system < self.s.n_ctx:
             self.s.clear()
             eval_prompt(self.s, [0] * n_system, self.n_batch, seq=SYSTEM_SEQ)
+            self.s.clear()
         n = len(self.clients)
         if self.s.n_ctx < 3 * n:
             return
