@@ -412,7 +412,9 @@ class ParallelRunner:
         batch = Batch(*(np.concatenate(x) if len(parts) > 1 else x[0] for x in zip(*parts)))
         slots = np.fromiter((c.id for c in rows), dtype=np.int64, count=len(rows))
         sampling = None if self.greedy and self.logits is None else self.sampler.rows(slots)
-        return _Step(rows, [c.serial for c in rows], slots, sampling, self._begin(batch, sampling), len(parts) == 1)
+        ahead = sum(len(c.pending) for c in self.clients if c.job >= 0)  # prompt tokens left for later steps
+        return _Step(rows, [c.serial for c in rows], slots, sampling, self._begin(batch, sampling, ahead),
+                     len(parts) == 1)
 
     def _follow(self, step: _Step, may_join: bool) -> _Step | None:
         """The next step, launched as soon as `step`'s token ids are back and before they are taken, where it is
@@ -434,10 +436,14 @@ class ParallelRunner:
         batch = Batch(ids, pos, seq, np.ones(len(rows), dtype=bool))
         return _Step(list(rows), list(step.serials), step.slots, sampling, self._begin(batch, sampling), True)
 
-    def _begin(self, batch: Batch, sampling: SamplingRows | None) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
-        """Decode the batch, left computing where only token ids come back; what waits for (ids, logits kept)."""
+    def _begin(self, batch: Batch, sampling: SamplingRows | None,
+               ahead: int = 0) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
+        """Decode the batch, left computing where only token ids come back; what waits for (ids, logits kept).
+        `ahead`: the prompt tokens later steps will read (Session.decode_begin): a long prompt's chunks then
+        attend over the cells it will fill, and share one graph, where n_kv growing with each chunk built one
+        for each (~40 ms of the H200's host apiece)."""
         if self.logits is None:
-            ids = self.s.decode_begin(batch, sampling)
+            ids = self.s.decode_begin(batch, sampling, ahead)
             return lambda: (ids(), None)
         ids, logits = self.s.decode_sampled(batch, sampling, with_logits=True)
         return lambda: (ids, logits)

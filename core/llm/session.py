@@ -248,14 +248,16 @@ class Session:
             return ids
         return ids, (np.concatenate(kept) if kept else np.zeros((0, self.model.hp.n_vocab), dtype=np.float32))
 
-    def decode_begin(self, batch: Batch, rows: SamplingRows | None = None) -> "InFlight":
+    def decode_begin(self, batch: Batch, rows: SamplingRows | None = None, ahead: int = 0) -> "InFlight":
         """decode_greedy (rows None) or decode_sampled with the batch's last micro-batch left computing: returns
         what waits for the token ids (all of the batch's, in order). The host does other work meanwhile (parallel
         settles the step before: its texts, its finished sequences); the session's next decode waits for it
-        first."""
+        first. `ahead`: prompt tokens the caller will decode in later batches (a prompt read in chunks), which
+        the cells attended make room for as for a batch's later micro-batches (KVCache.n_kv), so that the
+        prompt's chunks share a graph."""
         if rows is not None:
             _check_rows(batch, rows)
-        outs = self._decode(batch, greedy=rows is None, sampling=rows, defer=True)
+        outs = self._decode(batch, greedy=rows is None, sampling=rows, defer=True, ahead=ahead)
         last = self._inflight
         self._inflight = InFlight(lambda: _joined(outs + ([last()] if last is not None else [])))
         return self._inflight
@@ -275,7 +277,7 @@ class Session:
         return ids, (np.concatenate(kept) if kept else np.zeros((0, 1 + 2 * n_probs), dtype=np.float32))
 
     def _decode(self, batch: Batch, greedy: bool, sampling: SamplingRows | None = None,
-                defer: bool = False) -> list[np.ndarray]:
+                defer: bool = False, ahead: int = 0) -> list[np.ndarray]:
         """What each micro-batch of `batch` that asked for logits gives back (_fetch), in order; with greedy,
         graphs end in the logits' argmax, with sampling in ops.sample. With defer the last micro-batch is left
         computing (in _inflight, not in the list). A decode left computing before is waited for first."""
@@ -290,14 +292,15 @@ class Session:
             out = self._take(ready, batch, sampling, defer)
             return [] if defer else [out]
         outs = []
-        row, ahead = 0, len(batch)
-        for ub in split_batch(batch, self.n_ubatch):
+        row, ahead = 0, len(batch) + ahead
+        ubs = split_batch(batch, self.n_ubatch)
+        for i, ub in enumerate(ubs):
             if self.interrupt is not None and self.interrupt():
                 raise Interrupted()
             rows = sampling.slice(row, row + ub.n_outputs) if sampling is not None and ub.n_outputs else None
             row += ub.n_outputs
             ahead -= ub.n_tokens
-            left = defer and not ahead  # the batch's last micro-batch, left computing
+            left = defer and i == len(ubs) - 1  # the batch's last micro-batch, left computing
             out = self._decode_ubatch(ub, greedy, rows, ahead, left)
             if out is not None and not left:
                 outs.append(out)

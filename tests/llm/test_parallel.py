@@ -64,9 +64,9 @@ def run_parallel(model: Model, prompts, n_clients: int = 3, n_predict: int = 6, 
             steps.append([None, {c.seq_id: (c.job, len(c.pending)) for c in r.clients if c.job >= 0 and not c.ending}])
             return real_step(prompts)
 
-        def begin(batch, sampling):
+        def begin(batch, sampling, ahead=0):
             steps[-1][0] = batch.seq.copy()
-            return real_begin(batch, sampling)
+            return real_begin(batch, sampling, ahead)
 
         r._step, r._begin = step, begin
     results: dict[int, SequenceResult] = {}
@@ -418,6 +418,25 @@ def test_decoding_sequences_advance_while_a_long_prompt_is_read_in_chunks(tiny):
         assert len(seq) <= chunk
         for sid in generating:
             assert np.count_nonzero(seq == sid) == 1, "a generating client missed a step"
+
+
+def test_a_long_prompt_read_in_chunks_attends_over_the_cells_it_will_fill(tiny):
+    """Where n_kv is a power of two of the cells in use (masks made from the cells), a 600-token prompt read in
+    64-token chunks attends from its first chunk over the cells it will fill (the runner's `ahead`): every full
+    chunk runs one graph, where n_kv growing with the chunks built one at 256, 512 and 1024 cells."""
+    s = Session(tiny, SessionParams(n_ctx=1024, n_batch=64, n_ubatch=64, n_seq_max=2, mask_from_cells=True))
+    r = ParallelRunner(s, 1, 2, GREEDY, 64, ignore_eos=True, chunk=64)
+    built: list[int] = []
+    real = s.build
+
+    def build(p):
+        built.append(p.n_kv)
+        return real(p)
+
+    s.build = build
+    r.run([], [("long", [int(t) for t in np.random.default_rng(5).integers(0, 276, 600)])], lambda _: None)
+    assert len(built) <= 3, built  # the full chunks', the last chunk's (24 tokens, padded to 32), a decode step's
+    assert len(set(built)) == 1, built
 
 
 @pytest.fixture(scope="module")
