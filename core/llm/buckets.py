@@ -61,18 +61,21 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def pad_mixed(st: UBatchState, n_ubatch: int, drawn: bool = False) -> UBatchState:
+def pad_mixed(st: UBatchState, n_ubatch: int, drawn: bool = False, size: int | None = None,
+              outs: int | None = None) -> UBatchState:
     """st with a micro-batch that is not a decode step (the caller's wants_bucket said so) padded to powers of
     two: its tokens (at most n_ubatch) and its outputs (at most its padded tokens; with `drawn`, tokens drawn in
-    the graph, at least MIXED_OUT_SHARE's share of them); unchanged for one token, where nothing would change, or
-    where a cache has no free cell for padding rows."""
+    the graph, at least MIXED_OUT_SHARE's share of them), or to `size` tokens and `outs` outputs when given (a
+    larger graph's, borrowed: GraphCache.borrow); unchanged for one token, where nothing would change, or where a
+    cache has no free cell for padding rows."""
     ub = st.ub
     if ub.n_tokens < 2:
         return st
-    size = bucket_size(ub.n_tokens, n_ubatch)
     n_out = ub.n_outputs
-    least = size // MIXED_OUT_SHARE if drawn else 1
-    outs = min(size, max(_pow2(n_out), least)) if n_out else 0
+    if size is None or outs is None:
+        size = bucket_size(ub.n_tokens, n_ubatch)
+        least = size // MIXED_OUT_SHARE if drawn else 1
+        outs = min(size, max(_pow2(n_out), least)) if n_out else 0
     if size == ub.n_tokens and outs == n_out:
         return st
     if size > ub.n_tokens:
@@ -102,11 +105,12 @@ def _padded_rows(st: UBatchState, size: int) -> UBatchState | None:
     return replace(st, ub=padded, cells=cells, cells_swa=cells_swa)
 
 
-def pad_state(st: UBatchState, n_ubatch: int) -> UBatchState:
-    """st with its micro-batch, a decode step (the caller's wants_bucket said so), padded to its bucket
-    (unchanged when already a bucket's size, or a cache has no free cell left for the padding rows)."""
+def pad_state(st: UBatchState, n_ubatch: int, size: int | None = None) -> UBatchState:
+    """st with its micro-batch, a decode step (the caller's wants_bucket said so), padded to its bucket, or to
+    `size` rows when given (a larger graph's, borrowed: GraphCache.borrow); unchanged when already that size, or
+    a cache has no free cell left for the padding rows."""
     ub = st.ub
-    size = bucket_size(ub.n_tokens, n_ubatch)
+    size = bucket_size(ub.n_tokens, n_ubatch) if size is None else size
     if size == ub.n_tokens:
         return st
     padded = _padded_rows(st, size)

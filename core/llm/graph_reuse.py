@@ -16,7 +16,7 @@ ready_step.ready_next, which readies the next decode step while the device runs 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ggrun.core.llm.graph_result import GraphResult
 from ggrun.core.llm.inputs import GraphParams
@@ -79,6 +79,22 @@ def _blocker(res: GraphResult, p: GraphParams, kv_version: tuple[int, ...], sche
 KEPT_GRAPHS = 16
 
 
+# A micro-batch of a shape no kept graph has runs a kept graph of up to twice its tokens and outputs, padded further,
+# this many times before it gets a graph of its own (GraphCache.borrow): 64 clients joining `parallel` made steps of
+# 128 and 256 tokens (64 outputs), and its last steps a bucket of 32 sequences beside the 64's, each shape a graph
+# built for a few uses (~40 ms of the H200's host apiece), where padding rows cost a step well under a millisecond.
+BORROW_USES = 8
+BORROW_FACTOR = 2
+
+
+def _fits(p: GraphParams, q: GraphParams) -> bool:
+    """Whether a graph for q can run a micro-batch of params p padded further: the same in all but its tokens and
+    outputs, more tokens and at least as many outputs, each up to BORROW_FACTOR times p's."""
+    return (replace(q, n_tokens=p.n_tokens, n_outputs=p.n_outputs) == p
+            and p.n_tokens < q.n_tokens <= BORROW_FACTOR * p.n_tokens
+            and p.n_outputs <= q.n_outputs <= BORROW_FACTOR * p.n_outputs)
+
+
 class GraphCache:
     """The graphs a session keeps for reuse, one per shape (GraphParams), the least recently used dropped
     beyond `size`. Keeping only the last graph rebuilt every micro-batch whose shape alternates: a long
@@ -90,6 +106,7 @@ class GraphCache:
     def __init__(self, size: int = KEPT_GRAPHS) -> None:
         self.size = size
         self._graphs: dict[GraphParams, GraphResult] = {}  # insertion order: least recently used first
+        self._borrows: dict[GraphParams, int] = {}  # shapes that ran a larger graph (borrow): how many times
         self.last: GraphResult | None = None
 
     def take(self, p: GraphParams, kv_version: tuple[int, ...], sched_generation: int,
@@ -103,6 +120,19 @@ class GraphCache:
         self._keep(kept)
         return kept, decision
 
+    def borrow(self, p: GraphParams, kv_version: tuple[int, ...], sched_generation: int) -> GraphResult | None:
+        """A kept graph that can run a micro-batch of params p padded further (_fits), the most recently used first,
+        where none of p's own shape is kept and p has borrowed fewer than BORROW_USES times; None otherwise. A
+        padded row costs the step a row of its products, a new graph tens of milliseconds of host work: a shape
+        met a few times runs a larger one, a shape that recurs gets its own."""
+        if p in self._graphs or self._borrows.get(p, 0) >= BORROW_USES:
+            return None
+        for q, res in reversed(self._graphs.items()):
+            if _fits(p, q) and _blocker(res, q, kv_version, sched_generation) is None:
+                self._borrows[p] = self._borrows.get(p, 0) + 1
+                return res
+        return None
+
     def keep(self, res: GraphResult, enabled: bool = True) -> None:
         """Keep a newly built graph, dropping the least recently used beyond the size; with reuse off, only
         note it as the last one run."""
@@ -110,6 +140,7 @@ class GraphCache:
             self.last = res
             return
         self._graphs.pop(res.params, None)
+        self._borrows.pop(res.params, None)
         self._keep(res)
         while len(self._graphs) > self.size:
             del self._graphs[next(iter(self._graphs))]

@@ -371,21 +371,37 @@ class Session:
             if cache.has_shift:
                 apply_k_shift(self.model, self.sched, cache)
         one_per_seq = wants_bucket(ub)
-        st = self.place_ubatch(ub)
-        if one_per_seq:
-            st = pad_state(st, self.n_ubatch)
-        elif self.seq_words:  # many sequences off the CPU: mixed steps and prompts padded too (buckets.pad_mixed)
-            st = pad_mixed(st, self.n_ubatch, greedy or (sampling is not None and self._kept_logits is None))
+        placed = self.place_ubatch(ub)
+        drawn = greedy or (sampling is not None and self._kept_logits is None)
+        st = self._padded(placed, one_per_seq, drawn)
         if sampling is not None:
             st = replace(st, sampling=sampling)
         ub = st.ub
         p = GraphParams(ub.n_tokens, ub.n_outputs, self.kv.n_kv(ahead, one_per_seq), self.kv_swa.n_kv() if self.kv_swa is not None else 0,
                         greedy and ub.n_outputs > 0, sampling.shape_key if sampling is not None else (), one_per_seq,
                         self._n_probs if sampling is not None else -1, one_per_seq and shares_prefix(ub, self.kv))
-        res = self._graph_for(p)
+        lent = self.graphs.borrow(p, self.kv_version, self.sched.generation) if self.seq_words and self.graph_reuse else None
+        own = None
+        if lent is not None:
+            wide = self._padded(placed, one_per_seq, drawn, lent.params)
+            if (wide.ub.n_tokens, wide.ub.n_outputs) == (lent.params.n_tokens, lent.params.n_outputs):
+                st, p, own = replace(wide, sampling=st.sampling), lent.params, p
+        res = self._graph_for(p, own)
         t0 = time.perf_counter()
         res.set_inputs(st, self.sched.cpu)
         return self._run(st, res, t0, defer)
+
+    def _padded(self, st: UBatchState, one_per_seq: bool, drawn: bool, to: GraphParams | None = None) -> UBatchState:
+        """A placed micro-batch padded to its bucket (a decode step of many sequences: buckets.pad_state), or in a
+        session of many sequences off the CPU a mixed step or prompt to powers of two (buckets.pad_mixed; `drawn`:
+        its tokens drawn in the graph); to the tokens and outputs of `to` instead, where given (a larger graph,
+        GraphCache.borrow)."""
+        size, outs = (to.n_tokens, to.n_outputs) if to is not None else (None, None)
+        if one_per_seq:
+            return pad_state(st, self.n_ubatch, size)
+        if self.seq_words:
+            return pad_mixed(st, self.n_ubatch, drawn, size, outs)
+        return st
 
     def _take(self, ready: ReadyStep, batch: Batch, sampling: SamplingRows | None,
               defer: bool = False) -> np.ndarray | None:
@@ -457,11 +473,12 @@ class Session:
                 culprit = first_non_finite(res.sg, set_inputs) or "no graph node holds one when recomputed"
         return NonFiniteLogits(non_finite_kind(logits), where, culprit, source=str(self.model.path))
 
-    def _graph_for(self, p: GraphParams) -> GraphResult:
-        """A kept graph that can serve p, else a newly built and planned one (kept in turn)."""
+    def _graph_for(self, p: GraphParams, lent_for: GraphParams | None = None) -> GraphResult:
+        """A kept graph that can serve p, else a newly built and planned one (kept in turn); `lent_for`: the params
+        of the micro-batch's own shape, where it runs a larger kept graph (GraphCache.borrow)."""
         res, decision = self.graphs.take(p, self.kv_version, self.sched.generation, self.graph_reuse)
         if res is not None:
-            self._reused(p, res)
+            self._reused(p, res, lent_for)
             return res
         t0 = time.perf_counter()
         res = self.build(p)
@@ -480,10 +497,13 @@ class Session:
         """The graph the last micro-batch ran."""
         return self.graphs.last
 
-    def _reused(self, p: GraphParams, res: GraphResult) -> None:
-        """Count and record a graph reused for params p (taken back from the kept ones, or readied)."""
+    def _reused(self, p: GraphParams, res: GraphResult, lent_for: GraphParams | None = None) -> None:
+        """Count and record a graph reused for params p (taken back from the kept ones, or readied; lent to a
+        micro-batch of params `lent_for`, padded further)."""
         self.stats.graphs_reused += 1
-        self._log(REUSED, p, res, (0.0, 0.0))
+        said = REUSED if lent_for is None else Decision(True, f"lent to n_tokens {lent_for.n_tokens}, "
+                                                              f"n_outputs {lent_for.n_outputs}")
+        self._log(said, p, res, (0.0, 0.0))
 
     def _log(self, decision: Decision, p: GraphParams, res: GraphResult, times: tuple[float, float]) -> None:
         """Record the reuse decision; with GGRUN_GRAPH_DEBUG, keep its line for _run to print."""

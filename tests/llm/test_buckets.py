@@ -9,7 +9,7 @@ import pytest
 
 from ggrun.core.backends.cpu import CPUBackend
 from ggrun.core.llm.batch import Batch, UBatch
-from ggrun.core.llm import buckets
+from ggrun.core.llm import buckets, graph_reuse
 from ggrun.core.llm.buckets import bucket_size, pad_mixed
 from ggrun.core.llm.inputs import UBatchState
 from ggrun.core.llm.kv_blocks import BLOCK, find_cells
@@ -56,6 +56,30 @@ def test_buckets_are_reused_within_and_rebuilt_across(tiny, monkeypatch, capsys)
     assert "rebuilt" in lines[3] and "n_tokens 4 -> 8" in lines[3] and "bucket 8 (5 + 3 padding)" in lines[3]
     assert "reused" in lines[4] and "reused" in lines[5] and "bucket 8 (6 + 2 padding)" in lines[5]
     assert "rebuilt" in lines[6] and "n_tokens 8 -> 4" in lines[6]
+
+
+def test_a_smaller_bucket_runs_a_kept_larger_graph_until_it_recurs(tiny, monkeypatch):
+    """Where masks are made from the cells (a GPU session of many sequences), a decode step of 4 sequences runs
+    the kept graph of bucket 8 (lent, padded with 4 more rows) BORROW_USES times, then gets its own; a step of 2
+    sequences does not (more than twice its rows). Each step's logits are those of a session that never lends (f32
+    numerics)."""
+    monkeypatch.setattr(graph_reuse, "BORROW_USES", 3)
+
+    def run(from_cells: bool):
+        s = Session(tiny, SessionParams(n_ctx=512, n_seq_max=N_SEQ, mask_from_cells=from_cells))
+        s.decode(step(list(range(8)), [0] * 8))
+        sizes, outs = [], []
+        for p in range(1, 7):
+            seqs = [0, 1] if p == 1 else [0, 1, 2, 3]
+            outs.append(s.decode(step(seqs, [p] * len(seqs))).copy())
+            sizes.append(s.result.params.n_tokens)
+        return sizes, outs
+
+    sizes, got = run(True)
+    plain, want = run(False)
+    assert sizes == [2, 8, 8, 8, 4, 4] and plain == [2, 4, 4, 4, 4, 4]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=2e-5)
 
 
 def test_padding_changes_no_real_row_and_takes_no_cell(tiny):
@@ -138,13 +162,14 @@ def _mixed_steps(model: Model, from_cells: bool) -> tuple[list[np.ndarray], list
 
 
 def test_mixed_steps_of_a_many_sequence_session_pad_to_powers_of_two(tiny):
-    """Where masks are made from the cells (a GPU session of many sequences), a step mixing decode tokens and a
-    joining prompt is padded to 8 tokens and 4 outputs both times (3 + 5 and 3 + 4 tokens, 4 outputs), so the
-    second reuses the first's graph, and three prompts (9 tokens, 3 outputs) to 16 and 4; the real rows'
+    """Where masks are made from the cells (a GPU session of many sequences), three prompts (9 tokens, 3 outputs)
+    are padded to 16 tokens and 4 outputs, and a step mixing decode tokens and a joining prompt (3 + 5 tokens,
+    4 outputs) runs that graph, lent to it (GraphCache.borrow: up to twice its tokens); the next (3 + 4), whose
+    new sequence's cells reach past 256 (n_kv 512), gets a graph of 8 tokens and 4 outputs. The real rows'
     logits are those of the unpadded session."""
     got, shapes = _mixed_steps(tiny, True)
     want, plain = _mixed_steps(tiny, False)
-    assert shapes == [(16, 4), (8, 4), (8, 4)] and plain == [(9, 3), (8, 4), (7, 4)]
+    assert shapes == [(16, 4), (16, 4), (8, 4)] and plain == [(9, 3), (8, 4), (7, 4)]
     for g, w in zip(got, want):
         assert g.shape == w.shape
         np.testing.assert_allclose(g, w, rtol=0, atol=2e-5)

@@ -10,6 +10,7 @@ import pytest
 from ggrun.core.backends.cpu import CPUBackend
 from ggrun.core.backends.sim import SimBackend
 from ggrun.core.llm.batch import Batch
+from ggrun.core.llm import graph_reuse
 from ggrun.core.llm.batched_sampler import BatchedSampler
 from ggrun.core.llm.model import Model
 from ggrun.core.llm.sampling import SamplingParams
@@ -163,10 +164,13 @@ def steps_of(seqs: list[int], pos: list[int], tokens: list[int]) -> Batch:
 
 
 @pytest.mark.parametrize("how", ["greedy", "logits", "sampled"])
-def test_steps_of_several_sequences_are_readied_and_taken(offloaded, how):
+def test_steps_of_several_sequences_are_readied_and_taken(offloaded, how, monkeypatch):
     """Five sequences decode together (a bucket of 8, three padding rows), then one leaves: every step after a
     bucket's first is taken readied, sampled ones with the rows given at the step, and the ids or logits are
-    the unreadied session's; a step of other sequences, or after a removal, is not taken."""
+    the unreadied session's; a step of other sequences, or after a removal, is not taken. Lending is off here
+    (BORROW_USES 0), so that four sequences get the graph of bucket 4 at once: a step that runs a larger kept
+    graph (GraphCache.borrow) is not readied."""
+    monkeypatch.setattr(graph_reuse, "BORROW_USES", 0)
     on, off = pair(offloaded, 6)
     samplers = [BatchedSampler([SamplingParams(seed=q, temp=0.8, top_k=5) for q in range(6)], N_CTX) for _ in (0, 1)]
     for q in range(5):
