@@ -82,7 +82,8 @@ KEPT_GRAPHS = 16
 # A micro-batch of a shape no kept graph has runs a kept graph of up to twice its tokens and outputs, padded further,
 # this many times before it gets a graph of its own (GraphCache.borrow): 64 clients joining `parallel` made steps of
 # 128 and 256 tokens (64 outputs), and its last steps a bucket of 32 sequences beside the 64's, each shape a graph
-# built for a few uses (~40 ms of the H200's host apiece), where padding rows cost a step well under a millisecond.
+# built for a few uses (~40 ms of the H200's host apiece), where the padding rows cost such a step an estimated
+# 0.5-3 ms (a 1B model's products over 32-128 more rows).
 BORROW_USES = 8
 BORROW_FACTOR = 2
 
