@@ -905,7 +905,9 @@ extern "C" __global__ void __launch_bounds__(256) attn_tiles(const __half *mask,
 // token (the launch before), then the keys of those tiles only, as attn_decode_rows reads a span: D / 8 lanes
 // per key, DT_UNROLL keys at once, online softmax per lane, lanes merged by shuffles and warps through shared
 // memory. Queries, keys and values were written before attn_tiles ran, so the queries are read before
-// pdl_begin; the list after it. Two blocks a multiprocessor (registers capped at 128; DT_UNROLL keys a lane group
+// pdl_begin; the list after it. After the PREFIX pass (`part`), whose every block passed pdl_begin before this
+// kernel could start, attn_tiles is done too: the token's own tiles are read beside the PREFIX pass, and only
+// the merge of its partial rows (and the output's writing) waits for it. Two blocks a multiprocessor (registers capped at 128; DT_UNROLL keys a lane group
 // at once keeps them unspilled): a step of 128 sequences is 1024 blocks or more, and throughput, not one block's
 // latency, is what counts. H200, 64 sequences, 32 query heads over 8 KV heads, d 64, with attn_tiles: 16.1 us a
 // step over 129 cells each, 54.9 over a shared 1024-cell prefix and 72 of its own (4 keys at once, 104 bytes
@@ -931,7 +933,7 @@ __global__ void __launch_bounds__(DS_WARPS * 32, 2) attn_decode_tok(
 #pragma unroll
         for (int x = 0; x < 8; x++) qr[i][x] = qrow[x] * scale, acc[i][x] = 0.0f;
     }
-    pdl_begin();
+    if (part == nullptr) pdl_begin();
     const int *list = tiles + (i64)t * ((n_kv + 31) / 32 + 1);
     const int nk = list[0] * 32;
     // with `part` (the PREFIX pass ran), a token that sees the shared tiles whole leaves them (its list's first) to it
@@ -955,6 +957,7 @@ __global__ void __launch_bounds__(DS_WARPS * 32, 2) attn_decode_tok(
     }
     ds_merge_lanes<LPK, D>(m, l, acc, warp, o, kl, wacc, wm, wl);
     __syncthreads();
+    if (part != nullptr) pdl_begin();  // the PREFIX pass's partial rows, read once it is done
     for (int x = threadIdx.x; x < nr * D; x += DS_WARPS * 32) {
         const int i = row0 + x / D, e = x % D;
         float mx, num, den;
