@@ -26,7 +26,7 @@
 #define FB_SHIFT 20   // the first histogram's bins: a key's top 12 bits
 #define FB_BINS 4096
 #define L_CAP 4096    // entries of the k-th key's bin and above gathered in shared memory (32 KiB)
-#define UNROLL 4      // entries of a row a thread reads at once: loads in flight
+#define UNROLL 4      // loads of 4 entries a thread has in flight at once (each_entry)
 
 // a key whose unsigned order is the floats' order (-0 as +0)
 __device__ __forceinline__ u32 fkey(float f) {
@@ -70,20 +70,34 @@ __device__ __forceinline__ float value(const float *row, const u32 *bits, const 
 }
 
 // f(i, raw, value) for each of this thread's entries i of the row (its raw value, and its value after the bias
-// and penalties, looked up only where flagged), in rounds of UNROLL entries whose loads are in flight together
+// and penalties, looked up only where flagged), in increasing order of i, in rounds of UNROLL loads of 4 entries
+// (16 bytes) in flight together where the row is 16-byte aligned, then the entries past the last 4: a block a
+// row is bound by its loads in flight, and 4-byte loads kept a 1024-thread block's row at ~16 KB in flight
+// (H200, 64 rows of 128k logits: 85 us a step)
 template <typename F>
 __device__ __forceinline__ void each_entry(const float *row, const u32 *bits, const int *mid, const float *mv, int m,
                                            int n, F f) {
-    for (int i0 = threadIdx.x; i0 < n; i0 += UNROLL * ST) {
-        float raw[UNROLL];
+    const int n4 = ((size_t)row & 15) == 0 ? n / 4 : 0;
+    const float4 *row4 = (const float4 *)row;
+    for (int q0 = threadIdx.x; q0 < n4; q0 += UNROLL * ST) {
+        float4 raw[UNROLL];
 #pragma unroll
-        for (int j = 0; j < UNROLL; j++) raw[j] = i0 + j * ST < n ? row[i0 + j * ST] : 0.0f;
+        for (int j = 0; j < UNROLL; j++) raw[j] = q0 + j * ST < n4 ? row4[q0 + j * ST] : make_float4(0, 0, 0, 0);
 #pragma unroll
         for (int j = 0; j < UNROLL; j++) {
-            const int i = i0 + j * ST;
-            if (i >= n) break;
-            f(i, raw[j], ((bits[i >> 5] >> (i & 31)) & 1u) ? value(row, bits, mid, mv, m, i) : raw[j]);
+            const int q = q0 + j * ST;
+            if (q >= n4) break;
+            const float rv[4] = {raw[j].x, raw[j].y, raw[j].z, raw[j].w};
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int i = 4 * q + c;
+                f(i, rv[c], ((bits[i >> 5] >> (i & 31)) & 1u) ? value(row, bits, mid, mv, m, i) : rv[c]);
+            }
         }
+    }
+    for (int i = 4 * n4 + threadIdx.x; i < n; i += ST) {
+        const float raw = row[i];
+        f(i, raw, ((bits[i >> 5] >> (i & 31)) & 1u) ? value(row, bits, mid, mv, m, i) : raw);
     }
 }
 
