@@ -5,8 +5,7 @@ A decode step's few slots (token, chosen expert) each read only their expert's b
 quantized to q8_1 once and mmvq_id takes a warp per weight row and a block row per slot, as ggml's mmvq
 with ids. A prompt's slots are grouped by expert on the device (moe_group: counts, offsets, the slots of
 each expert), then one grouped GEMM multiplies each expert's weights by its slots' activations: for a type
-with a scale per 32 weights (MMQ_TYPES) mmq_idt meets the weights' quants with the q8_1 activations (for the
-k-quants with llama numerics, int8s rounded per 256 as ggml's CPU rounds them: mt_quantize_k) on int8
+with a scale per 32 weights (MMQ_TYPES) mmq_idt meets the weights' quants with the q8_1 activations on int8
 tensor cores in ggml's tile layout (matmul.cu's mmqt: 64 rows of an expert by 16..64 of its slots a block, each
 chunk of K staged in shared memory once), as ggml's mmq with ids (it replaced mmq_id, 16 rows a block, 3-4x slower on an H200); other types' weight tiles are decoded to f16 against f16 activations
 (mmid_tc). Every launch has a fixed grid, so the step is captured in a CUDA graph like any other, and blocks
@@ -100,8 +99,7 @@ def _mul_mat_id(node: Tensor, out, srcs, scratch, backend):
                    (ptr(ids), np.uint64(offs), np.uint64(cursor), np.uint64(slots), i32(t), i32(k), i64(ldi),
                     i32(n_expert)), n_expert * 4)
     if k_cols % 32 == 0 and qt.name in MMQ_TYPES:
-        act = node.srcs[0].root.params.get("act_quant")  # k-quants: rounded as the CPU rounds them (q8_K)
-        quantize, q, scales = mt_quantize(b, ldb, x16, k_cols, t * b1, [qt], act)
+        quantize, q, scales = mt_quantize(b, ldb, x16, k_cols, t * b1, [qt])
         wm, nt = _id_tile(t * k / n_expert)
         bn = 8 * nt * (8 // wm)
         fn, smem = mt_kernel("mmq_idt", qt, wm, nt)

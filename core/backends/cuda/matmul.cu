@@ -839,46 +839,6 @@ extern "C" __global__ void mt_quantize(const float *x, i8 *q, float2 *s, float2 
     }
 }
 
-// mt_quantize as ggml's CPU rounds the activations it meets for the k-quants (their act_quant, q8_K; the CPU
-// backend's quant/activations.py alike): blocks of 256 values, a warp each, one scale a block: with max the (first)
-// value of largest magnitude, q = min(127, rint(x * (-127 / max))) and d = 1 / (-127 / max), in f32 as q8_K holds it;
-// per 32 of the values, d with their sum into s and d with d times the int8s' sum into sq (the pairs mmqt and mmq_idt
-// read; either may be null). So a prompt's k-quant experts meet the int8s the CPU's do, summed as integers (the tiny
-// qwen3moe Q4_K's greedy tokens on an H100: 96.8% the CPU's, 93.7% with q8_1's blocks of 32). IEEE division and
-// products (this file's fast math would round -127 / max and the scaled values otherwise).
-extern "C" __global__ void mt_quantize_k(const float *x, i8 *q, float2 *s, float2 *sq, int ncols, i64 ldx, int rows) {
-    pdl_begin();
-    const i64 blk = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31, nb = ncols / 256;
-    if (blk >= (i64)rows * nb) return;
-    const i64 r = blk / nb, c0 = (blk % nb) * 256;
-    float v[8], amax = 0.0f, vmax = 0.0f;
-    int at = 0x7fffffff;  // where the largest magnitude lies (the first, as the CPU's scan keeps)
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-        v[j] = x[r * ldx + c0 + 32 * j + lane];
-        if (fabsf(v[j]) > amax) amax = fabsf(v[j]), vmax = v[j], at = 32 * j + lane;
-    }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) {
-        const float oa = __shfl_xor_sync(0xffffffffu, amax, o), ov = __shfl_xor_sync(0xffffffffu, vmax, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, at, o);
-        if (oa > amax || (oa == amax && oi < at)) amax = oa, vmax = ov, at = oi;
-    }
-    const float iscale = amax != 0.0f ? __fdiv_rn(-127.0f, vmax) : 0.0f;
-    const float d = amax != 0.0f ? __frcp_rn(iscale) : 0.0f;
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-        const int qi = min(127, __float2int_rn(__fmul_rn(iscale, v[j])));
-        q[r * ncols + c0 + 32 * j + lane] = (i8)qi;
-        const int isum = sq != nullptr ? warp_sum_i(qi) : 0;
-        const float sum = s != nullptr ? warp_sum(v[j]) : 0.0f;
-        const i64 sb = r * (ncols / 32) + c0 / 32 + j;
-        if (lane == 0 && s != nullptr) s[sb] = make_float2(d, sum);
-        if (lane == 0 && sq != nullptr) sq[sb] = make_float2(d, d * (float)isum);
-    }
-}
-
 // A weight row's bytes in one chunk (the last chunk of a 32-element type may hold fewer), the 16-byte words they can
 // touch (a row's chunk starts anywhere: rows of 18-byte blocks align only to 2), and a row's stride in a stage: an
 // odd number of words, so the 8 rows of an A fragment fall in different banks

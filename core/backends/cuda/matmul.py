@@ -148,23 +148,19 @@ def mt_bytes(n: int, k: int, types: list[DType]) -> int:
     return 16 + _up16(n * k) + kinds * _up16(n * (k // 32) * 8)
 
 
-def mt_quantize(b, ldb: int, at: int, k: int, n: int, types: list[DType],
-                act: str | None = None) -> tuple[Launch, int, dict[bool, int]]:
+def mt_quantize(b, ldb: int, at: int, k: int, n: int, types: list[DType]) -> tuple[Launch, int, dict[bool, int]]:
     """The activations b [n, k] (row stride ldb) quantized for mmqt / mmq_idt into scratch at `at` (mt_bytes): the
-    launch, the quants' address and the scales' by whether the type's mins meet the int8s' sum (SUM_Q). With act
-    "q8_k" (the k-quants' act_quant), in blocks of 256 as ggml's CPU rounds them (mt_quantize_k), else of 32 as a
-    q8_1 block holds them (ggml's CUDA backend)."""
+    launch, the quants' address and the scales' by whether the type's mins meet the int8s' sum (SUM_Q)."""
     q = _up16(at)
     s_at = q + _up16(n * k)
     scales = {}
     for sum_q in sorted({t.name in SUM_Q for t in types}):
         scales[sum_q] = s_at
         s_at += _up16(n * (k // 32) * 8)
+    blocks = n * (k // 32)
     args = (ptr(b), np.uint64(q), np.uint64(scales.get(False, 0)), np.uint64(scales.get(True, 0)), i32(k), i64(ldb),
             i32(n))
-    if act == "q8_k" and k % 256 == 0:
-        return Launch(kernel("matmul.cu", "mt_quantize_k"), (-(-(n * (k // 256)) // 8),), (256,), args), q, scales
-    return Launch(kernel("matmul.cu", "mt_quantize"), (-(-(n * (k // 32)) // 8),), (256,), args), q, scales
+    return Launch(kernel("matmul.cu", "mt_quantize"), (-(-blocks // 8),), (256,), args), q, scales
 
 
 def mt_smem(qt: DType, wm: int, nt: int) -> int:
