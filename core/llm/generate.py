@@ -288,6 +288,34 @@ def common_prefix(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) 
     return int(differ[0]) if len(differ) else n
 
 
+class PromptTable:
+    """The prompts of n slots as rows of one array (padded with -1, which no token id equals), so that a new
+    prompt's common prefix with every slot's is one comparison: 64 calls of common_prefix, one a slot, took
+    ~0.6 ms of the host for each sequence that joined a run of 64 (`parallel`'s joins, ~40 ms a wave)."""
+
+    def __init__(self, n: int) -> None:
+        self.rows = np.full((n, 64), -1, dtype=np.int32)
+        self.lens = np.zeros(n, dtype=np.int64)
+
+    def set(self, slot: int, ids: np.ndarray) -> None:
+        """Slot `slot` holds prompt ids from now on."""
+        if len(ids) > self.rows.shape[1]:
+            wider = np.full((len(self.rows), max(len(ids), 2 * self.rows.shape[1])), -1, dtype=np.int32)
+            wider[:, :self.rows.shape[1]] = self.rows
+            self.rows = wider
+        self.rows[slot, :len(ids)] = ids
+        self.rows[slot, len(ids):self.lens[slot]] = -1
+        self.lens[slot] = len(ids)
+
+    def common(self, ids: np.ndarray) -> np.ndarray:
+        """How many tokens each slot's prompt has in common with ids from the start (common_prefix, every slot)."""
+        n = min(len(ids), self.rows.shape[1])
+        if n == 0:
+            return np.zeros(len(self.rows), dtype=np.int64)
+        same = self.rows[:, :n] == np.asarray(ids[:n])
+        return np.where(same.all(axis=1), n, same.argmin(axis=1))
+
+
 class ReversePrompts:
     """llama.cpp's reverse prompts (-r): generation stops once the text of the sequence's last 32
     tokens ends with one of them (searched in its last len + 2 bytes when not interactive, where the

@@ -434,14 +434,19 @@ class KVCache:
         return self.n_seq_max == 1 and seq == 0
 
     def _cells(self, seq: int, p0: int, p1: int) -> np.ndarray:
+        """The indices of the cells of sequence `seq` (every sequence's where seq < 0) with p0 <= pos < p1; only
+        cells below the highest used one are looked at (every cell from _top on is free): at -c 32768 a look at
+        every cell cost each seq_rm and seq_cp ~0.1 ms, of which `parallel` makes ~3 per sequence joining."""
+        top = self._top
+        pos = self.pos[:top]
         p1 = np.iinfo(np.int32).max if p1 < 0 else p1
-        in_range = (self.pos >= max(p0, 0)) & (self.pos < p1)
-        sel = self.seqs[:, seq] if seq >= 0 else self.pos >= 0
-        return sel & in_range
+        in_range = (pos >= max(p0, 0)) & (pos < p1)
+        sel = self.seqs[:top, seq] if seq >= 0 else pos >= 0
+        return np.flatnonzero(sel & in_range)
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
         """Remove sequence `seq` (all when seq < 0) from cells with p0 <= pos < p1; free emptied cells."""
-        sel = np.flatnonzero(self._cells(seq, p0, p1))
+        sel = self._cells(seq, p0, p1)
         if not len(sel):
             return
         self.changes += 1
@@ -462,17 +467,17 @@ class KVCache:
         sel = self._cells(src, p0, p1)
         self.seqs[sel, dst] = True
         self._touch(sel)
-        self.copied = self.copied or (src != dst and bool(sel.any()))
+        self.copied = self.copied or (src != dst and len(sel) > 0)
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
         """Shift positions of seq's cells in [p0, p1) by delta; K is re-rotated before the next use."""
         sel = self._cells(seq, p0, p1)
-        if not sel.any() or delta == 0:
+        if not len(sel) or delta == 0:
             return
         self.changes += 1
         self.pos[sel] += delta
         self.shift[sel] += delta
-        gone = sel & (self.pos < 0)
+        gone = sel[self.pos[sel] < 0]
         self.pos[gone] = -1
         self.seqs[gone] = False
         self._touch(gone)

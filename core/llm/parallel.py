@@ -54,7 +54,7 @@ from ggrun.core.errors import Interrupted
 from ggrun.core.llm.batch import Batch
 from ggrun.core.llm.batched_sampler import BatchedSampler, SamplingRows
 from ggrun.core.llm.detok import IncrementalText
-from ggrun.core.llm.generate import common_prefix, eval_prompt
+from ggrun.core.llm.generate import PromptTable, eval_prompt
 from ggrun.core.llm.sampling import SamplingParams
 from ggrun.core.llm.session import Session
 
@@ -126,7 +126,6 @@ class _Client:
     job: int = -1  # index of the sequence being served, -1 when idle
     pending: list[int] = field(default_factory=list)  # prompt tokens not yet decoded
     prompt: list[int] = field(default_factory=list)
-    prompt_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))  # prompt, for prefixes
     response: list[int] = field(default_factory=list)
     pos: int = 0
     next_token: int = -1  # sampled, to be decoded in the next step
@@ -177,6 +176,7 @@ class ParallelRunner:
         # prefix would still need: only a sequence that has freed none (_lends) lends its prefix
         self.window = session.kv_swa.window if session.kv_swa is not None else None
         self.clients = [_Client(i, i + 1) for i in range(n_clients)]
+        self.prompts = PromptTable(n_clients)  # each client's last prompt, for the prefixes later prompts share
         self.sampler = BatchedSampler([_seeded(sampling, i) for i in range(n_clients)], session.n_ctx)
         self.greedy = sampling.temp <= 0 and not sampling.logit_bias and not sampling.penalties_on
         self.eog = np.fromiter(session.model.tokenizer.eog_ids, dtype=np.int64)
@@ -332,7 +332,8 @@ class ParallelRunner:
                 self.s.seq_cp(src.seq_id, c.seq_id, self.n_system, self.n_system + shared)
         self.summary.n_prompt_shared += shared
         c.held = 0
-        c.job, c.prompt, c.prompt_ids, c.pending = job, list(tokens), ids, list(tokens[shared:])
+        c.job, c.prompt, c.pending = job, list(tokens), list(tokens[shared:])
+        self.prompts.set(c.id, ids)
         c.response, c.pos, c.next_token, c.ending = [], self.n_system + shared, -1, ""
         c.serial += 1
         c.limit = self._limit(tokens)
@@ -349,10 +350,10 @@ class ParallelRunner:
         running client's prompt has in common with it, read or not. Never the whole prompt: its last token is
         decoded for the logits of the first response token."""
         src, best, in_flight = None, 0, 0
-        for c in self.clients:
+        common = np.minimum(self.prompts.common(ids), len(ids) - 1).tolist()
+        for c, n in zip(self.clients, common):
             if c.job < 0 and not c.held:
                 continue
-            n = min(common_prefix(c.prompt_ids, ids), len(ids) - 1)
             read = min(n, c.held if c.job < 0 else len(c.prompt) - len(c.pending))
             if read > best and self._lends(c):
                 src, best = c, read

@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp"), help="where the tiny models are written")
     a = ap.parse_args()
     refs = json.loads(DATA.read_text())
+    a.out.mkdir(parents=True, exist_ok=True)
     print(f"{'case':22s} {'llama vs f32':>13s} {'llama vs llama.cpp':>19s} {'f32 vs llama.cpp':>17s}")
     for case in sorted(k for k in refs if "/" in k):
         arch, type_name = case.split("/")

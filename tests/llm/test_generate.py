@@ -9,7 +9,8 @@ import pytest
 
 from ggrun.core.backends.cpu import CPUBackend
 from ggrun.core.llm.batch import Batch
-from ggrun.core.llm.generate import STOP_CONTEXT_FULL, STOP_INTERRUPTED, STOP_N_PREDICT, generate, keep_for_shift
+from ggrun.core.llm.generate import (STOP_CONTEXT_FULL, STOP_INTERRUPTED, STOP_N_PREDICT, PromptTable, common_prefix,
+                                     generate, keep_for_shift)
 from ggrun.core.llm.model import Model
 from ggrun.core.llm.sampling import Sampler, SamplingParams
 from ggrun.core.llm.session import Session, SessionParams
@@ -196,3 +197,21 @@ def test_going_back_over_a_sliding_window_starts_again(tmp_path, back_to, reused
     fresh = Generation(Session(m, SessionParams(n_ctx=64)), Sampler(SamplingParams(temp=0)))
     fresh.extend(tokens)
     np.testing.assert_allclose(g.logits, fresh.logits, atol=2e-2)
+
+
+def test_prompt_table_gives_each_slots_common_prefix():
+    """PromptTable.common is common_prefix against every slot's prompt: shorter, longer, equal, empty and rewritten
+    prompts, and prompts past the table's first width."""
+    rng = np.random.default_rng(3)
+    base = rng.integers(0, 5, 200).astype(np.int32)
+    prompts = [base[:10], base[:150], base, np.r_[base[:40], [7, 7]], np.zeros(0, np.int32), base[:3]]
+    table = PromptTable(len(prompts))
+    for i, p in enumerate(prompts):
+        table.set(i, p)
+    table.set(5, base[:120])  # a slot's next prompt replaces its last, shorter or longer
+    prompts[5] = base[:120]
+    table.set(5, base[:30])
+    prompts[5] = base[:30]
+    for ids in (base, base[:50], np.r_[base[:60], [9]], base[:1], np.r_[[9], base]):
+        want = [common_prefix(p, ids) for p in prompts]
+        assert table.common(ids).tolist() == want
