@@ -172,6 +172,7 @@ def run(s: ParallelSettings) -> None:
         stop.watch(session)
         if s.warmup:
             runner.warm_up(len(system))
+            runner.rehearse(system, jobs)
         summary = runner.run(system, jobs, lambda r: _print_result(r, s, runner.summary.cache_misses))
     if not s.json:
         err_console.print(f"External prompt file: {s.file or 'used built-in defaults'}\n"

@@ -724,6 +724,29 @@ def test_warm_up_reads_a_system_prompt_of_its_length_and_changes_nothing(tiny):
     assert not all(reused for reused, _ in system_plain)
 
 
+def test_rehearsal_builds_the_opening_graphs_and_changes_nothing(tiny):
+    """rehearse serves the opening (the system prompt, each client's first prompt) with a few tokens each, then
+    forgets it: the run's opening steps find their graphs built, and every sequence's tokens, texts and the run's
+    totals are those of a run without it (sampled: the rehearsal draws from streams of its own)."""
+    def run(rehearse: bool):
+        s = Session(tiny, SessionParams(n_ctx=1024, n_batch=16, n_ubatch=16, n_seq_max=4, mask_from_cells=True))
+        r = ParallelRunner(s, 3, 10, SamplingParams(temp=0.8, seed=5), 16, ignore_eos=True)
+        if rehearse:
+            r.rehearse(list(SYSTEM), PROMPTS * 2)
+            assert s.kv.n_used == 0 and all(c.job < 0 and not c.held for c in r.clients)
+        seen = len(s.stats.reuse_log)
+        done: list[SequenceResult] = []
+        summary = r.run(list(SYSTEM), PROMPTS * 2, done.append)
+        results = {d.seq: (d.response_tokens, d.response) for d in done}
+        return results, (summary.n_prompt, summary.n_gen, summary.n_prompt_shared), s.stats.reuse_log[seen:seen + 6]
+
+    plain, totals_plain, opening_plain = run(False)
+    rehearsed, totals, opening = run(True)
+    assert rehearsed == plain and totals == totals_plain
+    assert all(reused for reused, _ in opening), opening
+    assert not all(reused for reused, _ in opening_plain)
+
+
 @pytest.mark.parametrize("window", [8, 512], ids=["window-8", "window-512"])
 def test_sliding_window_prefixes_are_shared_while_their_cells_are_all_held(tiny_gemma3_factory, window):
     """A tiny gemma3 with sliding-window layers: prompts that begin alike share the prefix's cells while the
