@@ -224,20 +224,26 @@ class ParallelRunner:
         cache cleared and every client, its sampler rows and the totals as before. Clients joining at once read
         their prompts in mixed steps whose shapes (tokens, outputs, cells attended) only such an opening makes;
         their graphs, built inside the run, cost an H100's host ~40 ms apiece (4 of a 2.2 s run of 64 clients).
-        The same opening later finds them kept (the cache's cells are laid out as in the rehearsal)."""
+        Served twice, as bench --batched's rows are: the second time captures them. The same opening later finds
+        them kept (the cache's cells are laid out as in the rehearsal)."""
         n_predict, sampler, logits = self.n_predict, self.sampler, self.logits
         self.n_predict = min(n_predict, REHEARSAL_TOKENS) if n_predict > 0 else REHEARSAL_TOKENS
-        self.sampler = BatchedSampler(sampler.settings, self.s.n_ctx)
         self.logits = None if logits is None else {}
-        self.summary = ParallelSummary()
         try:
-            self._serve(system_prompt, prompts[:len(self.clients)], lambda r: None)
+            for _ in range(2):  # a graph runs eagerly first and is captured the second time (cuda/graphs.py)
+                self.sampler = BatchedSampler(sampler.settings, self.s.n_ctx)
+                self._forget()
+                self._serve(system_prompt, prompts[:len(self.clients)], lambda r: None)
         finally:
             self.n_predict, self.sampler, self.logits = n_predict, sampler, logits
-            self.clients = [_Client(c.id, c.seq_id) for c in self.clients]
-            self.prompts = PromptTable(len(self.clients))
-            self.summary = ParallelSummary()
-            self.s.clear()
+            self._forget()
+
+    def _forget(self) -> None:
+        """Every client idle and holding nothing, the totals zero, the cache empty."""
+        self.clients = [_Client(c.id, c.seq_id) for c in self.clients]
+        self.prompts = PromptTable(len(self.clients))
+        self.summary = ParallelSummary()
+        self.s.clear()
 
     def _warm_step(self, batch: Batch, sampler: BatchedSampler) -> None:
         """A warm-up decode, sampled as the run samples (or greedily), from the warm-up's streams."""
@@ -340,9 +346,11 @@ class ParallelRunner:
         src, shared, in_flight = self._prefix_of(ids) if self.prefix_share else (None, 0, 0)
         if in_flight > shared and in_flight >= PREFIX_WAIT:
             return "prefix"  # another sequence is reading this prompt's beginning: share it once read
-        if need - shared > self._free_cells() and self._drop_held():  # held prefixes give way, then share anew
+        free = self._free_cells()
+        if need - shared > free and self._drop_held():  # held prefixes give way, then share anew
             src, shared, in_flight = self._prefix_of(ids) if self.prefix_share else (None, 0, 0)
-        if need - shared > self._free_cells():
+            free = self._free_cells()
+        if need - shared > free:
             self.summary.cache_misses += 1
             return "full"
         if src is c:  # the client's own last prompt: keep its shared part

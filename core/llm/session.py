@@ -410,7 +410,7 @@ class Session:
         t0 = time.perf_counter()
         st = ready.take(batch, sampling)
         n = ready.n
-        self.kv.apply(st.cells[:n], st.ub.pos[:n], st.ub.seq[:n])
+        self.kv.apply(st.cells[:n], st.ub.pos[:n], st.ub.seq[:n], free=True)
         self._reused(ready.params, ready.res)
         return self._run(st, ready.res, t0, defer)
 
