@@ -17,6 +17,16 @@ def require_gpu():
     return cupy
 
 
+def has_gpu() -> bool:
+    """Whether cupy sees a usable GPU (no skip): for tests of what a machine without one does."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no cupy, or cupy without a driver
+        return False
+
+
 def device_indices() -> list[int]:
     """Every GPU's index (after require_gpu)."""
     import cupy

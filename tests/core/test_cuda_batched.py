@@ -19,6 +19,7 @@ from ggrun.core.backends.cuda.binding import launches_of  # noqa: E402
 from ggrun.core.backends.cuda.module import kernel  # noqa: E402
 from ggrun.core.backends.op_harness import ReferenceBackend, planned, run_on  # noqa: E402
 from ggrun.core.dtypes import DType  # noqa: E402
+from ggrun.core.llm import graph_reuse  # noqa: E402
 from ggrun.core.llm.batch import Batch  # noqa: E402
 from ggrun.core.llm.model import Model  # noqa: E402
 from ggrun.core.llm.session import Session, SessionParams  # noqa: E402
@@ -76,7 +77,10 @@ def test_many_sequences_decode_as_on_the_cpu(tiny_llama_factory):
 
 
 def test_buckets_are_captured_once_and_recaptured_on_a_bucket_change(tiny_llama_factory, monkeypatch, capfd):
+    """Each bucket's own graph (no lending of a larger kept graph: BORROW_USES 0, as graph_reuse's tests cover
+    lending) is captured on its second run and replayed after."""
     monkeypatch.setenv("GGRUN_GRAPH_DEBUG", "1")
+    monkeypatch.setattr(graph_reuse, "BORROW_USES", 0)
     path = tiny_llama_factory(**SHAPE)
     s, rng = _session(path, [CUDABackend(0), CPUBackend()], 99), np.random.default_rng(1)
     pos = _prompts(s, 8, rng)
