@@ -126,8 +126,8 @@ class KVCache:
 
     Beside the cells it keeps two numbers: how many are used, and one past the highest used cell, so that
     a decode step finds its cell and the cells to attend without scanning all n_ctx of them. They always
-    describe `pos`: apply and the window's eviction update them, every other change of `pos` counts them
-    again (_recount). A third bounds the positions held (`_max_pos`, none above it): exact after a count
+    describe `pos`: apply, seq_rm and the window's eviction update them, every other change of `pos` counts
+    them again (_recount). A third bounds the positions held (`_max_pos`, none above it): exact after a count
     and raised by apply, it stays where it is when cells are freed, so it may end above them, which only
     costs a decode step its short mask (fill_mask).
     """
@@ -461,9 +461,12 @@ class KVCache:
         self._touch(sel)
         # only the cells it left can have emptied: looking at every cell's flags took ~1 ms at 32k cells
         emptied = sel[~self.seqs[sel].any(axis=1)]
-        self.pos[emptied] = -1
-        self.shift[emptied] = 0
-        self._recount(freed=True)
+        if len(emptied):  # counted as _evict counts: a scan only where the top cell went (_max_pos stays a bound)
+            self.pos[emptied] = -1
+            self.shift[emptied] = 0
+            self._n_used -= len(emptied)
+            if emptied[-1] + 1 == self._top:
+                self._recount(freed=True)
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Let sequence dst share src's cells in [p0, p1): no data moves."""
