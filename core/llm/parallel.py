@@ -225,7 +225,10 @@ class ParallelRunner:
         their prompts in mixed steps whose shapes (tokens, outputs, cells attended) only such an opening makes;
         their graphs, built inside the run, cost an H100's host ~40 ms apiece (4 of a 2.2 s run of 64 clients).
         Served twice, as bench --batched's rows are: the second time captures them. The same opening later finds
-        them kept (the cache's cells are laid out as in the rehearsal)."""
+        them kept (the cache's cells are laid out as in the rehearsal). Only in a session of many sequences off
+        the CPU (Session.seq_words): on the CPU a graph costs milliseconds, and the rehearsal's prompts more."""
+        if not self.s.seq_words:
+            return
         n_predict, sampler, logits = self.n_predict, self.sampler, self.logits
         self.n_predict = min(n_predict, REHEARSAL_TOKENS) if n_predict > 0 else REHEARSAL_TOKENS
         self.logits = None if logits is None else {}
