@@ -456,9 +456,11 @@ class ParallelRunner:
         one token of each of step's sequences again: step decoded only, none of them has ended since nor reaches
         its limit with step's token, no prompt waits and no client is free to start one (`may_join`), and no
         penalty needs step's tokens in its window. Its positions and draws are made while the device computes
-        step; its tokens are step's ids. A row whose sequence ends at step's token (end of generation) is dropped
-        as one ended by its text is. The host's work between two steps of 64 sequences is then the launch alone
-        (~0.2 ms), not the tokens' taking and the next batch's making (~0.5 ms on the H200's Xeon)."""
+        step; its tokens are step's ids, which the session asks for last (decode_begin's `tokens`: its cells and
+        sampling rows are written while the device still computes step). A row whose sequence ends at step's
+        token (end of generation) is dropped as one ended by its text is. The host's work between two steps of 64
+        sequences is then the token ids' write and the launch (~0.07 ms on an H100's host), not the tokens'
+        taking and the next batch's making (~0.5 ms on the H200's Xeon)."""
         rows = step.rows
         if (not step.decode_only or may_join or self.logits is not None or self.sampler.keeps.any()
                 or any(c.pending for c in self.clients)
@@ -467,19 +469,22 @@ class ParallelRunner:
             return None
         pos, seq = _next_positions(rows)
         sampling = None if self.greedy else self.sampler.rows(step.slots)
-        ids, _ = step.wait()
-        batch = Batch(ids, pos, seq, np.ones(len(rows), dtype=bool))
-        return _Step(list(rows), list(step.serials), step.slots, sampling, self._begin(batch, sampling), True)
+        batch = Batch(np.zeros(len(rows), dtype=np.int32), pos, seq, np.ones(len(rows), dtype=bool))
+        ids = self._begin(batch, sampling, tokens=lambda: step.wait()[0])
+        return _Step(list(rows), list(step.serials), step.slots, sampling, ids, True)
 
-    def _begin(self, batch: Batch, sampling: SamplingRows | None,
-               ahead: int = 0) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
+    def _begin(self, batch: Batch, sampling: SamplingRows | None, ahead: int = 0,
+               tokens: Callable[[], np.ndarray] | None = None) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
         """Decode the batch, left computing where only token ids come back; what waits for (ids, logits kept).
         `ahead`: the prompt tokens later steps will read (Session.decode_begin): a long prompt's chunks then
         attend over the cells it will fill, and share one graph, where n_kv growing with each chunk built one
-        for each (~40 ms of the H200's host apiece)."""
+        for each (~40 ms of the H200's host apiece). `tokens`: the batch's token ids given late (decode_begin's;
+        _follow's, whose tokens are the ids of the step in flight)."""
         if self.logits is None:
-            ids = self.s.decode_begin(batch, sampling, ahead)
+            ids = self.s.decode_begin(batch, sampling, ahead, tokens)
             return lambda: (ids(), None)
+        if tokens is not None:
+            batch.tokens = tokens()
         ids, logits = self.s.decode_sampled(batch, sampling, with_logits=True)
         return lambda: (ids, logits)
 

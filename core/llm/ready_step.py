@@ -57,17 +57,20 @@ class ReadyStep:
         return (np.array_equal(batch.pos, ub.pos[:self.n]) and np.array_equal(batch.seq, ub.seq[:self.n])
                 and bool(np.all(batch.logits)))
 
-    def take(self, batch: Batch, sampling=None) -> UBatchState:
-        """The step with batch's tokens, which go into the token ids' input (that input is the step's token
-        array too, filled from itself if filled again, saving an array a step), and the rows' sampling inputs
-        filled where the graph samples."""
-        self.tokens[:self.n] = batch.tokens
+    def take(self, sampling=None) -> UBatchState:
+        """The step, its rows' sampling inputs filled where the graph samples; its token ids come with write. The
+        token ids' input is the step's token array too (filled from itself if filled again, saving an array a
+        step)."""
         ub = self.st.ub
         st = UBatchState(UBatch(self.tokens, ub.pos, ub.seq, ub.out_rows, 0, ub.n_pad, ub.n_out_pad), self.st.cells,
                          self.st.kv, sampling=sampling)
         if sampling is not None:
             self.res.set_sampling_inputs(st, self.cpu)
         return st
+
+    def write(self, tokens: np.ndarray) -> None:
+        """The step's token ids into their input."""
+        self.tokens[:self.n] = tokens
 
 
 def stamp(kv: KVCache, sched: Scheduler) -> tuple[int, int]:

@@ -64,9 +64,9 @@ def run_parallel(model: Model, prompts, n_clients: int = 3, n_predict: int = 6, 
             steps.append([None, {c.seq_id: (c.job, len(c.pending)) for c in r.clients if c.job >= 0 and not c.ending}])
             return real_step(prompts)
 
-        def begin(batch, sampling, ahead=0):
+        def begin(batch, sampling, ahead=0, tokens=None):
             steps[-1][0] = batch.seq.copy()
-            return real_begin(batch, sampling, ahead)
+            return real_begin(batch, sampling, ahead, tokens)
 
         r._step, r._begin = step, begin
     results: dict[int, SequenceResult] = {}

@@ -33,9 +33,9 @@ class Counted(Session):
         super().__init__(*args, **kw)
         self.taken = 0
 
-    def _take(self, ready, batch, sampling, defer=False):
+    def _take(self, ready, batch, sampling, defer=False, tokens=None):
         self.taken += 1
-        return super()._take(ready, batch, sampling, defer)
+        return super()._take(ready, batch, sampling, defer, tokens)
 
 
 class Unready(Session):
@@ -228,3 +228,31 @@ def test_steps_left_computing_give_the_ids_of_steps_waited_for(offloaded, sample
         pos, tokens = [p + 1 for p in pos], got
     assert on.taken == sync.taken >= 3
     assert on.stats.reuse_log == sync.stats.reuse_log
+
+
+def test_tokens_given_late_are_asked_for_once_a_readied_steps_cells_are_recorded(offloaded):
+    """decode_begin(tokens=...): for a readied step the token ids are asked for only after its cells are recorded
+    and its sampling rows written (parallel's next step waits there for the ids of the step in flight), for any
+    other step before anything is placed; either way the ids and cells are those of the steps given their
+    tokens at once."""
+    late, early = pair(offloaded, 4)[0], pair(offloaded, 4)[0]
+    samplers = [BatchedSampler([SamplingParams(seed=q, temp=0.8, top_k=5) for q in range(4)], N_CTX) for _ in (0, 1)]
+    for q in range(3):
+        both(late, early, lambda s: s.decode(Batch.of_sequence([3 + q, 9], 0, q)))
+    seqs, pos, tokens = np.arange(3), [2] * 3, [7, 7, 7]
+    for i in range(5):
+        rows = [sm.rows(seqs) for sm in samplers]
+        want = early.decode_begin(steps_of(seqs, pos, tokens), rows[1])()
+        used, taken, asked = late.kv.n_used, late.taken, []
+
+        def give(t=tuple(tokens)):
+            asked.append(late.kv.n_used)
+            return np.array(t, dtype=np.int32)
+
+        got = late.decode_begin(steps_of(seqs, pos, [0, 0, 0]), rows[0], tokens=give)()
+        assert np.array_equal(got, want) and cells(late) == cells(early)
+        assert asked == [used + 3 if late.taken > taken else used]
+        for sm in samplers:
+            sm.accept_rows(seqs, got)
+        pos, tokens = [p + 1 for p in pos], got.tolist()
+    assert late.taken == early.taken >= 3
