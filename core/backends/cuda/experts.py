@@ -129,7 +129,10 @@ def _id_tile(per_expert: float) -> tuple[int, int]:
 @fuses("mul_mat_id", "mul_mat_id", "geglu")
 def _gated_experts(nodes: list[Tensor], outs: list, srcs: list, backend):
     """A decode step's gate and up experts' products and the gated unit after them (qwen3moe's) in one
-    mmvq_id_glu launch, after the activations' quantization: each weight row's two products in one warp."""
+    mmvq_id_glu launch, after the activations' quantization: each weight row's two products in one warp. The
+    q8_1 activations go to an idle hand-off slot (_q8_room), not the gate's scratch, which the planner may give
+    to the up product's or the gated unit's result (it did in a 48-layer Qwen3-30B-A3B-shaped model's decode
+    graph, where every layer's three nodes ran unfused)."""
     gate, up, glu = nodes
     case = _case(gate)
     if (case is None or not _decodes(gate, case) or _case(up) != case or glu.srcs != (gate, up)
@@ -140,13 +143,12 @@ def _gated_experts(nodes: list[Tensor], outs: list, srcs: list, backend):
     rows = rows_of(b)
     if rows is None or ids.strides[1] != ids.itemsize:
         return None
+    y = _q8_room(gate, case, backend)
+    if y is None or not writes_apart(outs, [ids]):
+        return None
     _, m, k_cols, t, k, b1 = case
     qt = gate.srcs[0].dtype
     row_bytes = qt.row_bytes(k_cols)
-    scratch = backend.array(gate.scratch)
-    if not all(disjoint(o, scratch) for o in outs[1:]):  # planned after the gate's node, over its scratch
-        return None
-    y = scratch.data.ptr
     fn = kernel("matmul.cu", f"mmvq_id_glu<{TYPE_IDS[qt.name]}, {GLU_ACTS[glu.op]}>")
     args = (ptr(w), ptr(srcs[1][0]), np.uint64(y), ptr(ids), ptr(outs[0]), ptr(outs[1]), ptr(outs[2]), i32(k_cols),
             i64(row_bytes), i64(m * row_bytes), i32(m), i32(k), i64(estrides(ids)[0]), i32(b1 != 1))
