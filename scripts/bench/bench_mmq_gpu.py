@@ -2,10 +2,10 @@
 """Where the CUDA weight products' paths cross: one product node of a model's shapes timed on the GPU through each
 path that can serve it, at each token-row count: mmq (16 weight rows a block, warps split K; up to 64 rows), mmqt
 (ggml's tile layout, whatever the weight's width) with K split where its tiles leave the GPU idle and without
-(mmqt-1), and the weights decoded to f16 tiles for cuBLAS; and a prompt's
-experts (mul_mat_id) through mmq_idt. Each node's step is captured as a CUDA graph and launched --reps times
-(node_times); medians in microseconds, and each path's result's NMSE against the cuBLAS path's (the experts': against
-the reference kernels').
+(mmqt-1), and the weights decoded to f16 tiles for cuBLAS; and a prompt's experts (mul_mat_id) through each of
+mmq_idt's tiles. Each node's step is captured as a CUDA graph and launched --reps times (node_times); medians in
+microseconds, and each path's result's NMSE against the cuBLAS path's (the experts': against the reference
+kernels').
 
 On the device machine:
 
@@ -20,7 +20,8 @@ from functools import lru_cache
 import numpy as np
 
 from ggrun.core import ops
-from ggrun.core.backends.cuda import CUDABackend, matmul
+from ggrun.core.backends.cuda import CUDABackend, experts, matmul
+from ggrun.core.backends.cuda.module import MT_ID_TILES
 from ggrun.core.backends.cuda.node_times import node_times
 from ggrun.core.backends.op_harness import compare, nmse, planned, weight_data
 from ggrun.core.dtypes import DType
@@ -111,10 +112,20 @@ def main() -> None:
                   + f"   {errs}", flush=True)
     if a.no_experts:
         return
-    print(f"\n{'experts (512 tokens)':22s} {'mmq_idt us':>10s}  nmse vs reference")
+    chosen = experts._id_tile
+    print(f"\n{'experts (512 tokens)':22s} " + " ".join(f"{f'{wm}x{nt} us':>9s}" for wm, nt in MT_ID_TILES)
+          + f" {'chosen':>7s}  nmse vs reference (each tile)")
     for name, qt, n_expert, used, m, k, per_slot in EXPERTS:
         build = expert_product(qt, n_expert, used, m, k, per_slot)
-        print(f"{name:22s} {timed(gpu, build, a.reps)[0]:10.1f}  {compare(gpu, build):.1e}", flush=True)
+        times, errs = [], []
+        for tile in MT_ID_TILES:  # mmq_idt's tile (WM, NT) forced, then the one experts._id_tile picks
+            experts._id_tile = lambda per_expert, tile=tile: tile
+            times.append(timed(gpu, build, a.reps)[0])
+            errs.append(compare(gpu, build))
+        experts._id_tile = chosen
+        pick = chosen(512 * used / n_expert)
+        print(f"{name:22s} " + " ".join(f"{t:9.1f}" for t in times) + f" {pick[0]}x{pick[1]:<5d}  "
+              + " ".join(f"{e:.0e}" for e in errs), flush=True)
 
 
 if __name__ == "__main__":
