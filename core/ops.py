@@ -422,19 +422,36 @@ def _rope_norm(op: str, a: Tensor, norm: Tensor | None, eps: float) -> tuple[tup
 
 def rope(a: Tensor, pos: Tensor, n_dims: int, mode: int = ROPE_NORMAL, freq_base: float = 10000.0,
          freq_scale: float = 1.0, name: str | None = None, out_scale: float = 1.0,
-         norm: Tensor | None = None, eps: float = 0.0, yarn: Yarn | None = None) -> Tensor:
+         norm: Tensor | None = None, eps: float = 0.0, yarn: Yarn | None = None,
+         factors: Tensor | None = None) -> Tensor:
     """Rotary position embedding of a [tokens, heads, head_dim] at positions pos [tokens] (i32).
 
     mode ROPE_NORMAL rotates adjacent pairs (llama); ROPE_NEOX rotates the two halves.
     Only the first n_dims of each head rotate. Fused around it: with `norm`, each head is first
     rms_norm'ed and multiplied by norm [head_dim] (gemma3's q/k norms); the result is multiplied
     by out_scale (gemma3 scales its queries right after RoPE). With `yarn`, YaRN's angles (Yarn).
+    With `factors` (f32 [n_dims / 2], ggml_rope_ext's freq_factors: Phi-3's LongRoPE), pair i's angle
+    is divided by factors[i]; they are the node's last source.
     """
     _check_rope("rope", a, pos, n_dims)
     extra, params = _rope_norm("rope", a, norm, eps)
-    return _node("rope", DType.F32, a.shape, (a, pos) + extra, name, n_dims=n_dims, mode=mode,
-                 freq_base=float(freq_base), freq_scale=float(freq_scale), out_scale=float(out_scale), **params,
-                 **_rope_yarn(yarn))
+    return _node("rope", DType.F32, a.shape, (a, pos) + extra + _rope_factors("rope", a, n_dims, factors), name,
+                 n_dims=n_dims, mode=mode, freq_base=float(freq_base), freq_scale=float(freq_scale),
+                 out_scale=float(out_scale), **params, **_rope_yarn(yarn), **_factors_param(factors))
+
+
+def _rope_factors(op: str, a: Tensor, n_dims: int, factors: Tensor | None) -> tuple[Tensor, ...]:
+    """The extra source of a RoPE whose angles are divided by frequency factors, checked."""
+    if factors is None:
+        return ()
+    if factors.dtype is not DType.F32 or factors.shape != (n_dims // 2,):
+        raise _fail(op, f"frequency factors must be f32 [{n_dims // 2}] (n_dims / 2)", a, factors)
+    return (factors,)
+
+
+def _factors_param(factors: Tensor | None) -> dict:
+    """The param that says a RoPE's last source is its frequency factors."""
+    return {} if factors is None else {"factors": True}
 
 
 def rope_set_rows(dst: Tensor, a: Tensor, idx: Tensor, pos: Tensor, n_dims: int, mode: int = ROPE_NORMAL,
@@ -458,10 +475,10 @@ def rope_set_rows(dst: Tensor, a: Tensor, idx: Tensor, pos: Tensor, n_dims: int,
 
 def rope_shift(dst: Tensor, shift: Tensor, head_dim: int, n_dims: int, mode: int = ROPE_NORMAL,
                freq_base: float = 10000.0, freq_scale: float = 1.0, name: str | None = None,
-               yarn: Yarn | None = None) -> Tensor:
+               yarn: Yarn | None = None, factors: Tensor | None = None) -> Tensor:
     """Re-rotate every row of a block-quantized K cache dst [rows, heads * head_dim] in place by its
     position delta shift[row] (i32): decoded to f32, RoPE, quantized back (llama.cpp's K-shift of a
-    quantized cache). Returns dst's view for later readers, as set_rows does."""
+    quantized cache). Returns dst's view for later readers, as set_rows does. `factors` as rope's."""
     if not dst.dtype.is_quantized or len(dst.shape) != 2 or dst.shape[1] % head_dim:
         raise _fail("rope_shift", "expects a block-quantized cache [rows, heads * head_dim]", dst)
     if shift.dtype is not DType.I32 or shift.shape != (dst.shape[0],):
@@ -469,9 +486,9 @@ def rope_shift(dst: Tensor, shift: Tensor, head_dim: int, n_dims: int, mode: int
     if n_dims % 2 or n_dims > head_dim:
         raise _fail("rope_shift", f"n_dims {n_dims} must be even and at most the head size", dst)
     t = _view_of("rope_shift", dst, dst.shape, dst.strides, 0, name)
-    t.srcs = (dst, shift)
+    t.srcs = (dst, shift) + _rope_factors("rope_shift", dst, n_dims, factors)
     t.params.update(head_dim=head_dim, n_dims=n_dims, mode=mode, freq_base=float(freq_base),
-                    freq_scale=float(freq_scale), **_rope_yarn(yarn))
+                    freq_scale=float(freq_scale), **_rope_yarn(yarn), **_factors_param(factors))
     return t
 
 

@@ -416,10 +416,13 @@ def _mul_mat_id(xp, node, out, srcs):
         out[tok, slot] = _mul_mat_operand_b(xp, w_t, rows) @ a.T
 
 
-def rope_angles(xp, pos, n_dims: int, freq_base: float, freq_scale: float, yarn=None):
+def rope_angles(xp, pos, n_dims: int, freq_base: float, freq_scale: float, yarn=None, factors=None):
     """cos and sin [tokens, 1, n_dims/2] of each position's rotation angles (with YaRN's, ops.Yarn, when given:
-    ggml's rope_yarn, each pair's angle a ramp between the interpolated and the original one, both scaled)."""
+    ggml's rope_yarn, each pair's angle a ramp between the interpolated and the original one, both scaled),
+    each pair's angle first divided by its frequency factor where `factors` [n_dims/2] is given."""
     inv = freq_base ** (-xp.arange(0, n_dims, 2, dtype=xp.float64) / n_dims)
+    if factors is not None:
+        inv = inv / factors.astype(xp.float64)
     mix, mscale = 0.0, 1.0
     if yarn is not None and yarn.ext_factor != 0:
         low, high = yarn_corr_dims(n_dims, yarn.n_ctx_orig, freq_base, yarn.beta_fast, yarn.beta_slow)
@@ -440,10 +443,10 @@ def yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: fl
     return max(0.0, math.floor(corr(beta_fast))), min(n_dims - 1.0, math.ceil(corr(beta_slow)))
 
 
-def _rope_into(xp, a, pos, p: dict, out) -> None:
-    """out = a rotated at positions pos (out may alias a)."""
+def _rope_into(xp, a, pos, p: dict, out, factors=None) -> None:
+    """out = a rotated at positions pos (out may alias a), with frequency factors where given."""
     n = p["n_dims"]
-    cos, sin = rope_angles(xp, pos, n, p["freq_base"], p["freq_scale"], p.get("yarn"))
+    cos, sin = rope_angles(xp, pos, n, p["freq_base"], p["freq_scale"], p.get("yarn"), factors)
     if p["mode"] == ROPE_NEOX:
         lo, hi = slice(0, n // 2), slice(n // 2, n)
     else:
@@ -456,21 +459,27 @@ def _rope_into(xp, a, pos, p: dict, out) -> None:
         out[..., n:] = a[..., n:]
 
 
-def _rope_input(xp, node, a, i: int, norm):
-    """The rope's input: a, or a's heads rms_norm'ed times the norm weight when the node fuses one."""
-    a = _f(xp, node, i, a)
-    if norm is None:
+def _rope_input(xp, node, srcs, i: int, norm_at: int):
+    """The rope's input srcs[i]: as it is, or its heads rms_norm'ed times the norm weight srcs[norm_at] when the
+    node fuses one."""
+    a = _f(xp, node, i, srcs[i])
+    if "eps" not in node.params:
         return a
     normed = xp.empty(a.shape, dtype=xp.float32)
     _rms_norm_into(xp, a, node.params["eps"], normed)
-    normed *= _f(xp, node, len(node.srcs) - 1, norm)
+    normed *= _f(xp, node, norm_at, srcs[norm_at])
     return normed
+
+
+def _rope_factors_of(node, srcs):
+    """A RoPE's frequency factors (its last source), or None."""
+    return srcs[-1] if node.params.get("factors") else None
 
 
 @kernel("rope")
 def _rope(xp, node, out, srcs):
-    a = _rope_input(xp, node, srcs[0], 0, srcs[2] if len(srcs) > 2 else None)
-    _rope_into(xp, a, srcs[1], node.params, out)
+    a = _rope_input(xp, node, srcs, 0, 2)
+    _rope_into(xp, a, srcs[1], node.params, out, _rope_factors_of(node, srcs))
     s = node.params.get("out_scale", 1.0)
     if s != 1.0:
         out *= xp.float32(s)
@@ -479,7 +488,7 @@ def _rope(xp, node, out, srcs):
 @kernel("rope_set_rows")
 def _rope_set_rows(xp, node, out, srcs):
     _, a, idx, pos = srcs[:4]
-    a = _rope_input(xp, node, a, 1, srcs[4] if len(srcs) > 4 else None)
+    a = _rope_input(xp, node, srcs, 1, 4)
     rows = xp.empty(a.shape, dtype=xp.float32)
     _rope_into(xp, a, pos, node.params, rows)
     if node.dtype.is_quantized:
@@ -501,7 +510,7 @@ def _rope_shift(xp, node, out, srcs):
     if n:
         rows = walsh_hadamard(xp, rows, n)
     heads = rows.reshape(rows.shape[0], -1, p["head_dim"])
-    _rope_into(xp, heads, shift, p, heads)
+    _rope_into(xp, heads, shift, p, heads, _rope_factors_of(node, srcs))
     out[...] = cache_blocks(xp, cache, rows)
 
 

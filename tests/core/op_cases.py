@@ -260,6 +260,22 @@ def _rope(n: int, heads: int, mode: int, n_dims: int, d: int, base: float, fscal
     return make
 
 
+def _rope_freq_factors(n: int, mode: int, norm: bool, longrope: bool):
+    """RoPE with frequency factors dividing each pair's angle (Llama 3's rope_freqs), or Phi-3's LongRoPE (neox,
+    and an attention factor scaling cos and sin): on CUDA the rope_ff kernel."""
+    def make(rng):
+        xd, wd, p = values(rng, n, 3, 64, scale=2.0), values(rng, 64), positions(rng, n)
+        factors = np.geomspace(1.0, 16.0, 32).astype(np.float32)
+        yarn = ops.Yarn(0.0, 1.19, 32.0, 1.0, 4096) if longrope else None
+
+        def build(lf):
+            w = lf.weight("w", F32, wd.shape, wd) if norm else None
+            return ops.rope(lf.input("x", F32, xd), lf.input("pos", I32, p), 64, mode, 10000.0, 1.0, norm=w,
+                            eps=1e-6, yarn=yarn, factors=lf.weight("factors", F32, factors.shape, factors))
+        return build
+    return make
+
+
 def _rope_fused_norm(n: int, mode: int, d: int, base: float, out_scale: float):
     """gemma3's queries: per-head norm, RoPE, then the attention scale, in one node."""
     def make(rng):
@@ -305,6 +321,10 @@ def rope_cases() -> list[OpCase]:
               for mode in (ROPE_NORMAL, ROPE_NEOX) for norm in (False, True)]
     cases += [OpCase(f"rope-fused-norm-and-scale-n{n}", _rope_fused_norm(n, ROPE_NEOX, 32, 1e6, 0.17), ROPE, CPU)
               for n in (1, 7)]
+    cases += [OpCase(f"rope-freq-factors-{mode}-{'norm' if norm else 'plain'}{'-longrope' if lr else ''}-n{n}",
+                     _rope_freq_factors(n, mode, norm, lr), ROPE, CUDA)
+              for mode, norm, lr in ((ROPE_NORMAL, False, False), (ROPE_NEOX, True, False), (ROPE_NEOX, False, True))
+              for n in (1, 33)]
     cases += [OpCase(f"rope_set_rows-{t}-{mode}-{n_dims}of{d}-n{n}",
                      _rope_set_rows(n, 2, mode, n_dims, d, base, fscale, t), ROPE, CPU)
               for t in (F16, F32) for mode, n_dims, d, base, fscale in ROPES[:3] for n in (1, 2, 33)]

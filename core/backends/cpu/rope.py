@@ -157,7 +157,7 @@ def _f32_rows(node, i: int, a: np.ndarray) -> bool:
 
 @binds("rope")
 def bind_rope(node, out, srcs, scratch):
-    if "yarn" in node.params:  # YaRN's angles: the reference kernel's
+    if "yarn" in node.params or "factors" in node.params:  # YaRN's or LongRoPE's angles: the reference kernel's
         return None
     x, pos = srcs[:2]
     norm = _norm(node, srcs, 2, x.shape[-1])
@@ -188,7 +188,7 @@ def bind_rope_set_rows(node, out, srcs, scratch):
 
 @binds("rope_shift")
 def bind_rope_shift(node, out, srcs, scratch):
-    if "yarn" in node.params:
+    if "yarn" in node.params or "factors" in node.params:
         return None
     cache = node.srcs[0]
     if cache.dtype not in CACHE_TYPES or not out.flags.c_contiguous:

@@ -159,7 +159,9 @@ class CUDABackend(Backend):
     def supports_op(self, node: Tensor) -> bool:
         """Block-quantized data only as the weights of products and embedding lookups (2-d, of a type
         the kernels decode; 3-d: the experts' matrices of mul_mat_id); a quantized KV cache's reads and
-        writes stay on the CPU."""
+        writes stay on the CPU; of the RoPEs only rope takes frequency factors (rope_ff)."""
+        if node.params.get("factors") and node.op != "rope":
+            return False
         quantized = [s for s in node.srcs if s.dtype.is_quantized]
         if node.dtype.is_quantized:
             return False

@@ -66,7 +66,8 @@ def _instances() -> dict[str, list[str]]:
         + [f"mul_mat_float<{_t(a)}, {_t(b)}>" for a in FLOATS for b in FLOATS],
         "norm.cu": [f"rms_norm<{w}>" for w in norm_w]
         + [f"add_rms_norm<{_t(w)}, {p}>" for w in FLOATS for p in ("false", "true")],
-        "rope.cu": [f"rope<{w}>" for w in norm_w] + [f"rope_bias<{w}>" for w in norm_w]
+        "rope.cu": [f"rope<{w}>" for w in norm_w] + [f"rope_ff<{w}>" for w in norm_w]
+        + [f"rope_bias<{w}>" for w in norm_w]
         + [f"rope_set_rows<{w}, {_t(d)}>" for w in norm_w for d in FLOATS]
         + [f"rope_set_rows_bias<{w}, {_t(d)}>" for w in norm_w for d in FLOATS]
         + [f"rope_qkv<{w}, {_t(d)}>" for w in norm_w for d in FLOATS],

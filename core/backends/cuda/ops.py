@@ -326,13 +326,18 @@ def _heads(a) -> tuple[int, int, int, int] | None:
 
 @binds("rope")
 def _rope(node: Tensor, out, srcs, scratch, backend):
+    """rope, or with frequency factors (the node's last source: LongRoPE, Llama 3's rope_freqs) rope_ff."""
     a = _heads(srcs[0])
-    wid = weight_id(node, 2)
-    if a is None or wid is None or node.srcs[0].dtype is not DType.F32 or not out.flags.c_contiguous:
+    wid = weight_id(node, 2) if "eps" in node.params else NO_WEIGHT
+    factors = srcs[-1] if node.params.get("factors") else None
+    if (a is None or wid is None or node.srcs[0].dtype is not DType.F32 or not out.flags.c_contiguous
+            or (factors is not None and not factors.flags.c_contiguous)):
         return None
     t, heads, d, lda = a
-    k = kernel("rope.cu", f"rope<{wid}>")
-    args = (ptr(srcs[0]), ptr(srcs[1]), ptr(srcs[2]) if wid != NO_WEIGHT else NULL, ptr(out), i64(lda),
+    norm = ptr(srcs[2]) if wid != NO_WEIGHT else NULL
+    ff = () if factors is None else (ptr(factors),)
+    k = kernel("rope.cu", f"rope<{wid}>" if factors is None else f"rope_ff<{wid}>")
+    args = (ptr(srcs[0]), ptr(srcs[1]), norm, *ff, ptr(out), i64(lda),
             *rope_params(node, d, heads, node.params.get("out_scale", 1.0)))
     return launch_step(node.op, Launch(k, (t * heads,), (threads_for(node.params["n_dims"] // 2, 512),), args))
 
@@ -357,6 +362,8 @@ def _bias_rope(nodes: list[Tensor], outs: list, srcs: list, backend):
     """A bias add and the RoPE of its result (attention's q or k with a bias: gpt-oss, qwen2) in one rope_bias
     launch: each head's rows plus the bias are stored as the add's result and rotated as rope does."""
     add, rope = nodes
+    if "factors" in rope.params:
+        return None
     found = _biased_rows(add, rope, srcs, outs)
     view = rope.srcs[0]
     wid = weight_id(rope, 2)
@@ -406,6 +413,8 @@ def rope_qkv(nodes: list[Tensor], outs: list, srcs: list, backend):
     """The queries' RoPE, the keys' RoPE into the cache and the values' cache write of one layer
     (three nodes, consecutive in every attention block) in one launch: each is a few tiny blocks."""
     rq, rk, sv = nodes
+    if "factors" in rq.params:
+        return None
     (q_arr, pos, *_), (_, k_arr, idx, *_), (_, v_arr, _) = srcs
     q_out, k_out, v_out = outs
     q, k, v = _heads(q_arr), _heads(k_arr), rows_of(v_arr)

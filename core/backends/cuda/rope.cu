@@ -15,9 +15,20 @@ struct RopeArgs {
 #define ROPE_ARGS RopeArgs{n_dims, d, heads, neox, theta_scale, freq_scale, out_scale, eps, ext_factor, mscale, \
     corr_low, corr_high}
 
-// cos and sin of pair i's angle at position pos
-__device__ __forceinline__ void rope_angle(const RopeArgs &p, int pos, int i, float &c, float &s) {
-    if (p.ext_factor == 0.0f) {
+// cos and sin of pair i's angle at position pos; with frequency factors ff (Phi-3's LongRoPE, Llama 3's
+// rope_freqs) the angle is first divided by ff[i], as ggml's rope divides theta_extrap before rope_yarn
+__device__ __forceinline__ void rope_angle(const RopeArgs &p, int pos, int i, float &c, float &s,
+                                           const float *ff = nullptr) {
+    if (ff != nullptr) {
+        const float extrap = (float)pos * powf(p.theta_scale, (float)i) / ff[i], interp = p.freq_scale * extrap;
+        float theta = interp;
+        if (p.ext_factor != 0.0f) {
+            const float y = ((float)i - p.corr_low) / fmaxf(0.001f, p.corr_high - p.corr_low);
+            const float mix = (1.0f - fminf(1.0f, fmaxf(0.0f, y))) * p.ext_factor;
+            theta = interp * (1.0f - mix) + extrap * mix;
+        }
+        sincosf(theta, &s, &c);
+    } else if (p.ext_factor == 0.0f) {
         sincosf(p.freq_scale * (float)pos * powf(p.theta_scale, (float)i), &s, &c);
     } else {
         const float extrap = (float)pos * powf(p.theta_scale, (float)i), interp = p.freq_scale * extrap;
@@ -36,7 +47,8 @@ __device__ __forceinline__ void rope_angle(const RopeArgs &p, int pos, int i, fl
 // that sum is stored too, into sum [T, heads * d] (the add's result), before any rotated value.
 template <int W, bool B = false, typename Put>
 __device__ __forceinline__ void rope_head(int blk, const float *a, const int *pos, const void *w, const RopeArgs &p,
-                                          i64 lda, Put put, const float *bias = nullptr, float *sum = nullptr) {
+                                          i64 lda, Put put, const float *bias = nullptr, float *sum = nullptr,
+                                          const float *ff = nullptr) {
     __shared__ float sh[32];
     int t = blk / p.heads, h = blk % p.heads;
     const float *x = a + t * lda + (i64)h * p.d;
@@ -64,7 +76,7 @@ __device__ __forceinline__ void rope_head(int blk, const float *a, const int *po
     int e0 = p.neox ? i : 2 * i, e1 = p.neox ? i + p.n_dims / 2 : 2 * i + 1;
     float x0 = 0.0f, x1 = 0.0f, c = 0.0f, s = 0.0f;
     if (active) {
-        rope_angle(p, pos[t], i, c, s);
+        rope_angle(p, pos[t], i, c, s, ff);
         x0 = in(e0);
         x1 = in(e1);
         keep(e0);
@@ -92,6 +104,17 @@ __global__ void rope(const float *a, const int *pos, const void *w, float *out, 
     int t = blockIdx.x / p.heads, h = blockIdx.x % p.heads;
     float *o = out + ((i64)t * p.heads + h) * p.d;
     rope_head<W>(blockIdx.x, a, pos, w, p, lda, [&](int e, float v) { o[e] = v; });
+}
+
+// rope with frequency factors ff [n_dims / 2] dividing each pair's angle (rope_angle)
+template <int W>
+__global__ void rope_ff(const float *a, const int *pos, const void *w, const float *ff, float *out, i64 lda,
+                        ROPE_PARAMS) {
+    pdl_begin();
+    RopeArgs p = ROPE_ARGS;
+    int t = blockIdx.x / p.heads, h = blockIdx.x % p.heads;
+    float *o = out + ((i64)t * p.heads + h) * p.d;
+    rope_head<W>(blockIdx.x, a, pos, w, p, lda, [&](int e, float v) { o[e] = v; }, nullptr, nullptr, ff);
 }
 
 // a bias add and the RoPE of its result (attention's q or k with a bias): head (t, h) of a + bias is stored in
