@@ -282,13 +282,37 @@ FAMILY_PRESETS: dict[str, dict[str, Any]] = {
     "qwen3": {"n_head": 8}, "gemma2": {"n_head": 8}, "gemma3": {"n_layer": 7, "n_head": 8},
     "qwen3moe": {"n_head": 8}, "gpt-oss": {"n_layer": 2, "n_head": 8, "rope_base": 150000.0},
 }
+# Variants of a family's tiny model compared with llama.cpp as well ("family+variant": the family, and options
+# beside its preset): Phi-3's LongRoPE, scored at -c 128 within its original context (the short factors) and
+# past it (the long ones); Llama 3's rope_freqs.
+FAMILY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "phi3+longrope_short": ("phi3", {"longrope": 4096}), "phi3+longrope_long": ("phi3", {"longrope": 64}),
+    "llama+rope_freqs": ("llama", {"rope_freqs": True}),
+}
+LONGROPE_ATTN_FACTOR = 1.1902  # Phi-3-mini-128k's: sqrt(1 + ln(131072 / 4096) / ln(4096))
+
+
+def family_options(name: str) -> tuple[str, dict[str, Any]]:
+    """The family and write_tiny_family's options of a tiny model's name: a family (FAMILY_PRESETS) or a variant
+    (FAMILY_VARIANTS)."""
+    arch, options = FAMILY_VARIANTS.get(name, (name, {}))
+    return arch, FAMILY_PRESETS[arch] | options
+
+
+def _add_longrope(tensors: dict[str, Any], metadata: dict[str, Any], half: int, n_ctx_orig: int) -> None:
+    """Phi-3's LongRoPE: frequency factors (f32 [n_rot / 2]) for contexts past the original one (rising from 1
+    to 16 over the pairs) and within it (1 to 1.5), its attention factor and its original context."""
+    tensors["rope_factors_long.weight"] = np.geomspace(1.0, 16.0, half).astype(np.float32)
+    tensors["rope_factors_short.weight"] = np.linspace(1.0, 1.5, half).astype(np.float32)
+    metadata["phi3.rope.scaling.attn_factor"] = np.float32(LONGROPE_ATTN_FACTOR)
+    metadata["phi3.rope.scaling.original_context_length"] = np.uint32(n_ctx_orig)
 
 
 def write_tiny_family(path: str | os.PathLike[str], arch: str, *, n_layer: int = 4, n_embd: int = 256,
                       n_head: int = 4, n_head_kv: int = 2, head_dim: int = 64, n_ff: int = 512,
                       n_vocab: int | None = None, weight_type: QT = QT.F32, peak: float = 4.0,
                       post_norm: float = 4.0, router_scale: float = 8.0, sliding_window: int = 16, tied_output: bool = False,
-                      rope_base: float = 10000.0, seed: int = 0,
+                      rope_base: float = 10000.0, seed: int = 0, longrope: int = 0, rope_freqs: bool = False,
                       extra_metadata: Mapping[str, Any] | None = None,
                       edit: Callable[[dict[str, Any]], None] | None = None, arch_name: str | None = None) -> Path:
     """Write a small model of family `arch` (FAMILIES) with random weights and the tiny BPE tokenizer.
@@ -301,7 +325,9 @@ def write_tiny_family(path: str | os.PathLike[str], arch: str, *, n_layer: int =
     scaled by `post_norm`, making the layers' contributions outweigh it. A mixture of experts' router is
     scaled by `router_scale`, so that near ties between experts (where a last-bit difference picks another
     expert, in llama.cpp as in ggrun) are rare. Matrices are stored in
-    `weight_type` (FAMILY_WEIGHT_TYPES). Changed on purpose: `edit` changes the dict of tensors in place
+    `weight_type` (FAMILY_WEIGHT_TYPES). With `longrope` (phi3), LongRoPE's factors and keys, its original
+    context that many tokens (_add_longrope); with `rope_freqs` (llama), Llama 3's frequency factors (f32
+    [n_rot / 2] from 1 to 8 over the pairs). Changed on purpose: `edit` changes the dict of tensors in place
     before it is written, and `arch_name` writes the file as another general.architecture (its keys too)."""
     weight_type = QT(weight_type)
     if arch not in FAMILIES:
@@ -325,9 +351,18 @@ def write_tiny_family(path: str | os.PathLike[str], arch: str, *, n_layer: int =
                                        scale=peak if name == head else router_scale if router else 1.0)
         if name == head and len(shape) == 1 or post:
             tensors[name] *= np.float32(peak if name == head else post_norm)
+    metadata = config.metadata() | tok_meta
+    if longrope:
+        if arch != "phi3":
+            raise ValueError(f"LongRoPE is phi3's, not {arch}'s")
+        _add_longrope(tensors, metadata, head_dim // 2, longrope)
+    if rope_freqs:
+        if arch != "llama":
+            raise ValueError(f"rope_freqs is llama's, not {arch}'s")
+        tensors["rope_freqs.weight"] = np.geomspace(1.0, 8.0, head_dim // 2).astype(np.float32)
     if edit is not None:
         edit(tensors)
-    metadata = config.metadata() | tok_meta | dict(extra_metadata or {})
+    metadata |= dict(extra_metadata or {})
     if arch_name is not None:
         metadata = {k.replace(f"{arch}.", f"{arch_name}.", 1): v for k, v in metadata.items()}
     return write_gguf(path, arch_name or arch, metadata, tensors)

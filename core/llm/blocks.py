@@ -28,6 +28,7 @@ class Build:
     flash_attn: bool = False  # fused attention: no [heads, tokens, n_kv] score tensor in the plan
     llama_numerics: bool = True  # round elementwise results as llama.cpp's CPU does (GELU table)
     kv_swa: KVCache | None = None  # the sliding-window layers' own cache (iSWA), if the model has one
+    rope_factors: Tensor | None = None  # every RoPE's frequency factors (Arch.rope_factors), if the model has them
 
     def cache_of(self, il: int) -> tuple[KVCache, Tensor, int]:
         """Layer il's cache, the input with the rows this micro-batch writes there, and the cells read."""
@@ -128,7 +129,8 @@ def rope(b: Build, x: Tensor, mode: int, freq_base: float | None = None, out_sca
     by `norm` when given (q/k norms), the result times out_scale: one node."""
     hp = b.hp
     return ops.rope(x, b.inp.pos.tensor, hp.n_rot, mode, hp.rope_freq_base if freq_base is None else freq_base,
-                    hp.rope_freq_scale, name=name, out_scale=out_scale, norm=norm, eps=hp.norm_eps, yarn=yarn_of(hp))
+                    hp.rope_freq_scale, name=name, out_scale=out_scale, norm=norm, eps=hp.norm_eps, yarn=yarn_of(hp),
+                    factors=b.rope_factors)
 
 
 def yarn_of(hp: HParams) -> ops.Yarn | None:
@@ -151,12 +153,13 @@ def attention(b: Build, il: int, q: Tensor, k: Tensor, v: Tensor, wo: Tensor, ro
     cache, idx, n_kv = b.cache_of(il)
     rows = cache.layers[il]
     base = hp.rope_freq_base if freq_base is None else freq_base
-    if yarn_of(hp) is None:
+    if yarn_of(hp) is None and b.rope_factors is None:
         k_all = ops.rope_set_rows(rows.k, k, idx, b.inp.pos.tensor, hp.n_rot, rope_mode, base, hp.rope_freq_scale,
                                   name=f"k_store-{il}", norm=k_norm, eps=hp.norm_eps)
-    else:  # YaRN's RoPE may run elsewhere than the cache (a backend without it): rotated first, then written there
+    else:  # YaRN's or LongRoPE's RoPE may run elsewhere than the cache (a backend without it): rotated first,
+        # then written there
         k_rot = ops.rope(k, b.inp.pos.tensor, hp.n_rot, rope_mode, base, hp.rope_freq_scale, name=f"k_rot-{il}",
-                         norm=k_norm, eps=hp.norm_eps, yarn=yarn_of(hp))
+                         norm=k_norm, eps=hp.norm_eps, yarn=yarn_of(hp), factors=b.rope_factors)
         k_all = ops.set_rows(rows.k, ops.reshape(k_rot, (n_tokens, hp.n_embd_kv)), idx, name=f"k_store-{il}")
     v_all = ops.set_rows(rows.v, ops.reshape(v, (n_tokens, hp.n_embd_kv)), idx, name=f"v_store-{il}")
     keys = ops.permute(heads_view(k_all, n_kv, hp.n_head_kv, hp.head_dim), (1, 0, 2))  # [heads_kv, n_kv, head_dim]
@@ -334,8 +337,10 @@ def select_outputs(b: Build, *xs: Tensor) -> tuple[Tensor, ...]:
     return tuple(ops.get_rows(x, ids) for x in xs)
 
 
-def build_k_shift(hp: HParams, kv: KVCache, mode: int, freq_base_of=lambda il: None):
-    """A graph that re-rotates every cached key by its cell's position delta (after seq_add).
+def build_k_shift(hp: HParams, kv: KVCache, mode: int, freq_base_of=lambda il: None,
+                  factors: Tensor | None = None):
+    """A graph that re-rotates every cached key by its cell's position delta (after seq_add), with the
+    model's RoPE frequency factors where it has them.
 
     RoPE is a rotation, so rotating by the delta equals rotating from scratch at the new position.
     """
@@ -348,6 +353,6 @@ def build_k_shift(hp: HParams, kv: KVCache, mode: int, freq_base_of=lambda il: N
         k = ops.view(rows.k, (kv.n_ctx, hp.n_head_kv, hp.head_dim))
         base = freq_base_of(il)
         r = ops.rope(k, shift.tensor, hp.n_rot, mode, hp.rope_freq_base if base is None else base,
-                     hp.rope_freq_scale, name=f"k_shift-{il}", yarn=yarn_of(hp))
+                     hp.rope_freq_scale, name=f"k_shift-{il}", yarn=yarn_of(hp), factors=factors)
         outs.append(ops.cpy(r, k, name=f"k_shifted-{il}"))
     return build_graph(outs), shift

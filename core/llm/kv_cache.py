@@ -96,7 +96,8 @@ def heads_view(rows: Tensor, n_kv: int, n_head: int, head_dim: int) -> Tensor:
     return ops.view(rows, (n_kv, n_head, head_dim), (rows.strides[0], rows.dtype.row_bytes(head_dim), elem))
 
 
-def build_k_shift_blocks(hp: HParams, kv: "KVCache", mode: int, freq_base_of=lambda il: None) -> tuple[Graph, InpKShift]:
+def build_k_shift_blocks(hp: HParams, kv: "KVCache", mode: int, freq_base_of=lambda il: None,
+                         factors: Tensor | None = None) -> tuple[Graph, InpKShift]:
     """The K-shift graph (core.llm.blocks.build_k_shift) of a quantized K cache: each layer's rows
     re-rotated by their cells' position deltas in one node that decodes them, turns them back from
     their Walsh-Hadamard rotation, applies RoPE, turns and quantizes them again (llama.cpp's cast,
@@ -107,7 +108,7 @@ def build_k_shift_blocks(hp: HParams, kv: "KVCache", mode: int, freq_base_of=lam
         base = freq_base_of(il)
         outs.append(ops.rope_shift(rows.k, shift.tensor, hp.head_dim, hp.n_rot, mode,
                                    hp.rope_freq_base if base is None else base, hp.rope_freq_scale,
-                                   name=f"k_shift-{il}", yarn=hp.extra.get("yarn")))
+                                   name=f"k_shift-{il}", yarn=hp.extra.get("yarn"), factors=factors))
     return build_graph(outs), shift
 
 

@@ -181,8 +181,9 @@ class Session:
     def build(self, p: GraphParams) -> GraphResult:
         """Build and schedule (not allocate) the decode graph for params p."""
         inputs = GraphInputs.for_params(p, self.model.hp.extra.get("swa_window"), self.seq_words)
-        build = Build(self.model.hp, inputs, self.kv, p, self.params.flash_attn, self.model.numerics == "llama",
-                      self.kv_swa)
+        model = self.model
+        build = Build(model.hp, inputs, self.kv, p, self.params.flash_attn, model.numerics == "llama", self.kv_swa,
+                      model.arch.rope_factors(model.weights, model.hp, self.kv.n_ctx))
         logits = self.model.arch.build(build, self.model.weights)
         tokens = ops.argmax(logits, name="result_argmax") if p.greedy else None
         logprobs = None

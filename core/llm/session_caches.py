@@ -66,7 +66,8 @@ def k_shift_graph(model: Model, cache: KVCache) -> tuple[Graph, InpKShift]:
     """The graph that re-rotates a cache's keys by their cells' shifts, and its shift input."""
     arch, hp = model.arch, model.hp
     build = build_k_shift_blocks if cache.type_k.is_quantized else build_k_shift
-    return build(hp, cache, arch.rope_mode, lambda il: arch.rope_freq_base(hp, il))
+    return build(hp, cache, arch.rope_mode, lambda il: arch.rope_freq_base(hp, il),
+                 arch.rope_factors(model.weights, hp, cache.n_ctx))
 
 
 def apply_k_shift(model: Model, sched: Scheduler, cache: KVCache) -> None:

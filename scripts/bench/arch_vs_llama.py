@@ -37,7 +37,7 @@ from gguf.constants import GGMLQuantizationType as QT
 from ppl_vs_llama import ggrun_cmd, run  # this folder, beside this script
 
 from ggrun.core.llm.kl_divergence import KLStats, LogProbReader, dequantize_log_probs
-from ggrun.loaders.synthetic import FAMILY_PRESETS, write_tiny_family
+from ggrun.loaders.synthetic import FAMILY_PRESETS, family_options, write_tiny_family
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -175,14 +175,15 @@ def save(data: dict, via_lib: bool) -> None:
     producer = "libllama.so through llama_cpp.py" if via_lib else "llama-perplexity"
     DATA.write_text(json.dumps({"producer": f"{producer} (llama.cpp as llama-cpp-python 0.3.36 vendors it), "
                                             "scripts/bench/arch_vs_llama.py",
-                                "models": "loaders/synthetic.py FAMILY_PRESETS",
+                                "models": "loaders/synthetic.py FAMILY_PRESETS and FAMILY_VARIANTS",
                                 **{k: v for k, v in sorted(data.items()) if "/" in k}}) + "\n")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-bin", default=os.environ.get("LLAMA_BIN", str(DEFAULT_ANCHOR)))
-    ap.add_argument("--families", nargs="+", default=list(FAMILY_PRESETS))
+    ap.add_argument("--families", nargs="+", default=list(FAMILY_PRESETS),
+                    help="families, or variants of one (loaders/synthetic.py FAMILY_VARIANTS: phi3+longrope_long, ...)")
     ap.add_argument("--types", nargs="+", help="weight types (default: F32, F16 and the family's shipped type; "
                                                "llama also in IQ4_NL, IQ4_XS and MXFP4)")
     ap.add_argument("--chunks", type=int, default=8, help="chunks of -c 128 scored (63 positions each)")
@@ -203,8 +204,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for fam in a.families:
             for type_name in a.types or default_types(fam):
-                model = write_tiny_family(Path(tmp) / f"{fam}-{type_name}.gguf", fam, weight_type=QT[type_name],
-                                          **FAMILY_PRESETS[fam])
+                arch, options = family_options(fam)
+                model = write_tiny_family(Path(tmp) / f"{fam}-{type_name}.gguf", arch, weight_type=QT[type_name],
+                                          **options)
                 base = Path(tmp) / f"{fam}-{type_name}.kld"
                 rec = compare(bin_dir, model, base, a.chunks, a.threads, a.via_lib)
                 kld, same = rec["kld"][0], rec["same_top_p"][0]

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """How often a GPU ranks the same token first as llama.cpp's CPU does, on the tiny families' quantized models
-(loaders/synthetic.py's FAMILY_PRESETS, the types tests/data/families_llama_cpp.json holds): ggrun's CUDA backend and
-llama.cpp's own CUDA build, each with every layer offloaded, scored against the same saved CPU log-probabilities.
+(loaders/synthetic.py's FAMILY_PRESETS, the types tests/data/families_llama_cpp.json holds): ggrun's CUDA backend
+and llama.cpp's own CUDA build, each with every layer offloaded, scored against the same saved CPU
+log-probabilities.
 Issue 32 asks the GPU to agree with the CPU at 98% of positions; this says what llama.cpp's GPU reaches on the same
 files, where 8-bit activation rounding (per 32 values on a GPU, per 256 for the k-quants on a CPU) moves top tokens.
 
@@ -24,7 +25,7 @@ from arch_vs_llama import DATA, DEFAULT_ANCHOR, N_CTX, TEXT  # this folder, besi
 from gguf.constants import GGMLQuantizationType as QT
 from ppl_vs_llama import ggrun_cmd, run
 
-from ggrun.loaders.synthetic import FAMILY_PRESETS, write_tiny_family
+from ggrun.loaders.synthetic import family_options, write_tiny_family
 
 CHUNKS = 8  # chunks of N_CTX tokens: 504 scored positions
 
@@ -37,9 +38,9 @@ def cases() -> list[str]:
 def prepare(out: Path, bin_dir: Path, threads: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for case in cases():
-        arch, type_name = case.split("/")
-        model = write_tiny_family(out / f"{arch}-{type_name}.gguf", arch, weight_type=QT[type_name],
-                                  **FAMILY_PRESETS[arch])
+        name, type_name = case.split("/")
+        arch, options = family_options(name)
+        model = write_tiny_family(out / f"{name}-{type_name}.gguf", arch, weight_type=QT[type_name], **options)
         run([str(bin_dir / "llama-perplexity"), "-m", str(model), "-f", str(TEXT), "-c", str(N_CTX), "--chunks",
              str(CHUNKS), "-t", str(threads), "--kl-divergence-base", str(model.with_suffix(".kld"))])
         print(f"{case}: {model.name} and its CPU base", flush=True)

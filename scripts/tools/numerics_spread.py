@@ -22,7 +22,7 @@ from ggrun.core.backends.cpu import CPUBackend
 from ggrun.core.llm.model import Model
 from ggrun.core.llm.perplexity import ChunkPlan, evaluate_chunks
 from ggrun.core.llm.session import Session, SessionParams
-from ggrun.loaders.synthetic import FAMILY_PRESETS, write_tiny_family
+from ggrun.loaders.synthetic import family_options, write_tiny_family
 
 DATA = Path(__file__).resolve().parents[2] / "tests" / "data" / "families_llama_cpp.json"
 
@@ -55,7 +55,8 @@ def main() -> None:
         if type_name in ("F32", "F16"):
             continue
         ref = refs[case]
-        path = write_tiny_family(a.out / f"spread_{arch}_{type_name}.gguf", arch, **FAMILY_PRESETS[arch],
+        family, options = family_options(arch)
+        path = write_tiny_family(a.out / f"spread_{arch}_{type_name}.gguf", family, **options,
                                  weight_type=QT[type_name])
         rounded = greedy(path, ref["tokens"], ref["n_ctx"], "llama")
         exact = greedy(path, ref["tokens"], ref["n_ctx"], "f32")

@@ -22,7 +22,7 @@ from ggrun.core.llm.model import Model
 from ggrun.core.llm.perplexity import ChunkPlan, evaluate_chunks, token_nll
 from ggrun.core.llm.session import Session, SessionParams
 from ggrun.loaders.gguf_file import open_gguf
-from ggrun.loaders.synthetic import FAMILY_PRESETS, write_tiny_family, written_once
+from ggrun.loaders.synthetic import FAMILY_PRESETS, family_options, write_tiny_family, written_once
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "families_llama_cpp.json"
 PROMPT = [104, 101, 108, 108, 111, 256, 263, 32, 119, 275, 10, 66, 200, 7, 268, 258, 111, 33, 120, 99,
@@ -32,9 +32,11 @@ FAMILIES = sorted(FAMILY_PRESETS)
 
 @pytest.fixture(scope="module")
 def family_factory(tmp_path_factory):
-    """write(arch=..., **options) -> path of the family's tiny model, written once per set of options."""
+    """write(arch=..., **options) -> path of the family's tiny model (or a variant's: FAMILY_VARIANTS), written once
+    per set of options."""
     def write(path, arch, **options):
-        return write_tiny_family(path, arch, **FAMILY_PRESETS[arch], **options)
+        family, preset = family_options(arch)
+        return write_tiny_family(path, family, **preset, **options)
     return written_once(write, tmp_path_factory.mktemp, "family")
 
 
@@ -53,8 +55,8 @@ def drop_biases(tensors: dict) -> None:
         del tensors[name]
 
 
-def add_rope_factors(tensors: dict) -> None:
-    tensors["rope_factors_long.weight"] = np.ones(32, np.float32)
+def shrink_rope_factors(tensors: dict) -> None:
+    tensors["rope_factors_long.weight"] = tensors["rope_factors_long.weight"][:-1]
 
 
 def test_registry_names_every_family():
@@ -165,9 +167,51 @@ def test_phi3_fused_matrices_load_as_their_rows(family_factory):
     assert "blk.0.attn_qkv.weight" not in w.tensors
 
 
-def test_phi3_longrope_files_are_refused(family_factory):
-    with open_gguf(family_factory(arch="phi3", edit=add_rope_factors)) as gf, pytest.raises(BadInput, match="LongRoPE"):
-        Model.read_hparams(gf)
+def test_phi3_longrope_picks_its_factors_by_the_context(family_factory):
+    """LongRoPE's short factors within the original context (64 tokens here), the long ones past it, as llama.cpp's
+    get_rope_factors; the attention factor scales cos and sin (ops.Yarn without a ramp). tests/data holds
+    llama.cpp's results for both (test_agrees_with_llama_cpp)."""
+    model = Model.load(family_factory(arch="phi3+longrope_long"), [CPUBackend()])
+    hp, w = model.hp, model.weights
+    assert hp.extra["yarn"].ext_factor == 0.0 and hp.extra["yarn"].attn_factor == pytest.approx(1.1902)
+    assert model.arch.rope_factors(w, hp, 64) is w["rope_factors_short.weight"]
+    assert model.arch.rope_factors(w, hp, 65) is w["rope_factors_long.weight"]
+    plain = Model.load(family_factory(arch="phi3"), [CPUBackend()])
+    assert plain.arch.rope_factors(plain.weights, plain.hp, 1 << 20) is None and "yarn" not in plain.hp.extra
+
+
+def test_phi3_longrope_k_shift_rotates_with_the_factors(family_factory):
+    """Drop positions 0..3 of 12 cached tokens and move 4..11 down by 4: the K-shift re-rotates the keys with
+    LongRoPE's factors, so layer 0's keys (token and position alone) are a fresh evaluation's at the new
+    positions, times the attention factor: the shift's RoPE scales cos and sin by it once more, as llama.cpp's
+    build_rope_shift does (ggml_rope_ext with the context's yarn_attn_factor)."""
+    model = Model.load(family_factory(arch="phi3+longrope_long"), [CPUBackend()], numerics="f32")
+
+    def session() -> Session:
+        return Session(model, SessionParams(n_ctx=64, n_batch=64, type_k=DType.F32, type_v=DType.F32))
+
+    def layer0_keys(s: Session, cells: slice) -> np.ndarray:
+        return s.sched.cpu.array(s.kv.layers[0].k)[cells].copy()
+
+    s = session()
+    s.decode(Batch.of_sequence(PROMPT[:12]))
+    s.seq_rm(0, 0, 4)
+    s.seq_add(0, 4, -1, -4)
+    s.decode(Batch.of_sequence(PROMPT[12:13], 8))
+    fresh = session()
+    fresh.decode(Batch.of_sequence(PROMPT[4:12]))
+    scale = model.hp.extra["yarn"].attn_factor
+    np.testing.assert_allclose(layer0_keys(s, slice(4, 12)), scale * layer0_keys(fresh, slice(0, 8)), atol=1e-5,
+                               rtol=0)
+
+
+def test_phi3_longrope_factors_move_the_logits(family_factory):
+    """The same weights without LongRoPE (the plain phi3 model: no factors, no attention factor) give other
+    logits."""
+    def logits(arch: str) -> np.ndarray:
+        return logits_of(Model.load(family_factory(arch=arch), [CPUBackend()], numerics="f32"), PROMPT)
+    longrope, plain = logits("phi3+longrope_long"), logits("phi3")
+    assert np.abs(longrope - plain).max() > 0.5
 
 
 def test_qwen2_biases_are_added(family_factory):
@@ -230,6 +274,8 @@ def drop_qkv(tensors: dict) -> None:
 @pytest.mark.parametrize("arch, options, expected", [
     ("qwen2", {"edit": shrink_q_bias}, "tensor blk.1.attn_q.bias has shape [255], expected [n_head * head_dim] = [256]"),
     ("phi3", {"edit": drop_qkv}, "missing tensor blk.0.attn_qkv.weight"),
+    ("phi3+longrope_long", {"edit": shrink_rope_factors},
+     "tensor rope_factors_long.weight has shape [31] and type F32, expected F32 [n_rot / 2] = [32]"),
     ("qwen3moe", {"extra_metadata": (("qwen3moe.expert_used_count", 9),)},
      "qwen3moe.expert_used_count = 9, expected at most qwen3moe.expert_count (8)"),
     ("qwen3moe", {"extra_metadata": (("qwen3moe.expert_count", 0),)}, "qwen3moe.expert_count = 0, expected an integer"),

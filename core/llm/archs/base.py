@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, ClassVar
 
 from ggrun.core import ops
+from ggrun.core.errors import BadInput
 from ggrun.core.llm.blocks import Build
 from ggrun.core.llm.checks import Key
 from ggrun.core.llm.hparams import HParams
@@ -74,6 +75,17 @@ QKV_BIASES = (ATTN_Q_BIAS, ATTN_K_BIAS, ATTN_V_BIAS)
 LLAMA_LAYER = (ATTN_NORM, ATTN_Q, ATTN_K, ATTN_V, ATTN_OUT, FFN_NORM, FFN_GATE, FFN_UP, FFN_DOWN) + QKV_BIASES
 
 
+def has_rope_factors(gf, hp: HParams, names: tuple[str, ...]) -> bool:
+    """Whether the file holds any of the RoPE frequency factor tensors `names` (ggml_rope_ext's freq_factors),
+    each checked to be f32 [n_rot / 2]."""
+    for name in names:
+        info = gf.tensors.get(name)
+        if info is not None and (info.shape != (hp.n_rot // 2,) or info.qtype.name != "F32"):
+            raise BadInput(f"{gf.path}: tensor {name} has shape {list(info.shape)} and type {info.qtype.name}, "
+                           f"expected F32 [n_rot / 2] = [{hp.n_rot // 2}]")
+    return any(name in gf.tensors for name in names)
+
+
 class Arch:
     """One model family. Subclasses set the class attributes and write `build`; the rest has defaults
     that fit a llama-like family (no extra keys, no sliding window, one RoPE base, nothing fused)."""
@@ -116,6 +128,11 @@ class Arch:
     def rope_freq_base(self, hp: HParams, il: int) -> float:
         """Layer il's RoPE base (the K-shift re-rotates with it too)."""
         return hp.rope_freq_base
+
+    def rope_factors(self, w: Weights, hp: HParams, n_ctx: int) -> Tensor | None:
+        """The RoPE frequency factors (ggml_rope_ext's freq_factors, f32 [n_rot / 2]) of a session whose cache
+        holds n_ctx cells, or None: a family without them."""
+        return None
 
     def build(self, b: Build, w: Weights) -> Tensor:
         """Logits [n_outputs, n_vocab] of the micro-batch in b.inp."""

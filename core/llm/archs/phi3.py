@@ -3,17 +3,20 @@
 rows one after another, ffn_up the gate's rows then the up's. The runtime loads each as its parts (rows
 of the stored bytes), so the graph is llama's over attn_q/k/v and ffn_gate/up.
 
-LongRoPE (rope_factors_long/short, Phi-3-128k and Phi-3.5) is not implemented: such a file is refused."""
+LongRoPE (Phi-3-128k, Phi-3.5): rope_factors_long and rope_factors_short (f32 [n_rot / 2]) divide each pair's
+RoPE angle, the long ones where a session's cache holds more cells than rope.scaling.original_context_length
+(the context trained on first), else the short ones, and rope.scaling.attn_factor scales cos and sin, as
+llama.cpp's get_rope_factors and ggml_rope_ext do."""
 from __future__ import annotations
 
 import math
 
 from ggrun.core import ops
-from ggrun.core.errors import BadInput
 from ggrun.core.llm import blocks
 from ggrun.core.llm.archs import base
-from ggrun.core.llm.archs.base import Arch, TensorSpec
+from ggrun.core.llm.archs.base import Arch, TensorSpec, has_rope_factors
 from ggrun.core.llm.blocks import Build
+from ggrun.core.llm.checks import Key, MAX_CONTEXT
 from ggrun.core.llm.hparams import HParams
 from ggrun.core.llm.weights import Weights
 from ggrun.core.tensor import Tensor
@@ -25,16 +28,25 @@ ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 class Phi3(Arch):
     name = "phi3"
     rope_mode = ops.ROPE_NEOX
+    keys = (Key("rope.scaling.original_context_length", int, 1, MAX_CONTEXT, default=0, extra="n_ctx_orig"),
+            Key("rope.scaling.attn_factor", float, 0.0, 1e6, lo_open=True, default=1.0, extra="rope_attn_factor"))
     layer_tensors = (base.ATTN_NORM, base.ATTN_QKV.optional(), base.ATTN_Q.optional(), base.ATTN_K.optional(),
                      base.ATTN_V.optional(), base.ATTN_OUT, base.FFN_NORM, FFN_UP_FUSED, base.FFN_DOWN,
                      base.ATTN_QKV_BIAS) + base.QKV_BIASES
 
     def hparams(self, gf) -> HParams:
-        found = [name for name in ROPE_FACTORS if name in gf.tensors]
-        if found:
-            raise BadInput(f"{gf.path}: tensor {found[0]}: LongRoPE frequency factors are not supported yet "
-                           "(phi3 files without them run)")
-        return super().hparams(gf)
+        """With LongRoPE's factors, each f32 [n_rot / 2], and the attention factor as a RoPE scale (ops.Yarn
+        without its ramp: ggml's mscale)."""
+        hp = super().hparams(gf)
+        if has_rope_factors(gf, hp, ROPE_FACTORS):
+            hp.extra["yarn"] = ops.Yarn(0.0, hp.extra["rope_attn_factor"], 32.0, 1.0,
+                                        hp.extra["n_ctx_orig"] or hp.n_ctx_train)
+        return hp
+
+    def rope_factors(self, w: Weights, hp: HParams, n_ctx: int) -> Tensor | None:
+        """The long factors past the original context (n_ctx_orig, else the trained one), else the short ones."""
+        long = n_ctx > (hp.extra["n_ctx_orig"] or hp.n_ctx_train)
+        return w.get(ROPE_FACTORS[0] if long else ROPE_FACTORS[1])
 
     def required_tensors(self, hp: HParams) -> list[tuple[str, ...]]:
         """q/k/v fused in attn_qkv or apart; the rest as the table says."""
