@@ -262,7 +262,7 @@ def _rope(n: int, heads: int, mode: int, n_dims: int, d: int, base: float, fscal
 
 def _rope_freq_factors(n: int, mode: int, norm: bool, longrope: bool):
     """RoPE with frequency factors dividing each pair's angle (Llama 3's rope_freqs), or Phi-3's LongRoPE (neox,
-    and an attention factor scaling cos and sin): on CUDA the rope_ff kernel."""
+    and an attention factor scaling cos and sin): the CPU's rope_rows_ff, CUDA's rope_ff."""
     def make(rng):
         xd, wd, p = values(rng, n, 3, 64, scale=2.0), values(rng, 64), positions(rng, n)
         factors = np.geomspace(1.0, 16.0, 32).astype(np.float32)
@@ -322,7 +322,7 @@ def rope_cases() -> list[OpCase]:
     cases += [OpCase(f"rope-fused-norm-and-scale-n{n}", _rope_fused_norm(n, ROPE_NEOX, 32, 1e6, 0.17), ROPE, CPU)
               for n in (1, 7)]
     cases += [OpCase(f"rope-freq-factors-{mode}-{'norm' if norm else 'plain'}{'-longrope' if lr else ''}-n{n}",
-                     _rope_freq_factors(n, mode, norm, lr), ROPE, CUDA)
+                     _rope_freq_factors(n, mode, norm, lr), ROPE)
               for mode, norm, lr in ((ROPE_NORMAL, False, False), (ROPE_NEOX, True, False), (ROPE_NEOX, False, True))
               for n in (1, 33)]
     cases += [OpCase(f"rope_set_rows-{t}-{mode}-{n_dims}of{d}-n{n}",

@@ -5,7 +5,8 @@ quantized K cache in place (the K-shift after a context shift).
 
 Angles are computed in f32 inside the kernel as ggml's rope cache does: theta starts at the
 position and is multiplied by theta_scale = base^(-2/n_dims) for each next pair; each pair
-rotates by cos/sin(freq_scale * theta).
+rotates by cos/sin(freq_scale * theta). rope also takes frequency factors (Llama 3's rope_freqs,
+Phi-3's LongRoPE: theta / ff[i]) and a scale of cos and sin (LongRoPE's attention factor).
 """
 from __future__ import annotations
 
@@ -30,6 +31,17 @@ def _angles(p, n_dims, theta_scale, freq_scale, cos, sin):
         a = freq_scale * theta
         cos[i] = math.cos(a)
         sin[i] = math.sin(a)
+        theta *= theta_scale
+
+
+@kernel(inline="always")
+def _angles_ff(p, n_dims, theta_scale, freq_scale, ff, mscale, cos, sin):
+    """_angles with each pair's theta divided by its frequency factor ff[i] first, cos and sin times mscale."""
+    theta = np.float32(p)
+    for i in range(n_dims // 2):
+        a = freq_scale * (theta / ff[i])
+        cos[i] = math.cos(a) * mscale
+        sin[i] = math.sin(a) * mscale
         theta *= theta_scale
 
 
@@ -67,6 +79,18 @@ def rope_rows(x, pos, n_dims, neox, theta_scale, freq_scale, scale, w, eps, use_
     row = np.empty(x.shape[2], dtype=np.float32)
     for t in range(x.shape[0]):
         _angles(pos[t], n_dims, theta_scale, freq_scale, cos, sin)
+        for h in range(x.shape[1]):
+            _rotate(_source(x[t, h], w, eps, use_norm, row), cos, sin, n_dims, neox, scale, out[t, h])
+
+
+@kernel
+def rope_rows_ff(x, pos, n_dims, neox, theta_scale, freq_scale, ff, mscale, scale, w, eps, use_norm, out):
+    """rope_rows with frequency factors ff [n_dims / 2] and cos and sin times mscale (_angles_ff)."""
+    cos = np.empty(n_dims // 2, dtype=np.float32)
+    sin = np.empty(n_dims // 2, dtype=np.float32)
+    row = np.empty(x.shape[2], dtype=np.float32)
+    for t in range(x.shape[0]):
+        _angles_ff(pos[t], n_dims, theta_scale, freq_scale, ff, mscale, cos, sin)
         for h in range(x.shape[1]):
             _rotate(_source(x[t, h], w, eps, use_norm, row), cos, sin, n_dims, neox, scale, out[t, h])
 
@@ -157,15 +181,25 @@ def _f32_rows(node, i: int, a: np.ndarray) -> bool:
 
 @binds("rope")
 def bind_rope(node, out, srcs, scratch):
-    if "yarn" in node.params or "factors" in node.params:  # YaRN's or LongRoPE's angles: the reference kernel's
+    """rope_rows, or with frequency factors (the node's last source) rope_rows_ff; YaRN's ramp is the
+    reference kernel's (a YaRN without one, LongRoPE's, only scales cos and sin)."""
+    yarn = node.params.get("yarn")
+    if yarn is not None and (yarn.ext_factor != 0 or "factors" not in node.params):
         return None
-    x, pos = srcs[:2]
-    norm = _norm(node, srcs, 2, x.shape[-1])
+    factors = srcs[-1] if "factors" in node.params else None
+    base = srcs[:-1] if factors is not None else srcs
+    x, pos = base[:2]
+    norm = _norm(node, base, 2, x.shape[-1])
     if not (_f32_rows(node, 0, x) and out.flags.c_contiguous) or norm is None:
         return None
     n_dims, neox, theta_scale, freq_scale = _params(node)
     scale = np.float32(node.params.get("out_scale", 1.0))
-    return lambda: rope_rows(x, pos, n_dims, neox, theta_scale, freq_scale, scale, *norm, out)
+    if factors is None:
+        return lambda: rope_rows(x, pos, n_dims, neox, theta_scale, freq_scale, scale, *norm, out)
+    if not factors.flags.c_contiguous:
+        return None
+    mscale = np.float32(yarn.attn_factor if yarn is not None else 1.0)
+    return lambda: rope_rows_ff(x, pos, n_dims, neox, theta_scale, freq_scale, factors, mscale, scale, *norm, out)
 
 
 @binds("rope_set_rows")
