@@ -8,8 +8,9 @@ each expert), then one grouped GEMM multiplies each expert's weights by its slot
 with a scale per 32 weights (MMQ_TYPES) mmq_idt meets the weights' quants with the q8_1 activations on int8
 tensor cores in ggml's tile layout (matmul.cu's mmqt: 64 rows of an expert by 16..64 of its slots a block, each
 chunk of K staged in shared memory once), as ggml's mmq with ids (it replaced mmq_id, 16 rows a block, 3-4x slower on an H200); other types' weight tiles are decoded to f16 against f16 activations
-(mmid_tc). Every launch has a fixed grid, so the step is captured in a CUDA graph like any other, and blocks
-past an expert's slots return at once. (mmid_tc decoded each weight element alone and took 0.85 ms for one
+(mmid_tc). Every launch has a fixed grid, so the step is captured in a CUDA graph like any other: mmq_idt's blocks
+take the tiles of moe_group's list (an expert's slots BN at a time, however many it holds) and blocks past its end
+return at once; mmid_tc's blocks past an expert's slots return at once. (mmid_tc decoded each weight element alone and took 0.85 ms for one
 qwen3-30b-a3b layer's gate product of 512 tokens on an H200, ~7 TFLOP/s.) A decode step's experts' bias rows
 (gpt-oss: get_rows of the bias by the ids, then add; bias_adds.py) are added by mmvq_id's kernel as it stores,
 and gate and up with theirs by one kernel with the gated unit after them.
@@ -56,9 +57,18 @@ def _up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+ID_MIN_SLOTS = 16  # the fewest slots of an mmq_idt tile (MT_ID_TILES), which bounds moe_group's tile list
+
+
+def _max_tiles(n_expert: int, slots: int, bn: int = ID_MIN_SLOTS) -> int:
+    """The most tiles of bn slots the slots can make grouped by expert (each expert's last tile may be partial)."""
+    return -(-slots // bn) + n_expert
+
+
 def _group_bytes(n_expert: int, slots: int) -> int:
-    """moe_group's ints: offsets (n_expert + 1), cursors (n_expert), the grouped slots."""
-    return _up((2 * n_expert + 1 + slots) * 4)
+    """moe_group's ints: offsets (n_expert + 1), cursors (n_expert), the grouped slots, and mmq_idt's tile list (a
+    count, then an expert and a first slot per tile)."""
+    return _up((2 * n_expert + 1 + slots + 1 + 2 * _max_tiles(n_expert, slots)) * 4)
 
 
 def _scratch(node: Tensor) -> int:
@@ -94,20 +104,23 @@ def _mul_mat_id(node: Tensor, out, srcs, scratch, backend):
         return None
     offs = scratch.data.ptr
     cursor, slots = offs + (n_expert + 1) * 4, offs + (2 * n_expert + 1) * 4
+    tile_list = slots + t * k * 4
     x16 = offs + _group_bytes(n_expert, t * k)
-    group = Launch(kernel("matmul.cu", "moe_group"), (1,), (1024,),
-                   (ptr(ids), np.uint64(offs), np.uint64(cursor), np.uint64(slots), i32(t), i32(k), i64(ldi),
-                    i32(n_expert)), n_expert * 4)
+
+    def group(bn: int) -> Launch:  # with bn, the list of mmq_idt's tiles of bn slots too
+        return Launch(kernel("matmul.cu", "moe_group"), (1,), (1024,),
+                      (ptr(ids), np.uint64(offs), np.uint64(cursor), np.uint64(slots), i32(t), i32(k), i64(ldi),
+                       i32(n_expert), i32(bn), np.uint64(tile_list if bn else 0)), n_expert * 4)
     if k_cols % 32 == 0 and qt.name in MMQ_TYPES:
         quantize, q, scales = mt_quantize(b, ldb, x16, k_cols, t * b1, [qt])
         wm, nt = _id_tile(t * k / n_expert)
         bn = 8 * nt * (8 // wm)
         fn, smem = mt_kernel("mmq_idt", qt, wm, nt)
         args = (ptr(w), np.uint64(q), np.uint64(next(iter(scales.values()))), np.uint64(offs), np.uint64(slots),
-                ptr(out), i32(k_cols), i64(row_bytes), i64(m * row_bytes), i32(m), i32(k), i32(b1 != 1))
-        z = max(1, min(-(-t // bn), -(-2 * t * k // (n_expert * bn))))  # z tiles: twice an expert's average share; a busier expert's block loops
-        return launch_step(node.op, quantize, group,
-                           Launch(fn, (-(-m // (16 * wm)), n_expert, z), (256,), args, smem))
+                np.uint64(tile_list), ptr(out), i32(k_cols), i64(row_bytes), i64(m * row_bytes), i32(m), i32(k),
+                i32(b1 != 1))
+        return launch_step(node.op, quantize, group(bn),
+                           Launch(fn, (-(-m // (16 * wm)), _max_tiles(n_expert, t * k, bn)), (256,), args, smem))
     grid, block = grid1d(t * b1 * k_cols)
     convert = Launch(kernel("matmul.cu", "f32_to_f16"), grid, block,
                      (ptr(b), np.uint64(x16), i32(k_cols), i64(ldb), i64(t * b1)))
@@ -115,8 +128,8 @@ def _mul_mat_id(node: Tensor, out, srcs, scratch, backend):
     args = (ptr(w), np.uint64(x16), np.uint64(offs), np.uint64(slots), ptr(out), i32(k_cols), i64(row_bytes),
             i64(m * row_bytes), i32(m), i32(k), i32(b1 != 1))
     # tiles of slots per expert: sized for a token's experts being distinct (moe_topk's); more loop in a block
-    tiles = Launch(fn, (-(-m // ID_M), n_expert, -(-t // ID_N)), (128,), args)
-    return launch_step(node.op, convert, group, tiles)
+    grouped = Launch(fn, (-(-m // ID_M), n_expert, -(-t // ID_N)), (128,), args)
+    return launch_step(node.op, convert, group(0), grouped)
 
 
 def _id_tile(per_expert: float) -> tuple[int, int]:

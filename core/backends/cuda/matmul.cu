@@ -780,9 +780,10 @@ __global__ void __launch_bounds__(MQ_WARPS * 32) mmq(const u8 *w, const block_q8
 
 // A prompt's slots grouped by expert (one block): offs[e] .. offs[e + 1] of `list` are the slots routed to
 // expert e (in no particular order: each slot's product is computed alone). `cursor` is n_expert ints of
-// scratch; the block's shared memory holds n_expert counts.
+// scratch; the block's shared memory holds n_expert counts. With `tiles` (mmq_idt's), the list of its tiles too:
+// each expert's slots bn at a time.
 extern "C" __global__ void moe_group(const int *ids, int *offs, int *cursor, int *list, int n_tokens, int k,
-                                     i64 ldi, int n_expert) {
+                                     i64 ldi, int n_expert, int bn, int *tiles) {
     pdl_begin();
     extern __shared__ int count[];
     const int n = n_tokens * k;
@@ -797,6 +798,12 @@ extern "C" __global__ void moe_group(const int *ids, int *offs, int *cursor, int
             at += count[e];
         }
         offs[n_expert] = at;
+        if (tiles != nullptr) {  // mmq_idt's work: tiles[0] tiles, each an expert and its first slot, bn slots apart
+            int j = 0;
+            for (int e = 0; e < n_expert; e++)
+                for (int f = offs[e]; f < offs[e + 1]; f += bn, j++) tiles[1 + 2 * j] = e, tiles[2 + 2 * j] = f;
+            tiles[0] = j;
+        }
     }
     __syncthreads();
     for (int s = threadIdx.x; s < n; s += blockDim.x) {
@@ -1009,28 +1016,28 @@ __global__ void __launch_bounds__(MT_WARPS * 32, 2) mmqt(const u8 *w0, const u8 
     if (threadIdx.x == 0) *ticket = 0;
 }
 
-// mmqt for a prompt's experts (ggml's mmq with ids): block (x, e, z) multiplies weight rows BM x .. of expert e by its grouped slots (moe_group)
-// in tiles of BN, tiles z, z + gridDim.z, ...; slot s reads activation row s (bstep 1) or its token's, s / k. out [slots, M]
+// mmqt for a prompt's experts (ggml's mmq with ids): block (x, y) multiplies weight rows BM x .. of tile y's expert by
+// that tile's BN grouped slots (moe_group's tile list: tiles[0] tiles, tile y's expert tiles[1 + 2 y] and first slot
+// tiles[2 + 2 y]; blocks past the last tile return at once), so that an expert holding many slots has as many blocks
+// at work as its tiles; slot s reads activation row s (bstep 1) or its token's, s / k. out [slots, M]
 template <int T, int WM, int NT>
 __global__ void __launch_bounds__(MT_WARPS * 32, 2) mmq_idt(const u8 *w, const i8 *q, const float2 *s, const int *offs,
-                                                        const int *list, float *out, int ncols, i64 row_bytes,
-                                                        i64 expert_bytes, int M, int k, int bstep) {
+                                                        const int *list, const int *tiles, float *out, int ncols,
+                                                        i64 row_bytes, i64 expert_bytes, int M, int k, int bstep) {
     using C = Mt<T, WM, NT>;
     extern __shared__ __align__(16) u8 mt_smem[];
     __shared__ int src[C::BN], dst[C::BN];
     pdl_begin();
-    const int e = blockIdx.y, end = offs[e + 1];
-    const u8 *we = w + (i64)e * expert_bytes;
-    for (int first = offs[e] + blockIdx.z * C::BN; first < end; first += gridDim.z * C::BN) {
-        __syncthreads();  // the last tile's slots are read
-        if (threadIdx.x < C::BN) {
-            const int sl = first + (int)threadIdx.x < end ? list[first + threadIdx.x] : -1;
-            dst[threadIdx.x] = sl, src[threadIdx.x] = sl < 0 ? -1 : bstep ? sl : sl / k;
-        }
-        __syncthreads();
-        mt_tile<T, WM, NT>(we, blockIdx.x * C::BM, M, q, s, src, dst, out, M, ncols, row_bytes, mt_smem, 0,
-                           (ncols / 32 + MT_KB - 1) / MT_KB);
+    const int y = blockIdx.y;
+    if (y >= tiles[0]) return;
+    const int e = tiles[1 + 2 * y], first = tiles[2 + 2 * y], end = offs[e + 1];
+    if (threadIdx.x < C::BN) {
+        const int sl = first + (int)threadIdx.x < end ? list[first + threadIdx.x] : -1;
+        dst[threadIdx.x] = sl, src[threadIdx.x] = sl < 0 ? -1 : bstep ? sl : sl / k;
     }
+    __syncthreads();
+    mt_tile<T, WM, NT>(w + (i64)e * expert_bytes, blockIdx.x * C::BM, M, q, s, src, dst, out, M, ncols, row_bytes,
+                       mt_smem, 0, (ncols / 32 + MT_KB - 1) / MT_KB);
 }
 
 // Prompt: a grouped GEMM on tensor cores. Block (x, e, z): weight rows 64 x .. + 63 of expert e against its

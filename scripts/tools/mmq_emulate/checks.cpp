@@ -69,7 +69,8 @@ template <int T, int WM, int NT> bool check_mmqt(int M, int K, int N, int split 
     return ok;
 }
 
-template <int T, int WM, int NT> bool check_idt(int n_expert, int kk, int M, int K, int ntok, bool per_slot) {
+template <int T, int WM, int NT> bool check_idt(int n_expert, int kk, int M, int K, int ntok, bool per_slot,
+                                                bool skewed = false) {
     auto w = weights<T>(n_expert * M, K);
     const i64 row_bytes = (i64)(K / Block<T>::QK) * Block<T>::BYTES;
     const int rows = ntok * (per_slot ? kk : 1), nb = K / 32, slots = ntok * kk;
@@ -79,10 +80,13 @@ template <int T, int WM, int NT> bool check_idt(int n_expert, int kk, int M, int
     for (int t = 0; t < ntok; t++) {
         std::vector<int> e(n_expert); for (int i = 0; i < n_expert; i++) e[i] = i;
         std::shuffle(e.begin(), e.end(), rng);
+        if (skewed) std::swap(e[0], *std::find(e.begin(), e.end(), 0));  // every token's first expert is expert 0
         for (int j = 0; j < kk; j++) ids[t * kk + j] = e[j];
     }
-    std::vector<int> offs(n_expert + 1), cursor(n_expert), list(slots);
-    launch(dim3(1), dim3(256), n_expert * 4, [&] { moe_group(ids.data(), offs.data(), cursor.data(), list.data(), ntok, kk, kk, n_expert); });
+    using C = Mt<T, WM, NT>;
+    const int max_tiles = (slots + C::BN - 1) / C::BN + n_expert;
+    std::vector<int> offs(n_expert + 1), cursor(n_expert), list(slots), tiles(1 + 2 * max_tiles);
+    launch(dim3(1), dim3(256), n_expert * 4, [&] { moe_group(ids.data(), offs.data(), cursor.data(), list.data(), ntok, kk, kk, n_expert, C::BN, tiles.data()); });
     std::vector<block_q8_1> y(rows * nb);
     launch(dim3((rows * nb + 7) / 8), dim3(256), 0, [&] { quantize_q8_1(x.data(), y.data(), K, K, rows); });
     std::vector<float> ref(slots * M, NAN), out(slots * M, NAN);
@@ -97,12 +101,11 @@ template <int T, int WM, int NT> bool check_idt(int n_expert, int kk, int M, int
     std::vector<i8> q(rows * K);
     std::vector<float2> s(rows * nb), sq(rows * nb);
     launch(dim3((rows * nb + 7) / 8), dim3(256), 0, [&] { mt_quantize(x.data(), q.data(), s.data(), sq.data(), K, K, rows); });
-    using C = Mt<T, WM, NT>;
-    launch(dim3((M + C::BM - 1) / C::BM, n_expert, 2), dim3(256), C::STAGES * C::STAGE, [&] {
-        mmq_idt<T, WM, NT>(w.data(), q.data(), MqSumQ<T>::v ? sq.data() : s.data(), offs.data(), list.data(), out.data(), K, row_bytes, eb, M, kk, per_slot); });
+    launch(dim3((M + C::BM - 1) / C::BM, max_tiles), dim3(256), C::STAGES * C::STAGE, [&] {
+        mmq_idt<T, WM, NT>(w.data(), q.data(), MqSumQ<T>::v ? sq.data() : s.data(), offs.data(), list.data(), tiles.data(), out.data(), K, row_bytes, eb, M, kk, per_slot); });
     const double e1 = relerr(out, ref);
     const bool ok = e1 < 1e-9;
-    printf("%s mmq_idt<%d,%d,%d> E=%d k=%d M=%d K=%d tokens=%d %s: nmse vs mmq %.2e\n", ok ? "ok  " : "FAIL", T, WM, NT, n_expert, kk, M, K, ntok, per_slot ? "slots" : "tokens", e1);
+    printf("%s mmq_idt<%d,%d,%d> E=%d k=%d M=%d K=%d tokens=%d %s%s (%d tiles): nmse vs mmq %.2e\n", ok ? "ok  " : "FAIL", T, WM, NT, n_expert, kk, M, K, ntok, per_slot ? "slots" : "tokens", skewed ? " skewed" : "", tiles[0], e1);
     return ok;
 }
 
@@ -130,6 +133,7 @@ int main(int argc, char **argv) {
         ok &= check_idt<T_Q4_K, 4, 2>(8, 4, 70, 1024, 40, false);
         ok &= check_idt<T_MXFP4, 4, 1>(8, 4, 70, 1056, 30, true);
         ok &= check_idt<T_Q4_0, 4, 4>(4, 2, 50, 288, 100, false);
+        ok &= check_idt<T_Q4_K, 4, 2>(8, 4, 70, 1024, 100, false, true);  // expert 0: 100 slots, 4 tiles of 32
     }
     printf(ok ? "ALL OK\n" : "SOME FAILED\n");
     return ok ? 0 : 1;
