@@ -12,6 +12,7 @@ from ggrun.core.backends.cpu import CPUBackend, precompile, warmup
 from ggrun.core.dtypes import DType
 from ggrun.core.llm.cpu_kernels import warm_tags
 from ggrun.core.llm.model import Model
+from ggrun.loaders.synthetic import FAMILY_PRESETS, family_options, write_tiny_family
 
 # In a process of its own (its kernels start unloaded): the model's warm-up graphs run, then a prompt and
 # decode steps; the kernel signatures the model's graphs added after the warm-up are printed (none, if the
@@ -84,3 +85,15 @@ def test_the_set_has_no_products_of_other_weight_types(tiny_llama_factory):
     assert {tag for tag in tags if tag.startswith("get_rows")} == {warmup.rows(DType.Q4_0)}
     every = {tag for w in warmup.WARMS for tag in w.needs if tag.startswith("mul_mat")}
     assert warmup.product(DType.Q6_K, True, True) in every  # the others exist; the model just does not need them
+
+
+def test_a_model_with_rope_factors_warms_their_rope(tmp_path):
+    """Llama 3's rope_freqs (read-only, from the file) take rope_rows_ff: the warm-up set holds its signature, and a
+    model without factors does not ask for it."""
+    arch, options = family_options("llama+rope_freqs")
+    found = coverage(write_tiny_family(tmp_path / "rope_freqs.gguf", arch, weight_type=QT.Q8_0, **options))
+    assert warmup.ROPE_FACTORS in found["tags"]
+    assert found["new"] == {}
+    cpu = CPUBackend()
+    plain = Model.load(write_tiny_family(tmp_path / "plain.gguf", "llama", **FAMILY_PRESETS["llama"]), [cpu])
+    assert warmup.ROPE_FACTORS not in warm_tags(plain, cpu)

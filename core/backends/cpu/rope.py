@@ -19,7 +19,7 @@ from ggrun.core.backends.cpu.jit import kernel
 from ggrun.core.backends.cpu.kv_quant import CACHE_TYPES, code_of, hadamard, load_row, store_row
 from ggrun.core.backends.cpu.norm import inv_rms
 from ggrun.core.backends.cpu.vecmath import to_stored
-from ggrun.core.backends.cpu.warmup import kv, readonly, warms
+from ggrun.core.backends.cpu.warmup import ROPE_FACTORS, kv, readonly, warms
 from ggrun.core.dtypes import DType
 from ggrun.core.ops import ROPE_NEOX
 
@@ -260,6 +260,16 @@ def _warm_rope_blocks(lf, norm: bool):
     cache.params["hadamard"] = 64
     stored = ops.rope_set_rows(cache, x, pos, pos, 32, norm=w, eps=1e-6)
     return ops.rope_shift(stored, lf.input("shift", np.zeros(4, np.int32)), 32, 32, ROPE_NEOX)
+
+
+@warms(needs={ROPE_FACTORS})
+def _warm_rope_factors(lf):
+    """Queries or keys rotated with frequency factors, read-only as a model file's are (rope_rows_ff)."""
+    from ggrun.core import ops
+
+    x = lf.input("x", np.ones((2, 2, 8), np.float32))
+    pos = lf.input("pos", np.arange(2, dtype=np.int32))
+    return ops.rope(x, pos, 8, ROPE_NEOX, factors=readonly(lf, "ff", DType.F32, np.ones(4, np.float32)))
 
 
 for _cache_dtype in (DType.F16, DType.F32):

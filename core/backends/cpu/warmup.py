@@ -21,6 +21,7 @@ from ggrun.core.dtypes import DType
 from ggrun.core.tensor import Tensor
 
 THREADS = "threads"  # the kernels run on more than one thread: their parallel variants are met
+ROPE_FACTORS = "rope factors"  # the model's RoPE divides its angles by frequency factors (Llama 3, LongRoPE)
 
 
 def product(dtype: DType | None, packed: bool, act_quant: bool) -> str:
