@@ -262,7 +262,7 @@ def _rope(n: int, heads: int, mode: int, n_dims: int, d: int, base: float, fscal
 
 def _rope_freq_factors(n: int, mode: int, norm: bool, longrope: bool):
     """RoPE with frequency factors dividing each pair's angle (Llama 3's rope_freqs), or Phi-3's LongRoPE (neox,
-    and an attention factor scaling cos and sin): the CPU's rope_rows_ff, CUDA's rope_ff."""
+    and an attention factor scaling cos and sin): the CPU's rope_rows, CUDA's rope_ff."""
     def make(rng):
         xd, wd, p = values(rng, n, 3, 64, scale=2.0), values(rng, 64), positions(rng, n)
         factors = np.geomspace(1.0, 16.0, 32).astype(np.float32)

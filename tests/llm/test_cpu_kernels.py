@@ -88,8 +88,8 @@ def test_the_set_has_no_products_of_other_weight_types(tiny_llama_factory):
 
 
 def test_a_model_with_rope_factors_warms_their_rope(tmp_path):
-    """Llama 3's rope_freqs (read-only, from the file) take rope_rows_ff: the warm-up set holds its signature, and a
-    model without factors does not ask for it."""
+    """Llama 3's rope_freqs (read-only, from the file) reach rope_rows as read-only factors: the warm-up set holds
+    that signature, and a model without factors does not ask for it."""
     arch, options = family_options("llama+rope_freqs")
     found = coverage(write_tiny_family(tmp_path / "rope_freqs.gguf", arch, weight_type=QT.Q8_0, **options))
     assert warmup.ROPE_FACTORS in found["tags"]

@@ -72,20 +72,10 @@ def _source(x, w, eps, use_norm, row):
 
 
 @kernel
-def rope_rows(x, pos, n_dims, neox, theta_scale, freq_scale, scale, w, eps, use_norm, out):
-    """out[t, h] = x[t, h] (normalised times w when use_norm) rotated at position pos[t], times scale."""
-    cos = np.empty(n_dims // 2, dtype=np.float32)
-    sin = np.empty(n_dims // 2, dtype=np.float32)
-    row = np.empty(x.shape[2], dtype=np.float32)
-    for t in range(x.shape[0]):
-        _angles(pos[t], n_dims, theta_scale, freq_scale, cos, sin)
-        for h in range(x.shape[1]):
-            _rotate(_source(x[t, h], w, eps, use_norm, row), cos, sin, n_dims, neox, scale, out[t, h])
-
-
-@kernel
-def rope_rows_ff(x, pos, n_dims, neox, theta_scale, freq_scale, ff, mscale, scale, w, eps, use_norm, out):
-    """rope_rows with frequency factors ff [n_dims / 2] and cos and sin times mscale (_angles_ff)."""
+def rope_rows(x, pos, n_dims, neox, theta_scale, freq_scale, ff, mscale, scale, w, eps, use_norm, out):
+    """out[t, h] = x[t, h] (normalised times w when use_norm) rotated at position pos[t], times scale; each
+    pair's angle divided by its frequency factor ff[i] (ones without factors: the same bits), cos and sin times
+    mscale (_angles_ff)."""
     cos = np.empty(n_dims // 2, dtype=np.float32)
     sin = np.empty(n_dims // 2, dtype=np.float32)
     row = np.empty(x.shape[2], dtype=np.float32)
@@ -173,6 +163,7 @@ def _norm(node, srcs: list, first: int, d: int) -> tuple | None:
 
 
 _NO_NORM: dict[int, np.ndarray] = {}
+_NO_FACTORS: dict[int, np.ndarray] = {}
 
 
 def _f32_rows(node, i: int, a: np.ndarray) -> bool:
@@ -181,25 +172,22 @@ def _f32_rows(node, i: int, a: np.ndarray) -> bool:
 
 @binds("rope")
 def bind_rope(node, out, srcs, scratch):
-    """rope_rows, or with frequency factors (the node's last source) rope_rows_ff; YaRN's ramp is the
+    """rope_rows, with the node's frequency factors (its last source) where it has them; YaRN's ramp is the
     reference kernel's (a YaRN without one, LongRoPE's, only scales cos and sin)."""
     yarn = node.params.get("yarn")
-    if yarn is not None and (yarn.ext_factor != 0 or "factors" not in node.params):
-        return None
-    factors = srcs[-1] if "factors" in node.params else None
-    base = srcs[:-1] if factors is not None else srcs
-    x, pos = base[:2]
-    norm = _norm(node, base, 2, x.shape[-1])
-    if not (_f32_rows(node, 0, x) and out.flags.c_contiguous) or norm is None:
+    if yarn is not None and yarn.ext_factor != 0:
         return None
     n_dims, neox, theta_scale, freq_scale = _params(node)
-    scale = np.float32(node.params.get("out_scale", 1.0))
-    if factors is None:
-        return lambda: rope_rows(x, pos, n_dims, neox, theta_scale, freq_scale, scale, *norm, out)
-    if not factors.flags.c_contiguous:
+    has_factors = "factors" in node.params
+    base = srcs[:-1] if has_factors else srcs
+    ff = srcs[-1] if has_factors else _NO_FACTORS.setdefault(n_dims // 2, np.ones(n_dims // 2, dtype=np.float32))
+    x, pos = base[:2]
+    norm = _norm(node, base, 2, x.shape[-1])
+    if not (_f32_rows(node, 0, x) and out.flags.c_contiguous and ff.flags.c_contiguous) or norm is None:
         return None
     mscale = np.float32(yarn.attn_factor if yarn is not None else 1.0)
-    return lambda: rope_rows_ff(x, pos, n_dims, neox, theta_scale, freq_scale, factors, mscale, scale, *norm, out)
+    scale = np.float32(node.params.get("out_scale", 1.0))
+    return lambda: rope_rows(x, pos, n_dims, neox, theta_scale, freq_scale, ff, mscale, scale, *norm, out)
 
 
 @binds("rope_set_rows")
@@ -264,7 +252,7 @@ def _warm_rope_blocks(lf, norm: bool):
 
 @warms(needs={ROPE_FACTORS})
 def _warm_rope_factors(lf):
-    """Queries or keys rotated with frequency factors, read-only as a model file's are (rope_rows_ff)."""
+    """Queries or keys rotated with frequency factors, read-only as a model file's are (rope_rows' signature)."""
     from ggrun.core import ops
 
     x = lf.input("x", np.ones((2, 2, 8), np.float32))
