@@ -184,7 +184,7 @@ class Session:
         model = self.model
         build = Build(model.hp, inputs, self.kv, p, self.params.flash_attn, model.numerics == "llama", self.kv_swa,
                       model.arch.rope_factors(model.weights, model.hp, self.kv.n_ctx))
-        logits = self.model.arch.build(build, self.model.weights)
+        logits = model.arch.build(build, model.weights)
         tokens = ops.argmax(logits, name="result_argmax") if p.greedy else None
         logprobs = None
         if p.sampler:
@@ -282,7 +282,8 @@ class Session:
         return ids, (np.concatenate(kept) if kept else np.zeros((0, 1 + 2 * n_probs), dtype=np.float32))
 
     def _decode(self, batch: Batch, greedy: bool, sampling: SamplingRows | None = None,
-                defer: bool = False, ahead: int = 0, tokens: Callable[[], np.ndarray] | None = None) -> list[np.ndarray]:
+                defer: bool = False, ahead: int = 0,
+                tokens: Callable[[], np.ndarray] | None = None) -> list[np.ndarray]:
         """What each micro-batch of `batch` that asked for logits gives back (_fetch), in order; with greedy,
         graphs end in the logits' argmax, with sampling in ops.sample. With defer the last micro-batch is left
         computing (in _inflight, not in the list). A decode left computing before is waited for first; with

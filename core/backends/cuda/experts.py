@@ -7,11 +7,12 @@ with ids. A prompt's slots are grouped by expert on the device (moe_group: count
 each expert), then one grouped GEMM multiplies each expert's weights by its slots' activations: for a type
 with a scale per 32 weights (MMQ_TYPES) mmq_idt meets the weights' quants with the q8_1 activations on int8
 tensor cores in ggml's tile layout (matmul.cu's mmqt: 64 rows of an expert by 16..64 of its slots a block, each
-chunk of K staged in shared memory once), as ggml's mmq with ids (it replaced mmq_id, 16 rows a block, 3-4x slower on an H200); other types' weight tiles are decoded to f16 against f16 activations
-(mmid_tc). Every launch has a fixed grid, so the step is captured in a CUDA graph like any other: mmq_idt's blocks
-take the tiles of moe_group's list (an expert's slots BN at a time, however many it holds) and blocks past its end
-return at once; mmid_tc's blocks past an expert's slots return at once. (mmid_tc decoded each weight element alone and took 0.85 ms for one
-qwen3-30b-a3b layer's gate product of 512 tokens on an H200, ~7 TFLOP/s.) A decode step's experts' bias rows
+chunk of K staged in shared memory once), as ggml's mmq with ids (it replaced mmq_id, 16 rows a block, 3-4x
+slower on an H200); other types' weight tiles are decoded to f16 against f16 activations (mmid_tc). Every
+launch has a fixed grid, so the step is captured in a CUDA graph like any other: mmq_idt's blocks take the
+tiles of moe_group's list (an expert's slots BN at a time, however many it holds) and blocks past its end
+return at once; mmid_tc's blocks past an expert's slots return at once. (mmid_tc decoded each weight element
+alone and took 0.85 ms for one qwen3-30b-a3b layer's gate product of 512 tokens on an H200, ~7 TFLOP/s.) A decode step's experts' bias rows
 (gpt-oss: get_rows of the bias by the ids, then add; bias_adds.py) are added by mmvq_id's kernel as it stores,
 and gate and up with theirs by one kernel with the gated unit after them.
 """

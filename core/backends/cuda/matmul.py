@@ -11,8 +11,8 @@ of 32 or 64 weight rows by 16..128 token rows, each chunk of K's weights and act
 shared memory once for all its warps; the tile chosen to fill the GPU, _mt_tile), up to three weights of
 one type in one launch. More token rows, or other types: the weight is decoded to f16 one tile of rows
 at a time into scratch and multiplied by cuBLAS (f32 accumulation; through blas.py, which CUDA graphs
-capture), the activations converted to f16 once; an F32 weight is multiplied as it is, in f32. Products of two float operands (attention without the fused op) run a plain strided
-kernel. A decode product's kernel also does the bias add after it (bias_adds.py; mmvq_bias, gemv_bias).
+capture), the activations converted to f16 once; an F32 weight is multiplied as it is, in f32. Products of
+two float operands (attention without the fused op) run a plain strided kernel. A decode product's kernel also does the bias add after it (bias_adds.py; mmvq_bias, gemv_bias).
 """
 from __future__ import annotations
 
