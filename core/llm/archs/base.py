@@ -75,9 +75,9 @@ QKV_BIASES = (ATTN_Q_BIAS, ATTN_K_BIAS, ATTN_V_BIAS)
 LLAMA_LAYER = (ATTN_NORM, ATTN_Q, ATTN_K, ATTN_V, ATTN_OUT, FFN_NORM, FFN_GATE, FFN_UP, FFN_DOWN) + QKV_BIASES
 
 
-def has_rope_factors(gf, hp: HParams, names: tuple[str, ...]) -> bool:
-    """Whether the file holds any of the RoPE frequency factor tensors `names` (ggml_rope_ext's freq_factors),
-    each checked to be f32 [n_rot / 2]."""
+def check_rope_factors(gf, hp: HParams, names: tuple[str, ...]) -> bool:
+    """Check that each of the RoPE frequency factor tensors `names` (ggml_rope_ext's freq_factors) the file holds
+    is f32 [n_rot / 2] (one line naming it if not); whether it holds any."""
     for name in names:
         info = gf.tensors.get(name)
         if info is not None and (info.shape != (hp.n_rot // 2,) or info.qtype.name != "F32"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ggrun.core import ops
 from ggrun.core.llm import blocks
-from ggrun.core.llm.archs.base import Arch, has_rope_factors
+from ggrun.core.llm.archs.base import Arch, check_rope_factors
 from ggrun.core.llm.blocks import Build
 from ggrun.core.llm.hparams import HParams
 from ggrun.core.llm.weights import Weights
@@ -20,7 +20,7 @@ class Llama(Arch):
 
     def hparams(self, gf) -> HParams:
         hp = super().hparams(gf)
-        has_rope_factors(gf, hp, (ROPE_FREQS,))
+        check_rope_factors(gf, hp, (ROPE_FREQS,))
         return hp
 
     def rope_factors(self, w: Weights, hp: HParams, n_ctx: int) -> Tensor | None:

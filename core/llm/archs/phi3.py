@@ -14,7 +14,7 @@ import math
 from ggrun.core import ops
 from ggrun.core.llm import blocks
 from ggrun.core.llm.archs import base
-from ggrun.core.llm.archs.base import Arch, TensorSpec, has_rope_factors
+from ggrun.core.llm.archs.base import Arch, TensorSpec, check_rope_factors
 from ggrun.core.llm.blocks import Build
 from ggrun.core.llm.checks import Key, MAX_CONTEXT
 from ggrun.core.llm.hparams import HParams
@@ -38,7 +38,7 @@ class Phi3(Arch):
         """With LongRoPE's factors, each f32 [n_rot / 2], and the attention factor as a RoPE scale (ops.Yarn
         without its ramp: ggml's mscale)."""
         hp = super().hparams(gf)
-        if has_rope_factors(gf, hp, ROPE_FACTORS):
+        if check_rope_factors(gf, hp, ROPE_FACTORS):
             hp.extra["yarn"] = ops.Yarn(0.0, hp.extra["rope_attn_factor"], 32.0, 1.0,
                                         hp.extra["n_ctx_orig"] or hp.n_ctx_train)
         return hp
