@@ -292,11 +292,40 @@ FAMILY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 LONGROPE_ATTN_FACTOR = 1.1902  # Phi-3-mini-128k's: sqrt(1 + ln(131072 / 4096) / ln(4096))
 
 
-def family_options(name: str) -> tuple[str, dict[str, Any]]:
-    """The family and write_tiny_family's options of a tiny model's name: a family (FAMILY_PRESETS) or a variant
-    (FAMILY_VARIANTS)."""
+# What a tiny model stored in a block type (8-bit activation rounding, as ggml's vec_dot types) adds to its family's
+# preset: a bigram echo, so that its top tokens lead by more than that rounding moves them. On the plain models the
+# rounding alone (llama.cpp against itself at -ub 16, or any two kernels whose float sums differ in the last bit:
+# a rounding step that flips then feeds the next product) moves the top token at 3-8% of positions, where the top
+# two logits are near ties. The echo makes the model predict, after token t, a fixed other token perm[t] (the
+# output rows of _echo_rows over an embedding `embd_scale` times the others' size, so that it stays a large part
+# of the stream): at ~85-98% of positions that token leads by several logits' spread, and the layers still shape
+# the rest of the distribution, where a wrong formula shows in the KL divergence (scripts/bench/arch_vs_llama.py
+# --mutations). gpt-oss's experts (biases, clamped SwiGLU) write ~10x more into the stream, so its embedding is
+# 10x larger again. The gemmas tie their head to the embedding (which they scale by sqrt(n_embd)), so their echo is
+# the input token itself, and their post-norms are left near 1 instead of `post_norm`'s 4. The F32 and F16
+# models stay plain: without activation rounding they agree with llama.cpp to the last bits, and the layers alone
+# rank every top token there.
+QUANTIZED_OPTIONS: dict[str, dict[str, Any]] = {
+    "gemma2": {"post_norm": 1.0}, "gemma3": {"post_norm": 0.9}, "gpt-oss": {"embd_scale": 100.0, "echo": 1.0},
+}
+QUANTIZED_DEFAULT = {"embd_scale": 10.0, "echo": 1.0}
+
+
+def family_options(name: str, weight_type: QT = QT.F32) -> tuple[str, dict[str, Any]]:
+    """The family and write_tiny_family's options of a tiny model's name, a family (FAMILY_PRESETS) or a variant
+    (FAMILY_VARIANTS), stored as `weight_type` (a block type adds QUANTIZED_OPTIONS)."""
     arch, options = FAMILY_VARIANTS.get(name, (name, {}))
-    return arch, FAMILY_PRESETS[arch] | options
+    quantized = QT(weight_type) not in (QT.F32, QT.F16)
+    return arch, FAMILY_PRESETS[arch] | options | (QUANTIZED_OPTIONS.get(arch, QUANTIZED_DEFAULT) if quantized else {})
+
+
+def _echo_rows(embd: np.ndarray, scale: float, seed: int) -> np.ndarray:
+    """Rows that make the output head predict, after token t, token perm[t] (a fixed random permutation): row
+    perm[t] is t's embedding as a unit vector times `scale`."""
+    perm = np.random.default_rng(seed + 1).permutation(len(embd))
+    rows = np.empty_like(embd)
+    rows[perm] = embd / np.linalg.norm(embd, axis=1, keepdims=True)
+    return rows * np.float32(scale)
 
 
 def _add_longrope(tensors: dict[str, Any], metadata: dict[str, Any], half: int, n_ctx_orig: int) -> None:
@@ -313,6 +342,7 @@ def write_tiny_family(path: str | os.PathLike[str], arch: str, *, n_layer: int =
                       n_vocab: int | None = None, weight_type: QT = QT.F32, peak: float = 4.0,
                       post_norm: float = 4.0, router_scale: float = 8.0, sliding_window: int = 16, tied_output: bool = False,
                       rope_base: float = 10000.0, seed: int = 0, longrope: int = 0, rope_freqs: bool = False,
+                      echo: float = 0.0, embd_scale: float = 1.0,
                       extra_metadata: Mapping[str, Any] | None = None,
                       edit: Callable[[dict[str, Any]], None] | None = None, arch_name: str | None = None) -> Path:
     """Write a small model of family `arch` (FAMILIES) with random weights and the tiny BPE tokenizer.
@@ -327,7 +357,9 @@ def write_tiny_family(path: str | os.PathLike[str], arch: str, *, n_layer: int =
     expert, in llama.cpp as in ggrun) are rare. Matrices are stored in
     `weight_type` (FAMILY_WEIGHT_TYPES). With `longrope` (phi3), LongRoPE's factors and keys, its original
     context that many tokens (_add_longrope); with `rope_freqs` (llama), Llama 3's frequency factors (f32
-    [n_rot / 2] from 1 to 8 over the pairs). Changed on purpose: `edit` changes the dict of tensors in place
+    [n_rot / 2] from 1 to 8 over the pairs). With `echo`, the head (not a tied one) also predicts a fixed token
+    after each token (_echo_rows, `echo` times the random rows' size); `embd_scale` scales the embedding
+    (QUANTIZED_OPTIONS says why both). Changed on purpose: `edit` changes the dict of tensors in place
     before it is written, and `arch_name` writes the file as another general.architecture (its keys too)."""
     weight_type = QT(weight_type)
     if arch not in FAMILIES:
@@ -341,14 +373,20 @@ def write_tiny_family(path: str | os.PathLike[str], arch: str, *, n_layer: int =
     rng = np.random.default_rng(seed)
     head = "output_norm.weight" if config.tied else "output.weight"
     tensors = {}
+    embd = None
     for name, shape in config.tensor_shapes().items():
         if name.endswith(".bias"):
             tensors[name] = (0.5 * rng.standard_normal(shape)).astype(np.float32)
             continue
+        if name == "token_embd.weight":
+            embd = _draw(rng, shape, embd_scale)
+            tensors[name] = _encode(embd, weight_type)
+            continue
         post = name.endswith(("post_attention_norm.weight", "post_ffw_norm.weight"))
         router = name.endswith("ffn_gate_inp.weight")  # stays F32, as in quantized files; scaled by `router`
+        add = _echo_rows(embd, echo * peak, seed) if name == head and echo and len(shape) == 2 else None
         tensors[name] = _random_weight(rng, shape, QT.F32 if router else weight_type,
-                                       scale=peak if name == head else router_scale if router else 1.0)
+                                       scale=peak if name == head else router_scale if router else 1.0, add=add)
         if name == head and len(shape) == 1 or post:
             tensors[name] *= np.float32(peak if name == head else post_norm)
     metadata = config.metadata() | tok_meta
@@ -802,12 +840,21 @@ def write_variant(path: str | os.PathLike[str], config: LlamaConfig | Gemma3Conf
 
 
 def _random_weight(rng: np.random.Generator, shape: tuple[int, ...], qtype: QT,
-                   scale: float = 1.0) -> np.ndarray | QuantizedTensor:
+                   scale: float = 1.0, add: np.ndarray | None = None) -> np.ndarray | QuantizedTensor:
     if len(shape) == 1:
         return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    values = _draw(rng, shape, scale)
+    return _encode(values if add is None else values + add.astype(np.float32), qtype)
+
+
+def _draw(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 1.0) -> np.ndarray:
+    """A matrix's f32 values N(0, scale^2 / fan_in)."""
     values = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
-    if scale != 1.0:
-        values = values * np.float32(scale)
+    return values * np.float32(scale) if scale != 1.0 else values
+
+
+def _encode(values: np.ndarray, qtype: QT) -> np.ndarray | QuantizedTensor:
+    """f32 values stored as `qtype` (F32, F16 or a block type the writer encodes)."""
     if qtype == QT.F32:
         return values
     if qtype == QT.F16:

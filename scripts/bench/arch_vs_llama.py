@@ -30,6 +30,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -46,10 +47,44 @@ TEXT = ROOT / "tests" / "data" / "ppl_prose.txt"
 DATA = ROOT / "tests" / "data" / "families_llama_cpp.json"
 N_CTX = 128
 _QUIET = None  # llama.cpp's log callback (silent)
-SAVED_CHUNKS = 2  # chunks of llama.cpp's log-probabilities kept in the test data (63 positions each)
+SAVED_CHUNKS = 4  # chunks of llama.cpp's log-probabilities kept in the test data (63 positions each)
 # The block type each family's files ship in (Q4_K unless named), and the lookup-table types tried on llama too.
 SHIPPED = {"gpt-oss": "MXFP4"}
 LUT4_ON_LLAMA = ("IQ4_NL", "IQ4_XS", "MXFP4")
+
+
+def _drop_biases(tensors: dict) -> None:
+    for name in [n for n in tensors if n.endswith(".bias")]:
+        del tensors[name]
+
+
+def _unit_rope_factors(tensors: dict) -> None:
+    for name in [n for n in tensors if n.startswith("rope_factors_") or n == "rope_freqs.weight"]:
+        tensors[name] = np.ones_like(tensors[name])
+
+
+# Wrong formulas, each made by changing the file ggrun reads (not llama.cpp's): ggrun scores the changed model
+# against llama.cpp's log-probabilities of the right one (--mutations), to show what the table's bars catch.
+# (name, the families or variants it applies to (None: all), the options it changes given the family and the
+# model's own options)
+MUTATIONS: tuple[tuple[str, tuple[str, ...] | None, Callable[[str, dict], dict]], ...] = (
+    ("RoPE base x10", None, lambda arch, o: {"rope_base": 10 * o.get("rope_base", 10000.0)}),
+    ("sliding window x2", ("gemma2", "gemma3", "gpt-oss"),
+     lambda arch, o: {"sliding_window": 2 * o.get("sliding_window", 16)}),
+    ("biases left out", ("qwen2",), lambda arch, o: {"edit": _drop_biases}),
+    ("one expert a token", ("qwen3moe", "gpt-oss"),
+     lambda arch, o: {"extra_metadata": {f"{arch}.expert_used_count": 1}}),
+    ("soft-caps x2", ("gemma2",), lambda arch, o: {"extra_metadata": {"gemma2.attn_logit_softcapping": 3.0,
+                                                                       "gemma2.final_logit_softcapping": 30.0}}),
+    ("RoPE factors ones", ("phi3+longrope_short", "phi3+longrope_long", "llama+rope_freqs"),
+     lambda arch, o: {"edit": _unit_rope_factors}),
+)
+
+
+def mutated(fam: str, arch: str, options: dict) -> list[tuple[str, dict]]:
+    """The MUTATIONS that apply to a model, each as write_tiny_family's options."""
+    return [(name, options | change(arch, options)) for name, where, change in MUTATIONS
+            if where is None or fam in where]
 
 
 def default_types(family: str) -> list[str]:
@@ -146,6 +181,11 @@ def compare(bin_dir: Path, model: Path, base: Path, chunks: int, threads: int, v
     else:
         run([str(bin_dir / "llama-perplexity"), "-m", str(model), "-f", str(TEXT), "-c", str(N_CTX), "--chunks",
              str(chunks), "-t", str(threads), "--kl-divergence-base", str(base)])
+    return ggrun_kld(model, base, threads)
+
+
+def ggrun_kld(model: Path, base: Path, threads: int) -> dict:
+    """`ggrun perplexity --kl-divergence` of a model against saved log-probabilities."""
     proc = run([*ggrun_cmd(), "perplexity", "-m", str(model), "--kl-divergence-base", str(base), "--kl-divergence",
                 "-t", str(threads), "-o", "json"])
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -191,6 +231,8 @@ def main() -> None:
     ap.add_argument("--via-lib", action="store_true", help="score with libllama.so (no llama-perplexity needed)")
     ap.add_argument("--noise", action="store_true",
                     help="with --via-lib, add llama.cpp against itself at -ub 16 (its own noise floor)")
+    ap.add_argument("--mutations", action="store_true",
+                    help="also score changed files (MUTATIONS: wrong formulas) against llama.cpp's base of each model")
     ap.add_argument("--save-data", action="store_true", help=f"write llama.cpp's results to {DATA.relative_to(ROOT)}")
     a = ap.parse_args()
     bin_dir = Path(a.llama_bin)
@@ -204,7 +246,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for fam in a.families:
             for type_name in a.types or default_types(fam):
-                arch, options = family_options(fam)
+                arch, options = family_options(fam, QT[type_name])
                 model = write_tiny_family(Path(tmp) / f"{fam}-{type_name}.gguf", arch, weight_type=QT[type_name],
                                           **options)
                 base = Path(tmp) / f"{fam}-{type_name}.kld"
@@ -218,6 +260,11 @@ def main() -> None:
                     floor = f"  {n_kld:20.6f} {n_same:9.2%}"
                 print(f"{fam:8} {type_name:5} {kld:10.6f} {rec['kld_99']:9.5f} {rec['kld_max']:9.5f} {same:9.2%}  "
                       f"{'yes' if ok else 'NO '}{floor}", flush=True)
+                for name, changed in mutated(fam, arch, options) if a.mutations else ():
+                    wrong = write_tiny_family(Path(tmp) / "mutated.gguf", arch, weight_type=QT[type_name], **changed)
+                    rec = ggrun_kld(wrong, base, a.threads)
+                    print(f"  {name:28} {rec['kld'][0]:10.6f} {rec['kld_99']:9.5f} {rec['kld_max']:9.5f} "
+                          f"{rec['same_top_p'][0]:9.2%}  {'caught' if rec['kld'][0] > 0.005 else 'MISSED'}", flush=True)
                 if a.save_data:  # after each model: a long run interrupted keeps what it measured
                     data[f"{fam}/{type_name}"] = saved_positions(base, min(SAVED_CHUNKS, a.chunks))
                     save(data, a.via_lib)

@@ -39,7 +39,7 @@ def prepare(out: Path, bin_dir: Path, threads: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for case in cases():
         name, type_name = case.split("/")
-        arch, options = family_options(name)
+        arch, options = family_options(name, QT[type_name])
         model = write_tiny_family(out / f"{name}-{type_name}.gguf", arch, weight_type=QT[type_name], **options)
         run([str(bin_dir / "llama-perplexity"), "-m", str(model), "-f", str(TEXT), "-c", str(N_CTX), "--chunks",
              str(CHUNKS), "-t", str(threads), "--kl-divergence-base", str(model.with_suffix(".kld"))])

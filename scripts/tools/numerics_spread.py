@@ -55,7 +55,7 @@ def main() -> None:
         if type_name in ("F32", "F16"):
             continue
         ref = refs[case]
-        family, options = family_options(arch)
+        family, options = family_options(arch, QT[type_name])
         path = write_tiny_family(a.out / f"spread_{arch}_{type_name}.gguf", family, **options,
                                  weight_type=QT[type_name])
         rounded = greedy(path, ref["tokens"], ref["n_ctx"], "llama")
