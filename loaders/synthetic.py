@@ -319,6 +319,12 @@ def family_options(name: str, weight_type: QT = QT.F32) -> tuple[str, dict[str, 
     return arch, FAMILY_PRESETS[arch] | options | (QUANTIZED_OPTIONS.get(arch, QUANTIZED_DEFAULT) if quantized else {})
 
 
+def drop_biases(tensors: dict[str, Any]) -> None:
+    """write_tiny_family's `edit` that leaves every bias out (a model that adds none where its family does)."""
+    for name in [n for n in tensors if n.endswith(".bias")]:
+        del tensors[name]
+
+
 def _echo_rows(embd: np.ndarray, scale: float, seed: int) -> np.ndarray:
     """Rows that make the output head predict, after token t, token perm[t] (a fixed random permutation): row
     perm[t] is t's embedding as a unit vector times `scale`."""

@@ -10,6 +10,9 @@ below the 16 nats of log-probability the saved file keeps, so the two would not 
 Speed on a family's real shape is bench_cpu.py's (`--models qwen3-0.6b:q4_k`: loaders/synthetic.py SPEED_PRESETS,
 llama-bench and ggrun bench alternating).
 
+`--mutations` also scores wrong formulas (MUTATIONS: files changed for ggrun only) against llama.cpp's base of the
+right model, one row each under the model's: what the bars catch.
+
 `--save-data` also writes llama.cpp's top token and log-probabilities at every scored position
 (tests/data/families_llama_cpp.json), which tests/llm/test_families.py checks ggrun against without llama.cpp.
 
@@ -38,7 +41,7 @@ from gguf.constants import GGMLQuantizationType as QT
 from ppl_vs_llama import ggrun_cmd, run  # this folder, beside this script
 
 from ggrun.core.llm.kl_divergence import KLStats, LogProbReader, dequantize_log_probs
-from ggrun.loaders.synthetic import FAMILY_PRESETS, family_options, write_tiny_family
+from ggrun.loaders.synthetic import FAMILY_PRESETS, drop_biases, family_options, write_tiny_family
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,11 +54,6 @@ SAVED_CHUNKS = 4  # chunks of llama.cpp's log-probabilities kept in the test dat
 # The block type each family's files ship in (Q4_K unless named), and the lookup-table types tried on llama too.
 SHIPPED = {"gpt-oss": "MXFP4"}
 LUT4_ON_LLAMA = ("IQ4_NL", "IQ4_XS", "MXFP4")
-
-
-def _drop_biases(tensors: dict) -> None:
-    for name in [n for n in tensors if n.endswith(".bias")]:
-        del tensors[name]
 
 
 def _unit_rope_factors(tensors: dict) -> None:
@@ -71,7 +69,7 @@ MUTATIONS: tuple[tuple[str, tuple[str, ...] | None, Callable[[str, dict], dict]]
     ("RoPE base x10", None, lambda arch, o: {"rope_base": 10 * o.get("rope_base", 10000.0)}),
     ("sliding window x2", ("gemma2", "gemma3", "gpt-oss"),
      lambda arch, o: {"sliding_window": 2 * o.get("sliding_window", 16)}),
-    ("biases left out", ("qwen2",), lambda arch, o: {"edit": _drop_biases}),
+    ("biases left out", ("qwen2",), lambda arch, o: {"edit": drop_biases}),
     ("one expert a token", ("qwen3moe", "gpt-oss"),
      lambda arch, o: {"extra_metadata": {f"{arch}.expert_used_count": 1}}),
     ("soft-caps x2", ("gemma2",), lambda arch, o: {"extra_metadata": {"gemma2.attn_logit_softcapping": 3.0,

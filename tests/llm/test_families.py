@@ -22,7 +22,7 @@ from ggrun.core.llm.model import Model
 from ggrun.core.llm.perplexity import ChunkPlan, evaluate_chunks, token_nll
 from ggrun.core.llm.session import Session, SessionParams
 from ggrun.loaders.gguf_file import open_gguf
-from ggrun.loaders.synthetic import FAMILY_PRESETS, family_options, write_tiny_family, written_once
+from ggrun.loaders.synthetic import FAMILY_PRESETS, drop_biases, family_options, write_tiny_family, written_once
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "families_llama_cpp.json"
 PROMPT = [104, 101, 108, 108, 111, 256, 263, 32, 119, 275, 10, 66, 200, 7, 268, 258, 111, 33, 120, 99,
@@ -48,11 +48,6 @@ def logits_of(model: Model, tokens: list[int], n_ubatch: int = 512, graph_reuse:
     for i, t in enumerate(tokens):
         b.add(t, i, 0, True)
     return s.decode(b)
-
-
-def drop_biases(tensors: dict) -> None:
-    for name in [n for n in tensors if n.endswith(".bias")]:
-        del tensors[name]
 
 
 def shrink_rope_factors(tensors: dict) -> None:
