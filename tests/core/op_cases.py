@@ -767,7 +767,7 @@ def moe_cases() -> list[OpCase]:
                      ELEMENTWISE, CUDA) for norm in (False, True) for n in (1, 33)]
     cases += [OpCase(f"swiglu_oai-n{n}", _swiglu_oai(n, 2880, 6.0), GATED, CUDA) for n in (1, 33)]
     cases += [OpCase(f"soft_max-sinks-n{n}", _soft_max_sinks(8, n, 77), ELEMENTWISE, CUDA) for n in (1, 7)]
-    cases += [OpCase(f"rope-yarn-ext{e}-n{n}", _rope_yarn(n, e, 1 / 32), ROPE, CUDA)
+    cases += [OpCase(f"rope-yarn-ext{e}-n{n}", _rope_yarn(n, e, 1 / 32), ROPE, BOTH)
               for e in (1.0, 0.0) for n in (1, 9)]
     cases += [OpCase(f"mul_mat_id-bias-{t}-n{n}-{'slots' if per_slot else 'tokens'}", _expert_bias(t, n, per_slot),
                      MUL_MAT, CUDA, fused="mmvq_id+bias")

@@ -20,6 +20,7 @@ from ggrun.core.backends.cpu.kv_quant import CACHE_TYPES, code_of, hadamard, loa
 from ggrun.core.backends.cpu.norm import inv_rms
 from ggrun.core.backends.cpu.vecmath import to_stored
 from ggrun.core.backends.cpu.warmup import ROPE_FACTORS, kv, readonly, warms
+from ggrun.core.backends.kernels import yarn_corr_dims
 from ggrun.core.dtypes import DType
 from ggrun.core.ops import ROPE_NEOX
 
@@ -35,11 +36,14 @@ def _angles(p, n_dims, theta_scale, freq_scale, cos, sin):
 
 
 @kernel(inline="always")
-def _angles_ff(p, n_dims, theta_scale, freq_scale, ff, mscale, cos, sin):
-    """_angles with each pair's theta divided by its frequency factor ff[i] first, cos and sin times mscale."""
+def _angles_ff(p, n_dims, theta_scale, freq_scale, ff, mix, mscale, cos, sin):
+    """_angles with each pair's theta divided by its frequency factor ff[i] first, then (YaRN's ramp, ggml's
+    rope_yarn) mix[i] of the original angle and the rest of the interpolated one, cos and sin times mscale.
+    Zeros in mix give the interpolated angle's bits."""
     theta = np.float32(p)
     for i in range(n_dims // 2):
-        a = freq_scale * (theta / ff[i])
+        extrap = theta / ff[i]
+        a = freq_scale * extrap * (np.float32(1.0) - mix[i]) + extrap * mix[i]
         cos[i] = math.cos(a) * mscale
         sin[i] = math.sin(a) * mscale
         theta *= theta_scale
@@ -72,15 +76,15 @@ def _source(x, w, eps, use_norm, row):
 
 
 @kernel
-def rope_rows(x, pos, n_dims, neox, theta_scale, freq_scale, ff, mscale, scale, w, eps, use_norm, out):
+def rope_rows(x, pos, n_dims, neox, theta_scale, freq_scale, ff, mix, mscale, scale, w, eps, use_norm, out):
     """out[t, h] = x[t, h] (normalised times w when use_norm) rotated at position pos[t], times scale; each
-    pair's angle divided by its frequency factor ff[i] (ones without factors: the same bits), cos and sin times
-    mscale (_angles_ff)."""
+    pair's angle divided by its frequency factor ff[i] (ones without factors: the same bits) and mixed by YaRN's
+    ramp mix[i] (zeros without one), cos and sin times mscale (_angles_ff)."""
     cos = np.empty(n_dims // 2, dtype=np.float32)
     sin = np.empty(n_dims // 2, dtype=np.float32)
     row = np.empty(x.shape[2], dtype=np.float32)
     for t in range(x.shape[0]):
-        _angles_ff(pos[t], n_dims, theta_scale, freq_scale, ff, mscale, cos, sin)
+        _angles_ff(pos[t], n_dims, theta_scale, freq_scale, ff, mix, mscale, cos, sin)
         for h in range(x.shape[1]):
             _rotate(_source(x[t, h], w, eps, use_norm, row), cos, sin, n_dims, neox, scale, out[t, h])
 
@@ -170,13 +174,29 @@ def _f32_rows(node, i: int, a: np.ndarray) -> bool:
     return node.srcs[i].dtype is DType.F32 and a.flags.c_contiguous
 
 
+def yarn_ramp(yarn, n_dims: int, freq_base: float, freq_scale: np.float32) -> tuple[np.ndarray, np.float32]:
+    """YaRN's share of each pair's original angle (ggml's rope_yarn_ramp times ext_factor, in f32) and the scale
+    of cos and sin (attn_factor, times 1 + 0.1 ln(1 / freq_scale) where ext_factor is not 0)."""
+    half = n_dims // 2
+    if yarn is None:
+        return _ZEROS.setdefault(half, np.zeros(half, dtype=np.float32)), np.float32(1.0)
+    if yarn.ext_factor == 0:
+        return _ZEROS.setdefault(half, np.zeros(half, dtype=np.float32)), np.float32(yarn.attn_factor)
+    low, high = (np.float32(c) for c in yarn_corr_dims(n_dims, yarn.n_ctx_orig, freq_base, yarn.beta_fast,
+                                                         yarn.beta_slow))
+    y = (np.arange(half, dtype=np.float32) - low) / np.maximum(np.float32(0.001), high - low)
+    mix = (np.float32(1.0) - np.minimum(np.float32(1.0), np.maximum(np.float32(0.0), y))) * np.float32(yarn.ext_factor)
+    mscale = np.float32(yarn.attn_factor) * (np.float32(1.0) + np.float32(0.1) * np.log(np.float32(1.0) / freq_scale))
+    return mix.astype(np.float32), np.float32(mscale)
+
+
+_ZEROS: dict[int, np.ndarray] = {}
+
+
 @binds("rope")
 def bind_rope(node, out, srcs, scratch):
-    """rope_rows, with the node's frequency factors (its last source) where it has them; YaRN's ramp is the
-    reference kernel's (a YaRN without one, LongRoPE's, only scales cos and sin)."""
-    yarn = node.params.get("yarn")
-    if yarn is not None and yarn.ext_factor != 0:
-        return None
+    """rope_rows, with the node's frequency factors (its last source) where it has them and YaRN's ramp
+    (yarn_ramp) where it has one."""
     n_dims, neox, theta_scale, freq_scale = _params(node)
     has_factors = "factors" in node.params
     base = srcs[:-1] if has_factors else srcs
@@ -185,9 +205,9 @@ def bind_rope(node, out, srcs, scratch):
     norm = _norm(node, base, 2, x.shape[-1])
     if not (_f32_rows(node, 0, x) and out.flags.c_contiguous and ff.flags.c_contiguous) or norm is None:
         return None
-    mscale = np.float32(yarn.attn_factor if yarn is not None else 1.0)
+    mix, mscale = yarn_ramp(node.params.get("yarn"), n_dims, node.params["freq_base"], freq_scale)
     scale = np.float32(node.params.get("out_scale", 1.0))
-    return lambda: rope_rows(x, pos, n_dims, neox, theta_scale, freq_scale, ff, mscale, scale, *norm, out)
+    return lambda: rope_rows(x, pos, n_dims, neox, theta_scale, freq_scale, ff, mix, mscale, scale, *norm, out)
 
 
 @binds("rope_set_rows")
