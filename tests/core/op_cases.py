@@ -757,8 +757,8 @@ def moe_cases() -> list[OpCase]:
     cases += [OpCase(f"mul_mat_id-skewed-{t}-n{n}", _mul_mat_id_skewed(t, n, 16, 4), MUL_MAT, CUDA)
               for t in (DType.Q4_K, DType.IQ4_NL) for n in (70, 200)]
     cases += [OpCase(f"mul_mat_id-gated-{glu}-{t}-n{n}", _gated_experts(t, n, glu), GLU, CUDA,
-                     fused="mmvq_id_glu" if n <= 8 else "")
-              for glu in ("swiglu", "geglu") for t in (DType.Q4_K, DType.MXFP4) for n in (1, 2, 9)]
+                     fused="mmvq_id_glu" if n <= 8 else "mmq_idt_pair")
+              for glu in ("swiglu", "geglu") for t in (DType.Q4_K, DType.MXFP4) for n in (1, 2, 9, 40)]
     cases += [OpCase(f"moe-weighted-sum-k{k}-n{n}", _weighted_sum(n, k, 96), ELEMENTWISE, CUDA)
               for k in (1, 2, 4, 8) for n in (1, 7)]
     cases += [OpCase(f"moe_topk-{e}-k{k}-n{n}", _moe_routing("moe_topk", n, e, k), EXACT, CUDA)

@@ -55,17 +55,19 @@ BIAS_FUSIONS = (matmul._product_bias, experts._gated_experts_bias, experts._expe
                 ops._bias_rope_set_rows, ops._bias_set_rows)
 
 
-def decode_steps(path, device: int) -> tuple[list[np.ndarray], Counter]:
+def decode_steps(path, device: int) -> tuple[list[np.ndarray], Counter, Counter]:
     """A prompt, then four decode steps of one token on the GPU: every step's logits, and how many steps of each
-    name the last decode graph bound (a node a fused kernel takes binds an empty step of its op's name)."""
+    name the prompt's graph and the last decode graph bound (a node a fused kernel takes binds an empty step of its
+    op's name)."""
     gpu = CUDABackend(device)
     s = Session(Model.load(path, [gpu, CPUBackend()], 99), SessionParams(n_ctx=64))
     prompt = list(range(3, 20))
     out = [s.decode(Batch.of_sequence(prompt, 0)).copy()]
+    names = [Counter(step.name for sp in s.result.sg.splits if sp.backend is gpu for step in sp.calls.steps)]
     for i in range(4):
         out.append(s.decode(Batch.of_sequence([20 + i], len(prompt) + i)).copy())
-    names = Counter(step.name for sp in s.result.sg.splits if sp.backend is gpu for step in sp.calls.steps)
-    return out, names
+    names.append(Counter(step.name for sp in s.result.sg.splits if sp.backend is gpu for step in sp.calls.steps))
+    return out, *names
 
 
 @pytest.mark.parametrize("device", device_indices())
@@ -73,10 +75,13 @@ def test_qwen3moe_decode_binds_its_fused_experts(family_factory, device):
     """qwen3moe's decode steps (Q4_K) run a layer's gate and up experts with their SwiGLU as one mmvq_id_glu launch
     and the weighting and sum of the experts' outputs as one moe_sum launch: the gated launch once kept its q8_1
     activations in the gate's scratch, which the planner may give to the up product's result, and then fell back to
-    three kernels (as in every layer of a 48-layer Qwen3-30B-A3B-shaped model)."""
+    three kernels (as in every layer of a 48-layer Qwen3-30B-A3B-shaped model). Its prompt's gate and up experts
+    share one quantization and grouping (mmq_idt_pair) in every layer too, but the last, which computes only the
+    row the logits need (a decode step's mmvq_id_glu)."""
     path = family_factory(arch="qwen3moe", weight_type=QT.Q4_K)
-    _, names = decode_steps(path, device)
+    _, prompt, names = decode_steps(path, device)
     assert names["mmvq_id_glu"] == names["swiglu"] == names["moe_sum"] > 0, names  # a fused node keeps its name
+    assert prompt["mmq_idt_pair"] > 0 and prompt["mmq_idt_pair"] + prompt["mmvq_id_glu"] == prompt["swiglu"], prompt
 
 
 @pytest.mark.parametrize("device", device_indices())
@@ -84,10 +89,10 @@ def test_gpt_oss_decode_with_its_bias_adds_fused_as_without(family_factory, devi
     """gpt-oss's decode steps (MXFP4): with its bias adds done inside the kernels beside them (the q/k/v, output
     and router products', the experts', RoPE's) the logits are the unfused kernels', up to float rounding."""
     path = family_factory(arch="gpt-oss", weight_type=QT.MXFP4)
-    fused, names = decode_steps(path, device)
+    fused, _, names = decode_steps(path, device)
     assert {"mul_mat_multi+bias", "mul_mat+bias", "rope+bias", "mmvq_id_glu+bias", "mmvq_id+bias"} <= set(names), names
     monkeypatch.setattr(cuda_backend, "FUSIONS", [f for f in cuda_backend.FUSIONS if f[1] not in BIAS_FUSIONS])
-    plain, names = decode_steps(path, device)
+    plain, _, names = decode_steps(path, device)
     assert not any("+bias" in n for n in names), names
     for f, p in zip(fused, plain):
         np.testing.assert_allclose(f, p, rtol=1e-5, atol=1e-5)

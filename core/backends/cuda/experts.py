@@ -14,15 +14,16 @@ tiles of moe_group's list (an expert's slots BN at a time, however many it holds
 return at once; mmid_tc's blocks past an expert's slots return at once. (mmid_tc decoded each weight element
 alone and took 0.85 ms for one qwen3-30b-a3b layer's gate product of 512 tokens on an H200, ~7 TFLOP/s.) A decode step's experts' bias rows
 (gpt-oss: get_rows of the bias by the ids, then add; bias_adds.py) are added by mmvq_id's kernel as it stores,
-and gate and up with theirs by one kernel with the gated unit after them.
+and gate and up with theirs by one kernel with the gated unit after them. A prompt's gate and up products share
+one quantization of the activations and one grouping of the slots (the step mmq_idt_pair).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ggrun.core.backends.bias_adds import ExpertBias, expert_bias
-from ggrun.core.backends.cuda.binding import (Launch, binds, disjoint, estrides, f32, fuses, grid1d, i32, i64,
-                                              launch_step, ptr, rows_of, writes_apart)
+from ggrun.core.backends.cuda.binding import (TABLE, Launch, binds, disjoint, estrides, f32, fuses, grid1d, i32, i64,
+                                              launch_step, launches_of, ptr, rows_of, writes_apart)
 from ggrun.core.backends.cuda.handoff import Q8_1_BYTES, SLOT_BYTES
 from ggrun.core.backends.cuda.matmul import (GEMV_MAX_ROWS, WARPS, mt_bytes, mt_kernel, mt_quantize,
                                              quantize_launch)
@@ -103,25 +104,12 @@ def _mul_mat_id(node: Tensor, out, srcs, scratch, backend):
                            Launch(fn, (-(-m // WARPS), t * k), (32 * WARPS,), args))
     if k_cols % 8:
         return None
+    grouped = _grouped_mmq(node, out, srcs, scratch)
+    if grouped is not None:
+        return launch_step(node.op, *grouped)
     offs = scratch.data.ptr
-    cursor, slots = offs + (n_expert + 1) * 4, offs + (2 * n_expert + 1) * 4
-    tile_list = slots + t * k * 4
+    slots = offs + (2 * n_expert + 1) * 4
     x16 = offs + _group_bytes(n_expert, t * k)
-
-    def group(bn: int) -> Launch:  # with bn, the list of mmq_idt's tiles of bn slots too
-        return Launch(kernel("matmul.cu", "moe_group"), (1,), (1024,),
-                      (ptr(ids), np.uint64(offs), np.uint64(cursor), np.uint64(slots), i32(t), i32(k), i64(ldi),
-                       i32(n_expert), i32(bn), np.uint64(tile_list if bn else 0)), n_expert * 4)
-    if k_cols % 32 == 0 and qt.name in MMQ_TYPES:
-        quantize, q, scales = mt_quantize(b, ldb, x16, k_cols, t * b1, [qt])
-        wm, nt = _id_tile(t * k / n_expert)
-        bn = 8 * nt * (8 // wm)
-        fn, smem = mt_kernel("mmq_idt", qt, wm, nt)
-        args = (ptr(w), np.uint64(q), np.uint64(next(iter(scales.values()))), np.uint64(offs), np.uint64(slots),
-                np.uint64(tile_list), ptr(out), i32(k_cols), i64(row_bytes), i64(m * row_bytes), i32(m), i32(k),
-                i32(b1 != 1))
-        return launch_step(node.op, quantize, group(bn),
-                           Launch(fn, (-(-m // (16 * wm)), _max_tiles(n_expert, t * k, bn)), (256,), args, smem))
     grid, block = grid1d(t * b1 * k_cols)
     convert = Launch(kernel("matmul.cu", "f32_to_f16"), grid, block,
                      (ptr(b), np.uint64(x16), i32(k_cols), i64(ldb), i64(t * b1)))
@@ -130,7 +118,42 @@ def _mul_mat_id(node: Tensor, out, srcs, scratch, backend):
             i64(m * row_bytes), i32(m), i32(k), i32(b1 != 1))
     # tiles of slots per expert: sized for a token's experts being distinct (moe_topk's); more loop in a block
     grouped = Launch(fn, (-(-m // ID_M), n_expert, -(-t // ID_N)), (128,), args)
-    return launch_step(node.op, convert, group(0), grouped)
+    return launch_step(node.op, convert, _group(node, ids, scratch, 0), grouped)
+
+
+def _group(node: Tensor, ids, scratch, bn: int) -> Launch:
+    """moe_group into the node's scratch: the slots grouped by expert, and with bn the list of mmq_idt's tiles of bn
+    slots too."""
+    n_expert, _, _, t, k, _ = _case(node)
+    offs = scratch.data.ptr
+    cursor, slots = offs + (n_expert + 1) * 4, offs + (2 * n_expert + 1) * 4
+    return Launch(kernel("matmul.cu", "moe_group"), (1,), (1024,),
+                  (ptr(ids), np.uint64(offs), np.uint64(cursor), np.uint64(slots), i32(t), i32(k),
+                   i64(estrides(ids)[0]), i32(n_expert), i32(bn), np.uint64(slots + t * k * 4 if bn else 0)),
+                  n_expert * 4)
+
+
+def _grouped_mmq(node: Tensor, out, srcs, scratch) -> tuple[Launch, Launch, Launch] | None:
+    """A prompt's experts on int8 tensor cores, for a weight type with a scale per 32 (MMQ_TYPES): the activations
+    quantized into the scratch, the slots grouped (with mmq_idt's tile list), and mmq_idt over the tiles; None for
+    other types and widths."""
+    n_expert, m, k_cols, t, k, b1 = _case(node)
+    qt = node.srcs[0].dtype
+    if k_cols % 32 or qt.name not in MMQ_TYPES:
+        return None
+    w, b, _ = srcs
+    offs = scratch.data.ptr
+    slots = offs + (2 * n_expert + 1) * 4
+    quantize, q, scales = mt_quantize(b, rows_of(b)[2], offs + _group_bytes(n_expert, t * k), k_cols, t * b1, [qt])
+    wm, nt = _id_tile(t * k / n_expert)
+    bn = 8 * nt * (8 // wm)
+    fn, smem = mt_kernel("mmq_idt", qt, wm, nt)
+    row_bytes = qt.row_bytes(k_cols)
+    args = (ptr(w), np.uint64(q), np.uint64(next(iter(scales.values()))), np.uint64(offs), np.uint64(slots),
+            np.uint64(slots + t * k * 4), ptr(out), i32(k_cols), i64(row_bytes), i64(m * row_bytes), i32(m), i32(k),
+            i32(b1 != 1))
+    return (quantize, _group(node, srcs[2], scratch, bn),
+            Launch(fn, (-(-m // (16 * wm)), _max_tiles(n_expert, t * k, bn)), (256,), args, smem))
 
 
 def _id_tile(per_expert: float) -> tuple[int, int]:
@@ -146,10 +169,10 @@ def _gated_experts(nodes: list[Tensor], outs: list, srcs: list, backend):
     mmvq_id_glu launch, after the activations' quantization: each weight row's two products in one warp. The
     q8_1 activations go to an idle hand-off slot (_q8_room), not the gate's scratch, which the planner may give
     to the up product's or the gated unit's result (it did in a 48-layer Qwen3-30B-A3B-shaped model's decode
-    graph, where every layer's three nodes ran unfused)."""
+    graph, where every layer's three nodes ran unfused). A prompt's: _prompt_gated_experts."""
     gate, up, glu = nodes
     case = _case(gate)
-    if (case is None or not _decodes(gate, case) or _case(up) != case or glu.srcs != (gate, up)
+    if (case is None or _case(up) != case or glu.srcs != (gate, up)
             or up.srcs[1] is not gate.srcs[1] or up.srcs[2] is not gate.srcs[2]
             or up.srcs[0].dtype is not gate.srcs[0].dtype or not all(o.flags.c_contiguous for o in outs)):
         return None
@@ -157,6 +180,8 @@ def _gated_experts(nodes: list[Tensor], outs: list, srcs: list, backend):
     rows = rows_of(b)
     if rows is None or ids.strides[1] != ids.itemsize:
         return None
+    if not _decodes(gate, case):
+        return _prompt_gated_experts(nodes, outs, srcs, backend)
     y = _q8_room(gate, case, backend)
     if y is None or not writes_apart(outs, [ids]):
         return None
@@ -168,6 +193,24 @@ def _gated_experts(nodes: list[Tensor], outs: list, srcs: list, backend):
             i64(row_bytes), i64(m * row_bytes), i32(m), i32(k), i64(estrides(ids)[0]), i32(b1 != 1))
     return launch_step("mmvq_id_glu", quantize_launch(b, rows[2], y, k_cols, t * b1),
                        Launch(fn, (-(-m // WARPS), t * k), (32 * WARPS,), args))
+
+
+def _prompt_gated_experts(nodes: list[Tensor], outs: list, srcs: list, backend):
+    """A prompt's gate and up experts' products (mmq_idt each) over one quantization of the activations and one
+    grouping of the slots, then the gated unit: the up node's scratch holds them, as its own would. The planner
+    keeps it apart from the gate's result (alive until the gated unit) and from the up's (written beside it);
+    the gated unit's result may take it, and is written after both products have read it."""
+    gate, up, glu = nodes
+    scratch = backend.array(up.scratch) if up.scratch is not None else None
+    if scratch is None or scratch.nbytes < _scratch(up) or not all(disjoint(scratch, o) for o in outs[:2]):
+        return None
+    first = _grouped_mmq(gate, outs[0], srcs[0], scratch)
+    second = _grouped_mmq(up, outs[1], srcs[1], scratch)
+    unit = TABLE.bind(glu, outs[2], srcs[2], None, backend)
+    gated = launches_of([unit]) if unit is not None else [None]
+    if first is None or second is None or None in gated:
+        return None
+    return launch_step("mmq_idt_pair", *first, second[2], *gated)
 
 
 def _decode_case(node: Tensor, srcs: list) -> tuple | None:
