@@ -6,7 +6,7 @@ quantized to q8_1 once and mmvq_id takes a warp per weight row and a block row p
 with ids. A prompt's slots are grouped by expert on the device (moe_group: counts, offsets, the slots of
 each expert), then one grouped GEMM multiplies each expert's weights by its slots' activations: for a type
 with a scale per 32 weights (MMQ_TYPES) mmq_idt meets the weights' quants with the q8_1 activations on int8
-tensor cores in ggml's tile layout (matmul.cu's mmqt: 64 rows of an expert by 16..64 of its slots a block, each
+tensor cores in ggml's tile layout (matmul.cu's mmqt: 128 rows of an expert by 16 or 32 of its slots a block, each
 chunk of K staged in shared memory once), as ggml's mmq with ids (it replaced mmq_id, 16 rows a block, 3-4x
 slower on an H200); other types' weight tiles are decoded to f16 against f16 activations (mmid_tc). Every
 launch has a fixed grid, so the step is captured in a CUDA graph like any other: mmq_idt's blocks take the
@@ -157,7 +157,7 @@ def _grouped_mmq(node: Tensor, out, srcs, scratch) -> tuple[Launch, Launch, Laun
 
 
 def _id_tile(per_expert: float) -> tuple[int, int]:
-    """mmq_idt's tile (MT_ID_TILES: 64 weight rows by 16, 32 or 64 slots): the fewest slots that hold an expert's
+    """mmq_idt's tile (MT_ID_TILES: 128 weight rows by 16 or 32 slots): the fewest slots that hold an expert's
     average share."""
     return next(((wm, nt) for wm, nt in MT_ID_TILES if per_expert <= 8 * nt * (8 // wm)), MT_ID_TILES[-1])
 
