@@ -311,12 +311,15 @@ QUANTIZED_OPTIONS: dict[str, dict[str, Any]] = {
 QUANTIZED_DEFAULT = {"embd_scale": 10.0, "echo": 1.0}
 
 
-def family_options(name: str, weight_type: QT = QT.F32) -> tuple[str, dict[str, Any]]:
+def family_options(name: str, weight_type: QT = QT.F32, robust: bool | None = None) -> tuple[str, dict[str, Any]]:
     """The family and write_tiny_family's options of a tiny model's name, a family (FAMILY_PRESETS) or a variant
-    (FAMILY_VARIANTS), stored as `weight_type` (a block type adds QUANTIZED_OPTIONS)."""
+    (FAMILY_VARIANTS), stored as `weight_type`: a block type adds QUANTIZED_OPTIONS, and so does any type with
+    `robust` (where two sides round differently though neither rounds to 8 bits: a GPU's f16 tiles against the
+    CPU's f32 products)."""
     arch, options = FAMILY_VARIANTS.get(name, (name, {}))
-    quantized = QT(weight_type) not in (QT.F32, QT.F16)
-    return arch, FAMILY_PRESETS[arch] | options | (QUANTIZED_OPTIONS.get(arch, QUANTIZED_DEFAULT) if quantized else {})
+    if robust is None:
+        robust = QT(weight_type) not in (QT.F32, QT.F16)
+    return arch, FAMILY_PRESETS[arch] | options | (QUANTIZED_OPTIONS.get(arch, QUANTIZED_DEFAULT) if robust else {})
 
 
 def drop_biases(tensors: dict[str, Any]) -> None:

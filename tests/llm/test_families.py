@@ -34,8 +34,8 @@ FAMILIES = sorted(FAMILY_PRESETS)
 def family_factory(tmp_path_factory):
     """write(arch=..., **options) -> path of the family's tiny model (or a variant's: FAMILY_VARIANTS), written once
     per set of options."""
-    def write(path, arch, **options):
-        family, preset = family_options(arch, options.get("weight_type", QT.F32))
+    def write(path, arch, robust=None, **options):
+        family, preset = family_options(arch, options.get("weight_type", QT.F32), robust)
         return write_tiny_family(path, family, **preset, **options)
     return written_once(write, tmp_path_factory.mktemp, "family")
 

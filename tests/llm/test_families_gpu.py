@@ -40,10 +40,12 @@ def test_gpu_agrees_with_cpu(family_factory, case, device):
     activations rounded to 8 bits, per 32 values on the GPU (or not at all: f16 tiles) and per 256 for the
     k-quants on the CPU; their models' bigram echo (loaders/synthetic.py QUANTIZED_OPTIONS) keeps that rounding
     from deciding near ties, which on the plain models it did at 1-20% of positions, in llama.cpp's own CUDA
-    build too (scripts/bench/gpu_agreement.py, stop 47, H100)."""
+    build too (scripts/bench/gpu_agreement.py, stop 47, H100). The float types' models carry it too (robust): the
+    GPU's f16 tiles round where the CPU's f32 products do not, and on the plain gpt-oss model that moved the top
+    token at 2.8% of positions (H100, stop 48)."""
     ref = json.loads(DATA.read_text())[case]
     arch, type_name = case.split("/")
-    path = family_factory(arch=arch) if type_name == "F32" else family_factory(arch=arch, weight_type=QT[type_name])
+    path = family_factory(arch=arch, weight_type=QT[type_name], robust=True)
     cpu = greedy(path, [CPUBackend()], 0, ref["tokens"], ref["n_ctx"])
     gpu = greedy(path, [CUDABackend(device), CPUBackend()], 99, ref["tokens"], ref["n_ctx"])
     same = np.mean(cpu == gpu)
