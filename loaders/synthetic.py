@@ -303,8 +303,8 @@ LONGROPE_ATTN_FACTOR = 1.1902  # Phi-3-mini-128k's: sqrt(1 + ln(131072 / 4096) /
 # --mutations). gpt-oss's experts (biases, clamped SwiGLU) write ~10x more into the stream, so its embedding is
 # 10x larger again. The gemmas tie their head to the embedding (which they scale by sqrt(n_embd)), so their echo is
 # the input token itself, and their post-norms are left near 1 instead of `post_norm`'s 4. The F32 and F16
-# models stay plain: without activation rounding they agree with llama.cpp to the last bits, and the layers alone
-# rank every top token there.
+# models stay plain against llama.cpp's CPU, which they match to the last bits, so the layers alone rank every
+# top token there; they take the echo too where a GPU's f16 tiles round (family_options' `robust`).
 QUANTIZED_OPTIONS: dict[str, dict[str, Any]] = {
     "gemma2": {"post_norm": 1.0}, "gemma3": {"post_norm": 0.9}, "gpt-oss": {"embd_scale": 100.0, "echo": 1.0},
 }
