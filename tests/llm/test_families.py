@@ -232,7 +232,7 @@ BOUNDS = dict.fromkeys(("F32", "F16", "Q4_K", "IQ4_NL", "IQ4_XS", "MXFP4"), (0.9
 
 @pytest.mark.parametrize("case", reference_cases())
 def test_agrees_with_llama_cpp(family_factory, case):
-    """llama.cpp's top token and its log-probability over two chunks of -c 128 (63 scored positions each),
+    """llama.cpp's top token and its log-probability over the saved chunks of -c 128 (four, 63 scored positions each),
     as saved in llama-perplexity's format (log-probabilities quantized to 2.4e-4 nats): ggrun ranks the same
     token first and gives it llama.cpp's log-probability, within the weight type's BOUNDS."""
     ref = json.loads(DATA.read_text())[case]
