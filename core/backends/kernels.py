@@ -423,17 +423,24 @@ def rope_angles(xp, pos, n_dims: int, freq_base: float, freq_scale: float, yarn=
     inv = freq_base ** (-xp.arange(0, n_dims, 2, dtype=xp.float64) / n_dims)
     if factors is not None:
         inv = inv / factors.astype(xp.float64)
-    mix, mscale = 0.0, 1.0
-    if yarn is not None and yarn.ext_factor != 0:
-        low, high = yarn_corr_dims(n_dims, yarn.n_ctx_orig, freq_base, yarn.beta_fast, yarn.beta_slow)
-        ramp = (xp.arange(0, n_dims, 2, dtype=xp.float64) / 2 - low) / max(0.001, high - low)
-        mix = (1 - xp.clip(ramp, 0, 1)) * yarn.ext_factor
-        mscale = yarn.attn_factor * (1 + 0.1 * math.log(1 / freq_scale))
-    elif yarn is not None:
-        mscale = yarn.attn_factor
+    mix, mscale = yarn_ramp(xp, yarn, n_dims, freq_base, freq_scale, xp.float64)
     theta = pos.astype(xp.float64)[:, None] * (inv * (freq_scale * (1 - mix) + mix))[None, :]
     return ((xp.cos(theta) * mscale).astype(xp.float32)[:, None, :],
             (xp.sin(theta) * mscale).astype(xp.float32)[:, None, :])
+
+
+def yarn_ramp(xp, yarn, n_dims: int, freq_base: float, freq_scale: float, dtype):
+    """YaRN's share of each pair's original angle [n_dims / 2] (ggml's rope_yarn_ramp times ext_factor; zeros
+    without a ramp) and the scale of cos and sin (attn_factor, times 1 + 0.1 ln(1 / freq_scale) with a ramp), in
+    `dtype` (float32 as ggml computes them, float64 for the reference)."""
+    one = dtype(1.0)
+    if yarn is None or yarn.ext_factor == 0:
+        return xp.zeros(n_dims // 2, dtype=dtype), dtype(1.0 if yarn is None else yarn.attn_factor)
+    low, high = (dtype(c) for c in yarn_corr_dims(n_dims, yarn.n_ctx_orig, freq_base, yarn.beta_fast,
+                                                   yarn.beta_slow))
+    ramp = (xp.arange(n_dims // 2, dtype=dtype) - low) / max(dtype(0.001), high - low)
+    mix = (one - xp.clip(ramp, dtype(0.0), one)) * dtype(yarn.ext_factor)
+    return mix.astype(dtype), dtype(yarn.attn_factor) * (one + dtype(0.1) * dtype(math.log(one / dtype(freq_scale))))
 
 
 def yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float, beta_slow: float):

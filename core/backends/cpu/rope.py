@@ -20,7 +20,7 @@ from ggrun.core.backends.cpu.kv_quant import CACHE_TYPES, code_of, hadamard, loa
 from ggrun.core.backends.cpu.norm import inv_rms
 from ggrun.core.backends.cpu.vecmath import to_stored
 from ggrun.core.backends.cpu.warmup import ROPE_FACTORS, kv, readonly, warms
-from ggrun.core.backends.kernels import yarn_corr_dims
+from ggrun.core.backends.kernels import yarn_ramp
 from ggrun.core.dtypes import DType
 from ggrun.core.ops import ROPE_NEOX
 
@@ -174,29 +174,10 @@ def _f32_rows(node, i: int, a: np.ndarray) -> bool:
     return node.srcs[i].dtype is DType.F32 and a.flags.c_contiguous
 
 
-def yarn_ramp(yarn, n_dims: int, freq_base: float, freq_scale: np.float32) -> tuple[np.ndarray, np.float32]:
-    """YaRN's share of each pair's original angle (ggml's rope_yarn_ramp times ext_factor, in f32) and the scale
-    of cos and sin (attn_factor, times 1 + 0.1 ln(1 / freq_scale) where ext_factor is not 0)."""
-    half = n_dims // 2
-    if yarn is None:
-        return _ZEROS.setdefault(half, np.zeros(half, dtype=np.float32)), np.float32(1.0)
-    if yarn.ext_factor == 0:
-        return _ZEROS.setdefault(half, np.zeros(half, dtype=np.float32)), np.float32(yarn.attn_factor)
-    low, high = (np.float32(c) for c in yarn_corr_dims(n_dims, yarn.n_ctx_orig, freq_base, yarn.beta_fast,
-                                                         yarn.beta_slow))
-    y = (np.arange(half, dtype=np.float32) - low) / np.maximum(np.float32(0.001), high - low)
-    mix = (np.float32(1.0) - np.minimum(np.float32(1.0), np.maximum(np.float32(0.0), y))) * np.float32(yarn.ext_factor)
-    mscale = np.float32(yarn.attn_factor) * (np.float32(1.0) + np.float32(0.1) * np.log(np.float32(1.0) / freq_scale))
-    return mix.astype(np.float32), np.float32(mscale)
-
-
-_ZEROS: dict[int, np.ndarray] = {}
-
-
 @binds("rope")
 def bind_rope(node, out, srcs, scratch):
     """rope_rows, with the node's frequency factors (its last source) where it has them and YaRN's ramp
-    (yarn_ramp) where it has one."""
+    (kernels.yarn_ramp, in f32) where it has one."""
     n_dims, neox, theta_scale, freq_scale = _params(node)
     has_factors = "factors" in node.params
     base = srcs[:-1] if has_factors else srcs
@@ -205,7 +186,7 @@ def bind_rope(node, out, srcs, scratch):
     norm = _norm(node, base, 2, x.shape[-1])
     if not (_f32_rows(node, 0, x) and out.flags.c_contiguous and ff.flags.c_contiguous) or norm is None:
         return None
-    mix, mscale = yarn_ramp(node.params.get("yarn"), n_dims, node.params["freq_base"], freq_scale)
+    mix, mscale = yarn_ramp(np, node.params.get("yarn"), n_dims, node.params["freq_base"], freq_scale, np.float32)
     scale = np.float32(node.params.get("out_scale", 1.0))
     return lambda: rope_rows(x, pos, n_dims, neox, theta_scale, freq_scale, ff, mix, mscale, scale, *norm, out)
 
