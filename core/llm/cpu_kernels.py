@@ -1,6 +1,6 @@
 """Which CPU kernels a loaded model's graphs meet, as the warm-up's tags (core/backends/cpu/precompile.py):
-the weights its products read on the CPU (their types, repacked or not, with 8-bit or f32 activations),
-the token embedding it looks rows up in, its KV cache types, the thread count and RoPE frequency factors."""
+the weights its products read on the CPU (their types, repacked or not, with 8-bit or f32 activations; the
+experts' block types), the token embedding it looks rows up in, its KV cache types, the thread count and RoPE frequency factors."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -24,6 +24,8 @@ def warm_tags(model: Model, cpu: Backend, kv_types: Iterable[DType] = (DType.F16
     matrices = {id(t): t for name, t in tensors.items()
                 if name != EMBEDDING and len(t.shape) == 2 and here(t)}
     tables = [t for t in (tensors.get(EMBEDDING),) if t is not None and here(t)]
+    experts = {warmup.experts(t.dtype) for t in tensors.values()
+               if len(t.shape) == 3 and here(t) and "act_quant" in t.root.params}
     factors = any(model.arch.rope_factors(model.weights, model.hp, n_ctx) is not None for n_ctx in (1, 1 << 30))
-    return precompile.tags(matrices.values(), tables, kv_types, jit.threads()) | (
+    return precompile.tags(matrices.values(), tables, kv_types, jit.threads()) | experts | (
         {warmup.ROPE_FACTORS} if factors else frozenset())

@@ -23,6 +23,7 @@ from ggrun.core.backends.op_harness import TYPES, Leafs, cache_attention, weight
 from ggrun.core.dtypes import DType
 from ggrun.core.llm.blocks import expert_product, weighted_sum
 from ggrun.core.ops import ROPE_NEOX, ROPE_NORMAL
+from ggrun.core.quants import vec_dot_blocks
 
 F32, F16, I32 = DType.F32, DType.F16, DType.I32
 Build = Callable[[Leafs], object]
@@ -593,6 +594,15 @@ def _expert_ids(rng, n: int, n_expert: int, k: int) -> np.ndarray:
     return np.stack([rng.choice(n_expert, size=k, replace=False) for _ in range(n)]).astype(np.int32)
 
 
+def _experts_weight(lf: Leafs, name: str, dtype: DType, shape: tuple[int, int, int], data: np.ndarray):
+    """Expert matrices as a model loads them under llama numerics: a block type's activations rounded to the 8-bit
+    blocks of its ggml vec_dot (`act_quant`), which the CPU's compiled experts kernels require."""
+    w = lf.weight(name, dtype, shape, data)
+    if dtype.is_quantized:
+        w.params["act_quant"] = vec_dot_blocks(dtype.name)
+    return w
+
+
 def _mul_mat_id(dtype: DType, n: int, n_expert: int, k: int, per_slot: bool, m: int = 80):
     """The experts' products of n tokens, k experts each: one activation row a token (gate, up) or a slot
     (down)."""
@@ -600,8 +610,8 @@ def _mul_mat_id(dtype: DType, n: int, n_expert: int, k: int, per_slot: bool, m: 
         cols = 512 if dtype.block_size == 256 else 96
         data = weight_data(dtype, n_expert * m, cols, seed=int(rng.integers(1 << 30)))
         x, ids = values(rng, n, k if per_slot else 1, cols), _expert_ids(rng, n, n_expert, k)
-        return lambda lf: ops.mul_mat_id(lf.weight("w", dtype, (n_expert, m, cols), data), lf.input("x", F32, x),
-                                         lf.input("ids", I32, ids))
+        return lambda lf: ops.mul_mat_id(_experts_weight(lf, "w", dtype, (n_expert, m, cols), data),
+                                         lf.input("x", F32, x), lf.input("ids", I32, ids))
     return make
 
 
@@ -614,8 +624,8 @@ def _mul_mat_id_skewed(dtype: DType, n: int, n_expert: int, k: int):
         others = np.stack([rng.choice(np.arange(1, n_expert), size=k - 1, replace=False) for _ in range(n)])
         ids = np.concatenate([np.zeros((n, 1), dtype=np.int32), others.astype(np.int32)], axis=1)
         x = values(rng, n, 1, cols)
-        return lambda lf: ops.mul_mat_id(lf.weight("w", dtype, (n_expert, m, cols), data), lf.input("x", F32, x),
-                                         lf.input("ids", I32, ids))
+        return lambda lf: ops.mul_mat_id(_experts_weight(lf, "w", dtype, (n_expert, m, cols), data),
+                                         lf.input("x", F32, x), lf.input("ids", I32, ids))
     return make
 
 
@@ -750,11 +760,11 @@ def _rope_bias(n: int, heads: int, d: int, n_dims: int, mode: int, yarn: bool, i
 
 def moe_cases() -> list[OpCase]:
     cases = [OpCase(f"mul_mat_id-{t}-n{n}-{'slots' if per_slot else 'tokens'}",
-                    _mul_mat_id(t, n, 16, 4, per_slot), MUL_MAT, CUDA)
+                    _mul_mat_id(t, n, 16, 4, per_slot), MUL_MAT, CUDA if t is F16 else BOTH)
              for t in (DType.Q4_K, DType.MXFP4, DType.Q8_0, F16) for n in (1, 3, 9, 70) for per_slot in (False, True)]
     cases.append(OpCase("mul_mat_id-many-slots-one-expert", _mul_mat_id(DType.Q4_0, 150, 2, 2, False, m=130), MUL_MAT,
-                        CUDA))
-    cases += [OpCase(f"mul_mat_id-skewed-{t}-n{n}", _mul_mat_id_skewed(t, n, 16, 4), MUL_MAT, CUDA)
+                        BOTH))
+    cases += [OpCase(f"mul_mat_id-skewed-{t}-n{n}", _mul_mat_id_skewed(t, n, 16, 4), MUL_MAT, BOTH)
               for t in (DType.Q4_K, DType.IQ4_NL) for n in (70, 200)]
     cases += [OpCase(f"mul_mat_id-gated-{glu}-{t}-n{n}", _gated_experts(t, n, glu), GLU, CUDA,
                      fused="mmvq_id_glu" if n <= 8 else "mmq_idt_pair")

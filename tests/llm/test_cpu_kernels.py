@@ -1,11 +1,13 @@
 """The CPU warm-up set of a loaded model (core/llm/cpu_kernels.py with core/backends/cpu/warmup.py): it holds
-every kernel signature the model's graphs meet, and no product builder of a weight type the model lacks."""
+every kernel signature the model's graphs meet (the families' too), and no product builder of a weight type the
+model lacks."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
 
+import pytest
 from gguf.constants import GGMLQuantizationType as QT
 
 from ggrun.core.backends.cpu import CPUBackend, precompile, warmup
@@ -97,3 +99,16 @@ def test_a_model_with_rope_factors_warms_their_rope(tmp_path):
     cpu = CPUBackend()
     plain = Model.load(write_tiny_family(tmp_path / "plain.gguf", "llama", **FAMILY_PRESETS["llama"]), [cpu])
     assert warmup.ROPE_FACTORS not in warm_tags(plain, cpu)
+
+
+
+@pytest.mark.parametrize("name,qtype", [("qwen2", QT.Q4_K), ("gemma2", QT.Q4_K), ("qwen3moe", QT.Q4_K),
+                                        ("gpt-oss", QT.MXFP4)])
+def test_the_families_warm_up_sets_hold_their_kernels(tmp_path, name, qtype):
+    """The families' own kernels are in their warm-up sets: qwen2's bias adds (a read-only bias), gemma2's
+    soft-caps, the experts' products of qwen3moe (Q4_K) and gpt-oss (MXFP4: the lookup-table types' driver) with
+    gpt-oss's expert biases and the routers' softmax; their graphs meet no kernel signature beyond them."""
+    arch, options = family_options(name, qtype)
+    found = coverage(write_tiny_family(tmp_path / f"{arch}.gguf", arch, weight_type=qtype, **options))
+    assert found["new"] == {}
+    assert (warmup.experts(DType[qtype.name]) in found["tags"]) == (arch in ("qwen3moe", "gpt-oss"))

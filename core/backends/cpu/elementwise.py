@@ -364,7 +364,8 @@ def _warm_ffn(lf):
     g, u = lf.input("g", np.ones((2, 32), np.float32)), lf.input("u", np.ones((2, 32), np.float32))
     x = ops.scale(ops.swiglu(g, u), 2.0)
     x = ops.add(ops.geglu(x, u, f16_table=True), ops.geglu(x, u, f16_table=False))
-    return ops.mul(ops.silu(ops.gelu(x, f16_table=True)), u)
+    x = ops.add(x, readonly(lf, "bias", DType.F32, np.ones(32, np.float32)))  # a file's bias (qwen2, gpt-oss)
+    return ops.mul(ops.silu(ops.gelu(ops.cont(ops.softcap(x, 30.0)), f16_table=True)), u)  # gemma2's soft-cap
 
 
 @warms

@@ -21,7 +21,7 @@ from ggrun.core.cache import cache_dir
 # the cache lives in a directory named by a digest of these: editing one compiles afresh. (isa.py
 # is not one: what a level compiles for is numba's target, which keys numba's own cache index.)
 SHARED_SOURCES = ("jit.py", "vecmath.py", "norm.py", "kv_quant.py", "lut4.py", "sinks.py", "quant/codes.py",
-                  "quant/activations.py", "quant/decode.py", "quant/vec.py", "quant/layouts.py")
+                  "quant/activations.py", "quant/routing.py", "quant/decode.py", "quant/vec.py", "quant/layouts.py")
 
 
 def sources_digest() -> str:

@@ -16,6 +16,7 @@ from numba import prange
 
 from ggrun.core.backends.cpu.jit import kernel
 from ggrun.core.backends.cpu.quant.codes import IQ4_NL, IQ4_XS, MXFP4, _f16
+from ggrun.core.backends.cpu.quant.routing import chunk_step, group_rows, n_tasks, scatter_rows, task
 from ggrun.core.dtypes import DType
 from ggrun.core.quants import IQ4_VALUES, MXFP4_VALUES, e8m0_half
 
@@ -140,3 +141,15 @@ def mul_mat_f32_par(code, w, x, buf, out, n_chunks):
     step = (w.shape[0] + n_chunks - 1) // n_chunks
     for c in prange(n_chunks):
         _rows_f32(code, w, x, buf[c], out, c * step, min(w.shape[0], (c + 1) * step))
+
+
+@kernel(parallel=True)
+def mul_mat_id_q8(code, w, ids, per_slot, route, xq, gq, og, out, n_chunks):
+    """mul_mat_id against stored rows w [experts, M, row bytes] (routing.py): the pairs' quantized rows xq grouped
+    by expert into gq, each chosen expert's rows split over n_chunks, the results og put back into out [pairs, M]."""
+    group_rows(ids, per_slot, route, xq, gq)
+    step = chunk_step(w.shape[1], n_chunks, 4)
+    for i in prange(n_tasks(route, n_chunks)):
+        e, a, b, m0, m1 = task(route, w.shape[1], n_chunks, step, i)
+        _rows_q8(code, w[e], gq[0][a:b], gq[1][a:b], og[a:b], m0, m1)
+    scatter_rows(og, route, out)

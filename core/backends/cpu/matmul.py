@@ -152,8 +152,8 @@ def _plan(a: Tensor, b: Tensor) -> _Plan | None:
         return None
     if a.dtype is DType.F32:
         return _Plan("blas", a.dtype, act, n, m, k)
-    own = codes.ACT_OF.get(a.dtype)
-    if act is not None and own is not None and (act == codes.ACT_Q8_K) == (own == codes.ACT_Q8_K):
+    own = own_act(a, k)
+    if own is not None:
         repacked = a.view_src is None and a.params.get(REPACKED) is not None  # checked when bound
         if n <= (R8_MAX_N.get(a.dtype, Q8_MAX_N) if repacked else Q8_MAX_N):
             return _Plan("q8", a.dtype, own, n, m, k)
@@ -161,6 +161,17 @@ def _plan(a: Tensor, b: Tensor) -> _Plan | None:
     if act is None and n <= F32_MAX_N:
         return _Plan("f32", a.dtype, None, n, m, k)
     return _Plan("blas", a.dtype, act, n, m, k)
+
+
+def own_act(a: Tensor, k: int) -> int | None:
+    """The 8-bit activation blocks weight a's integer kernels read (codes.ACT_OF), where llama numerics round
+    its activations (`act_quant`) to blocks of the same length and rows of k values are whole blocks; else None
+    (f32 numerics, or a rounding those kernels do not make)."""
+    act = _ROUNDING.get(a.root.params.get("act_quant"))
+    own = codes.ACT_OF.get(a.dtype)
+    if act is None or own is None or k % codes.ACT_BLOCK[act] or (act == codes.ACT_Q8_K) != (own == codes.ACT_Q8_K):
+        return None
+    return own
 
 
 _RI64_TYPES = (DType.Q4_0, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.Q8_0)
@@ -262,9 +273,14 @@ def _stored_rows(w: np.ndarray, dtype: DType, m: int, k: int) -> np.ndarray | No
 
 def _chunks(plan: _Plan, weight_bytes: int | None = None) -> int:
     """Threads for a row kernel: all of them where the weights are large enough to pay for waking them."""
+    return split_chunks((plan.weight_bytes if weight_bytes is None else weight_bytes) * plan.n)
+
+
+def split_chunks(work: int) -> int:
+    """Threads for a product of `work` weight bytes times activation rows: all of them where that pays for
+    waking them, else one."""
     threads = jit.threads()
-    weight_bytes = plan.weight_bytes if weight_bytes is None else weight_bytes
-    return threads if threads > 1 and weight_bytes * plan.n >= split_min_bytes() else 1
+    return threads if threads > 1 and work >= split_min_bytes() else 1
 
 
 @binds("mul_mat", scratch=_scratch)

@@ -36,6 +36,12 @@ def rows(dtype: DType) -> str:
     return f"get_rows {dtype.name}"
 
 
+def experts(dtype: DType) -> str:
+    """The tag of a mixture of experts' products (mul_mat_id) with expert matrices of `dtype` under llama
+    numerics (8-bit activations)."""
+    return f"mul_mat_id {dtype.name}"
+
+
 def kv(dtype: DType) -> str:
     """The tag of a KV cache of `dtype` (the block-quantized types share their kernels' signatures)."""
     return f"kv {'blocks' if dtype.is_quantized else dtype.name}"
@@ -65,7 +71,7 @@ WARMS: list[Warm] = []  # every registered builder, in registration order
 
 def warms(build: Callable | None = None, *, needs: Iterable[str] = ()):
     """Register a one-node graph builder `(leafs) -> output` whose kernels the warm-up compiles for models
-    with all of `needs` (tags made by product, rows, kv, THREADS). As a decorator: `@warms` or
+    with all of `needs` (tags made by product, experts, rows, kv, THREADS). As a decorator: `@warms` or
     `@warms(needs=...)`; returns the builder."""
     def register(fn: Callable) -> Callable:
         tagged = frozenset(needs)

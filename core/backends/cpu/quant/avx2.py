@@ -17,6 +17,7 @@ from ggrun.core.backends.cpu.quant.codes import (
     BF16, F16, F32, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, _bf16, _f16, _k4_sm, _q3_sc, _s8,
 )
 from ggrun.core.backends.cpu.quant.decode import dequantize_row_avx2
+from ggrun.core.backends.cpu.quant.routing import chunk_step, group_rows, n_tasks, scatter_rows, task
 from ggrun.core.backends.cpu.quant.vec import (
     blk_fma, four_rows, prefetch4, sf16, store4, vabs8, vadd32, vaddf, vand, vbf16x8, vbits, vcvt, vdot, vf16x8,
     vf32x8, vfma, vhsum, vlane0, vload, vmadd, vmaddubs, vnib, vor, vset16x2, vset32, vset8, vsetf, vsign8, vsll16,
@@ -380,3 +381,15 @@ def mul_mat_f32_avx2_par(code, w, x, buf, out, n_chunks):
     step = (w.shape[0] + n_chunks - 1) // n_chunks
     for c in prange(n_chunks):
         _rows_f32_avx2(code, w, x, buf[c], out, c * step, min(w.shape[0], (c + 1) * step))
+
+
+@kernel(parallel=True)
+def mul_mat_id_q8_avx2(code, w, ids, per_slot, route, xq, gq, og, out, n_chunks):
+    """mul_mat_id against stored rows w [experts, M, row bytes] (routing.py): the pairs' quantized rows xq grouped
+    by expert into gq, each chosen expert's rows split over n_chunks, the results og put back into out [pairs, M]."""
+    group_rows(ids, per_slot, route, xq, gq)
+    step = chunk_step(w.shape[1], n_chunks, 4)
+    for i in prange(n_tasks(route, n_chunks)):
+        e, a, b, m0, m1 = task(route, w.shape[1], n_chunks, step, i)
+        _rows_q8_avx2(code, w[e], gq[0][a:b], gq[1][a:b], gq[2][a:b], gq[3][a:b], og[a:b], m0, m1)
+    scatter_rows(og, route, out)

@@ -17,6 +17,7 @@ from numba import prange
 
 from ggrun.core.backends.cpu.jit import kernel
 from ggrun.core.backends.cpu.quant.codes import IQ4_NL, IQ4_XS
+from ggrun.core.backends.cpu.quant.routing import chunk_step, group_rows, n_tasks, scatter_rows, task
 from ggrun.core.backends.cpu.quant.vec import (
     blk_fma, four_rows, prefetch4, sf16, store4, su8, su16, vabs8, vadd32, vcvt, vfma, vhsum, vload, vlut16, vmadd,
     vmaddubs, vnib, vset16x2, vsetf, vsign8, vtable16, vzero,
@@ -149,3 +150,15 @@ def mul_mat_q8_par(code, w, qs, d, out, n_chunks):
     step = (step + 3) // 4 * 4  # whole passes of four rows per chunk
     for c in prange(n_chunks):
         _rows(code, w, qs, d, out, c * step, min(w.shape[0], (c + 1) * step))
+
+
+@kernel(parallel=True)
+def mul_mat_id_q8(code, w, ids, per_slot, route, xq, gq, og, out, n_chunks):
+    """mul_mat_id against stored rows w [experts, M, row bytes] (routing.py): the pairs' quantized rows xq grouped
+    by expert into gq, each chosen expert's rows split over n_chunks, the results og put back into out [pairs, M]."""
+    group_rows(ids, per_slot, route, xq, gq)
+    step = chunk_step(w.shape[1], n_chunks, 4)
+    for i in prange(n_tasks(route, n_chunks)):
+        e, a, b, m0, m1 = task(route, w.shape[1], n_chunks, step, i)
+        _rows(code, w[e], gq[0][a:b], gq[1][a:b], og[a:b], m0, m1)
+    scatter_rows(og, route, out)
