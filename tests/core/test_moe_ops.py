@@ -1,17 +1,18 @@
 """The mixture-of-experts ops (moe_topk, moe_weights, mul_mat_id) on the CPU backend against plain numpy:
 top-k routing with renormalised weights, and expert products that read only the chosen experts' matrices
-(the others are poisoned with NaN here and the result stays finite)."""
+(the others are poisoned with NaN here and the result stays finite); the compiled experts' drivers
+(core/backends/cpu/experts.py) against each chosen expert's own compiled product, as stored and repacked."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from ggrun.core import ops
-from ggrun.core.backends.cpu import CPUBackend
-from ggrun.core.backends.op_harness import Leafs, run_on
+from ggrun.core.backends.cpu import CPUBackend, matmul
+from ggrun.core.backends.op_harness import Leafs, run_on, weight_data
 from ggrun.core.dtypes import DType
 from ggrun.core.errors import GraphError
-from ggrun.core.quants import dequantize
+from ggrun.core.quants import dequantize, vec_dot_blocks
 from ggrun.loaders.synthetic import quantize_q4_k
 
 E, M, K, T, TOP = 6, 32, 256, 5, 2
@@ -70,3 +71,44 @@ def test_mul_mat_id_refuses_mismatched_operands():
     with pytest.raises(GraphError):
         ops.mul_mat_id(w, lf.input("x", DType.F32, np.zeros((T, 3, K), np.float32)),
                        lf.input("ids", DType.I32, np.zeros((T, TOP), np.int32)))
+
+
+COMPILED_TYPES = [DType.Q4_0, DType.Q8_0, DType.Q4_K, DType.Q6_K, DType.MXFP4, DType.IQ4_XS]
+
+
+@pytest.mark.parametrize("dtype", COMPILED_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("packed", [False, True], ids=["stored", "repacked"])
+@pytest.mark.parametrize("per_slot", [False, True], ids=["shared-input", "input-per-slot"])
+def test_compiled_experts_match_each_experts_own_product(dtype, packed, per_slot):
+    """Nine tokens, two of six experts each (some experts get four rows or more: the kernels' four-row passes),
+    under llama numerics: every pair's row equals its expert's own compiled product (mul_mat of that expert's
+    matrix), and the experts no token chose (poisoned) are never read."""
+    if packed and not matmul.experts_repacked(dtype, (E, M, K)):
+        pytest.skip(f"{dtype.name} experts are not repacked on this host")
+    n_tokens, rng = 9, np.random.default_rng(2)
+    stored = weight_data(dtype, E * M, K, seed=3).reshape(E, M, -1)
+    ids = np.stack([rng.choice(E - 1, TOP, replace=False) for _ in range(n_tokens)]).astype(np.int32)
+    poisoned = stored.copy()
+    poisoned[E - 1] = 0xFF  # expert E - 1 is never chosen: NaN scales wherever it would be read
+    x = rng.standard_normal((n_tokens, TOP if per_slot else 1, K)).astype(np.float32)
+
+    def weight(lf: Leafs, name: str, data: np.ndarray, shape: tuple[int, ...]):
+        w = lf.weight(name, dtype, shape, data)
+        w.params["act_quant"] = vec_dot_blocks(dtype.name)
+        if packed:
+            lf.ctx.prepare_weight(w)
+        return w
+
+    def experts(lf: Leafs):
+        w = weight(lf, "experts", poisoned, (E, M, K))
+        assert isinstance(w.params.get(matmul.REPACKED), np.ndarray) == packed
+        return ops.mul_mat_id(w, lf.input("x", DType.F32, x), lf.input("ids", DType.I32, ids))
+
+    def own(e: int, row: np.ndarray):
+        return lambda lf: ops.mul_mat(weight(lf, "w", stored[e], (M, K)), lf.input("x", DType.F32, row[None]))
+
+    got = run_on(CPUBackend(), experts)
+    want = np.stack([[run_on(CPUBackend(), own(ids[t, j], x[t, j if per_slot else 0]))[0] for j in range(TOP)]
+                     for t in range(n_tokens)])
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -63,17 +63,20 @@ class CPUBackend(HostArrayBackend):
 
     def prepare_weight(self, t: Tensor, store: RepackCache | None = None) -> int:
         """Quantized matrices get the interleaved layout the decode kernels read fastest: from `store`
-        when an earlier load of the file left it there, else made now (and given to `store`)."""
-        if len(t.shape) != 2 or not t.dtype.is_quantized:
+        when an earlier load of the file left it there, else made now (and given to `store`). An experts'
+        weight [n_expert, M, K] is repacked as one matrix of n_expert * M rows where matmul.experts_repacked
+        says its experts' drivers read it so."""
+        if not t.dtype.is_quantized or not (len(t.shape) == 2 or matmul.experts_repacked(t.dtype, t.shape)):
             return 0
+        rows = (math.prod(t.shape[:-1]), t.shape[-1])
         if t.buffer is None or t.buffer.storage is None:  # measured, not loaded: planned as if repacked
-            added = matmul.repacked_bytes(t.dtype, t.shape)
+            added = matmul.repacked_bytes(t.dtype, rows)
             if added:
                 t.params[matmul.REPACKED] = PLANNED
             return added
         packed = store.get(t.name) if store is not None else None
         if packed is None:
-            packed = matmul.repack(t.dtype, self.array(t))
+            packed = matmul.repack(t.dtype, self.array(t).reshape(rows[0], -1))
             if packed is not None and store is not None:
                 store.put(t.name, packed)
         if packed is None:

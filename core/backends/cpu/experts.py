@@ -1,8 +1,9 @@
 """The CPU binder of a mixture of experts' products (mul_mat_id) with block-quantized expert matrices under llama
 numerics: the activation rows are quantized once to the 8-bit blocks the type's integer kernels read (one row a
 token for the gate and up products, one a slot for the down product), grouped by expert (quant/routing.py),
-and every chosen expert's stored rows are dotted with its rows, split over the threads, as ggml's CPU
-mul_mat_id does; only the chosen experts' blocks are read. The results come back in the pairs' places.
+and every chosen expert's rows are dotted with its rows, split over the threads, as ggml's CPU mul_mat_id does;
+only the chosen experts' blocks are read. The results come back in the pairs' places. Experts repacked at load
+(the r16 and r8 layouts: matmul.experts_repacked) are read by those layouts' kernels, the rest as stored.
 
 Other expert matrices (float types, f32 numerics) take the reference kernel.
 """
@@ -12,8 +13,8 @@ import numpy as np
 
 from ggrun.core.backends.cpu import lut4 as L4
 from ggrun.core.backends.cpu.dispatch import binds
-from ggrun.core.backends.cpu.matmul import own_act, split_chunks
-from ggrun.core.backends.cpu.quant import activations, avx2, codes, lut4_avx2, portable
+from ggrun.core.backends.cpu.matmul import own_act, repacked_rows, split_chunks
+from ggrun.core.backends.cpu.quant import activations, avx2, avx2_r8, avx512, codes, lut4_avx2, portable
 from ggrun.core.backends.cpu.warmup import experts, readonly, warms
 from ggrun.core.dtypes import DType
 from ggrun.core.quants import vec_dot_blocks
@@ -64,11 +65,18 @@ def _views(scratch: np.ndarray, node: Tensor) -> tuple:
     return route, xq, gq, views[5].view(np.float32)[:tokens * slots * m].reshape(tokens * slots, m)
 
 
-def _driver(dtype: DType, vector: bool):
-    """The expert driver of the type's row kernels at this host's level."""
-    if dtype in L4.TYPES:
-        return lut4_avx2.mul_mat_id_q8 if vector else L4.mul_mat_id_q8
-    return avx2.mul_mat_id_q8_avx2 if vector else portable.mul_mat_id_q8_portable
+def _driver(w: Tensor, shape: tuple, vector: bool):
+    """The expert driver of the type's row kernels at this host's level, and its weight arguments before ids: the
+    experts' repacked groups (matmul.experts_repacked; r16 or r8 kernels) and the groups an expert, or the
+    stored rows (None: the caller's array)."""
+    n_expert, m, k = shape[:3]
+    packed = repacked_rows(w, n_expert * m, k)
+    if isinstance(packed, np.ndarray):
+        driver = avx512.mul_mat_id_r16 if codes.SIMD == "avx512" else avx2_r8.mul_mat_id_r8
+        return driver, (packed, packed.shape[0] // n_expert)
+    if w.dtype in L4.TYPES:
+        return (lut4_avx2.mul_mat_id_q8 if vector else L4.mul_mat_id_q8), None
+    return (avx2.mul_mat_id_q8_avx2 if vector else portable.mul_mat_id_q8_portable), None
 
 
 @binds("mul_mat_id", scratch=_scratch)
@@ -86,13 +94,15 @@ def bind_mul_mat_id(node: Tensor, out, srcs: list, scratch):
     x2, out2 = b.reshape(rows, k), out.reshape(tokens * slots, m)
     vector = codes.SIMD != "generic"
     quantize = activations.quantize_rows_avx2 if vector else activations.quantize_rows
-    driver = _driver(node.srcs[0].dtype, vector)
+    driver, weight = _driver(node.srcs[0], shape, vector)
+    weight = weight or (w,)
+    code = codes.CODES[node.srcs[0].dtype]
     chunks = split_chunks(tokens * slots * m * node.srcs[0].dtype.row_bytes(k))
     per_slot = b.shape[1] > 1
 
     def call() -> None:
         quantize(act, x2, *xq)
-        driver(codes.CODES[node.srcs[0].dtype], w, ids, per_slot, route, xq, gq, og, out2, chunks)
+        driver(code, *weight, ids, per_slot, route, xq, gq, og, out2, chunks)
     return call
 
 
@@ -100,22 +110,23 @@ def bind_mul_mat_id(node: Tensor, out, srcs: list, scratch):
 # ---- first-run compilation: a decode step's and a prompt's experts of each block type -------------------
 
 def _warm_experts(lf, dtype: DType, per_slot: bool):
-    """Two tokens' products with two of four experts (read-only zero blocks, as a memory map gives them), one
-    activation row a token (gate, up) or a slot (down), plus their rows of a bias; then a softmax without a mask,
-    as the router's."""
+    """Two tokens' products with two of four experts (read-only zero blocks, as a memory map gives them, repacked
+    where the host repacks such experts), one activation row a token (gate, up) or a slot (down), plus their rows
+    of a bias; then a softmax without a mask, as the router's."""
     from ggrun.core import ops
 
-    k = 256
-    raw = np.zeros(4 * 8 * dtype.row_bytes(k), np.uint8)
+    k, m = 256, 16
+    raw = np.zeros(4 * m * dtype.row_bytes(k), np.uint8)
     raw.flags.writeable = False
-    w = lf.ctx.from_bytes(f"experts_{dtype}", dtype, (4, 8, k), raw)
+    w = lf.ctx.from_bytes(f"experts_{dtype}", dtype, (4, m, k), raw)
     w.params["act_quant"] = vec_dot_blocks(dtype.name)
+    lf.ctx.prepare_weight(w)  # repacked where a model's experts are (matmul.experts_repacked)
     x = lf.input("x", np.ones((2, 2 if per_slot else 1, k), np.float32))
     ids = lf.input("ids", np.array([[0, 3], [1, 3]], np.int32))
-    bias = readonly(lf, "bias", DType.F32, np.ones((4, 8), np.float32))
+    bias = readonly(lf, "bias", DType.F32, np.ones((4, m), np.float32))
     y = ops.mul_mat_id(w, x, ids)  # then gpt-oss's experts add their rows of a bias (blocks.expert_product)
     y = ops.add(y, ops.reshape(ops.get_rows(bias, ops.reshape(ids, (4,))), y.shape))
-    return ops.soft_max(ops.reshape(y, (2, 2 * 8)))  # as the router's softmax: no mask
+    return ops.soft_max(ops.reshape(y, (2, 2 * m)))  # as the router's softmax: no mask
 
 
 for _dtype in codes.CODES:

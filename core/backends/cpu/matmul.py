@@ -232,17 +232,32 @@ def repacked_bytes(dtype: DType, shape: tuple[int, int]) -> int:
 
 def _repacked(a: Tensor, plan: _Plan):
     """Weight a's repacked rows when the engine made them in this host's layout for its shape."""
+    return repacked_rows(a, plan.m, plan.k)
+
+
+def repacked_rows(a: Tensor, m: int, k: int):
+    """Weight a's repacked rows when the engine made them in this host's layout for m rows of k values (an
+    experts' weight: all its experts' rows in a run), else None."""
     packed = a.params.get(REPACKED) if a.view_src is None else None
-    blocks = plan.k // plan.dtype.block_size
-    if isinstance(packed, np.ndarray) and _avx2() and plan.code in layouts.R8_TYPES:
-        groups = (plan.m + _group_rows() - 1) // _group_rows()
-        ok = packed.shape == (groups, blocks * _group_bytes(plan.code)) and packed.dtype == np.uint8
+    blocks = k // a.dtype.block_size
+    code = codes.CODES.get(a.dtype)
+    if isinstance(packed, np.ndarray) and _avx2() and code in layouts.R8_TYPES:
+        groups = (m + _group_rows() - 1) // _group_rows()
+        ok = packed.shape == (groups, blocks * _group_bytes(code)) and packed.dtype == np.uint8
         return packed if ok else None
-    if isinstance(packed, layouts.RI64) and not _avx2() and plan.dtype in _RI64_TYPES:
-        groups = (plan.m + layouts.RI - 1) // layouts.RI
+    if isinstance(packed, layouts.RI64) and not _avx2() and a.dtype in _RI64_TYPES:
+        groups = (m + layouts.RI - 1) // layouts.RI
         ok = packed.q.shape[:2] == (groups, blocks) and packed.d.shape == (groups, blocks, layouts.RI)
         return packed if ok else None
     return None
+
+
+def experts_repacked(dtype: DType, shape: tuple[int, ...]) -> bool:
+    """Whether experts' matrices [n_expert, M, K] of this type are repacked, as one weight of n_expert * M rows, on
+    this host: the r8 and r16 layouts (AVX2 and above) of the types they hold, each expert's rows whole groups, so
+    that its groups follow the previous expert's (experts.py's drivers read them so)."""
+    return (len(shape) == 3 and dtype.is_quantized and _avx2() and codes.CODES.get(dtype) in layouts.R8_TYPES
+            and shape[1] % _group_rows() == 0)
 
 
 def _work_bytes() -> int:

@@ -12,6 +12,7 @@ from ggrun.core.backends.cpu.jit import kernel
 from ggrun.core.backends.cpu.quant.activations import quantize_rows_avx2
 from ggrun.core.backends.cpu.quant.codes import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from ggrun.core.backends.cpu.quant.layouts import PF_GROUPS, R8, TOKENS, _r8_block
+from ggrun.core.backends.cpu.quant.routing import chunk_step, group_rows, n_tasks, scatter_rows, task
 from ggrun.core.backends.cpu.quant.vec import (
     prefetch, vabs8, vadd16, vadd32, vaddf, vand, vbcast32, vcvt, vf16x8, vfma, vlane, vload, vmadd, vmaddubs,
     vmulf, vor, vs8lo, vs8pair, vset16x2, vset32, vset8, vsetf, vsign8, vsll16, vsll32, vsrl16, vstoref, vsub32,
@@ -602,3 +603,16 @@ def mul_mat_glu_r8_avx2_par(codes, act, pg, pu, kind, table, x, qs, d, s, sums, 
     for c in prange(n_chunks):
         _r8_glu_groups(codes, pg, pu, kind, table, qs, d, s, sums, out, tiles[c], c * per,
                        min(total, (c + 1) * per), step)
+
+
+@kernel(parallel=True)
+def mul_mat_id_r8(code, p, groups, ids, per_slot, route, xq, gq, og, out, n_chunks):
+    """mul_mat_id against experts repacked as one r8 weight p, `groups` groups an expert (routing.py): the pairs'
+    quantized rows xq grouped by expert into gq, each chosen expert's groups split over n_chunks, the results og
+    put back into out [pairs, M]."""
+    group_rows(ids, per_slot, route, xq, gq)
+    step = chunk_step(groups, n_chunks, 1)
+    for i in prange(n_tasks(route, n_chunks)):
+        e, a, b, g0, g1 = task(route, groups, n_chunks, step, i)
+        _rows_r8_any_avx2(code, p[e * groups:(e + 1) * groups], gq[0], gq[1], gq[2], gq[3], og, g0, g1, a, b)
+    scatter_rows(og, route, out)

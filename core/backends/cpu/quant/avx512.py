@@ -27,6 +27,7 @@ from ggrun.core.backends.cpu.quant.codes import (
     _I8, _I16, _I32, _I64, ACT_Q8_1, ACT_Q8_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
 )
 from ggrun.core.backends.cpu.quant.layouts import PF_GROUPS, R16, TOKENS, _r8_block
+from ggrun.core.backends.cpu.quant.routing import chunk_step, group_rows, n_tasks, scatter_rows, task
 from ggrun.core.backends.cpu.quant.vec import _addr, _as, _llvm_call, _splat, f16_round, prefetch
 from ggrun.core.backends.cpu.vecmath import glu_span
 
@@ -817,3 +818,15 @@ def mul_mat_glu_r16_par(codes, act, pg, pu, kind, table, x, qs, d, s, sums, out,
         _r16_glu_groups(codes, pg, pu, kind, table, qs, d, s, sums, out, tiles[c], c * per,
                         min(total, (c + 1) * per), step)
 
+
+@kernel(parallel=True)
+def mul_mat_id_r16(code, p, groups, ids, per_slot, route, xq, gq, og, out, n_chunks):
+    """mul_mat_id against experts repacked as one r16 weight p, `groups` groups an expert (routing.py): the pairs'
+    quantized rows xq grouped by expert into gq, each chosen expert's groups split over n_chunks, the results og
+    put back into out [pairs, M]."""
+    group_rows(ids, per_slot, route, xq, gq)
+    step = chunk_step(groups, n_chunks, 1)
+    for i in prange(n_tasks(route, n_chunks)):
+        e, a, b, g0, g1 = task(route, groups, n_chunks, step, i)
+        _rows_r16_any(code, p[e * groups:(e + 1) * groups], gq[0], gq[1], gq[2], gq[3], og, g0, g1, a, b)
+    scatter_rows(og, route, out)
