@@ -775,8 +775,8 @@ def moe_cases() -> list[OpCase]:
               for e, k in ((128, 8), (32, 4), (60, 1)) for n in (1, 33)]
     cases += [OpCase(f"moe_weights-{'norm' if norm else 'plain'}-n{n}", _moe_routing("moe_weights", n, 128, 8, norm),
                      ELEMENTWISE, CUDA) for norm in (False, True) for n in (1, 33)]
-    cases += [OpCase(f"swiglu_oai-n{n}", _swiglu_oai(n, 2880, 6.0), GATED, CUDA) for n in (1, 33)]
-    cases += [OpCase(f"soft_max-sinks-n{n}", _soft_max_sinks(8, n, 77), ELEMENTWISE, CUDA) for n in (1, 7)]
+    cases += [OpCase(f"swiglu_oai-n{n}", _swiglu_oai(n, 2880, 6.0), GATED, BOTH) for n in (1, 33)]
+    cases += [OpCase(f"soft_max-sinks-n{n}", _soft_max_sinks(8, n, 77), ELEMENTWISE, BOTH) for n in (1, 7)]
     cases += [OpCase(f"rope-yarn-ext{e}-n{n}", _rope_yarn(n, e, 1 / 32), ROPE, BOTH)
               for e in (1.0, 0.0) for n in (1, 9)]
     cases += [OpCase(f"mul_mat_id-bias-{t}-n{n}-{'slots' if per_slot else 'tokens'}", _expert_bias(t, n, per_slot),

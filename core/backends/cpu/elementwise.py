@@ -26,6 +26,17 @@ def swiglu_flat(g, u, out):
 
 
 @kernel
+def swiglu_oai_flat(g, u, alpha, limit, out):
+    """gpt-oss's gated unit as ggml's CPU computes it: x = min(gate, limit), x / (1 + e^(-alpha x)) times
+    (clamp(up, -limit, limit) + 1)."""
+    one = np.float32(1.0)
+    for i in range(g.shape[0]):
+        x = min(g[i], limit)
+        y = min(max(u[i], -limit), limit)
+        out[i] = x / (one + expf(-alpha * x)) * (y + one)
+
+
+@kernel
 def geglu_table_flat(g, u, table, out):
     for i in range(g.shape[0]):
         out[i] = gelu_table(g[i], table) * u[i]
@@ -82,9 +93,10 @@ def mul_rows(a, b, out):
 
 
 @kernel
-def soft_max_rows(a, mask, use_mask, scale, out):
+def soft_max_rows(a, mask, use_mask, scale, sinks, out):
     """out[r] = softmax(a[r] * scale + mask[r % rows]) for rows r of [..., rows, cols] flattened;
-    the mask is f16 bits or f32."""
+    the mask is f16 bits or f32. With sinks (f32 [heads], gpt-oss's; empty: none) head h's rows count one
+    more logit, sinks[h], in their maximum and sum, whose share is dropped."""
     rows = a.shape[0]
     n_mask = mask.shape[0] if use_mask else 1
     for r in range(rows):
@@ -96,11 +108,15 @@ def soft_max_rows(a, mask, use_mask, scale, out):
                 v += as_f32(mask[mr, i])
             out[r, i] = v
             m = max(m, v)
+        sink = sinks[r // n_mask] if sinks.shape[0] else np.float32(-np.inf)
+        m = max(m, sink)
         total = 0.0
         for i in range(a.shape[1]):
             e = expf(out[r, i] - m)
             out[r, i] = e
             total += e
+        if sinks.shape[0]:
+            total += expf(sink - m)
         inv = np.float32(1.0 / total)
         for i in range(a.shape[1]):
             out[r, i] *= inv
@@ -204,6 +220,16 @@ def bind_swiglu(node, out, srcs, scratch):
     return lambda: swiglu_flat(g, u, o)
 
 
+@binds("swiglu_oai")
+def bind_swiglu_oai(node, out, srcs, scratch):
+    flat = _flat_f32(node, [srcs[0], srcs[1], out], 2)
+    if flat is None:
+        return None
+    g, u, o = flat
+    alpha, limit = np.float32(node.params["alpha"]), np.float32(node.params["limit"])
+    return lambda: swiglu_oai_flat(g, u, alpha, limit, o)
+
+
 @binds("geglu")
 def bind_geglu(node, out, srcs, scratch):
     flat = _flat_f32(node, [srcs[0], srcs[1], out], 2)
@@ -282,8 +308,6 @@ def bind_mul(node, out, srcs, scratch):
 
 @binds("soft_max")
 def bind_soft_max(node, out, srcs, scratch):
-    if node.params.get("sinks"):  # attention sinks: the reference kernel's
-        return None
     a = srcs[0]
     if node.srcs[0].dtype is not DType.F32 or not (a.flags.c_contiguous and out.flags.c_contiguous):
         return None
@@ -301,7 +325,13 @@ def bind_soft_max(node, out, srcs, scratch):
     else:
         mask = np.zeros((1, cols), dtype=np.float32)
     scale = np.float32(node.params["scale"])
-    return lambda: soft_max_rows(a2, mask, use_mask, scale, o2)
+    sinks = srcs[2] if node.params.get("sinks") else _NO_SINKS
+    if sinks.dtype != np.float32 or not sinks.flags.c_contiguous:
+        return None
+    return lambda: soft_max_rows(a2, mask, use_mask, scale, sinks, o2)
+
+
+_NO_SINKS = np.zeros(0, np.float32)
 
 
 @binds("get_rows")

@@ -112,7 +112,7 @@ def bind_mul_mat_id(node: Tensor, out, srcs: list, scratch):
 def _warm_experts(lf, dtype: DType, per_slot: bool):
     """Two tokens' products with two of four experts (read-only zero blocks, as a memory map gives them, repacked
     where the host repacks such experts), one activation row a token (gate, up) or a slot (down), plus their rows
-    of a bias; then a softmax without a mask, as the router's."""
+    of a bias, gpt-oss's gated unit; then a softmax without a mask, as the router's."""
     from ggrun.core import ops
 
     k, m = 256, 16
@@ -126,6 +126,7 @@ def _warm_experts(lf, dtype: DType, per_slot: bool):
     bias = readonly(lf, "bias", DType.F32, np.ones((4, m), np.float32))
     y = ops.mul_mat_id(w, x, ids)  # then gpt-oss's experts add their rows of a bias (blocks.expert_product)
     y = ops.add(y, ops.reshape(ops.get_rows(bias, ops.reshape(ids, (4,))), y.shape))
+    y = ops.swiglu_oai(y, y, 1.702, 7.0)  # gpt-oss's gated unit
     return ops.soft_max(ops.reshape(y, (2, 2 * m)))  # as the router's softmax: no mask
 
 
