@@ -724,7 +724,8 @@ def _llama_shape(n_layer: int, n_embd: int, n_head: int, n_head_kv: int, n_ff: i
 
 
 # Real models' shapes for speed measurements: llama.cpp's make_synthetic presets (llama-70b added), Qwen3-0.6B,
-# Qwen3-30B-A3B (128 experts, 8 used) and gpt-oss-20b (32 experts, 4 used, window 128 on alternate layers);
+# Qwen3-30B-A3B (128 experts, 8 used) and gpt-oss-20b (32 experts, 4 used, window 128 on alternate layers), and
+# the first layers of the last two (-12l, -6l: for the CPU);
 # heads are tied to the embedding (the product is the same size as an output matrix's) but gpt-oss's, which
 # llama.cpp requires as a tensor of its own.
 SPEED_PRESETS: dict[str, SpeedPreset] = {
@@ -742,6 +743,17 @@ SPEED_PRESETS: dict[str, SpeedPreset] = {
                                             rope_base=150000.0, rms_eps=1e-5, sliding_window=128,
                                             n_expert=32, n_expert_used=4, n_ff_exp=2880), dense_type=QT.Q8_0),
 }
+
+
+def _first_layers(preset: str, n_layer: int) -> SpeedPreset:
+    """A preset's first n_layer layers (its head and embedding whole): the layers' speed on a machine whose
+    memory does not hold the whole model (the CPU repacks a model's matrices, so it needs about twice their size)."""
+    spec = SPEED_PRESETS[preset]
+    return replace(spec, config=replace(spec.config, n_layer=n_layer))
+
+
+SPEED_PRESETS["qwen3-30b-a3b-12l"] = _first_layers("qwen3-30b-a3b", 12)
+SPEED_PRESETS["gpt-oss-20b-6l"] = _first_layers("gpt-oss-20b", 6)
 BLOCK_SCALE = 0.002  # Q4_0's f16 scale: products of random quants stay finite over 80 layers
 
 
