@@ -771,10 +771,10 @@ def moe_cases() -> list[OpCase]:
               for glu in ("swiglu", "geglu") for t in (DType.Q4_K, DType.MXFP4) for n in (1, 2, 9, 40)]
     cases += [OpCase(f"moe-weighted-sum-k{k}-n{n}", _weighted_sum(n, k, 96), ELEMENTWISE, CUDA)
               for k in (1, 2, 4, 8) for n in (1, 7)]
-    cases += [OpCase(f"moe_topk-{e}-k{k}-n{n}", _moe_routing("moe_topk", n, e, k), EXACT, CUDA)
+    cases += [OpCase(f"moe_topk-{e}-k{k}-n{n}", _moe_routing("moe_topk", n, e, k), EXACT, BOTH)
               for e, k in ((128, 8), (32, 4), (60, 1)) for n in (1, 33)]
     cases += [OpCase(f"moe_weights-{'norm' if norm else 'plain'}-n{n}", _moe_routing("moe_weights", n, 128, 8, norm),
-                     ELEMENTWISE, CUDA) for norm in (False, True) for n in (1, 33)]
+                     ELEMENTWISE, BOTH) for norm in (False, True) for n in (1, 33)]
     cases += [OpCase(f"swiglu_oai-n{n}", _swiglu_oai(n, 2880, 6.0), GATED, BOTH) for n in (1, 33)]
     cases += [OpCase(f"soft_max-sinks-n{n}", _soft_max_sinks(8, n, 77), ELEMENTWISE, BOTH) for n in (1, 7)]
     cases += [OpCase(f"rope-yarn-ext{e}-n{n}", _rope_yarn(n, e, 1 / 32), ROPE, BOTH)

@@ -1,9 +1,10 @@
-"""The CPU binder of a mixture of experts' products (mul_mat_id) with block-quantized expert matrices under llama
-numerics: the activation rows are quantized once to the 8-bit blocks the type's integer kernels read (one row a
-token for the gate and up products, one a slot for the down product), grouped by expert (quant/routing.py),
-and every chosen expert's rows are dotted with its rows, split over the threads, as ggml's CPU mul_mat_id does;
-only the chosen experts' blocks are read. The results come back in the pairs' places. Experts repacked at load
-(the r16 and r8 layouts: matmul.experts_repacked) are read by those layouts' kernels, the rest as stored.
+"""The CPU kernels of a mixture of experts: the router's top-k and weights (moe_topk, moe_weights), and the
+experts' products (mul_mat_id) with block-quantized expert matrices under llama numerics. For those, the
+activation rows are quantized once to the 8-bit blocks the type's integer kernels read (one row a token for the
+gate and up products, one a slot for the down product), grouped by expert (quant/routing.py), and every chosen
+expert's rows are dotted with its rows, split over the threads, as ggml's CPU mul_mat_id does; only the chosen
+experts' blocks are read. The results come back in the pairs' places. Experts repacked at load (the r16 and r8
+layouts: matmul.experts_repacked) are read by those layouts' kernels, the rest as stored.
 
 Other expert matrices (float types, f32 numerics) take the reference kernel.
 """
@@ -13,6 +14,7 @@ import numpy as np
 
 from ggrun.core.backends.cpu import lut4 as L4
 from ggrun.core.backends.cpu.dispatch import binds
+from ggrun.core.backends.cpu.jit import kernel
 from ggrun.core.backends.cpu.matmul import own_act, repacked_rows, split_chunks
 from ggrun.core.backends.cpu.quant import activations, avx2, avx2_r8, avx512, codes, lut4_avx2, portable
 from ggrun.core.backends.cpu.warmup import experts, readonly, warms
@@ -107,12 +109,67 @@ def bind_mul_mat_id(node: Tensor, out, srcs: list, scratch):
 
 
 
+@kernel
+def top_k_rows(probs, out) -> None:
+    """out[t] = the indices of probs[t]'s out.shape[1] largest values, largest first, the lower index first among
+    equal values (a stable descending sort's order, as the reference kernel's argsort): each pick is the largest
+    of the entries ranked below the previous pick."""
+    for t in range(probs.shape[0]):
+        row = probs[t]
+        prev = -1
+        for j in range(out.shape[1]):
+            best = -1
+            for e in range(row.shape[0]):
+                v = row[e]
+                if prev >= 0 and not (v < row[prev] or (v == row[prev] and e > prev)):
+                    continue
+                if best < 0 or v > row[best]:
+                    best = e
+            out[t, j] = best
+            prev = best
+
+
+@kernel
+def chosen_weights(probs, ids, norm, out) -> None:
+    """out[t, j] = probs[t, ids[t, j]]; with norm, divided by their sum (in f64, then f32, at least 2^-14 as
+    llama.cpp clamps it)."""
+    for t in range(ids.shape[0]):
+        total = 0.0
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            if e < 0 or e >= probs.shape[1]:
+                raise IndexError("moe_weights: expert id out of range")
+            out[t, j] = probs[t, e]
+            total += out[t, j]
+        if norm:
+            d = max(np.float32(total), np.float32(6.103515625e-5))
+            for j in range(ids.shape[1]):
+                out[t, j] = out[t, j] / d
+
+
+@binds("moe_topk")
+def bind_moe_topk(node: Tensor, out, srcs: list, scratch):
+    probs = srcs[0]
+    if not (probs.flags.c_contiguous and out.flags.c_contiguous and probs.dtype == np.float32):
+        return None
+    return lambda: top_k_rows(probs, out)
+
+
+@binds("moe_weights")
+def bind_moe_weights(node: Tensor, out, srcs: list, scratch):
+    probs, ids = srcs
+    if not all(a.flags.c_contiguous for a in (probs, ids, out)) or probs.dtype != np.float32:
+        return None
+    norm = bool(node.params["norm"])
+    return lambda: chosen_weights(probs, ids, norm, out)
+
+
 # ---- first-run compilation: a decode step's and a prompt's experts of each block type -------------------
 
 def _warm_experts(lf, dtype: DType, per_slot: bool):
     """Two tokens' products with two of four experts (read-only zero blocks, as a memory map gives them, repacked
     where the host repacks such experts), one activation row a token (gate, up) or a slot (down), plus their rows
-    of a bias, gpt-oss's gated unit; then a softmax without a mask, as the router's."""
+    of a bias, gpt-oss's gated unit; then the router's softmax (no mask), top-k and weights."""
     from ggrun.core import ops
 
     k, m = 256, 16
@@ -127,7 +184,8 @@ def _warm_experts(lf, dtype: DType, per_slot: bool):
     y = ops.mul_mat_id(w, x, ids)  # then gpt-oss's experts add their rows of a bias (blocks.expert_product)
     y = ops.add(y, ops.reshape(ops.get_rows(bias, ops.reshape(ids, (4,))), y.shape))
     y = ops.swiglu_oai(y, y, 1.702, 7.0)  # gpt-oss's gated unit
-    return ops.soft_max(ops.reshape(y, (2, 2 * m)))  # as the router's softmax: no mask
+    probs = ops.soft_max(ops.reshape(y, (2, 2 * m)))  # as the router's softmax: no mask
+    return ops.moe_weights(probs, ops.moe_topk(probs, 2), norm=True)
 
 
 for _dtype in codes.CODES:
