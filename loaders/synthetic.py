@@ -747,7 +747,8 @@ SPEED_PRESETS: dict[str, SpeedPreset] = {
 
 def _first_layers(preset: str, n_layer: int) -> SpeedPreset:
     """A preset's first n_layer layers (its head and embedding whole): the layers' speed on a machine whose
-    memory does not hold the whole model (the CPU repacks a model's matrices, so it needs about twice their size)."""
+    memory does not hold the whole model (the CPU keeps a repacked copy of a model's matrices in memory beside the
+    mapped file)."""
     spec = SPEED_PRESETS[preset]
     return replace(spec, config=replace(spec.config, n_layer=n_layer))
 
