@@ -23,10 +23,6 @@ from ggrun.core.quants import vec_dot_blocks
 from ggrun.core.tensor import Tensor
 
 
-def _round64(n: int) -> int:
-    return (n + 63) // 64 * 64
-
-
 def _shape(node: Tensor) -> tuple[int, int, int, int, int, int, int] | None:
     """(experts, M, K, tokens, slots, activation rows, act blocks) of a mul_mat_id the compiled kernels take, else
     None."""
@@ -46,8 +42,8 @@ def _parts(node: Tensor) -> list[int]:
     grouped, the grouped products."""
     n_expert, m, k, tokens, slots, rows, _ = _shape(node)
     pairs = tokens * slots
-    return [_round64(4 * (n_expert + 1)), _round64(4 * (n_expert + 1)), _round64(4 * pairs),
-            codes.act_arrays_bytes(rows, k), codes.act_arrays_bytes(pairs, k), _round64(4 * pairs * m)]
+    return [codes.round64(4 * (n_expert + 1)), codes.round64(4 * (n_expert + 1)), codes.round64(4 * pairs),
+            codes.act_arrays_bytes(rows, k), codes.act_arrays_bytes(pairs, k), codes.round64(4 * pairs * m)]
 
 
 def _scratch(node: Tensor) -> int:
@@ -67,18 +63,18 @@ def _views(scratch: np.ndarray, node: Tensor) -> tuple:
     return route, xq, gq, views[5].view(np.float32)[:tokens * slots * m].reshape(tokens * slots, m)
 
 
-def _driver(w: Tensor, shape: tuple, vector: bool):
-    """The expert driver of the type's row kernels at this host's level, and its weight arguments before ids: the
-    experts' repacked groups (matmul.experts_repacked; r16 or r8 kernels) and the groups an expert, or the
-    stored rows (None: the caller's array)."""
+def _driver(w: Tensor, stored: np.ndarray, shape: tuple, vector: bool) -> tuple:
+    """The expert driver of the type's row kernels at this host's level, and its weight arguments (those before
+    ids): the experts' repacked groups (matmul.experts_repacked; r16 or r8 kernels) and the groups an expert, or
+    the stored rows."""
     n_expert, m, k = shape[:3]
     packed = repacked_rows(w, n_expert * m, k)
     if isinstance(packed, np.ndarray):
         driver = avx512.mul_mat_id_r16 if codes.SIMD == "avx512" else avx2_r8.mul_mat_id_r8
         return driver, (packed, packed.shape[0] // n_expert)
     if w.dtype in L4.TYPES:
-        return (lut4_avx2.mul_mat_id_q8 if vector else L4.mul_mat_id_q8), None
-    return (avx2.mul_mat_id_q8_avx2 if vector else portable.mul_mat_id_q8_portable), None
+        return (lut4_avx2.mul_mat_id_q8 if vector else L4.mul_mat_id_q8), (stored,)
+    return (avx2.mul_mat_id_q8_avx2 if vector else portable.mul_mat_id_q8_portable), (stored,)
 
 
 @binds("mul_mat_id", scratch=_scratch)
@@ -96,8 +92,7 @@ def bind_mul_mat_id(node: Tensor, out, srcs: list, scratch):
     x2, out2 = b.reshape(rows, k), out.reshape(tokens * slots, m)
     vector = codes.SIMD != "generic"
     quantize = activations.quantize_rows_avx2 if vector else activations.quantize_rows
-    driver, weight = _driver(node.srcs[0], shape, vector)
-    weight = weight or (w,)
+    driver, weight = _driver(node.srcs[0], w, shape, vector)
     code = codes.CODES[node.srcs[0].dtype]
     chunks = split_chunks(tokens * slots * m * node.srcs[0].dtype.row_bytes(k))
     per_slot = b.shape[1] > 1

@@ -117,17 +117,13 @@ class _Plan:
         if self.path == "q8":
             return codes.act_arrays_bytes(self.n, self.k) + _work_bytes()
         if self.path == "f32":
-            return _round64(numba.config.NUMBA_NUM_THREADS * self.k * 4)
+            return codes.round64(numba.config.NUMBA_NUM_THREADS * self.k * 4)
         size = 0
         if self.act is not None:  # the quantized rows, then the f32 values they hold
-            size += codes.act_arrays_bytes(self.n, self.k) + _round64(self.n * self.cols * 4)
+            size += codes.act_arrays_bytes(self.n, self.k) + codes.round64(self.n * self.cols * 4)
         if self.dtype is not DType.F32:
-            size += _round64(self.tile_rows * self.cols * 4)
+            size += codes.round64(self.tile_rows * self.cols * 4)
         return size
-
-
-def _round64(n: int) -> int:
-    return (n + 63) // 64 * 64
 
 
 def _plan(a: Tensor, b: Tensor) -> _Plan | None:
@@ -485,7 +481,7 @@ def _glu_step(plan: _Plan) -> int:
 
 def _glu_tile_bytes(plan: _Plan) -> int:
     """One thread's tile of the r8 way: the up's rows of one step."""
-    return _round64(4 * plan.n * min(_group_rows() * _glu_step(plan), plan.m))
+    return codes.round64(4 * plan.n * min(_group_rows() * _glu_step(plan), plan.m))
 
 
 def _glu_scratch(node: Tensor) -> int:
@@ -497,8 +493,8 @@ def _glu_scratch(node: Tensor) -> int:
     if way == "r8":
         return codes.act_arrays_bytes(g.n, g.k) + numba.config.NUMBA_NUM_THREADS * _glu_tile_bytes(g)
     if way == "blas":
-        return g.scratch_bytes() + _round64(4 * g.n * g.tile_rows)
-    return _round64(4 * g.n * g.m) + max(g.scratch_bytes(), u.scratch_bytes())
+        return g.scratch_bytes() + codes.round64(4 * g.n * g.tile_rows)
+    return codes.round64(4 * g.n * g.m) + max(g.scratch_bytes(), u.scratch_bytes())
 
 
 def _glu_kind(node: Tensor) -> tuple[int, np.ndarray]:
@@ -536,7 +532,7 @@ def _bind_glu_whole(plans: tuple[_Plan, _Plan], ws: tuple, arrays: list, x, out2
     """Each product's own call (the gate's into out, the up's into scratch), then the GLU of all."""
     g, u = plans
     up = scratch[:4 * g.n * g.m].view(np.float32).reshape(g.n, g.m)
-    rest = scratch[_round64(4 * g.n * g.m):]  # the products' own scratch, used by one after the other
+    rest = scratch[codes.round64(4 * g.n * g.m):]  # the products' own scratch, used by one after the other
     calls = (_bind_product(g, ws[0], arrays[0], x, out2, rest), _bind_product(u, ws[1], arrays[1], x, up, rest))
     if None in calls:
         return None
@@ -615,7 +611,7 @@ def _blas_parts(plan: _Plan, w, x, scratch):
         q_bytes = codes.act_arrays_bytes(plan.n, plan.k)
         act_arrays = codes.act_arrays(scratch[:q_bytes], plan.n, plan.k)
         lhs = scratch[q_bytes:q_bytes + plan.n * plan.cols * 4].view(np.float32).reshape(plan.n, plan.cols)
-        at = q_bytes + _round64(plan.n * plan.cols * 4)
+        at = q_bytes + codes.round64(plan.n * plan.cols * 4)
         if plan.min_columns:
             prepare = partial(activations.round_rows_s, x, *act_arrays, lhs)
         else:

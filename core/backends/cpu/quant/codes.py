@@ -51,7 +51,7 @@ ACT_BLOCK = {ACT_Q8_0: 32, ACT_Q8_1: 32, ACT_Q8_K: 256}
 
 def act_arrays_bytes(n_rows: int, k: int) -> int:
     """Bytes of one set of quantized activation rows (see `act_arrays`), 64-byte aligned parts."""
-    return sum(_round64(n_rows * size) for size in _act_sizes(k))
+    return sum(round64(n_rows * size) for size in _act_sizes(k))
 
 
 def _act_sizes(k: int) -> tuple[int, int, int, int]:
@@ -68,11 +68,12 @@ def act_arrays(scratch: np.ndarray, n_rows: int, k: int) -> tuple[np.ndarray, ..
     for size, dt in zip(_act_sizes(k), (np.int8, np.float32, np.float32, np.int32)):
         nbytes = n_rows * size
         views.append(scratch[at:at + nbytes].view(dt).reshape(n_rows, size // np.dtype(dt).itemsize))
-        at += _round64(nbytes)
+        at += round64(nbytes)
     return tuple(views)
 
 
-def _round64(n: int) -> int:
+def round64(n: int) -> int:
+    """n rounded up to a multiple of 64 (work arrays in planned scratch start on a cache line)."""
     return (n + 63) // 64 * 64
 
 
