@@ -1,7 +1,8 @@
 """A mixture of experts' products on the CPU (mul_mat_id): the (token, slot) pairs grouped by expert, their
 quantized activation rows gathered into one block of rows per expert, and the products' rows put back in place. The
-expert drivers of the product modules (mul_mat_id_* in avx2.py, portable.py, lut4_avx2.py, lut4.py) inline
-these around their own row kernels, so this file is one of jit.SHARED_SOURCES.
+expert drivers of the product modules (mul_mat_id_* in avx2.py, portable.py, lut4_avx2.py, lut4.py, and for
+repacked experts avx2_r8.py and avx512.py) compile these in around their own row kernels, so this file is one of
+jit.SHARED_SOURCES.
 
 A route is three int32 vectors (starts, used, order), views of the node's planned scratch:
 - starts [n_expert + 1]: expert e's rows are gathered rows starts[e] .. starts[e + 1];
