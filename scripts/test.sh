@@ -15,7 +15,7 @@ bash scripts/setup/setup_cluster.sh
 [ -n "${GGRUN_CPU_ISA:-}" ] && exit 0
 KERNEL_TESTS=(tests/core/test_backend_ops.py tests/core/test_cpu_ops.py tests/core/test_cpu_matmul.py
               tests/core/test_mul_mat_glu.py tests/core/test_mul_mat_multi.py tests/core/test_kv_quant.py
-              tests/core/test_argmax.py)
+              tests/core/test_argmax.py tests/core/test_moe_ops.py)
 for level in $(.venv/bin/python -c "from ggrun.core.backends.cpu import isa; print(*isa.LEVELS[:isa.LEVELS.index(isa.LEVEL)])"); do
     echo "test.sh: the CPU kernel tests under GGRUN_CPU_ISA=$level"
     GGRUN_CPU_ISA=$level .venv/bin/python -m pytest -x "${KERNEL_TESTS[@]}"
