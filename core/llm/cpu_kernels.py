@@ -1,6 +1,7 @@
 """Which CPU kernels a loaded model's graphs meet, as the warm-up's tags (core/backends/cpu/precompile.py):
 the weights its products read on the CPU (their types, repacked or not, with 8-bit or f32 activations; the
-experts' block types), the token embedding it looks rows up in, its KV cache types, the thread count and RoPE frequency factors."""
+experts' block types), the token embedding it looks rows up in, its KV cache types, the thread count and RoPE
+frequency factors."""
 from __future__ import annotations
 
 from typing import Iterable
