@@ -68,8 +68,10 @@ def test_tensor_data_flips_decode_or_stop_on_non_finite_logits(tmp_path_factory,
     m, path = _variant(tmp_path_factory, sources, arch, family, seed)
     try:
         model = Model.load(path, [CPUBackend()])
-    except BadInput as err:  # a same-size retype may still be a type ggrun does not support
-        assert family == "tensor-type-same-size" and str(err).startswith(f"{path}: "), (m, err)
+    except BadInput as err:  # a same-size retype may still be a type ggrun does not support; rewritten data may
+        # put a NaN or an infinity in a float vector (a norm, a bias), which the load checks
+        refused = family == "tensor-type-same-size" or "holds NaN or infinity" in str(err)
+        assert refused and str(err).startswith(f"{path}: ") and "\n" not in str(err), (m, err)
         return
     s = Session(model, SessionParams(n_ctx=16, n_batch=16, n_ubatch=16))
     try:
