@@ -72,6 +72,8 @@ def _driver(w: Tensor, stored: np.ndarray, shape: tuple, vector: bool) -> tuple:
     if isinstance(packed, np.ndarray):
         driver = avx512.mul_mat_id_r16 if codes.SIMD == "avx512" else avx2_r8.mul_mat_id_r8
         return driver, (packed, packed.shape[0] // n_expert)
+    stored = stored.view()
+    stored.flags.writeable = False  # as a memory map gives them: one compiled signature for models and tests
     if w.dtype in L4.TYPES:
         return (lut4_avx2.mul_mat_id_q8 if vector else L4.mul_mat_id_q8), (stored,)
     return (avx2.mul_mat_id_q8_avx2 if vector else portable.mul_mat_id_q8_portable), (stored,)
